@@ -1,0 +1,52 @@
+"""The ``partitioner`` command. Each subcommand lives in ``partitioner/commands/<name>.py``
+and exposes ``register(subparsers)``, which adds its parser and sets ``func``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from .errors import PartitionerError
+
+__all__ = ["main"]
+
+# One module per subcommand, in the order ``--help`` lists them.
+COMMAND_MODULES = (
+    "partitioner.commands.import_",
+    "partitioner.commands.plan",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="partitioner",
+        description="Partition DNN training over heterogeneous GPU clusters (pipeline + data parallel).")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        rc = args.func(args)
+    except PartitionerError as err:
+        # Bad input and infeasible problems: one clear line, no traceback.
+        print(f"partitioner {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"partitioner {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

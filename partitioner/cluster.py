@@ -1,0 +1,354 @@
+"""Clusters: GPU types (with a built-in catalog), nodes, devices and the links between them.
+
+Units: memory in bytes internally; cluster files give memory in GB as GPUs are marketed
+(binary: ``memory_GB: 16`` is 16 * 2**30 bytes) and bandwidth in GB/s (10**9 bytes/s).
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from ._io import load_mapping, opt_field, req_field, req_number
+from .errors import FormatError, check
+
+__all__ = [
+    "CLUSTER_FORMAT",
+    "GIB",
+    "Cluster",
+    "Device",
+    "DeviceType",
+    "Link",
+    "Node",
+    "catalog",
+    "resolve_gpu_type",
+]
+
+CLUSTER_FORMAT = "partitioner.cluster/1"
+GIB = 2**30
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """A GPU model: memory, peak dense FP32 and tensor-core FLOP/s, memory bandwidth."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: float  # dense FP32, FLOP/s
+    mem_bandwidth_bps: float  # bytes/s
+    tensor_flops: float = 0.0  # dense FP16 tensor-core FLOP/s, 0 when the GPU has none
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        check(bool(self.name) and ":" not in self.name, "name", self.name, "must be non-empty, without ':'")
+        for f in ("memory_bytes", "peak_flops", "mem_bandwidth_bps"):
+            v = getattr(self, f)
+            check(isinstance(v, (int, float)) and v > 0, f"device_types.{self.name}.{f}", v, "must be > 0")
+        check(self.tensor_flops >= 0, f"device_types.{self.name}.tensor_flops", self.tensor_flops, "must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"memory_GB": self.memory_bytes / GIB, "fp32_tflops": self.peak_flops / 1e12,
+             "mem_GBps": self.mem_bandwidth_bps / GB}
+        if self.tensor_flops:
+            d["fp16_tensor_tflops"] = self.tensor_flops / 1e12
+        if self.source:
+            d["source"] = self.source
+        return d
+
+    @classmethod
+    def from_dict(cls, name: str, d: Any, where: str = "") -> DeviceType:
+        if not isinstance(d, Mapping):
+            raise FormatError(where.rstrip("."), d, "must be an object {memory_GB, fp32_tflops, mem_GBps}")
+        return cls(
+            name=name,
+            memory_bytes=req_number(d, "memory_GB", where, strict=True) * GIB,
+            peak_flops=req_number(d, "fp32_tflops", where, strict=True) * 1e12,
+            mem_bandwidth_bps=req_number(d, "mem_GBps", where, strict=True) * GB,
+            tensor_flops=req_number(d, "fp16_tensor_tflops", where, default=0.0) * 1e12,
+            source=opt_field(d, "source", str, "", where),
+        )
+
+
+@functools.cache
+def catalog() -> dict[str, DeviceType]:
+    """The built-in GPU catalog, read from ``partitioner/data/gpu_catalog.csv``.
+
+    Every row carries its public source in the ``source`` column (vendor datasheet figures
+    collected by satyaog/IGUANE, winston-zhang-orz/gpu-specs, xiaozheyao/triteia and spec
+    pages); see docs/formats.md.
+    """
+    out: dict[str, DeviceType] = {}
+    text = resources.files("partitioner").joinpath("data/gpu_catalog.csv").read_text(encoding="utf-8")
+    for row in csv.DictReader(text.splitlines()):
+        tensor = row.get("fp16_tensor_tflops_dense") or row.get("bf16_tensor_tflops_dense") or "0"
+        out[row["gpu"]] = DeviceType(
+            name=row["gpu"],
+            memory_bytes=float(row["mem_gb"]) * GIB,
+            peak_flops=float(row["fp32_tflops"]) * 1e12,
+            mem_bandwidth_bps=float(row["mem_bw_GBps"]) * GB,
+            tensor_flops=float(tensor) * 1e12,
+            source=row["source"],
+        )
+    return out
+
+
+# Short names people type, and the names other tools' profiles use (Sailor, PipeDream).
+_ALIASES = {
+    "V100": "V100-SXM2-16GB", "V10016": "V100-SXM2-16GB", "V10032": "V100-SXM2-32GB",
+    "P100": "P100-PCIe-16GB", "A100": "A100-SXM4-40GB", "A10040": "A100-SXM4-40GB",
+    "A10080": "A100-SXM4-80GB", "H100": "H100-SXM5-80GB", "H100SXM": "H100-SXM5-80GB",
+    "H100PCIE": "H100-PCIe-80GB", "TITANV": "TITAN-V", "TITANRTX": "TITAN-RTX",
+    "RTX2060": "RTX-2060", "RTX2080": "RTX-2080", "RTX2080TI": "RTX-2080-Ti", "RTX3090": "RTX-3090",
+    "P4000": "Quadro-P4000", "QUADROP4000": "Quadro-P4000",
+}
+
+
+def _key(name: str) -> str:
+    return "".join(ch for ch in name.upper() if ch.isalnum())
+
+
+def resolve_gpu_type(name: str, extra: Mapping[str, DeviceType] | None = None) -> DeviceType:
+    """Look a GPU type up by name or alias (case, spaces and dashes ignored)."""
+    extra = extra or {}
+    if name in extra:
+        return extra[name]
+    cat = catalog()
+    if name in cat:
+        return cat[name]
+    k = _key(name)
+    for table in (extra, cat):
+        for real in table:
+            if _key(real) == k:
+                return table[real]
+    if k in _ALIASES:
+        return cat[_ALIASES[k]]
+    known = sorted({*cat, *extra})
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise FormatError("gpu type", name, f"unknown; {hint}known types: {', '.join(known)} "
+                      "(or add it under device_types)")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU of the cluster, named ``NODE:INDEX``."""
+
+    name: str
+    node: str
+    index: int
+    type: DeviceType
+
+    @property
+    def gpu_type(self) -> str:
+        return self.type.name
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.type.memory_bytes
+
+
+@dataclass(frozen=True)
+class Node:
+    """A machine: its GPUs in order (type name per GPU) and the bandwidth between them."""
+
+    name: str
+    gpus: tuple[str, ...]
+    intra_gbps: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpus", tuple(self.gpus))
+        check(bool(self.name) and ":" not in self.name, "nodes[].name", self.name, "must be non-empty, without ':'")
+        check(len(self.gpus) >= 1, f"nodes.{self.name}.gpus", list(self.gpus), "must list at least one GPU")
+        check(self.intra_gbps > 0, f"nodes.{self.name}.intra_node_GBps", self.intra_gbps, "must be > 0")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A bandwidth override between two nodes or two devices (either direction)."""
+
+    a: str
+    b: str
+    gbps: float
+
+    def __post_init__(self) -> None:
+        check(self.gbps > 0, "links[].GBps", self.gbps, "must be > 0")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes of GPUs, the network between nodes, and optional per-pair bandwidths."""
+
+    name: str
+    nodes: tuple[Node, ...]
+    inter_gbps: float
+    device_types: Mapping[str, DeviceType] = field(default_factory=dict)
+    links: tuple[Link, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "device_types", dict(self.device_types))
+        check(len(self.nodes) >= 1, "nodes", [], "must list at least one node")
+        check(self.inter_gbps > 0, "inter_node_GBps", self.inter_gbps, "must be > 0")
+        names = [n.name for n in self.nodes]
+        for i, n in enumerate(names):
+            check(n not in names[:i], f"nodes[{i}].name", n, "duplicates an earlier node name")
+        for n in self.nodes:
+            for k, t in enumerate(n.gpus):
+                try:
+                    resolve_gpu_type(t, self.device_types)
+                except FormatError as err:
+                    raise FormatError(f"nodes[{names.index(n.name)}].gpus[{k}]", t, err.expected) from None
+        devs = {d.name for d in self.devices}
+        for k, link in enumerate(self.links):
+            for end in (link.a, link.b):
+                check(end in devs or end in names, f"links[{k}].between", [link.a, link.b],
+                      f"'{end}' is neither a node nor a device of this cluster")
+
+    # -- derived views -------------------------------------------------------------------
+
+    @functools.cached_property
+    def devices(self) -> tuple[Device, ...]:
+        out = []
+        for node in self.nodes:
+            for i, t in enumerate(node.gpus):
+                out.append(Device(f"{node.name}:{i}", node.name, i, resolve_gpu_type(t, self.device_types)))
+        return tuple(out)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Device]:
+        return {d.name: d for d in self.devices}
+
+    @functools.cached_property
+    def _node_bw(self) -> dict[str, float]:
+        return {n.name: n.intra_gbps for n in self.nodes}
+
+    @functools.cached_property
+    def _overrides(self) -> dict[frozenset[str], float]:
+        return {frozenset((link.a, link.b)): link.gbps for link in self.links}
+
+    def device(self, name: str) -> Device:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise FormatError("device", name, f"not in cluster '{self.name}' (devices: "
+                              f"{', '.join(self._by_name)})") from None
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        """Distinct GPU type names, in first-seen order."""
+        return tuple(dict.fromkeys(d.gpu_type for d in self.devices))
+
+    def bandwidth_gbps(self, a: str, b: str) -> float:
+        """Bandwidth of the link between devices ``a`` and ``b`` in GB/s (inf for a == b).
+
+        A device-pair override wins over a node-pair override, which wins over the node's
+        intra-node bandwidth or the cluster's inter-node bandwidth.
+        """
+        if a == b:
+            return float("inf")
+        da, db = self.device(a), self.device(b)
+        ov = self._overrides
+        for key in (frozenset((a, b)), frozenset((da.node, db.node))):
+            if key in ov:
+                return ov[key]
+        if da.node == db.node:
+            return self._node_bw[da.node]
+        return self.inter_gbps
+
+    # -- construction and JSON -----------------------------------------------------------
+
+    @classmethod
+    def homogeneous(cls, gpu_type: str, nodes: int, gpus_per_node: int, intra_gbps: float,
+                    inter_gbps: float, name: str = "") -> Cluster:
+        """``nodes`` identical nodes of ``gpus_per_node`` GPUs of one type."""
+        return cls(name or f"{nodes}x{gpus_per_node}-{gpu_type}",
+                   tuple(Node(f"n{i}", (gpu_type,) * gpus_per_node, intra_gbps) for i in range(nodes)),
+                   inter_gbps)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"format": CLUSTER_FORMAT, "name": self.name, "inter_node_GBps": self.inter_gbps,
+                             "nodes": []}
+        for n in self.nodes:
+            counts: dict[str, int] = {}
+            contiguous = True
+            for t in n.gpus:
+                if t in counts and list(counts)[-1] != t:
+                    contiguous = False
+                counts[t] = counts.get(t, 0) + 1
+            gpus: Any = counts if contiguous else list(n.gpus)
+            d["nodes"].append({"name": n.name, "intra_node_GBps": n.intra_gbps, "gpus": gpus})
+        if self.device_types:
+            d["device_types"] = {k: v.to_dict() for k, v in self.device_types.items()}
+        if self.links:
+            d["links"] = [{"between": [x.a, x.b], "GBps": x.gbps} for x in self.links]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Cluster:
+        fmt = opt_field(d, "format", str, CLUSTER_FORMAT)
+        if fmt != CLUSTER_FORMAT:
+            raise FormatError("format", fmt, f"expected '{CLUSTER_FORMAT}'")
+        types_raw = opt_field(d, "device_types", Mapping, {})
+        types = {str(k): DeviceType.from_dict(str(k), v, f"device_types.{k}.") for k, v in types_raw.items()}
+        nodes = []
+        for i, raw in enumerate(req_field(d, "nodes", list)):
+            where = f"nodes[{i}]."
+            if not isinstance(raw, Mapping):
+                raise FormatError(f"nodes[{i}]", raw, "must be an object {name, intra_node_GBps, gpus}")
+            gpus_raw = req_field(raw, "gpus", (Mapping, list), where)
+            gpus: list[str] = []
+            if isinstance(gpus_raw, Mapping):
+                for t, c in gpus_raw.items():
+                    check(isinstance(c, int) and not isinstance(c, bool) and c >= 1, f"{where}gpus.{t}", c,
+                          "must be a GPU count >= 1")
+                    gpus += [str(t)] * c
+            else:
+                for k, t in enumerate(gpus_raw):
+                    check(isinstance(t, str), f"{where}gpus[{k}]", t, "must be a GPU type name")
+                gpus = list(gpus_raw)
+            nodes.append(Node(
+                name=str(opt_field(raw, "name", (str, int), f"n{i}", where)),
+                gpus=tuple(gpus),
+                intra_gbps=req_number(raw, "intra_node_GBps", where, strict=True),
+            ))
+        links = []
+        for k, raw in enumerate(opt_field(d, "links", list, [])):
+            where = f"links[{k}]."
+            if not isinstance(raw, Mapping):
+                raise FormatError(f"links[{k}]", raw, "must be an object {between: [a, b], GBps}")
+            ends = req_field(raw, "between", list, where)
+            check(len(ends) == 2 and all(isinstance(e, str) for e in ends), f"{where}between", ends,
+                  "must be two node or device names")
+            links.append(Link(ends[0], ends[1], req_number(raw, "GBps", where, strict=True)))
+        return cls(
+            name=str(opt_field(d, "name", (str, int), "cluster")),
+            nodes=tuple(nodes),
+            inter_gbps=req_number(d, "inter_node_GBps", strict=True),
+            device_types=types,
+            links=tuple(links),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        from ._io import write_json
+
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Cluster:
+        data = load_mapping(path)
+        try:
+            return cls.from_dict(data)
+        except FormatError as err:
+            raise err.in_file(str(path)) from None
+
+    def subset(self, device_names: Sequence[str]) -> tuple[Device, ...]:
+        """The named devices, in the given order."""
+        return tuple(self.device(n) for n in device_names)

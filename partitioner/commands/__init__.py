@@ -1,0 +1,1 @@
+"""Subcommands of the ``partitioner`` CLI, one module each (see ``partitioner.cli``)."""

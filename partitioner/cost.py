@@ -1,0 +1,328 @@
+"""The cost model: the one place that prices a stage.
+
+Every solver and the simulator call this module, so a plan is judged the same way
+everywhere. Per micro-batch, a stage holding layers ``[i, j)`` on device ``d`` costs
+
+* compute: ``sum_l fwd_l,t(d) + bwd_l,t(d)`` from the profile;
+* transfer: the boundary tensor after layer ``j-1`` (``output_bytes``) goes forward to the
+  next stage's device and its gradient, of the same size, comes back:
+  ``2 * output_bytes / bandwidth(d, next)``;
+* combined either **additively** (``compute + transfer out``, the default) or, with
+  ``CostOptions(overlap_comm=True)``, as PipeDream's ``max(compute, transfer in,
+  transfer out)``.
+
+The additive model is the default because it is the conservative one: it matches a runtime
+whose sends block the sender (gloo point-to-point does), and it never promises overlap that
+the hardware or the communication library does not deliver. Overlap is the better model for
+NCCL with asynchronous point-to-point on separate streams.
+
+Memory of a stage on its device:
+``param_bytes * (weight_versions + 1 gradient + optimizer_state_factor)
++ saved_bytes * activations_in_flight + reserved_bytes``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .cluster import Cluster, Device, resolve_gpu_type
+from .errors import FormatError, PartitionerError
+from .profile import Profile
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = [
+    "CostModel",
+    "CostOptions",
+    "activations_in_flight",
+    "pipeline_iteration_s",
+    "weight_versions",
+]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Knobs of the cost model.
+
+    ``optimizer_state_factor`` is optimizer state per parameter byte: 2 for Adam (two
+    moments), 1 for SGD with momentum, 0 for plain SGD. ``reserved_bytes`` is kept free
+    on every GPU for the CUDA context, workspaces and allocator slack.
+    """
+
+    overlap_comm: bool = False
+    optimizer_state_factor: float = 2.0
+    reserved_bytes: float = 0.5 * GIB
+
+    def __post_init__(self) -> None:
+        if self.optimizer_state_factor < 0:
+            raise FormatError("optimizer_state_factor", self.optimizer_state_factor, "must be >= 0")
+        if self.reserved_bytes < 0:
+            raise FormatError("reserved_bytes", self.reserved_bytes, "must be >= 0")
+
+
+# -- what a schedule keeps in memory ----------------------------------------------------------
+
+
+def activations_in_flight(schedule: str, stages_from_end: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak, for one-chunk schedules.
+
+    ``stages_from_end`` counts the stage itself: the last stage has 1. GPipe keeps all
+    ``m``; 1F1B-style schedules (``1f1b``, ``2bw``, ``wsp``) keep ``min(p - k, m)`` on
+    stage ``k`` of ``p``, that is ``min(stages_from_end, m)``.
+    """
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule in ("1f1b", "2bw", "wsp"):
+        return min(stages_from_end, micro_batches)
+    raise FormatError("schedule", schedule, "activations in flight per stage are defined here for "
+                      "gpipe, 1f1b, 2bw and wsp; interleaved and bfs are priced by the simulator")
+
+
+def weight_versions(schedule: str) -> int:
+    """Copies of the weights a stage keeps: 2 for PipeDream-2BW's double buffer, else 1."""
+    return 2 if schedule == "2bw" else 1
+
+
+def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, schedule: str) -> float:
+    """Closed-form time of one iteration (``m`` micro-batches) of a pipeline.
+
+    Flushing schedules (GPipe, 1F1B) pay a fill and a drain: ``sum(t) + (m - 1) * max(t)``.
+    PipeDream-2BW and WSP do not flush: in steady state an iteration takes ``m * max(t)``.
+    The discrete-event simulator gives the exact figure for every schedule.
+    """
+    if not stage_times_s:
+        return 0.0
+    bottleneck = max(stage_times_s)
+    if schedule in ("2bw", "wsp"):
+        return micro_batches * bottleneck
+    return float(sum(stage_times_s) + (micro_batches - 1) * bottleneck)
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+class CostModel:
+    """Prices stages of ``profile`` on the devices and links of ``cluster``.
+
+    Scalar methods serve the simulator and plan checks; ``*_matrix`` methods give the same
+    numbers for every ``(start, stop)`` pair at once, for the solvers.
+    """
+
+    def __init__(self, profile: Profile, cluster: Cluster, options: CostOptions | None = None):
+        self.profile = profile
+        self.cluster = cluster
+        self.options = options or CostOptions()
+        self.num_layers = profile.num_layers
+        zero = np.zeros(1)
+        self.param_prefix = np.concatenate([zero, np.cumsum(profile.array("param_bytes"))])
+        self.saved_prefix = np.concatenate([zero, np.cumsum(profile.array("saved_bytes"))])
+        self.output_bytes = profile.array("output_bytes")
+        # boundary_bytes[s]: tensor crossing a cut before layer s (0 at both ends of the chain)
+        self.boundary = np.concatenate([zero, self.output_bytes[:-1], zero])
+
+    # -- compute ---------------------------------------------------------------------------
+
+    @functools.cached_property
+    def _times_key(self) -> dict[str, str]:
+        """Catalog name of each GPU type the profile was timed on -> the profile's key."""
+        out: dict[str, str] = {}
+        for key in self.profile.gpu_types:
+            out.setdefault(key, key)
+            try:
+                out.setdefault(resolve_gpu_type(key, self.cluster.device_types).name, key)
+            except FormatError:
+                pass
+        return out
+
+    def has_times(self, gpu_type: str) -> bool:
+        return gpu_type in self._times_key
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one model per (profile, cluster), few types
+    def _prefixes(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
+        key = self._times_key.get(gpu_type)
+        if key is None:
+            have = ", ".join(self.profile.gpu_types) or "none"
+            raise PartitionerError(
+                f"profile '{self.profile.model}' has no times for GPU type {gpu_type} (it has: {have}); "
+                f"measure it, merge a profile that has it, or project it from the catalog")
+        fwd, bwd = self.profile.times_for(key)
+        zero = np.zeros(1)
+        return np.concatenate([zero, np.cumsum(fwd)]), np.concatenate([zero, np.cumsum(bwd)])
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def _total_prefix(self, gpu_type: str) -> np.ndarray:
+        f, b = self._prefixes(gpu_type)
+        return np.concatenate([np.zeros(1), np.cumsum(np.diff(f) + np.diff(b))])
+
+    def fwd_bwd_s(self, gpu_type: str, start: int, stop: int) -> tuple[float, float]:
+        """Forward and backward seconds of layers ``[start, stop)`` on ``gpu_type``."""
+        f, b = self._prefixes(gpu_type)
+        return float(f[stop] - f[start]), float(b[stop] - b[start])
+
+    def compute_s(self, gpu_type: str, start: int, stop: int) -> float:
+        """Forward+backward seconds of layers ``[start, stop)`` (bit-equal to ``compute_matrix``)."""
+        total = self._total_prefix(gpu_type)
+        return float(total[stop] - total[start])
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def compute_matrix(self, gpu_type: str) -> np.ndarray:
+        """``C[i, j]`` = forward+backward seconds of layers ``[i, j)`` (meaningful for i < j)."""
+        total = self._total_prefix(gpu_type)
+        return total[None, :] - total[:, None]
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def transfer_s(self, nbytes: float, a: str | Device, b: str | Device) -> float:
+        """Seconds to move ``nbytes`` one way between devices ``a`` and ``b``."""
+        na = a if isinstance(a, str) else a.name
+        nb = b if isinstance(b, str) else b.name
+        if nbytes == 0 or na == nb:
+            return 0.0
+        return nbytes / (self.cluster.bandwidth_gbps(na, nb) * 1e9)
+
+    def boundary_bytes(self, cut: int) -> float:
+        """Bytes of the tensor crossing a cut before layer ``cut`` (0 at the chain's ends)."""
+        return float(self.boundary[cut])
+
+    def boundary_s(self, cut: int, a: str | Device | None, b: str | Device | None) -> float:
+        """Activation forward plus gradient backward across ``cut`` between ``a`` and ``b``."""
+        if a is None or b is None:
+            return 0.0
+        return float(self.boundary_vector_s(a, b)[cut])
+
+    def boundary_vector_s(self, a: str | Device | None, b: str | Device | None) -> np.ndarray:
+        """``boundary_s(cut, a, b)`` for every cut 0..L, as one (read-only) array."""
+        if a is None or b is None:
+            return self._no_transfer
+        return self._boundary_vector(a if isinstance(a, str) else a.name, b if isinstance(b, str) else b.name)
+
+    @functools.cached_property
+    def _no_transfer(self) -> np.ndarray:
+        out = np.zeros(self.num_layers + 1)
+        out.flags.writeable = False
+        return out
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def _boundary_vector(self, a: str, b: str) -> np.ndarray:
+        if a == b:
+            return self._no_transfer
+        out = 2.0 * self.boundary / (self.cluster.bandwidth_gbps(a, b) * 1e9)
+        out.flags.writeable = False
+        return out
+
+    # -- stage time ----------------------------------------------------------------------------
+
+    def combine(self, compute_s: float, in_s: float, out_s: float) -> float:
+        """A stage's time per micro-batch from its compute and its two boundary transfers."""
+        if self.options.overlap_comm:
+            return max(compute_s, in_s, out_s)
+        return compute_s + out_s
+
+    def stage_time_s(self, start: int, stop: int, device: str | Device,
+                     prev: str | Device | None = None, nxt: str | Device | None = None) -> float:
+        """Per-micro-batch time of layers ``[start, stop)`` on ``device`` between ``prev`` and ``nxt``."""
+        dev = self.cluster.device(device) if isinstance(device, str) else device
+        return self.combine(self.compute_s(dev.gpu_type, start, stop),
+                            self.boundary_s(start, prev, dev), self.boundary_s(stop, dev, nxt))
+
+    def stage_time_matrix(self, device: Device, prev: Device | None, nxt: Device | None,
+                          rows: slice = slice(None)) -> np.ndarray:
+        """``stage_time_s(i, j, device, prev, nxt)`` for every ``i`` in ``rows`` and every ``j``."""
+        comp = self.compute_matrix(device.gpu_type)[rows]
+        out_s = self.boundary_vector_s(device, nxt)
+        if self.options.overlap_comm:
+            in_s = self.boundary_vector_s(prev, device)[rows]
+            return np.maximum(np.maximum(comp, in_s[:, None]), out_s[None, :])
+        return comp + out_s[None, :]
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def weight_factor(self, schedule: str) -> float:
+        """Bytes of weights + gradients + optimizer state per parameter byte."""
+        return weight_versions(schedule) + 1.0 + self.options.optimizer_state_factor
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def _memory_prefix(self, in_flight: int, schedule: str) -> np.ndarray:
+        q = self.param_prefix * self.weight_factor(schedule) + self.saved_prefix * in_flight
+        q.flags.writeable = False
+        return q
+
+    def stage_memory_bytes(self, start: int, stop: int, in_flight: int, schedule: str = "1f1b") -> float:
+        """Peak memory of layers ``[start, stop)`` holding ``in_flight`` micro-batches' activations."""
+        q = self._memory_prefix(in_flight, schedule)
+        return float((q[stop] - q[start]) + self.options.reserved_bytes)
+
+    def memory_matrix(self, in_flight: int, schedule: str = "1f1b", rows: slice = slice(None)) -> np.ndarray:
+        """``stage_memory_bytes(i, j, in_flight, schedule)`` for every ``i`` in ``rows`` and every ``j``.
+
+        Computed with the same operations as the scalar method, so both agree to the bit and a
+        plan the solvers accept is never refused by :meth:`check_plan_memory`.
+        """
+        q = self._memory_prefix(in_flight, schedule)
+        return (q[None, :] - q[rows, None]) + self.options.reserved_bytes
+
+    # -- plans -----------------------------------------------------------------------------------
+
+    def plan_stage_times_s(self, plan: Plan, worker: int = 0) -> list[float]:
+        """Per-micro-batch time of each stage of virtual worker ``worker``."""
+        stages = plan.virtual_workers[worker].stages
+        out = []
+        for k, st in enumerate(stages):
+            prev = stages[k - 1].device if k > 0 else None
+            nxt = stages[k + 1].device if k + 1 < len(stages) else None
+            out.append(self.stage_time_s(st.start, st.stop, st.device, prev, nxt))
+        return out
+
+    def plan_memory_bytes(self, plan: Plan) -> dict[str, float]:
+        """Peak memory per device under the plan's schedule (one-chunk schedules)."""
+        used: dict[str, float] = {}
+        for vw in plan.virtual_workers:
+            p = len(vw.stages)
+            for k, st in enumerate(vw.stages):
+                in_flight = activations_in_flight(plan.schedule, p - k, plan.micro_batches)
+                mem = self.stage_memory_bytes(st.start, st.stop, in_flight, plan.schedule)
+                for d in st.devices:
+                    used[d] = used.get(d, 0.0) + mem
+        return used
+
+    def check_plan_memory(self, plan: Plan) -> None:
+        """Raise :class:`FormatError` naming the first device whose stages do not fit."""
+        if plan.schedule not in ("gpipe", "1f1b", "2bw", "wsp"):
+            return  # multi-chunk schedules: the simulator measures their peak
+        for w, vw in enumerate(plan.virtual_workers):
+            p = len(vw.stages)
+            for k, st in enumerate(vw.stages):
+                in_flight = activations_in_flight(plan.schedule, p - k, plan.micro_batches)
+                need = self.stage_memory_bytes(st.start, st.stop, in_flight, plan.schedule)
+                for d in st.devices:
+                    cap = self.cluster.device(d).memory_bytes
+                    if need > cap:
+                        raise FormatError(
+                            f"virtual_workers[{w}].stages[{k}]", f"{st.device} layers {list(st.layers)}",
+                            f"needs {need / 1e9:.2f} GB ({in_flight} micro-batches in flight under "
+                            f"{plan.schedule}); device {d} has {cap / 1e9:.2f} GB")
+
+    # -- bounds ----------------------------------------------------------------------------------
+
+    def lower_bound_s(self, devices: Sequence[Device]) -> float:
+        """A bound no split over ``devices`` can beat, ignoring memory and transfers.
+
+        The larger of: the slowest layer on the fastest type available, and the total work
+        spread over the devices' combined speed (each device does a share of the model in
+        inverse proportion to its whole-model time).
+        """
+        types = list(dict.fromkeys(d.gpu_type for d in devices))
+        per_layer = np.stack([np.diff(sum(self._prefixes(t))) for t in types])
+        largest_layer = float(per_layer.min(axis=0).max())
+        whole = {t: float(sum(self._prefixes(t))[-1]) for t in types}
+        speed = sum(1.0 / whole[d.gpu_type] if whole[d.gpu_type] > 0 else np.inf for d in devices)
+        balanced = 0.0 if speed == np.inf else 1.0 / speed
+        return max(largest_layer, balanced)

@@ -1,0 +1,56 @@
+"""Errors the user sees: one line naming the file, the field, the value and what is valid."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["FormatError", "PartitionerError", "check"]
+
+
+class PartitionerError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class FormatError(PartitionerError, ValueError):
+    """A file or object has a field with a missing, malformed or inconsistent value.
+
+    ``str(err)`` reads ``FILE: FIELD = VALUE: WHAT IS VALID`` (the file part only when
+    the data came from a file).
+    """
+
+    _MISSING = object()
+
+    def __init__(self, field: str, value: Any = _MISSING, expected: str = "", file: str | None = None):
+        self.field = field
+        self.value = value
+        self.expected = expected
+        self.file = file
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f"{self.file}: " if self.file else ""
+        if self.value is FormatError._MISSING:
+            what = f"{self.field} is missing"
+        else:
+            shown = repr(self.value)
+            if len(shown) > 80:
+                shown = shown[:77] + "..."
+            what = f"{self.field} = {shown}"
+        tail = f": {self.expected}" if self.expected else ""
+        return f"{where}{what}{tail}"
+
+    def in_file(self, file: str) -> FormatError:
+        """The same error, attributed to ``file`` (kept if a file was already named)."""
+        if self.file:
+            return self
+        return FormatError(self.field, self.value, self.expected, file=str(file))
+
+    def under(self, prefix: str) -> FormatError:
+        """The same error with ``prefix`` prepended to the field path (``layers[3].`` ...)."""
+        return FormatError(f"{prefix}{self.field}", self.value, self.expected, file=self.file)
+
+
+def check(condition: bool, field: str, value: Any, expected: str) -> None:
+    """Raise :class:`FormatError` unless ``condition`` holds."""
+    if not condition:
+        raise FormatError(field, value, expected)

@@ -1,0 +1,274 @@
+"""Plans: virtual workers, each a pipeline of stages (a contiguous layer range on a device)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._io import load_mapping, opt_field, req_field, req_number, write_json
+from .errors import FormatError, check
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+    from .cost import CostOptions
+    from .profile import Profile
+
+__all__ = ["PLAN_FORMAT", "SCHEDULES", "Plan", "SolverInfo", "Stage", "VirtualWorker"]
+
+PLAN_FORMAT = "partitioner.plan/1"
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "2bw", "wsp")
+# Schedules under which one device may hold several (non-adjacent) stages of a pipeline.
+MULTI_CHUNK_SCHEDULES = ("interleaved", "bfs")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers ``[start, stop)`` on ``device``; ``replicas`` run the same stage data-parallel."""
+
+    layers: tuple[int, int]
+    device: str
+    gpu_type: str = ""
+    replicas: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "replicas", tuple(self.replicas))
+        ok = (len(self.layers) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in self.layers)
+              and 0 <= self.layers[0] < self.layers[1])
+        check(ok, "layers", list(self.layers), "must be [start, stop) with 0 <= start < stop")
+        check(isinstance(self.device, str) and self.device != "", "device", self.device, "must name a device (NODE:INDEX)")
+        check(self.device not in self.replicas, "replicas", list(self.replicas), "must not repeat the stage's device")
+
+    @property
+    def start(self) -> int:
+        return self.layers[0]
+
+    @property
+    def stop(self) -> int:
+        return self.layers[1]
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The stage's device followed by its replicas."""
+        return (self.device, *self.replicas)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"layers": list(self.layers), "device": self.device, "gpu_type": self.gpu_type}
+        if self.replicas:
+            d["replicas"] = list(self.replicas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "") -> Stage:
+        if not isinstance(d, Mapping):
+            raise FormatError(where.rstrip("."), d, "must be an object {layers, device, gpu_type}")
+        try:
+            return cls(
+                layers=tuple(req_field(d, "layers", list, where)),  # type: ignore[arg-type]
+                device=req_field(d, "device", str, where),
+                gpu_type=opt_field(d, "gpu_type", str, "", where),
+                replicas=tuple(opt_field(d, "replicas", list, [], where)),
+            )
+        except FormatError as err:
+            raise err if err.field.startswith(where) else err.under(where) from None
+
+
+@dataclass(frozen=True)
+class VirtualWorker:
+    """One pipeline: stages in pipeline order (for interleaved schedules, chunk order)."""
+
+    stages: tuple[Stage, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        check(len(self.stages) >= 1, "stages", [], "must list at least one stage")
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device the pipeline uses, in first-use order."""
+        return tuple(dict.fromkeys(d for s in self.stages for d in s.devices))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stages": [s.to_dict() for s in self.stages]}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "") -> VirtualWorker:
+        if not isinstance(d, Mapping):
+            raise FormatError(where.rstrip("."), d, "must be an object {stages: [...]}")
+        stages = req_field(d, "stages", list, where)
+        return cls(tuple(Stage.from_dict(s, f"{where}stages[{k}].") for k, s in enumerate(stages)))
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    """How a plan was found, with its certificate: objective, lower bound and gap."""
+
+    name: str
+    status: str
+    objective: float = math.nan
+    lower_bound: float = math.nan
+    gap: float = math.nan
+    time_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        def num(x: float) -> float | None:
+            return None if math.isnan(x) else x
+
+        return {"name": self.name, "status": self.status, "objective": num(self.objective),
+                "lower_bound": num(self.lower_bound), "gap": num(self.gap), "time_s": self.time_s}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SolverInfo:
+        if not isinstance(d, Mapping):
+            raise FormatError("solver", d, "must be an object {name, status, ...}")
+
+        def num(k: str) -> float:
+            v = d.get(k)
+            return math.nan if v is None else req_number(d, k, "solver.", minimum=None)
+
+        return cls(req_field(d, "name", str, "solver."), req_field(d, "status", str, "solver."),
+                   num("objective"), num("lower_bound"), num("gap"),
+                   req_number(d, "time_s", "solver.", default=0.0))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything needed to train: who runs which layers, the schedule, and its batching."""
+
+    model: str
+    virtual_workers: tuple[VirtualWorker, ...]
+    schedule: str = "1f1b"
+    micro_batch_size: int = 1
+    micro_batches: int = 1
+    staleness: int = 0
+    chunks: int = 1  # model chunks per device (interleaved / bfs)
+    predicted: Mapping[str, float] = field(default_factory=dict)
+    solver: SolverInfo | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "virtual_workers", tuple(self.virtual_workers))
+        object.__setattr__(self, "predicted", dict(self.predicted))
+        object.__setattr__(self, "meta", dict(self.meta))
+        check(len(self.virtual_workers) >= 1, "virtual_workers", [], "must list at least one virtual worker")
+        check(self.schedule in SCHEDULES, "schedule", self.schedule, f"must be one of {', '.join(SCHEDULES)}")
+        for name in ("micro_batch_size", "micro_batches", "chunks"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v, "must be an integer >= 1")
+        check(isinstance(self.staleness, int) and self.staleness >= 0, "staleness", self.staleness,
+              "must be an integer >= 0")
+
+    @property
+    def num_stages(self) -> int:
+        return max(len(vw.stages) for vw in self.virtual_workers)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(d for vw in self.virtual_workers for d in vw.devices)
+
+    # -- validation against a profile and a cluster ----------------------------------------
+
+    def validate(self, profile: Profile, cluster: Cluster, options: CostOptions | None = None,
+                 check_memory: bool = True) -> None:
+        """Raise :class:`FormatError` unless the plan is executable on ``cluster``.
+
+        Checks: every virtual worker's stages cover the profile's layers contiguously, without
+        overlap or gap; devices exist, carry the stated GPU type and belong to one virtual
+        worker; a device holds several stages only under an interleaved schedule; and (with
+        ``check_memory``) every device's stages fit in its memory under the cost model.
+        """
+        if self.model != profile.model:
+            raise FormatError("model", self.model, f"the profile is of model '{profile.model}'")
+        n_layers = profile.num_layers
+        owner: dict[str, str] = {}
+        for w, vw in enumerate(self.virtual_workers):
+            expect = 0
+            seen_here: set[str] = set()
+            for k, st in enumerate(vw.stages):
+                where = f"virtual_workers[{w}].stages[{k}]"
+                if st.start != expect:
+                    what = (f"overlaps the previous stage, which ends at layer {expect}" if st.start < expect
+                            else f"skips layers {expect}..{st.start - 1}")
+                    raise FormatError(f"{where}.layers", list(st.layers), what)
+                if st.stop > n_layers:
+                    raise FormatError(f"{where}.layers", list(st.layers),
+                                      f"goes past the last layer; the profile has {n_layers} layers")
+                expect = st.stop
+                for dev_name in st.devices:
+                    dev = cluster.device(dev_name)
+                    if dev_name is st.device and st.gpu_type and dev.gpu_type != st.gpu_type:
+                        raise FormatError(f"{where}.gpu_type", st.gpu_type,
+                                          f"device {dev_name} is a {dev.gpu_type}")
+                    if dev_name in owner and owner[dev_name] != f"{w}":
+                        raise FormatError(f"{where}.device", dev_name,
+                                          f"already used by virtual_workers[{owner[dev_name]}]")
+                    if dev_name in seen_here and self.schedule not in MULTI_CHUNK_SCHEDULES:
+                        raise FormatError(f"{where}.device", dev_name,
+                                          f"holds two stages, which only {', '.join(MULTI_CHUNK_SCHEDULES)} allow")
+                    owner[dev_name] = f"{w}"
+                    seen_here.add(dev_name)
+            if expect != n_layers:
+                raise FormatError(f"virtual_workers[{w}].stages", f"ends at layer {expect}",
+                                  f"must cover all {n_layers} layers of the profile")
+        if check_memory:
+            from .cost import CostModel
+
+            CostModel(profile, cluster, options).check_plan_memory(self)
+
+    # -- JSON ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "format": PLAN_FORMAT,
+            "model": self.model,
+            "schedule": self.schedule,
+            "micro_batch_size": self.micro_batch_size,
+            "micro_batches": self.micro_batches,
+            "staleness": self.staleness,
+        }
+        if self.chunks != 1:
+            d["chunks"] = self.chunks
+        d["virtual_workers"] = [vw.to_dict() for vw in self.virtual_workers]
+        d["predicted"] = dict(self.predicted)
+        if self.solver is not None:
+            d["solver"] = self.solver.to_dict()
+        if self.meta:
+            d["meta"] = dict(self.meta)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        fmt = opt_field(d, "format", str, PLAN_FORMAT)
+        if fmt != PLAN_FORMAT:
+            raise FormatError("format", fmt, f"expected '{PLAN_FORMAT}'")
+        vws = req_field(d, "virtual_workers", list)
+        predicted = opt_field(d, "predicted", Mapping, {})
+        for k, v in predicted.items():
+            check(isinstance(v, (int, float)) and not isinstance(v, bool), f"predicted.{k}", v, "must be a number")
+        solver = d.get("solver")
+        return cls(
+            model=req_field(d, "model", str),
+            virtual_workers=tuple(VirtualWorker.from_dict(v, f"virtual_workers[{w}].") for w, v in enumerate(vws)),
+            schedule=opt_field(d, "schedule", str, "1f1b"),
+            micro_batch_size=req_field(d, "micro_batch_size", int),
+            micro_batches=opt_field(d, "micro_batches", int, 1),
+            staleness=opt_field(d, "staleness", int, 0),
+            chunks=opt_field(d, "chunks", int, 1),
+            predicted=predicted,
+            solver=None if solver is None else SolverInfo.from_dict(solver),
+            meta=opt_field(d, "meta", Mapping, {}),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        data = load_mapping(path)
+        try:
+            return cls.from_dict(data)
+        except FormatError as err:
+            raise err.in_file(str(path)) from None

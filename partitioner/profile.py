@@ -1,0 +1,245 @@
+"""Per-layer profiles: compute time per GPU type and memory per layer, in execution order.
+
+A :class:`Profile` is a chain of :class:`LayerProfile` objects. Times are per micro-batch
+of ``Profile.micro_batch_size`` samples; sizes are bytes for that micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._io import load_mapping, opt_field, req_field, req_number, write_json
+from .errors import FormatError, check
+
+__all__ = ["PROFILE_FORMAT", "LayerProfile", "LayerTime", "Profile"]
+
+PROFILE_FORMAT = "partitioner.profile/1"
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Forward and backward time of one layer on one GPU type, per micro-batch."""
+
+    fwd_s: float
+    bwd_s: float
+    projected: bool = False
+    measured_on: str = ""  # the device that really took the numbers ("cpu", "cuda:NVIDIA H100 ...")
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_s", "bwd_s"):
+            v = getattr(self, name)
+            check(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, name, v,
+                  "must be a finite number of seconds >= 0")
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"fwd_s": self.fwd_s, "bwd_s": self.bwd_s, "projected": self.projected}
+        if self.measured_on:
+            d["measured_on"] = self.measured_on
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "") -> LayerTime:
+        if not isinstance(d, Mapping):
+            raise FormatError(where.rstrip("."), d, "must be an object {fwd_s, bwd_s, projected}")
+        return cls(
+            fwd_s=req_number(d, "fwd_s", where),
+            bwd_s=req_number(d, "bwd_s", where),
+            projected=opt_field(d, "projected", bool, False, where),
+            measured_on=opt_field(d, "measured_on", str, "", where),
+        )
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer: its work, its memory, and its time on each GPU type it was timed on.
+
+    ``saved_bytes`` is what autograd keeps for backward per micro-batch; ``output_bytes``
+    is the boundary tensor sent to the next stage if a cut is made after this layer.
+    """
+
+    name: str
+    flops: float = 0.0
+    param_bytes: float = 0.0
+    saved_bytes: float = 0.0
+    output_bytes: float = 0.0
+    times: Mapping[str, LayerTime] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.name, str) and self.name != "", "name", self.name, "must be a non-empty string")
+        for name in ("flops", "param_bytes", "saved_bytes", "output_bytes"):
+            v = getattr(self, name)
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+                  name, v, "must be a finite number >= 0")
+        for gpu, t in self.times.items():
+            check(isinstance(t, LayerTime), f"times.{gpu}", t, "must be a LayerTime")
+        object.__setattr__(self, "times", dict(self.times))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "flops": self.flops,
+            "param_bytes": self.param_bytes,
+            "saved_bytes": self.saved_bytes,
+            "output_bytes": self.output_bytes,
+            "times": {gpu: t.to_dict() for gpu, t in self.times.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "") -> LayerProfile:
+        if not isinstance(d, Mapping):
+            raise FormatError(where.rstrip("."), d, "must be an object")
+        times_raw = opt_field(d, "times", Mapping, {}, where)
+        times = {str(g): LayerTime.from_dict(t, f"{where}times.{g}.") for g, t in times_raw.items()}
+        try:
+            return cls(
+                name=req_field(d, "name", str, where),
+                flops=req_number(d, "flops", where, default=0.0),
+                param_bytes=req_number(d, "param_bytes", where, default=0.0),
+                saved_bytes=req_number(d, "saved_bytes", where, default=0.0),
+                output_bytes=req_number(d, "output_bytes", where, default=0.0),
+                times=times,
+            )
+        except FormatError as err:
+            raise err if err.field.startswith(where) else err.under(where) from None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model as a chain of layers, measured at ``micro_batch_size`` samples per micro-batch."""
+
+    model: str
+    micro_batch_size: int
+    layers: tuple[LayerProfile, ...]
+    dtype: str = "float32"
+    source: str = ""
+    edges: tuple[tuple[int, int], ...] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "edges", tuple((int(a), int(b)) for a, b in self.edges))
+        object.__setattr__(self, "meta", dict(self.meta))
+        check(isinstance(self.model, str) and self.model != "", "model", self.model, "must be a non-empty string")
+        check(isinstance(self.micro_batch_size, int) and not isinstance(self.micro_batch_size, bool)
+              and self.micro_batch_size >= 1, "micro_batch_size", self.micro_batch_size, "must be an integer >= 1")
+        check(len(self.layers) >= 1, "layers", [], "must list at least one layer")
+        seen: dict[str, int] = {}
+        for i, layer in enumerate(self.layers):
+            check(isinstance(layer, LayerProfile), f"layers[{i}]", layer, "must be a LayerProfile")
+            if layer.name in seen:
+                raise FormatError(f"layers[{i}].name", layer.name,
+                                  f"duplicates layers[{seen[layer.name]}].name; layer names must be unique")
+            seen[layer.name] = i
+        n = len(self.layers)
+        for k, (a, b) in enumerate(self.edges):
+            check(0 <= a < n and 0 <= b < n and a != b, f"edges[{k}]", [a, b],
+                  f"must name two different layer indices in [0, {n})")
+
+    # -- views -------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        """GPU types with a time for every layer, in first-seen order."""
+        if not self.layers:
+            return ()
+        common = [g for g in self.layers[0].times if all(g in layer.times for layer in self.layers)]
+        return tuple(common)
+
+    def is_projected(self, gpu_type: str) -> bool:
+        """Whether any layer's time on ``gpu_type`` is projected rather than measured."""
+        return any(layer.times[gpu_type].projected for layer in self.layers if gpu_type in layer.times)
+
+    def array(self, name: str) -> np.ndarray:
+        """One numeric layer field (``flops``, ``param_bytes``, ...) as a float64 array."""
+        return np.array([getattr(layer, name) for layer in self.layers], dtype=np.float64)
+
+    def times_for(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds per layer on ``gpu_type``; every layer must have it."""
+        missing = [i for i, layer in enumerate(self.layers) if gpu_type not in layer.times]
+        if missing:
+            have = ", ".join(self.gpu_types) or "none"
+            raise FormatError(f"layers[{missing[0]}].times", gpu_type,
+                              f"profile '{self.model}' has no time for this GPU type on {len(missing)} "
+                              f"layer(s); types timed on every layer: {have} (project or merge a profile)")
+        fwd = np.array([layer.times[gpu_type].fwd_s for layer in self.layers], dtype=np.float64)
+        bwd = np.array([layer.times[gpu_type].bwd_s for layer in self.layers], dtype=np.float64)
+        return fwd, bwd
+
+    def with_times(self, gpu_type: str, times: Sequence[LayerTime]) -> Profile:
+        """A copy with ``times`` (one per layer) recorded under ``gpu_type``."""
+        if len(times) != self.num_layers:
+            raise FormatError("times", len(times), f"need one entry per layer ({self.num_layers})")
+        layers = tuple(
+            LayerProfile(layer.name, layer.flops, layer.param_bytes, layer.saved_bytes, layer.output_bytes,
+                         {**layer.times, gpu_type: t})
+            for layer, t in zip(self.layers, times)
+        )
+        return Profile(self.model, self.micro_batch_size, layers, self.dtype, self.source, self.edges, self.meta)
+
+    # -- JSON ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "format": PROFILE_FORMAT,
+            "model": self.model,
+            "micro_batch_size": self.micro_batch_size,
+            "dtype": self.dtype,
+            "source": self.source,
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+        if self.edges:
+            d["edges"] = [list(e) for e in self.edges]
+        if self.meta:
+            d["meta"] = dict(self.meta)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Profile:
+        fmt = opt_field(d, "format", str, PROFILE_FORMAT)
+        if fmt != PROFILE_FORMAT:
+            raise FormatError("format", fmt, f"expected '{PROFILE_FORMAT}'")
+        layers_raw = req_field(d, "layers", list)
+        layers = tuple(LayerProfile.from_dict(x, f"layers[{i}].") for i, x in enumerate(layers_raw))
+        edges_raw = opt_field(d, "edges", list, [])
+        edges: list[tuple[int, int]] = []
+        for k, e in enumerate(edges_raw):
+            ok = isinstance(e, (list, tuple)) and len(e) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+            check(ok, f"edges[{k}]", e, "must be a pair of layer indices [from, to]")
+            edges.append((e[0], e[1]))
+        return cls(
+            model=req_field(d, "model", str),
+            micro_batch_size=req_field(d, "micro_batch_size", int),
+            layers=layers,
+            dtype=opt_field(d, "dtype", str, "float32"),
+            source=opt_field(d, "source", str, ""),
+            edges=tuple(edges),
+            meta=opt_field(d, "meta", Mapping, {}),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the profile atomically as JSON."""
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        """Read and validate a profile file; errors name the file, field and value."""
+        data = load_mapping(path)
+        try:
+            return cls.from_dict(data)
+        except FormatError as err:
+            raise err.in_file(str(path)) from None
+

@@ -1,0 +1,172 @@
+"""Exact dynamic programming for one pipeline over an ordered list of (heterogeneous) devices.
+
+Stage ``k`` of ``p`` runs on ``devices[k]`` and holds a contiguous layer range. The DP
+minimises the bottleneck ``max_k stage_time_s(k)`` (from :mod:`partitioner.cost`) subject to
+each device's memory, where a stage's activations in flight depend on its distance from the
+end of the pipeline (1F1B: ``min(p - k, m)``). Working backwards from the last stage,
+
+    f_k(i) = min_{j > i, mem_k(i, j) <= M_k}  max(T_k(i, j), f_{k+1}(j)),   f_p(L) = 0,
+
+and ``f_0(0)`` is the optimum. Each step is one vectorised (rows x L) numpy reduction, so
+the whole solve is ``O(p L^2)`` arithmetic in ``p`` numpy calls of a handful of passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.cluster import Cluster, Device
+from partitioner.cost import CostModel, CostOptions, activations_in_flight, pipeline_iteration_s
+from partitioner.errors import FormatError
+from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner.profile import Profile
+
+from .result import SolveResult, SolveStatus
+
+__all__ = ["ChainSolution", "chain_dp", "diagnose_infeasible", "solve"]
+
+log = logging.getLogger(__name__)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ChainSolution:
+    """An optimal split: ``cuts[k]:cuts[k+1]`` is stage ``k``'s layer range."""
+
+    bottleneck_s: float
+    cuts: tuple[int, ...]
+    devices: tuple[Device, ...]
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self.cuts[:-1], self.cuts[1:]))
+
+
+def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
+             micro_batches: int = 1) -> ChainSolution | None:
+    """The minimum-bottleneck split of the chain over exactly ``devices`` in order, or None."""
+    p, n_layers = len(devices), cost.num_layers
+    if p == 0 or p > n_layers:
+        return None
+    cols = np.arange(n_layers + 1)
+    f = np.full(n_layers + 1, np.inf)
+    f[n_layers] = 0.0
+    back: list[np.ndarray] = [np.empty(0, dtype=np.intp)] * p
+    for k in range(p - 1, -1, -1):
+        # Stage k starts at i in [lo, hi]: k stages before it need >= k layers, p - k after >= p - k.
+        lo, hi = (0, 0) if k == 0 else (k, n_layers - (p - k))
+        rows = slice(lo, hi + 1)
+        dev = devices[k]
+        prev = devices[k - 1] if k > 0 else None
+        nxt = devices[k + 1] if k + 1 < p else None
+        in_flight = activations_in_flight(schedule, p - k, micro_batches)
+        # T_k(i, j) on feasible (i, j): j > i and the stage fits in the device's memory.
+        cand = np.maximum(cost.stage_time_matrix(dev, prev, nxt, rows), f[None, :])
+        ok = (cols[None, :] > cols[rows, None]) & (cost.memory_matrix(in_flight, schedule, rows) <= dev.memory_bytes)
+        cand[~ok] = np.inf
+        arg = cand.argmin(axis=1)
+        f = np.full(n_layers + 1, np.inf)
+        f[rows] = cand[np.arange(hi + 1 - lo), arg]
+        back[k] = np.full(n_layers + 1, -1, dtype=np.intp)
+        back[k][rows] = arg
+    best = float(f[0])
+    if not math.isfinite(best):
+        return None
+    cuts = [0]
+    for k in range(p):
+        cuts.append(int(back[k][cuts[-1]]))
+    return ChainSolution(best, tuple(cuts), tuple(devices))
+
+
+def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int) -> str:
+    """Why no split of the chain fits ``devices``, in words with the numbers that matter."""
+    n_layers, p = cost.num_layers, len(devices)
+    if p > n_layers:
+        return (f"{p} devices but only {n_layers} layers: every stage needs at least one layer; "
+                f"give at most {n_layers} devices or allow fewer devices")
+    largest = max(devices, key=lambda d: d.memory_bytes)
+    fewest = activations_in_flight(schedule, 1, micro_batches)
+    names = [layer.name for layer in cost.profile.layers]
+    alone = np.array([cost.stage_memory_bytes(i, i + 1, fewest, schedule) for i in range(n_layers)])
+    worst = int(alone.argmax())
+    if alone[worst] > largest.memory_bytes:
+        return (f"layer {worst} ({names[worst]}) alone needs {alone[worst] / GIB:.2f} GiB "
+                f"({fewest} micro-batch(es) of activations in flight under {schedule}, "
+                f"{cost.options.reserved_bytes / GIB:.2f} GiB reserved); the largest device "
+                f"({largest.name}, {largest.gpu_type}) has {largest.memory_bytes / GIB:.2f} GiB")
+    need = cost.stage_memory_bytes(0, n_layers, fewest, schedule) + (p - 1) * cost.options.reserved_bytes
+    have = sum(d.memory_bytes for d in devices)
+    if need > have:
+        return (f"the model needs at least {need / GIB:.2f} GiB across {p} stages even with "
+                f"{fewest} micro-batch(es) in flight; the devices have {have / GIB:.2f} GiB in total")
+    first = activations_in_flight(schedule, p, micro_batches)
+    return (f"no contiguous split of {n_layers} layers over these {p} devices in this order fits every "
+            f"device's memory under {schedule} with {micro_batches} micro-batches (the first stage keeps "
+            f"{first} in flight); use more or larger devices, fewer micro-batches in flight "
+            f"(1f1b instead of gpipe), or allow fewer devices")
+
+
+def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
+          schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
+          allow_fewer: bool = False, **unused: object) -> SolveResult:
+    """Optimal single-pipeline plan over ``devices`` (default: every device of the cluster, in order).
+
+    ``micro_batches`` defaults to the number of devices. With ``allow_fewer``, the first ``q``
+    devices for every ``q <= len(devices)`` are tried and the best pipeline wins (the shortest
+    one on ties).
+    """
+    if unused:
+        raise FormatError("solver option", sorted(unused), "not understood by the dp solver")
+    t0 = time.perf_counter()
+    cost = CostModel(profile, cluster, options)
+    devs = cluster.subset(devices) if devices is not None else cluster.devices
+    if len(set(d.name for d in devs)) != len(devs):
+        raise FormatError("devices", [d.name for d in devs], "lists a device twice")
+    m = micro_batches if micro_batches is not None else len(devs)
+    if not (isinstance(m, int) and m >= 1):
+        raise FormatError("micro_batches", m, "must be an integer >= 1")
+    activations_in_flight(schedule, 1, m)  # refuses schedules the DP cannot price, with the reason
+    counts = range(1, min(len(devs), profile.num_layers) + 1) if allow_fewer else [len(devs)]
+    best: ChainSolution | None = None
+    for q in counts:
+        sol = chain_dp(cost, devs[:q], schedule, m)
+        if sol is not None and (best is None or sol.bottleneck_s < best.bottleneck_s):
+            best = sol
+    elapsed = time.perf_counter() - t0
+    if best is None:
+        tried = devs[: profile.num_layers] if allow_fewer else devs
+        reason = diagnose_infeasible(cost, tried, schedule, m)
+        return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=elapsed, method="dp", reason=reason)
+    plan = plan_from_cuts(profile, cost, best, schedule, m, solver_name="dp")
+    result = SolveResult(SolveStatus.OPTIMAL, None, best.bottleneck_s, best.bottleneck_s, elapsed, "dp",
+                         details={"lower_bound_simple_s": cost.lower_bound_s(best.devices)})
+    return _with_plan(result, plan)
+
+
+def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedule: str,
+                   micro_batches: int, solver_name: str) -> Plan:
+    """A one-virtual-worker plan from a split, with closed-form predicted figures."""
+    stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices))
+    plan = Plan(profile.model, (VirtualWorker(stages),), schedule, profile.micro_batch_size, micro_batches)
+    times = cost.plan_stage_times_s(plan)
+    iteration = pipeline_iteration_s(times, micro_batches, schedule)
+    predicted = {
+        "bottleneck_s": max(times),
+        "iteration_s": iteration,
+        "samples_per_s": micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
+    }
+    return Plan(plan.model, plan.virtual_workers, schedule, plan.micro_batch_size, micro_batches,
+                predicted=predicted, meta={"stage_times_s": times})
+
+
+def _with_plan(result: SolveResult, plan: Plan) -> SolveResult:
+    from dataclasses import replace
+
+    plan = replace(plan, solver=result.solver_info())
+    return replace(result, plan=plan)
