@@ -1,0 +1,178 @@
+"""``partitioner profile``: measure a zoo model, merge profiles, project to other GPU types.
+
+    partitioner profile MODEL --batch-size B [--seq-len S] [--device cpu|cuda]
+                              [--gpu-type NAME ...] [--analytic] -o profile.json
+    partitioner profile merge a.json b.json [...] -o merged.json
+    partitioner profile project IN.json --gpu-type NAME [--gpu-type ...] -o OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+from ..errors import PartitionerError
+from ..profile import LayerProfile, Profile
+
+__all__ = ["register"]
+
+log = logging.getLogger(__name__)
+
+
+def _zoo_names() -> tuple[str, ...]:
+    from ..models import MODEL_NAMES
+
+    return MODEL_NAMES
+
+
+def _build(args: argparse.Namespace, batch: int, device: str) -> Any:
+    from ..models import build_model
+
+    return build_model(args.model, batch, seq_len=args.seq_len, image_size=args.image_size, device=device)
+
+
+def _stats(args: argparse.Namespace) -> list[Any]:
+    """FLOPs and bytes per layer without measuring time, at the requested batch size.
+
+    On the meta device when fvcore can trace the model there (transformers); otherwise
+    (convolutions) on the CPU at batch 1, scaled linearly to the batch size.
+    """
+    from dataclasses import replace
+
+    from ..profiler import analyze_layers
+
+    try:
+        m = _build(args, args.batch_size, "meta")
+        return analyze_layers(m.layers, m.sample_input("meta"))
+    except (RuntimeError, TypeError) as exc:
+        log.info("meta-device analysis failed (%s); counting at batch 1 on the CPU", str(exc).splitlines()[0])
+    m = _build(args, 1, "cpu")
+    b = float(args.batch_size)
+    return [replace(s, flops=s.flops * b, saved_bytes=s.saved_bytes * b, output_bytes=s.output_bytes * b)
+            for s in analyze_layers(m.layers, m.sample_input("cpu"))]
+
+
+def _memory_check(args: argparse.Namespace, device: str) -> None:
+    from ..models import build_model
+    from ..profiler import analyze_layers, available_memory_bytes
+
+    m = build_model(args.model, args.batch_size, seq_len=args.seq_len, image_size=args.image_size, device="meta")
+    stats = analyze_layers(m.layers, m.sample_input("meta"), count_flops=False)
+    params = sum(s.param_bytes for s in stats)
+    inputs = [stats[0].output_bytes, *(s.output_bytes for s in stats[:-1])]
+    work = max(i + 2 * s.saved_bytes + 3 * s.output_bytes for i, s in zip(inputs, stats, strict=False))
+    need = 2 * params + work
+    have = available_memory_bytes(device)
+    if need > have:
+        raise PartitionerError(
+            f"micro-batch size {args.batch_size} of {args.model} needs about {need / 2**30:.1f} GiB on {device} "
+            f"(parameters and gradients {2 * params / 2**30:.1f} GiB, largest layer {work / 2**30:.1f} GiB) "
+            f"but {have / 2**30:.1f} GiB is free; use a smaller --batch-size or --analytic")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from ..cluster import resolve_gpu_type
+    from ..projection import project_profile
+
+    targets = [resolve_gpu_type(g).name for g in args.gpu_type or []]
+    t0 = time.perf_counter()
+    if args.analytic:
+        if not targets:
+            raise PartitionerError("--analytic needs at least one --gpu-type to compute roofline times for")
+        stats = _stats(args)
+        base = Profile(args.model, args.batch_size,
+                       tuple(LayerProfile(s.name, s.flops, s.param_bytes, s.saved_bytes, s.output_bytes)
+                             for s in stats),
+                       source="partitioner analytic (FLOPs and bytes, no timing)",
+                       meta={"unsupported_ops": {s.name: s.unsupported_ops for s in stats if s.unsupported_ops},
+                             "measured_on": {}})
+        profile = project_profile(base, targets, efficiency=args.efficiency, analytic=True)
+    else:
+        import torch
+
+        from ..profiler import profile_model
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise PartitionerError("--device cuda: torch sees no CUDA device here (use --device cpu, or --analytic)")
+        _memory_check(args, args.device)
+        m = _build(args, args.batch_size, "cpu")
+        key = None
+        if args.device == "cuda" and targets:
+            key, targets = targets[0], targets[1:]  # the first --gpu-type names the measured GPU
+        profile = profile_model(m.layers, m.sample_input("cpu"), args.device, model_name=args.model,
+                                gpu_type=key, warmup=args.warmup, repeats=args.repeats,
+                                meta={"config": m.config})
+        if targets:
+            profile = project_profile(profile, targets, efficiency=args.efficiency)
+    profile.save(args.output)
+    types = ", ".join(f"{g}{' (projected)' if profile.is_projected(g) else ''}" for g in profile.gpu_types)
+    print(f"profiled {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}, "
+          f"times for {types} in {time.perf_counter() - t0:.1f} s -> {args.output}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from ..merge import merge_profiles
+
+    profiles = [Profile.load(p) for p in args.inputs]
+    try:
+        merged = merge_profiles(profiles)
+    except PartitionerError as err:
+        raise PartitionerError(f"{err} (profile 1 = {args.inputs[0]})") from None
+    merged.save(args.output)
+    print(f"merged {len(profiles)} profiles of {merged.model}: times for {', '.join(merged.gpu_types)} "
+          f"-> {args.output}")
+    return 0
+
+
+def _project(args: argparse.Namespace) -> int:
+    from ..projection import project_profile
+
+    profile = Profile.load(args.input)
+    out = project_profile(profile, args.gpu_type, source=args.source, efficiency=args.efficiency)
+    out.save(args.output)
+    added = [g for g in out.gpu_types if g not in profile.gpu_types or profile.is_projected(g)]
+    print(f"projected {out.model} to {', '.join(added)} -> {args.output}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("profile", help="measure a zoo model, merge profiles, project to other GPU types",
+                            description="Measure a model of the zoo per layer (or merge/project profiles).")
+    actions = parser.add_subparsers(dest="target", required=True, metavar="MODEL|merge|project")
+
+    eff = argparse.ArgumentParser(add_help=False)
+    eff.add_argument("--efficiency", type=float, default=0.5,
+                     help="fraction of the roofline a GPU reaches, for analytic times and CPU-calibrated "
+                          "projections (default 0.5)")
+
+    common = argparse.ArgumentParser(add_help=False, parents=[eff])
+    common.add_argument("--batch-size", type=int, required=True, help="micro-batch size to profile")
+    common.add_argument("--seq-len", type=int, default=None, help="sequence length (transformers)")
+    common.add_argument("--image-size", type=int, default=None, help="image side in pixels (CNNs)")
+    common.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to measure (default cpu)")
+    common.add_argument("--gpu-type", action="append", default=None, metavar="NAME",
+                        help="catalog GPU type: with --device cuda the first one names the GPU measured; other "
+                             "types get projected times; with --analytic, the types to compute times for")
+    common.add_argument("--analytic", action="store_true",
+                        help="no timing: FLOPs and bytes only, times from the roofline (marked projected)")
+    common.add_argument("--warmup", type=int, default=2, help="untimed runs per layer (default 2)")
+    common.add_argument("--repeats", type=int, default=7, help="timed runs per layer, median kept (default 7)")
+    common.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    for name in _zoo_names():
+        p = actions.add_parser(name, parents=[common], help=f"profile the zoo model {name}")
+        p.set_defaults(func=_profile, model=name)
+
+    mp = actions.add_parser("merge", help="combine profiles of one model measured on different GPU types")
+    mp.add_argument("inputs", nargs="+", help="profile JSON files of the same model")
+    mp.add_argument("-o", "--output", required=True, help="merged profile JSON to write")
+    mp.set_defaults(func=_merge)
+
+    pp = actions.add_parser("project", parents=[eff], help="add roofline-projected times for other GPU types")
+    pp.add_argument("input", help="profile JSON with measured times")
+    pp.add_argument("--gpu-type", action="append", required=True, metavar="NAME", help="catalog GPU type")
+    pp.add_argument("--source", default=None, help="measured type to project from (default: the first)")
+    pp.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    pp.set_defaults(func=_project)

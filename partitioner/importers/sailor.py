@@ -1,0 +1,135 @@
+"""Import Sailor's per-layer LLM profiles (eth-easl/sailor) as one :class:`Profile`.
+
+A Sailor profile directory holds one ``<GPU>.json`` per GPU type, laid out as
+``{micro_batch_size: {tensor_parallel_degree: {layer_index: [fwd_s, bwd_s, update_s]}}}``,
+plus ``llm_info_*.json`` (per-layer ``params_bytes``, ``act_output_bytes``,
+``act_mem_bytes`` for one sample, by tensor-parallel degree) and ``training_config*.json``
+(model shape). The import keeps one micro-batch size and one tensor-parallel degree and
+gives one profile with measured times for every GPU type found.
+
+GPU names are mapped to catalog names with :func:`partitioner.cluster.resolve_gpu_type`
+(``A100-40`` -> ``A100-SXM4-40GB``, ``Titan-RTX`` -> ``TITAN-RTX``, ...); a name the catalog
+lacks (Sailor's ``GH-96``, a Grace-Hopper 96 GB part) is kept as Sailor spells it.
+
+Sailor records no FLOPs; they are computed from the model shape for a GPT-style decoder:
+a block does ``24 b s h^2 + 4 b s^2 h`` forward FLOPs, the head ``2 b s h V``, the
+embedding one addition per element (``b s h``). Sailor's optimizer-update time per layer
+is kept in ``meta.update_s``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .._io import load_mapping
+from ..cluster import resolve_gpu_type
+from ..errors import FormatError, PartitionerError
+from ..profile import LayerProfile, LayerTime, Profile
+
+__all__ = ["SAILOR_SKIP", "import_sailor", "sailor_gpu_name"]
+
+SAILOR_SKIP = ("basic_cluster_config", "llm_info", "training_config")
+
+
+def sailor_gpu_name(name: str) -> str:
+    """The catalog name for a Sailor GPU name, or the Sailor name if the catalog lacks it."""
+    try:
+        return resolve_gpu_type(name).name
+    except FormatError:
+        return name
+
+
+def _one(directory: Path, prefix: str) -> Path:
+    found = sorted(directory.glob(f"{prefix}*.json"))
+    if not found:
+        raise FormatError("directory", str(directory), f"has no {prefix}*.json (a Sailor profile directory has one)")
+    return found[0]
+
+
+def _num(d: Any, key: str, where: str) -> float:
+    if not isinstance(d, dict) or key not in d or not isinstance(d[key], (int, float)):
+        raise FormatError(f"{where}{key}", d.get(key) if isinstance(d, dict) else d, "must be a number")
+    return float(d[key])
+
+
+def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 1, tensor_parallel: int = 1,
+                  model: str | None = None) -> Profile:
+    """Read a Sailor profile directory into one profile (see the module docstring)."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise FormatError("directory", str(root), "is not a directory")
+    cfg_path = _one(root, "training_config")
+    cfg = load_mapping(cfg_path)
+    try:
+        h, s = int(_num(cfg, "hidden_size", "")), int(_num(cfg, "sequence_length", ""))
+        vocab, n_all = int(_num(cfg, "vocab_size", "")), int(_num(cfg, "num_all_layers", ""))
+    except FormatError as err:
+        raise err.in_file(str(cfg_path)) from None
+    name = model or str(cfg.get("model", root.name))
+    info_path = _one(root, "llm_info")
+    info_all = load_mapping(info_path)
+    info_model = info_all.get(str(cfg.get("model")), next(iter(info_all.values()), None))
+    tp = str(tensor_parallel)
+    if not isinstance(info_model, dict) or tp not in info_model:
+        have = sorted(info_model) if isinstance(info_model, dict) else []
+        raise FormatError("tensor parallel degree", tensor_parallel,
+                          f"not in {info_path.name} (has {', '.join(have)})", file=str(info_path))
+    info = info_model[tp]
+    b = micro_batch_size
+    gpu_files = sorted(p for p in root.glob("*.json") if not p.name.startswith(SAILOR_SKIP))
+    if not gpu_files:
+        raise FormatError("directory", str(root), "has no <GPU>.json profile files")
+    times: dict[str, list[LayerTime]] = {}
+    update: dict[str, list[float]] = {}
+    names_map: dict[str, str] = {}
+    for path in gpu_files:
+        sailor_name = path.stem
+        gpu = sailor_gpu_name(sailor_name)
+        names_map[sailor_name] = gpu
+        data = load_mapping(path)
+        by_tp = data.get(str(b))
+        if not isinstance(by_tp, dict) or tp not in by_tp:
+            have = sorted((k for k, v in data.items() if isinstance(v, dict) and tp in v), key=int)
+            raise FormatError(f"{b}.{tp}", None, f"no times for micro-batch {b} at tensor-parallel degree {tp}; "
+                              f"micro-batch sizes with that degree: {', '.join(have) or 'none'}", file=str(path))
+        per_layer = by_tp[tp]
+        rows = []
+        ups = []
+        for i in range(n_all):
+            row = per_layer.get(str(i))
+            if not (isinstance(row, list) and len(row) >= 2 and all(isinstance(v, (int, float)) for v in row)):
+                raise FormatError(f"{b}.{tp}.{i}", row, "must be [fwd_s, bwd_s, update_s]", file=str(path))
+            rows.append(LayerTime(float(row[0]), float(row[1]), projected=False, measured_on=sailor_name))
+            ups.append(float(row[2]) if len(row) > 2 else 0.0)
+        times[gpu] = rows
+        update[gpu] = ups
+    layers = []
+    for i in range(n_all):
+        li = info.get(str(i))
+        if not isinstance(li, dict):
+            raise FormatError(f"{tp}.{i}", li, "missing layer info", file=str(info_path))
+        if i == 0:
+            lname, flops = "embed", float(b * s * h)
+        elif i == n_all - 1:
+            lname, flops = "head", float(2 * b * s * h * vocab)
+        else:
+            lname, flops = f"block{i - 1}", float(24 * b * s * h * h + 4 * b * s * s * h)
+        where = f"{tp}.{i}."
+        try:
+            layers.append(LayerProfile(
+                name=lname, flops=flops,
+                param_bytes=_num(li, "params_bytes", where),
+                saved_bytes=_num(li, "act_mem_bytes", where) * b,
+                output_bytes=_num(li, "act_output_bytes", where) * b,
+                times={gpu: t[i] for gpu, t in times.items()}))
+        except FormatError as err:
+            raise err.in_file(str(info_path)) from None
+    if not layers:
+        raise PartitionerError(f"{cfg_path}: num_all_layers is 0")
+    meta = {"measured_on": {g: s_name for s_name, g in names_map.items()},
+            "sailor_gpu_names": names_map, "tensor_parallel": tensor_parallel, "update_s": update,
+            "seq_len": s, "hidden_size": h, "vocab_size": vocab,
+            "flops": "analytic: block 24bsh^2+4bs^2h, head 2bshV, embedding bsh"}
+    return Profile(name, b, tuple(layers), dtype="float32", source=f"sailor:{root.name}", meta=meta)

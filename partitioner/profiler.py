@@ -1,0 +1,315 @@
+"""Measure a layer chain with torch: per-layer time, FLOPs and memory -> :class:`Profile`.
+
+For every layer, on the local device (CPU, or CUDA when asked):
+
+* forward and backward time: warm-up runs, then repeated runs, the median kept (CUDA
+  events on GPU, ``time.perf_counter`` on CPU). The layer's input requires a gradient,
+  so backward is real (it computes the input gradient as a pipeline stage must);
+* FLOPs: one fvcore trace of the whole chain, split per layer with ``by_module()``.
+  fvcore counts one per multiply-add; the profile records ``2 x`` that (FLOPs of the
+  forward pass). Operators fvcore cannot count are counted per layer and reported in
+  ``Profile.meta["unsupported_ops"]``; they do not stop the profile;
+* ``param_bytes``: bytes of the layer's parameters;
+* ``saved_bytes``: the bytes autograd really keeps for backward, caught with
+  ``torch.autograd.graph.saved_tensors_hooks``; storages are de-duplicated (a view and
+  its base count once) and parameters are left out (they are in ``param_bytes``);
+* ``output_bytes``: the boundary tensor sent to the next stage.
+
+:func:`analyze_layers` does the same except timing and works on the ``meta`` device,
+so shapes, FLOPs and memory of big models are known without allocating them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import PartitionerError
+from .profile import LayerProfile, LayerTime, Profile
+
+__all__ = ["LayerStats", "analyze_layers", "available_memory_bytes", "device_label", "profile_model"]
+
+log = logging.getLogger(__name__)
+
+LayerList = Sequence[tuple[str, nn.Module]]
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What is known about one layer without timing it."""
+
+    name: str
+    flops: float
+    param_bytes: float
+    saved_bytes: float
+    output_bytes: float
+    unsupported_ops: dict[str, int]
+
+
+def _as_layer_list(layers: nn.Sequential | Iterable[Any]) -> list[tuple[str, nn.Module]]:
+    if isinstance(layers, nn.Sequential):
+        return list(layers.named_children())
+    out: list[tuple[str, nn.Module]] = []
+    for i, item in enumerate(layers):
+        if isinstance(item, nn.Module):
+            out.append((str(i), item))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], nn.Module):
+            out.append((str(item[0]), item[1]))
+        else:
+            raise PartitionerError(f"layer {i} is {type(item).__name__}; expected an nn.Module or (name, nn.Module)")
+    if not out:
+        raise PartitionerError("the model has no layers")
+    names = [n for n, _ in out]
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise PartitionerError(f"layer name '{dup}' appears twice; layer names must be unique")
+    return out
+
+
+def device_label(device: torch.device | str) -> str:
+    """A readable name of the device that took a measurement ("cpu", "cuda:NVIDIA H100 ...")."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(dev)}"
+    return dev.type
+
+
+def available_memory_bytes(device: torch.device | str) -> float:
+    """Free memory on ``device`` (CUDA: free device memory; CPU: available RAM)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return float(free)
+    if dev.type == "meta":
+        return float("inf")
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return float("inf")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+def _out_tensor(y: Any, name: str) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor):
+        raise PartitionerError(f"layer '{name}' returned {type(y).__name__}; a chain layer must return one tensor")
+    return y
+
+
+def _run_saving(layer: nn.Module, x: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
+    """Forward ``layer`` on ``x`` with grad, returning the output and the saved bytes."""
+    params = {_storage_key(p) for p in layer.parameters()}
+    seen: dict[int, int] = {}
+    keep: list[torch.Tensor] = []  # keep storages alive so their keys are not reused
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in params and key not in seen:
+            seen[key] = t.untyped_storage().nbytes()
+            keep.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = _out_tensor(layer(x), name)
+    return y, sum(seen.values())
+
+
+def _grad_input(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach()
+    if x.is_floating_point():
+        x.requires_grad_(True)
+    return x
+
+
+def _flops_by_layer(layers: LayerList, x: torch.Tensor) -> tuple[dict[str, float], dict[str, dict[str, int]]]:
+    from fvcore.nn import FlopCountAnalysis
+
+    keys = [f"layer{i}" for i in range(len(layers))]  # module names may not contain dots
+    seq = nn.Sequential(OrderedDict(zip(keys, (m for _, m in layers), strict=False)))
+    with torch.no_grad():
+        fa = FlopCountAnalysis(seq, (x.detach(),))
+        fa.unsupported_ops_warnings(False)
+        fa.uncalled_modules_warnings(False)
+        fa.tracer_warnings("none")
+        by_module = fa.by_module()
+        unsupported = {name: dict(fa.unsupported_ops(k)) for k, (name, _) in zip(keys, layers, strict=False)}
+    return {name: 2.0 * float(by_module.get(k, 0)) for k, (name, _) in zip(keys, layers, strict=False)}, unsupported
+
+
+def _progress(items: list[Any], enabled: bool | None, desc: str) -> Iterable[Any]:
+    if enabled is None:
+        enabled = len(items) > 20 and hasattr(os, "isatty") and os.isatty(2)
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="layer")
+
+
+def analyze_layers(layers: nn.Sequential | Iterable[Any], sample_input: torch.Tensor, *,
+                   count_flops: bool = True) -> list[LayerStats]:
+    """FLOPs, parameter, saved and output bytes of every layer, without timing.
+
+    Works on any device, including ``meta`` (nothing is allocated there); fvcore's trace
+    of convolutions fails on ``meta`` in current torch, so for CNNs count FLOPs on a real
+    device (or pass ``count_flops=False`` for memory only: FLOPs are then 0).
+    """
+    chain = _as_layer_list(layers)
+    if count_flops:
+        flops, unsupported = _flops_by_layer(chain, sample_input)
+    else:
+        flops, unsupported = {n: 0.0 for n, _ in chain}, {n: {} for n, _ in chain}
+    out = []
+    x = sample_input
+    for name, layer in chain:
+        xi = _grad_input(x)
+        y, saved = _run_saving(layer, xi, name)
+        out.append(LayerStats(name, flops[name], float(sum(_nbytes(p) for p in layer.parameters())),
+                              float(saved), float(_nbytes(y)), unsupported[name]))
+        x = y.detach()
+        del y, xi
+    return out
+
+
+def _is_oom(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text or "can't allocate" in text
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def time(self, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+        """Seconds ``fn(*args)`` takes on the device, and its result."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn(*args)
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return start.elapsed_time(end) / 1e3, result
+        t0 = time.perf_counter()
+        result = fn(*args)
+        return time.perf_counter() - t0, result
+
+
+def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, warmup: int, repeats: int,
+                budget_s: float) -> tuple[float, float, int]:
+    """Median forward and backward seconds of ``layer`` on input ``x``, and runs used."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    grad_out: torch.Tensor | None = None
+    for i in range(warmup + repeats):
+        tf, y = timer.time(layer, x)
+        y = _out_tensor(y, name)
+        tb = 0.0
+        if y.requires_grad:
+            if grad_out is None:
+                g = torch.Generator().manual_seed(1)
+                grad_out = torch.randn(y.shape, generator=g, dtype=y.dtype).to(y.device)
+            tb, _ = timer.time(torch.autograd.backward, y, grad_out)
+        del y
+        x.grad = None
+        if i >= warmup:
+            fwd.append(tf)
+            bwd.append(tb)
+            if len(fwd) >= 3 and sum(fwd) + sum(bwd) > budget_s:
+                break
+    return statistics.median(fwd), statistics.median(bwd), len(fwd)
+
+
+def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Tensor,
+                  device: torch.device | str = "cpu", *, model_name: str = "model", gpu_type: str | None = None,
+                  warmup: int = 2, repeats: int = 7, layer_budget_s: float = 2.0, progress: bool | None = None,
+                  seed: int = 0, threads: int | None = None, meta: dict[str, Any] | None = None) -> Profile:
+    """Measure every layer of a chain on ``device`` and return a :class:`Profile`.
+
+    The micro-batch size is ``sample_input.shape[0]``. Times are stored under
+    ``gpu_type`` (default: the device label, e.g. ``cpu``) and marked measured, with
+    ``measured_on`` naming the device that took them. Each layer is timed ``warmup``
+    times unrecorded, then up to ``repeats`` times (at least 3; fewer than ``repeats``
+    when a layer has used ``layer_budget_s`` seconds), keeping the median. Running out of
+    memory raises :class:`PartitionerError` naming the batch size.
+    """
+    chain = _as_layer_list(layers)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PartitionerError("device 'cuda' requested but torch sees no CUDA device (use --device cpu)")
+    if dev.type == "meta":
+        raise PartitionerError("the meta device cannot be timed; use analyze_layers or the analytic mode")
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    label = device_label(dev)
+    key = gpu_type or label
+    batch = int(sample_input.shape[0]) if sample_input.dim() > 0 else 1
+    timer = _Timer(dev)
+    try:
+        for _, layer in chain:
+            layer.to(dev)
+            layer.train()
+        x = sample_input.to(dev)
+        flops, unsupported = _flops_by_layer(chain, x)
+        out: list[LayerProfile] = []
+        runs: list[int] = []
+        for name, layer in _progress(chain, progress, f"profiling {model_name}"):
+            xi = _grad_input(x)
+            y, saved = _run_saving(layer, xi, name)
+            out_bytes = _nbytes(y)
+            del y
+            f_s, b_s, n = _time_layer(layer, xi, name, timer, warmup, repeats, layer_budget_s)
+            runs.append(n)
+            out.append(LayerProfile(
+                name=name, flops=flops[name],
+                param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
+                saved_bytes=float(saved), output_bytes=float(out_bytes),
+                times={key: LayerTime(f_s, b_s, projected=False, measured_on=label)}))
+            with torch.no_grad():
+                x = _out_tensor(layer(xi.detach()), name)
+            for p in layer.parameters():
+                p.grad = None
+            log.debug("%s: fwd %.3g s, bwd %.3g s (%d runs)", name, f_s, b_s, n)
+    except RuntimeError as exc:
+        if _is_oom(exc):
+            raise PartitionerError(f"micro-batch size {batch} does not fit in memory on {label} while profiling "
+                                   f"'{model_name}' ({str(exc).splitlines()[0][:120]}); use a smaller batch size "
+                                   "or the analytic mode") from None
+        raise
+    bad = {name: ops for name, ops in unsupported.items() if ops}
+    if bad:
+        log.warning("fvcore could not count %d operator kind(s) in %d layer(s) of %s; their FLOPs are left out "
+                    "(see meta.unsupported_ops)", len({o for ops in bad.values() for o in ops}), len(bad), model_name)
+    info: dict[str, Any] = {
+        "measured_on": {key: label},
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "warmup": warmup,
+        "repeats_max": repeats,
+        "repeats_min_used": min(runs),
+        "timing": "cuda events" if dev.type == "cuda" else "time.perf_counter",
+        "flops": "fvcore FlopCountAnalysis.by_module, x2 (one multiply-add = 2 FLOPs), forward pass",
+        "unsupported_ops": bad,
+        **(meta or {}),
+    }
+    dtype = str(sample_input.dtype).replace("torch.", "") if sample_input.is_floating_point() else "float32"
+    params = [p for _, layer in chain for p in layer.parameters()]
+    if params:
+        dtype = str(params[0].dtype).replace("torch.", "")
+    return Profile(model_name, batch, tuple(out), dtype=dtype, source=f"partitioner.profiler on {label}", meta=info)
