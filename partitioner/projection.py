@@ -58,7 +58,7 @@ class Roofs:
         for half-precision dtypes when the type has them)."""
         if precision not in ("auto", "fp32", "tensor"):
             raise PartitionerError(f"precision must be auto, fp32 or tensor, not '{precision}'")
-        half = dtype in ("float16", "bfloat16", "half")
+        half = dtype in ("float16", "bfloat16", "half", "mixed-fp16", "mixed-bf16")
         use_tensor = precision == "tensor" or (precision == "auto" and half)
         peak = t.tensor_flops if use_tensor and t.tensor_flops > 0 else t.peak_flops
         return cls(peak, t.mem_bandwidth_bps)

@@ -67,7 +67,7 @@ def _memory_check(args: argparse.Namespace, device: str) -> None:
     have = available_memory_bytes(device)
     if need > have:
         raise PartitionerError(
-            f"micro-batch size {args.batch_size} of {args.model} needs about {need / 2**30:.1f} GiB on {device} "
+            f"micro-batch size {args.batch_size} of {args.model} does not fit in memory: it needs about {need / 2**30:.1f} GiB on {device} "
             f"(parameters and gradients {2 * params / 2**30:.1f} GiB, largest layer {work / 2**30:.1f} GiB) "
             f"but {have / 2**30:.1f} GiB is free; use a smaller --batch-size or --analytic")
 

@@ -15,6 +15,10 @@ Sailor records no FLOPs; they are computed from the model shape for a GPT-style 
 a block does ``24 b s h^2 + 4 b s^2 h`` forward FLOPs, the head ``2 b s h V``, the
 embedding one addition per element (``b s h``). Sailor's optimizer-update time per layer
 is kept in ``meta.update_s``.
+
+The profile's ``dtype`` is ``float16`` (mixed precision): the measured speed ratios between
+GPU types follow their tensor-core peaks, not their FP32 peaks (docs/profiling.md), so
+projection uses the tensor-core roof. Byte counts are Sailor's, 4 bytes per element.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def _num(d: Any, key: str, where: str) -> float:
 
 
 def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 1, tensor_parallel: int = 1,
-                  model: str | None = None) -> Profile:
+                  model: str | None = None, dtype: str = "float16") -> Profile:
     """Read a Sailor profile directory into one profile (see the module docstring)."""
     root = Path(directory)
     if not root.is_dir():
@@ -132,4 +136,4 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
             "sailor_gpu_names": names_map, "tensor_parallel": tensor_parallel, "update_s": update,
             "seq_len": s, "hidden_size": h, "vocab_size": vocab,
             "flops": "analytic: block 24bsh^2+4bs^2h, head 2bshV, embedding bsh"}
-    return Profile(name, b, tuple(layers), dtype="float32", source=f"sailor:{root.name}", meta=meta)
+    return Profile(name, b, tuple(layers), dtype=dtype, source=f"sailor:{root.name}", meta=meta)

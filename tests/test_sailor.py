@@ -1,0 +1,64 @@
+"""The Sailor importer on a copy of Sailor's OPT-350 profiles (tests/data/sailor_opt350)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from partitioner.errors import FormatError
+from partitioner.importers.sailor import import_sailor
+
+DATA = Path(__file__).parent / "data" / "sailor_opt350"
+CATALOG_NAMES = {"A100-40": "A100-SXM4-40GB", "A100-80": "A100-SXM4-80GB", "GH-96": "GH-96",
+                 "RTX-2080": "RTX-2080", "RTX-3090": "RTX-3090", "Titan-RTX": "TITAN-RTX",
+                 "V100-16": "V100-SXM2-16GB"}
+
+
+def test_one_profile_with_seven_measured_types():
+    p = import_sailor(DATA)
+    assert p.model == "OPT-350" and p.num_layers == 26 and p.micro_batch_size == 1
+    assert set(p.gpu_types) == set(CATALOG_NAMES.values())
+    assert p.meta["sailor_gpu_names"] == CATALOG_NAMES
+    assert [x.name for x in p.layers][:2] == ["embed", "block0"] and p.layers[-1].name == "head"
+    for sailor, gpu in CATALOG_NAMES.items():
+        raw = json.loads((DATA / f"{sailor}.json").read_text())["1"]["1"]
+        assert not p.is_projected(gpu)
+        for i, layer in enumerate(p.layers):
+            t = layer.times[gpu]
+            assert (t.fwd_s, t.bwd_s) == (raw[str(i)][0], raw[str(i)][1]) and t.measured_on == sailor
+            assert p.meta["update_s"][gpu][i] == raw[str(i)][2]
+    info = json.loads((DATA / "llm_info_OPT-350_only.json").read_text())["OPT-350"]["1"]
+    assert p.layers[3].param_bytes == info["3"]["params_bytes"]
+    assert p.layers[3].saved_bytes == info["3"]["act_mem_bytes"]
+
+
+def test_micro_batch_scales_bytes_and_flops():
+    one, two = import_sailor(DATA), import_sailor(DATA, micro_batch_size=2)
+    for a, b in zip(one.layers, two.layers, strict=True):
+        assert b.flops == 2 * a.flops and b.output_bytes == 2 * a.output_bytes
+        assert b.saved_bytes == 2 * a.saved_bytes and b.param_bytes == a.param_bytes
+    h, s = 1024, 2048
+    assert one.layers[1].flops == 24 * s * h * h + 4 * s * s * h
+
+
+def test_missing_micro_batch_names_what_exists():
+    with pytest.raises(FormatError, match="micro-batch sizes with that degree: 1, 2"):
+        import_sailor(DATA, micro_batch_size=64)
+    with pytest.raises(FormatError, match="tensor parallel degree"):
+        import_sailor(DATA, tensor_parallel=3)
+
+
+def test_broken_file_is_named(tmp_path):
+    d = tmp_path / "s"
+    shutil.copytree(DATA, d)
+    raw = json.loads((d / "T4x.json").read_text()) if (d / "T4x.json").exists() else None
+    assert raw is None
+    bad = json.loads((d / "V100-16.json").read_text())
+    bad["1"]["1"]["5"] = "fast"
+    (d / "V100-16.json").write_text(json.dumps(bad))
+    with pytest.raises(FormatError) as err:
+        import_sailor(d)
+    assert "V100-16.json" in str(err.value) and "1.1.5" in str(err.value)
