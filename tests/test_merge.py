@@ -13,7 +13,7 @@ from partitioner.profile import LayerProfile, LayerTime, Profile
 def _p(gpu, t, model="m", names=("a", "b"), flops=(1.0, 2.0), projected=False, saved=(5.0, 6.0)):
     return Profile(model, 4, tuple(
         LayerProfile(n, f, 10.0, s, 3.0, {gpu: LayerTime(t, 2 * t, projected=projected, measured_on=gpu)})
-        for n, f, s in zip(names, flops, saved)), meta={"measured_on": {gpu: gpu}})
+        for n, f, s in zip(names, flops, saved, strict=True)), meta={"measured_on": {gpu: gpu}})
 
 
 def test_union_of_types():
