@@ -35,7 +35,7 @@ def test_measured_beats_projected_and_conflicts_are_refused():
     (_p("V100", 1.0, model="other"), "model 'other'"),
     (_p("V100", 1.0, names=("a", "c")), "layer 1 is 'c'"),
     (_p("V100", 1.0, flops=(1.0, 3.0)), "layer 1 'b' differs in flops"),
-    (_p("V100", 1.0, names=("a",), flops=(1.0,)), "1 layers"),
+    (_p("V100", 1.0, names=("a",), flops=(1.0,), saved=(5.0,)), "1 layers"),
     (_p("V100", 1.0, saved=(5.0, 9.0)), "saved_bytes"),
 ])
 def test_mismatches_name_the_first_bad_layer(other, message):

@@ -60,3 +60,15 @@ def test_broken_file_is_named(tmp_path):
     with pytest.raises(FormatError) as err:
         import_sailor(d)
     assert "V100-16.json" in str(err.value) and "1.1.5" in str(err.value)
+
+
+def test_cli_import_sailor(tmp_path, capsys):
+    from partitioner import cli
+    from partitioner.profile import Profile
+
+    out = tmp_path / "opt.json"
+    assert cli.main(["import", "sailor", str(DATA), "--micro-batch-size", "2", "-o", str(out)]) == 0
+    p = Profile.load(out)
+    assert p.micro_batch_size == 2 and len(p.gpu_types) == 7
+    assert cli.main(["import", "sailor", str(DATA), "--micro-batch-size", "3", "-o", str(tmp_path / "x.json")]) == 2
+    assert "micro-batch sizes with that degree" in capsys.readouterr().err

@@ -19,6 +19,17 @@ def _pipedream(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sailor(args: argparse.Namespace) -> int:
+    from ..importers.sailor import import_sailor
+
+    profile = import_sailor(args.directory, micro_batch_size=args.micro_batch_size,
+                            tensor_parallel=args.tensor_parallel, model=args.model)
+    profile.save(args.output)
+    print(f"imported {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}, "
+          f"measured on {', '.join(profile.gpu_types)} -> {args.output}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("import", help="convert another tool's profile to this project's format")
     formats = parser.add_subparsers(dest="format", required=True, metavar="FORMAT")
@@ -30,3 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="samples per profiled batch (default: derived from an ImageNet-sized input)")
     pd.add_argument("--model", default=None, help="model name (default: the file's name)")
     pd.set_defaults(func=_pipedream)
+    sl = formats.add_parser("sailor", help="Sailor per-layer LLM profiles (a directory of <GPU>.json)")
+    sl.add_argument("directory", help="Sailor profile directory (<GPU>.json, llm_info_*.json, training_config*.json)")
+    sl.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    sl.add_argument("--micro-batch-size", type=int, default=1, help="micro-batch size to import (default 1)")
+    sl.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel degree to import (default 1)")
+    sl.add_argument("--model", default=None, help="model name (default: the training config's)")
+    sl.set_defaults(func=_sailor)
