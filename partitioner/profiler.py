@@ -212,11 +212,18 @@ class _Timer:
 
 def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, warmup: int, repeats: int,
                 budget_s: float) -> tuple[float, float, int]:
-    """Median forward and backward seconds of ``layer`` on input ``x``, and runs used."""
+    """Median forward and backward seconds of ``layer`` on input ``x``, and the runs used.
+
+    Runs ``warmup`` untimed then up to ``repeats`` timed forward+backward passes. A slow
+    layer spends at most about ``budget_s``: warm-up stops after one pass that took
+    longer than ``budget_s / 4``, and timing stops after 3 passes (or 1 pass that alone
+    took longer than ``budget_s``) once the timed passes add up to ``budget_s``.
+    """
     fwd: list[float] = []
     bwd: list[float] = []
     grad_out: torch.Tensor | None = None
-    for i in range(warmup + repeats):
+    done_warmup = 0
+    while len(fwd) < repeats:
         tf, y = timer.time(layer, x)
         y = _out_tensor(y, name)
         tb = 0.0
@@ -227,11 +234,14 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, war
             tb, _ = timer.time(torch.autograd.backward, y, grad_out)
         del y
         x.grad = None
-        if i >= warmup:
-            fwd.append(tf)
-            bwd.append(tb)
-            if len(fwd) >= 3 and sum(fwd) + sum(bwd) > budget_s:
-                break
+        if done_warmup < warmup:
+            done_warmup = warmup if tf + tb > budget_s / 4 else done_warmup + 1
+            continue
+        fwd.append(tf)
+        bwd.append(tb)
+        total = sum(fwd) + sum(bwd)
+        if total > budget_s and (len(fwd) >= 3 or tf + tb > budget_s):
+            break
     return statistics.median(fwd), statistics.median(bwd), len(fwd)
 
 
@@ -243,10 +253,11 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
 
     The micro-batch size is ``sample_input.shape[0]``. Times are stored under
     ``gpu_type`` (default: the device label, e.g. ``cpu``) and marked measured, with
-    ``measured_on`` naming the device that took them. Each layer is timed ``warmup``
-    times unrecorded, then up to ``repeats`` times (at least 3; fewer than ``repeats``
-    when a layer has used ``layer_budget_s`` seconds), keeping the median. Running out of
-    memory raises :class:`PartitionerError` naming the batch size.
+    ``measured_on`` naming the device that took them. Each layer runs ``warmup`` untimed
+    passes, then up to ``repeats`` timed ones, keeping the median; a slow layer stops
+    early after about ``layer_budget_s`` seconds (see ``_time_layer``; the fewest timed
+    runs any layer got is ``meta.repeats_min_used``). Running out of memory raises
+    :class:`PartitionerError` naming the batch size.
     """
     chain = _as_layer_list(layers)
     dev = torch.device(device)
@@ -273,6 +284,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
             xi = _grad_input(x)
             y, saved = _run_saving(layer, xi, name)
             out_bytes = _nbytes(y)
+            nxt = y.detach()  # the next layer's input
             del y
             f_s, b_s, n = _time_layer(layer, xi, name, timer, warmup, repeats, layer_budget_s)
             runs.append(n)
@@ -281,8 +293,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
                 param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
                 saved_bytes=float(saved), output_bytes=float(out_bytes),
                 times={key: LayerTime(f_s, b_s, projected=False, measured_on=label)}))
-            with torch.no_grad():
-                x = _out_tensor(layer(xi.detach()), name)
+            x = nxt
             for p in layer.parameters():
                 p.grad = None
             log.debug("%s: fwd %.3g s, bwd %.3g s (%d runs)", name, f_s, b_s, n)

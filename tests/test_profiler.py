@@ -122,3 +122,16 @@ def test_profile_json_round_trip(tmp_path):
     p.save(path)
     assert Profile.load(path) == Profile.from_dict(json.loads(path.read_text()))
     assert Profile.load(path).layers == p.layers
+
+
+@pytest.mark.parametrize("b, s", [(2, 32), (3, 17)])
+def test_saved_bytes_of_a_transformer_block_match_the_analytic_count(b, s):
+    # Pre-LN block, fp32: kept for backward are x, ln1(x), qkv (one storage for q, k, v),
+    # the attention probabilities (a b s^2), the attention output, x + attn, ln2(.), fc1's
+    # output and gelu's output (4 b s h each): 16 b s h + a b s^2 floats; plus the causal
+    # mask (s^2 bools) and LayerNorm mean/rstd (2 b s floats per LayerNorm).
+    m = build_model("gpt2-tiny", b, seq_len=s, device="meta")
+    h, a = m.config["hidden"], m.config["heads"]
+    stats = analyze_layers(m.layers, m.sample_input("meta"), count_flops=False)
+    expected = 4 * (16 * b * s * h + a * b * s * s) + s * s + 4 * 4 * b * s
+    assert [x.saved_bytes for x in stats[1:-1]] == [expected] * m.config["blocks"]
