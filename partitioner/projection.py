@@ -6,7 +6,9 @@ Real layers reach only a fraction of it: the *efficiency* ``e = roofline / measu
 
 * **From a measured GPU type in the catalog**: ``e`` is calibrated per layer (forward and
   backward separately) on the measured type and carried over, so
-  ``t_target = t_source * roof_target / roof_source``.
+  ``t_target = t_source * roof_target / roof_source``. Half-precision profiles use the
+  tensor-core peak; if only one of the two types has a tensor-core figure in the catalog,
+  both use FP32 peaks so that like is compared with like.
 * **From a device not in the catalog** (the CPU): its effective roofs are estimated from
   the measurements themselves (the best FLOP/s and best bytes/s any layer reached), which
   gives each layer a relative efficiency ``r <= 1`` (how close it came to the best layer);
@@ -84,6 +86,11 @@ def _source_roofs(profile: Profile, source: str, extra: Mapping[str, DeviceType]
         return Roofs.of(resolve_gpu_type(source, extra), profile.dtype, precision), True
     except FormatError:
         pass
+    return _estimated_roofs(profile, source), False
+
+
+def _estimated_roofs(profile: Profile, source: str) -> Roofs:
+    """Effective roofs of a device outside the catalog: the best any layer reached."""
     fwd, _ = profile.times_for(source)
     flops, nbytes = profile.array("flops"), layer_traffic_bytes(profile)
     ok = fwd > 0
@@ -91,7 +98,7 @@ def _source_roofs(profile: Profile, source: str, extra: Mapping[str, DeviceType]
         raise PartitionerError(f"profile has no positive forward time on '{source}' to calibrate from")
     peak = float(np.max(flops[ok] / fwd[ok]))
     bw = float(np.max(nbytes[ok] / fwd[ok]))
-    return Roofs(peak if peak > 0 else float("inf"), bw if bw > 0 else float("inf")), False
+    return Roofs(peak if peak > 0 else float("inf"), bw if bw > 0 else float("inf"))
 
 
 def project_times(profile: Profile, source: str, target: DeviceType, *, efficiency: float = DEFAULT_EFFICIENCY,
@@ -100,7 +107,14 @@ def project_times(profile: Profile, source: str, target: DeviceType, *, efficien
     fwd_src, bwd_src = profile.times_for(source)
     flops, nbytes = profile.array("flops"), layer_traffic_bytes(profile)
     src_roofs, from_catalog = _source_roofs(profile, source, extra, precision)
-    dst = roofline_s(flops, nbytes, Roofs.of(target, profile.dtype, precision))
+    dst_roofs = Roofs.of(target, profile.dtype, precision)
+    if from_catalog and precision != "fp32":
+        src_type = resolve_gpu_type(source, extra)
+        if (src_roofs.flops_per_s != src_type.peak_flops) != (dst_roofs.flops_per_s != target.peak_flops):
+            # One side has a tensor-core figure and the other not: compare like with like.
+            src_roofs = Roofs.of(src_type, profile.dtype, "fp32")
+            dst_roofs = Roofs.of(target, profile.dtype, "fp32")
+    dst = roofline_s(flops, nbytes, dst_roofs)
     src = roofline_s(flops, nbytes, src_roofs)
     scale = 1.0 if from_catalog else efficiency
     # Where the source roofline is zero (a layer with no counted work), keep the ratio of
