@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from partitioner._io import atomic_write_text  # noqa: E402
-from partitioner.models import build_model  # noqa: E402
-from partitioner.profiler import _run_saving, profile_model  # noqa: E402
+from partitioner._io import atomic_write_text
+from partitioner.models import build_model
+from partitioner.profiler import profile_model, saved_tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = "vgg19-tiny:8,resnet50-tiny:8,gpt2-tiny:8,bert-tiny:8,gpt2-small:1:128,resnet50:1"
@@ -63,7 +63,7 @@ def main() -> int:
         seq = m.sequential()
         whole = whole_model_s(seq, x)
         per_layer = statistics.mean([t1.sum(), t2.sum()])
-        _, saved_whole = _run_saving(seq, x.detach().requires_grad_(x.is_floating_point()), name)
+        _, saved_whole = saved_tensor_bytes(seq, x.detach().requires_grad_(x.is_floating_point()), name)
         saved_layers = sum(layer.saved_bytes for layer in runs[0].layers)
         lines.append(f"| {name} | {batch}{'x' + rest[0] if rest else ''} | {len(m.layers)} | "
                      f"{np.median(diff):.1f} | {diff.max():.1f} | {per_layer:.4f} | {whole:.4f} | "

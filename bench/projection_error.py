@@ -20,10 +20,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from partitioner._io import atomic_write_text  # noqa: E402
-from partitioner.importers.sailor import import_sailor  # noqa: E402
-from partitioner.profile import LayerProfile, Profile  # noqa: E402
-from partitioner.projection import _in_catalog, project_profile  # noqa: E402
+from partitioner._io import atomic_write_text
+from partitioner.importers.sailor import import_sailor
+from partitioner.profile import LayerProfile, Profile
+from partitioner.projection import is_catalog_type, project_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def main() -> int:
     if not sailor.is_dir():
         sailor = ROOT / "tests" / "data" / "sailor_opt350"
     full = import_sailor(sailor, micro_batch_size=args.micro_batch_size)
-    types = [g for g in full.gpu_types if _in_catalog(g, None)]
+    types = [g for g in full.gpu_types if is_catalog_type(g, None)]
     lines = [f"# Projection error on Sailor OPT-350 (micro-batch {full.micro_batch_size}, {sailor})", "",
              f"Types in the catalog: {', '.join(types)} (GH-96 is not, so it is left out).", "",
              "Absolute % error of projected vs measured forward+backward time; each target is projected "

@@ -36,7 +36,7 @@ from torch import nn
 from .errors import PartitionerError
 from .profile import LayerProfile, LayerTime, Profile
 
-__all__ = ["LayerStats", "analyze_layers", "available_memory_bytes", "device_label", "profile_model"]
+__all__ = ["LayerStats", "analyze_layers", "available_memory_bytes", "device_label", "profile_model", "saved_tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,9 @@ def _out_tensor(y: Any, name: str) -> torch.Tensor:
     return y
 
 
-def _run_saving(layer: nn.Module, x: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
-    """Forward ``layer`` on ``x`` with grad, returning the output and the saved bytes."""
+def saved_tensor_bytes(layer: nn.Module, x: torch.Tensor, name: str = "layer") -> tuple[torch.Tensor, int]:
+    """Forward ``layer`` on ``x`` with grad, returning the output and the bytes autograd
+    keeps for backward (storages de-duplicated, the module's parameters left out)."""
     params = {_storage_key(p) for p in layer.parameters()}
     seen: dict[int, int] = {}
     keep: list[torch.Tensor] = []  # keep storages alive so their keys are not reused
@@ -178,7 +179,7 @@ def analyze_layers(layers: nn.Sequential | Iterable[Any], sample_input: torch.Te
     x = sample_input
     for name, layer in chain:
         xi = _grad_input(x)
-        y, saved = _run_saving(layer, xi, name)
+        y, saved = saved_tensor_bytes(layer, xi, name)
         out.append(LayerStats(name, flops[name], float(sum(_nbytes(p) for p in layer.parameters())),
                               float(saved), float(_nbytes(y)), unsupported[name]))
         x = y.detach()
@@ -282,7 +283,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
         runs: list[int] = []
         for name, layer in _progress(chain, progress, f"profiling {model_name}"):
             xi = _grad_input(x)
-            y, saved = _run_saving(layer, xi, name)
+            y, saved = saved_tensor_bytes(layer, xi, name)
             out_bytes = _nbytes(y)
             nxt = y.detach()  # the next layer's input
             del y

@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_EFFICIENCY",
     "Roofs",
     "analytic_profile_times",
+    "is_catalog_type",
     "layer_traffic_bytes",
     "project_profile",
     "project_times",
@@ -175,13 +176,14 @@ def project_profile(profile: Profile, targets: Sequence[str], *, source: str | N
         else:
             times = project_times(out, src, t, efficiency=efficiency, precision=precision, extra=extra)
             notes[t.name] = {"method": "calibrated roofline", "from": src, "precision": precision,
-                             **({} if _in_catalog(src, extra) else {"efficiency": efficiency})}
+                             **({} if is_catalog_type(src, extra) else {"efficiency": efficiency})}
         out = out.with_times(t.name, times)
     return Profile(out.model, out.micro_batch_size, out.layers, out.dtype, out.source, out.edges,
                    {**out.meta, "projections": notes})
 
 
-def _in_catalog(name: str, extra: Mapping[str, DeviceType] | None) -> bool:
+def is_catalog_type(name: str, extra: Mapping[str, DeviceType] | None = None) -> bool:
+    """Whether ``name`` resolves to a catalog (or ``extra``) GPU type."""
     try:
         resolve_gpu_type(name, extra)
     except FormatError:
