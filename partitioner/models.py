@@ -68,7 +68,7 @@ class _Classifier(nn.Module):
         return self.fc3(x)
 
 
-_VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
+_VGG19: tuple[int | str, ...] = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
           512, 512, 512, 512, "M")
 
 
@@ -76,10 +76,10 @@ def _vgg19(width: float, image: int, classes: int, hidden: int) -> list[tuple[st
     layers: list[tuple[str, nn.Module]] = []
     cin = 3
     for i, v in enumerate(_VGG19):
-        if v == "M":
+        if isinstance(v, str):  # "M": max-pool
             layers.append((f"pool{i}", nn.MaxPool2d(2)))
         else:
-            cout = max(1, int(int(v) * width))
+            cout = max(1, int(v * width))
             layers.append((f"conv{i}", _ConvReLU(cin, cout)))
             cin = cout
     pool = min(7, max(1, image // 32))

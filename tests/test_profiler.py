@@ -135,3 +135,17 @@ def test_saved_bytes_of_a_transformer_block_match_the_analytic_count(b, s):
     stats = analyze_layers(m.layers, m.sample_input("meta"), count_flops=False)
     expected = 4 * (16 * b * s * h + a * b * s * s) + s * s + 4 * 4 * b * s
     assert [x.saved_bytes for x in stats[1:-1]] == [expected] * m.config["blocks"]
+
+
+def test_interrupted_profile_keeps_the_old_file(tmp_path, run_cli, monkeypatch):
+    import partitioner.profiler as profiler_mod
+
+    out = tmp_path / "p.json"
+    out.write_text("old contents\n")
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profiler_mod, "profile_model", boom)
+    assert run_cli(["profile", "gpt2-tiny", "--batch-size", "1", "-o", str(out)]) == 130
+    assert out.read_text() == "old contents\n" and [p.name for p in tmp_path.iterdir()] == ["p.json"]
