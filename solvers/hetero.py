@@ -56,7 +56,7 @@ class WorkerPlanner:
     """
 
     def __init__(self, cost: CostModel, schedule: str, micro_batches: int, replication: bool = False,
-                 exact_limit: int = 5040, max_evaluations: int = 400):
+                 exact_limit: int = 720, max_evaluations: int = 200):
         self.cost = cost
         self.max_evaluations = max_evaluations
         self.schedule = schedule
@@ -163,7 +163,7 @@ def _candidate_ks(n: int, nodes: int) -> list[int]:
 
 def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str = "auto", policy: str = "opt",
                  *, objective: str = "wsp", replication: bool = False, schedule: str = "1f1b",
-                 micro_batches: int = 8, options: CostOptions | None = None, exact_limit: int = 5040,
+                 micro_batches: int = 8, options: CostOptions | None = None, exact_limit: int = 720,
                  time_limit_s: float = 50.0, devices: Sequence[str] | None = None) -> SolveResult:
     """Group, map and split ``profile`` over ``cluster`` (see the module docstring).
 
@@ -213,7 +213,12 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
             finalists += starts
             if g is not None and val > -math.inf:
                 finalists.append(g)
+        seen: set[Any] = set()
         for g in finalists:
+            sig = tuple(sorted(tuple(sorted(d.name for d in w)) for w in g))
+            if sig in seen:
+                continue
+            seen.add(sig)
             val = combine([planner.throughput(w) for w in g], objective)
             if val > -math.inf and (best is None or val > best[0]):
                 best = (val, g)

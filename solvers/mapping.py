@@ -10,14 +10,14 @@ a device-level link override, are interchangeable: swapping them changes no stag
 transfer and no memory limit. So an order is fully described by its sequence of
 *labels* ``(node, gpu type)``, and the number of distinct orders is the multinomial
 coefficient ``p! / prod(c_g!)`` over the label counts ``c_g``. When that number is at most
-``exact_limit`` (default 5040, e.g. 7 distinct labels, or 16 GPUs of 4 types on 4 nodes
-with 4 each of one label per node), every label sequence is priced by the exact DP and the
+``exact_limit`` (default 720: e.g. 6 distinct labels, or 8 GPUs of 2 labels with 4 each),
+every label sequence is priced by the exact DP and the
 best is returned: the result is **optimal** for the minimum-bottleneck objective.
 
 **When it is a heuristic.** Beyond ``exact_limit``, the search starts from a few natural
 orders (the cluster's listing order; nodes kept contiguous with faster GPU types first;
 all GPUs by speed) and improves the best by swapping two positions with different labels
-and by moving a whole node block, until no move helps or ``max_evaluations`` is spent.
+and by moving a whole node block, until no move helps or ``max_evaluations`` (default 200) is spent.
 The answer is then ``exact=False`` and carries the simple lower bound of
 :meth:`partitioner.cost.CostModel.lower_bound_s` as its certificate.
 """
@@ -100,7 +100,7 @@ def _realise(order: Sequence[Label], pools: dict[Label, list[Device]]) -> list[D
 
 
 def map_worker(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b", micro_batches: int = 1,
-               *, exact_limit: int = 5040, max_evaluations: int = 400) -> MappingResult:
+               *, exact_limit: int = 720, max_evaluations: int = 200) -> MappingResult:
     """Best pipeline order and split of ``devices`` (all of them are used, one stage each)."""
     devices = list(devices)
     labels = device_labels(cost, devices)
