@@ -19,6 +19,8 @@ __all__ = ["SOLVERS", "SolveResult", "SolveStatus", "solve"]
 # name the user types -> "module:function"; every function takes (profile, cluster, **options)
 SOLVERS: dict[str, str] = {
     "dp": "solvers.dp:solve",
+    "cpsat": "solvers.cpsat:solve",
+    "milp": "solvers.milp:solve",
 }
 
 

@@ -131,6 +131,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
         return finish(problem, "cpsat", SolveStatus.INFEASIBLE, None, math.nan,
                       time.perf_counter() - t0, details)
     bound = max(0.0, (solver.best_objective_bound - FLOAT_SAFETY_TICKS) * tick_s)
+    details["bound_s"] = bound  # as converted, before capping at the plan's objective
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return finish(problem, "cpsat", SolveStatus.UNKNOWN, None, bound, time.perf_counter() - t0, details,
                       reason=f"no plan found within the time limit of {time_limit_s:g} s "
