@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -40,10 +41,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
 
 
@@ -82,7 +81,7 @@ def req_field(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], whe
         raise FormatError(field)
     value = d[key]
     if isinstance(value, bool) and kind is not bool and (kind in (int, float) or kind == (int, float)):
-        raise FormatError(field, value, f"must be a number, not a boolean")
+        raise FormatError(field, value, "must be a number, not a boolean")
     if not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise FormatError(field, value, f"must be of type {names}")
