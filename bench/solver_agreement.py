@@ -5,7 +5,7 @@
 Instances: every PipeDream profile (tests/data/pipedream) on two heterogeneous clusters,
 and seeded random chains. CP-SAT and MILP run without the DP's hint unless ``--hint`` is
 given, so their answers are independent checks of the DP. Prints the table and writes it
-into docs/solvers.md between the agreement-table markers.
+into docs/solvers.md between the markers of its mode (with or without hints).
 
 PipeDream profiles are timed on one V100 at micro-batch 128 or 256. To plan them on other
 GPU types, times are projected by the ratio of peak FP32 FLOP/s from the catalog (marked
@@ -37,7 +37,8 @@ __all__ = ["main"]
 
 PROFILES = ROOT / "tests" / "data" / "pipedream"
 DOC = ROOT / "docs" / "solvers.md"
-START, END = "<!-- agreement-table:start -->", "<!-- agreement-table:end -->"
+MARKERS = {False: ("<!-- agreement-table:start -->", "<!-- agreement-table:end -->"),
+           True: ("<!-- agreement-table-hint:start -->", "<!-- agreement-table-hint:end -->")}
 MICRO_BATCH = 32
 
 CLUSTERS = {
@@ -147,12 +148,13 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + table)
     if args.no_write:
         return
-    text = DOC.read_text(encoding="utf-8") if DOC.exists() else f"# Solvers\n\n{START}\n{END}\n"
-    if START not in text or END not in text:
-        text += f"\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    atomic_write_text(DOC, f"{head}{START}\n{table}\n{END}{tail}")
+    start, end = MARKERS[args.hint]
+    text = DOC.read_text(encoding="utf-8") if DOC.exists() else f"# Solvers\n\n{start}\n{end}\n"
+    if start not in text or end not in text:
+        text += f"\n{start}\n{end}\n"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    atomic_write_text(DOC, f"{head}{start}\n{table}\n{end}{tail}")
     print(f"\nwrote {DOC.relative_to(ROOT)}")
 
 
