@@ -57,9 +57,9 @@ def load_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise FormatError("file", str(p), "no such file", file=str(p)) from None
+        raise FormatError("", expected="no such file", file=str(p)) from None
     except OSError as exc:
-        raise FormatError("file", str(p), f"cannot be read ({exc.strerror})", file=str(p)) from None
+        raise FormatError("", expected=f"cannot be read ({exc.strerror})", file=str(p)) from None
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -68,7 +68,9 @@ def load_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
         else:
             data = json.loads(text)
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
-        raise FormatError("contents", p.name, f"not valid {p.suffix.lstrip('.').upper() or 'JSON'}: {exc}".replace("\n", " "), file=str(p)) from None
+        kind = "YAML" if p.suffix.lower() in (".yaml", ".yml") else "JSON"
+        detail = " ".join(str(exc).split())
+        raise FormatError("", expected=f"not valid {kind}: {detail}", file=str(p)) from None
     if not isinstance(data, Mapping):
         raise FormatError("top level", type(data).__name__, "must be a mapping (object)", file=str(p))
     return dict(data)

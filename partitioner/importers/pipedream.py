@@ -144,7 +144,7 @@ def import_pipedream(path: str | os.PathLike[str], gpu_type: str = "V100",
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise FormatError("file", str(p), f"cannot be read ({exc.strerror})", file=str(p)) from None
+        raise FormatError("", expected=f"cannot be read ({exc.strerror})", file=str(p)) from None
     try:
         nodes, edges = parse_graph(text)
         order = _topological_order(nodes, edges)
