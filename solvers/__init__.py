@@ -24,6 +24,8 @@ SOLVERS: dict[str, str] = {
     "parameters": "solvers.baselines:solve_parameters",
     "blockpartition": "solvers.baselines:solve_blockpartition",
     "pipedream": "solvers.baselines:solve_pipedream",
+    "cpsat": "solvers.cpsat:solve",
+    "milp": "solvers.milp:solve",
 }
 
 
