@@ -53,6 +53,11 @@ def _run(args: argparse.Namespace) -> int:
         vw = args.virtual_workers or "auto"
         kwargs.update(virtual_workers=vw if vw == "auto" else _positive(vw, "--virtual-workers"),
                       policy=args.policy or "opt", replication=bool(args.replication), objective=args.objective)
+    if args.time_limit is not None:
+        if solver not in _TIME_LIMITED:
+            raise FormatError("--time-limit", args.time_limit, f"applies to the {', '.join(_TIME_LIMITED)} "
+                              f"solvers; {solver} needs none")
+        kwargs["time_limit_s"] = args.time_limit
     if args.micro_batches == "auto":
         from solvers.hetero import plan_cluster
         from solvers.microbatch import choose_micro_batches
@@ -82,6 +87,9 @@ def _run(args: argparse.Namespace) -> int:
         result.plan.save(args.output)
         print(f"\nwrote {args.output}")
     return 0
+
+
+_TIME_LIMITED = ("cpsat", "milp", "hetero")
 
 
 def _positive(text: str, flag: str) -> int:
@@ -115,6 +123,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="opt maximises the sum of worker throughputs (wsp) or K x the slowest (sync)")
     parser.add_argument("--replication", action=argparse.BooleanOptionalAction, default=False,
                         help="let a stage run data-parallel on several GPUs of one type")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="stop cpsat / milp / the hetero search after this long and report the gap")
     parser.add_argument("--devices", default=None,
                         help="comma-separated device names in pipeline order (default: all, in file order)")
     parser.add_argument("--allow-fewer", action="store_true", help="let the solver use fewer devices than given")
