@@ -519,9 +519,11 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         if n_iter == 1:
             windows.append((0.0, float(worker_end[w]), 1))
         else:
-            # the last iteration drains the pipeline: measure up to the end of the one before
+            # the last iteration drains the pipeline: measure up to the end of the one before;
+            # under WSP the first D + 1 waves run ahead of the slowest worker unchecked: skip them
             last = n_iter - 2 if n_iter >= 3 else n_iter - 1
-            windows.append((float(t_end[w, 0]), float(t_end[w, last]), last))
+            first = min(plan.staleness + 1, last - 1) if sched == "wsp" and last >= 2 else 0
+            windows.append((float(t_end[w, first]), float(t_end[w, last]), last - first))
     iteration = max((hi - lo) / k if n_iter > 1 else hi for lo, hi, k in windows)
     samples = n_workers * m * plan.micro_batch_size
     samples_per_s = samples / iteration if iteration > 0 else math.inf
