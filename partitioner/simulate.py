@@ -253,8 +253,8 @@ def _run(ops: Sequence[Sequence[_Op]], rank_worker: Sequence[int], overlap: bool
                 en[i] = e
                 if not overlap:
                     t = e
-                w = waiting.pop(key, None)
-                if w is not None:
+                w = waiting.pop(key, -1)
+                if w >= 0:
                     heappush(heap, (e, w))
                     limit = heap[0][0]
             elif code == _STEP:
