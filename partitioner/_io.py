@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -40,10 +41,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
 
 
@@ -58,9 +57,9 @@ def load_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise FormatError("file", str(p), "no such file", file=str(p)) from None
+        raise FormatError("", expected="no such file", file=str(p)) from None
     except OSError as exc:
-        raise FormatError("file", str(p), f"cannot be read ({exc.strerror})", file=str(p)) from None
+        raise FormatError("", expected=f"cannot be read ({exc.strerror})", file=str(p)) from None
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -69,7 +68,9 @@ def load_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
         else:
             data = json.loads(text)
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
-        raise FormatError("contents", p.name, f"not valid {p.suffix.lstrip('.').upper() or 'JSON'}: {exc}".replace("\n", " "), file=str(p)) from None
+        kind = "YAML" if p.suffix.lower() in (".yaml", ".yml") else "JSON"
+        detail = " ".join(str(exc).split())
+        raise FormatError("", expected=f"not valid {kind}: {detail}", file=str(p)) from None
     if not isinstance(data, Mapping):
         raise FormatError("top level", type(data).__name__, "must be a mapping (object)", file=str(p))
     return dict(data)
@@ -82,7 +83,7 @@ def req_field(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], whe
         raise FormatError(field)
     value = d[key]
     if isinstance(value, bool) and kind is not bool and (kind in (int, float) or kind == (int, float)):
-        raise FormatError(field, value, f"must be a number, not a boolean")
+        raise FormatError(field, value, "must be a number, not a boolean")
     if not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise FormatError(field, value, f"must be of type {names}")

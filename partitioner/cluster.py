@@ -54,7 +54,7 @@ class DeviceType:
         check(self.tensor_flops >= 0, f"device_types.{self.name}.tensor_flops", self.tensor_flops, "must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"memory_GB": self.memory_bytes / GIB, "fp32_tflops": self.peak_flops / 1e12,
+        d: dict[str, Any] = {"memory_GB": self.memory_bytes / GIB, "fp32_tflops": self.peak_flops / 1e12,
              "mem_GBps": self.mem_bandwidth_bps / GB}
         if self.tensor_flops:
             d["fp16_tensor_tflops"] = self.tensor_flops / 1e12
@@ -198,14 +198,14 @@ class Cluster:
         check(len(self.nodes) >= 1, "nodes", [], "must list at least one node")
         check(self.inter_gbps > 0, "inter_node_GBps", self.inter_gbps, "must be > 0")
         names = [n.name for n in self.nodes]
-        for i, n in enumerate(names):
-            check(n not in names[:i], f"nodes[{i}].name", n, "duplicates an earlier node name")
-        for n in self.nodes:
-            for k, t in enumerate(n.gpus):
+        for i, name in enumerate(names):
+            check(name not in names[:i], f"nodes[{i}].name", name, "duplicates an earlier node name")
+        for i, node in enumerate(self.nodes):
+            for k, t in enumerate(node.gpus):
                 try:
                     resolve_gpu_type(t, self.device_types)
                 except FormatError as err:
-                    raise FormatError(f"nodes[{names.index(n.name)}].gpus[{k}]", t, err.expected) from None
+                    raise FormatError(f"nodes[{i}].gpus[{k}]", t, err.expected) from None
         devs = {d.name for d in self.devices}
         for k, link in enumerate(self.links):
             for end in (link.a, link.b):

@@ -23,6 +23,7 @@ Memory of a stage on its device:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -136,16 +137,19 @@ class CostModel:
         out: dict[str, str] = {}
         for key in self.profile.gpu_types:
             out.setdefault(key, key)
-            try:
+            with contextlib.suppress(FormatError):  # a type the catalog does not know keeps its own name
                 out.setdefault(resolve_gpu_type(key, self.cluster.device_types).name, key)
-            except FormatError:
-                pass
         return out
 
     def has_times(self, gpu_type: str) -> bool:
         return gpu_type in self._times_key
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one model per (profile, cluster), few types
+    def require_times(self, devices: Sequence[Device]) -> None:
+        """Raise unless the profile has times for every device's GPU type (checked before solving)."""
+        for dev in devices:
+            self._prefixes(dev.gpu_type)
+
+    @functools.cache  # noqa: B019 - one model per (profile, cluster), few types
     def _prefixes(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
         key = self._times_key.get(gpu_type)
         if key is None:
@@ -157,7 +161,7 @@ class CostModel:
         zero = np.zeros(1)
         return np.concatenate([zero, np.cumsum(fwd)]), np.concatenate([zero, np.cumsum(bwd)])
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.cache  # noqa: B019
     def _total_prefix(self, gpu_type: str) -> np.ndarray:
         f, b = self._prefixes(gpu_type)
         return np.concatenate([np.zeros(1), np.cumsum(np.diff(f) + np.diff(b))])
@@ -172,7 +176,7 @@ class CostModel:
         total = self._total_prefix(gpu_type)
         return float(total[stop] - total[start])
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.cache  # noqa: B019
     def compute_matrix(self, gpu_type: str) -> np.ndarray:
         """``C[i, j]`` = forward+backward seconds of layers ``[i, j)`` (meaningful for i < j)."""
         total = self._total_prefix(gpu_type)
@@ -210,7 +214,7 @@ class CostModel:
         out.flags.writeable = False
         return out
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.cache  # noqa: B019
     def _boundary_vector(self, a: str, b: str) -> np.ndarray:
         if a == b:
             return self._no_transfer
@@ -249,7 +253,7 @@ class CostModel:
         """Bytes of weights + gradients + optimizer state per parameter byte."""
         return weight_versions(schedule) + 1.0 + self.options.optimizer_state_factor
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.cache  # noqa: B019
     def _memory_prefix(self, in_flight: int, schedule: str) -> np.ndarray:
         q = self.param_prefix * self.weight_factor(schedule) + self.saved_prefix * in_flight
         q.flags.writeable = False
@@ -335,9 +339,9 @@ class CostModel:
         inverse proportion to its whole-model time).
         """
         types = list(dict.fromkeys(d.gpu_type for d in devices))
-        per_layer = np.stack([np.diff(sum(self._prefixes(t))) for t in types])
+        per_layer = np.stack([np.diff(self._total_prefix(t)) for t in types])
         largest_layer = float(per_layer.min(axis=0).max())
-        whole = {t: float(sum(self._prefixes(t))[-1]) for t in types}
+        whole = {t: float(self._total_prefix(t)[-1]) for t in types}
         speed = sum(1.0 / whole[d.gpu_type] if whole[d.gpu_type] > 0 else np.inf for d in devices)
         balanced = 0.0 if speed == np.inf else 1.0 / speed
         return max(largest_layer, balanced)

@@ -29,6 +29,8 @@ class FormatError(PartitionerError, ValueError):
 
     def _render(self) -> str:
         where = f"{self.file}: " if self.file else ""
+        if not self.field:  # about the file as a whole
+            return f"{where}{self.expected}"
         if self.value is FormatError._MISSING:
             what = f"{self.field} is missing"
         else:

@@ -67,7 +67,7 @@ class Stage:
             raise FormatError(where.rstrip("."), d, "must be an object {layers, device, gpu_type}")
         try:
             return cls(
-                layers=tuple(req_field(d, "layers", list, where)),  # type: ignore[arg-type]
+                layers=tuple(req_field(d, "layers", list, where)),
                 device=req_field(d, "device", str, where),
                 gpu_type=opt_field(d, "gpu_type", str, "", where),
                 replicas=tuple(opt_field(d, "replicas", list, [], where)),

@@ -138,6 +138,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     devs = cluster.subset(devices) if devices is not None else cluster.devices
     if len(set(d.name for d in devs)) != len(devs):
         raise FormatError("devices", [d.name for d in devs], "lists a device twice")
+    cost.require_times(devs)
     m = micro_batches if micro_batches is not None else len(devs)
     if not (isinstance(m, int) and m >= 1):
         raise FormatError("micro_batches", m, "must be an integer >= 1")

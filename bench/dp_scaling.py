@@ -1,0 +1,79 @@
+"""How fast the exact chain DP is: L layers x D devices of 4 GPU types with memory limits.
+
+    python bench/dp_scaling.py [--repeats 5]
+
+Prints a table of median solve times (and the spread) over repeated solves of the same
+instance. Target: 1,000 layers x 64 devices under 1 s median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._machine import machine_line
+from partitioner.cluster import Cluster, Node
+from partitioner.profile import LayerProfile, LayerTime, Profile
+from solvers import solve
+
+TYPES = (("V100-SXM2-16GB", 1.0), ("T4", 2.6), ("A100-SXM4-40GB", 0.55), ("TITAN-RTX", 1.1))
+
+
+def instance(num_layers: int, num_devices: int, seed: int = 0) -> tuple[Profile, Cluster]:
+    """A random transformer-like chain and a cluster of 4 types, 8 GPUs per node.
+
+    Layer sizes are scaled so the whole model needs about half the cluster's memory:
+    the memory limits bind for some splits without making the problem infeasible.
+    """
+    rng = np.random.default_rng(seed)
+    work = rng.uniform(0.5, 1.5, num_layers) * 2e-3
+    gpus_per_node = 8
+    nodes = []
+    for k in range((num_devices + gpus_per_node - 1) // gpus_per_node):
+        n = min(gpus_per_node, num_devices - k * gpus_per_node)
+        nodes.append(Node(f"n{k}", (TYPES[k % len(TYPES)][0],) * n, 25.0))
+    cluster = Cluster(f"{num_devices}gpu", tuple(nodes), 12.5)
+    capacity = sum(d.memory_bytes for d in cluster.devices)
+    per_layer = 0.5 * capacity / num_layers
+    params = rng.uniform(0.3, 1.7, num_layers) * per_layer / 8  # x4 for weights, grads, Adam
+    # 1F1B keeps up to p micro-batches on the first stage: size activations for that depth
+    saved = rng.uniform(0.3, 1.7, num_layers) * per_layer / (2 * num_devices)
+    out = rng.uniform(1e6, 5e7, num_layers)
+    layers = tuple(
+        LayerProfile(f"layer{i}", 0.0, float(params[i]), float(saved[i]), float(out[i]),
+                     {t: LayerTime(work[i] * s / 3, 2 * work[i] * s / 3) for t, s in TYPES})
+        for i in range(num_layers))
+    return Profile("synthetic", 8, layers), cluster
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    print(f"machine: {machine_line()}")
+    print(f"median of {args.repeats} solves; schedule 1f1b, micro-batches = devices, 4 GPU types, memory limits\n")
+    header = f"{'layers':>7} {'devices':>8} {'median_s':>10} {'min_s':>8} {'max_s':>8}  status     bottleneck_s"
+    print(header)
+    print("-" * len(header))
+    for num_layers in (100, 300, 1000):
+        for num_devices in (8, 16, 64):
+            profile, cluster = instance(num_layers, num_devices)
+            times, result = [], None
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                result = solve(profile, cluster)
+                times.append(time.perf_counter() - t0)
+            assert result is not None
+            print(f"{num_layers:>7} {num_devices:>8} {statistics.median(times):>10.4f} {min(times):>8.4f} "
+                  f"{max(times):>8.4f}  {result.status!s:<10} {result.objective:.6f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Importers: other tools' profile formats -> :class:`partitioner.profile.Profile`."""

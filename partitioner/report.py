@@ -1,0 +1,77 @@
+"""Human-readable summaries of plans: one table a person can check at a glance."""
+
+from __future__ import annotations
+
+import math
+
+from .cluster import Cluster
+from .cost import CostModel, CostOptions, activations_in_flight
+from .plan import Plan
+from .profile import Profile
+
+__all__ = ["format_plan"]
+
+GIB = 2**30
+
+
+def _fmt_s(x: float) -> str:
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def format_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None = None) -> str:
+    """The plan as a stage table (per virtual worker) under a header with its certificate."""
+    cost = CostModel(profile, cluster, options)
+    out = [f"plan for {plan.model} on {cluster.name}: {len(plan.virtual_workers)} virtual worker(s), "
+           f"{len(plan.devices)} of {len(cluster.devices)} GPUs, schedule {plan.schedule}, "
+           f"{plan.micro_batches} micro-batches of {plan.micro_batch_size}"]
+    if plan.solver is not None:
+        s = plan.solver
+        gap = "n/a" if math.isnan(s.gap) else f"{100 * s.gap:.2f}%"
+        out.append(f"solver {s.name}: {s.status}, objective {_fmt_s(s.objective)}, lower bound "
+                   f"{_fmt_s(s.lower_bound)}, gap {gap}, solved in {s.time_s:.3f} s")
+    pred = plan.predicted
+    if pred:
+        shown = []
+        for key, label in (("bottleneck_s", "bottleneck"), ("iteration_s", "iteration")):
+            if key in pred:
+                shown.append(f"{label} {_fmt_s(pred[key])}")
+        if "samples_per_s" in pred:
+            shown.append(f"{pred['samples_per_s']:.1f} samples/s")
+        out.append("predicted: " + ", ".join(shown))
+    one_chunk = plan.schedule in ("gpipe", "1f1b", "2bw", "wsp")
+    for w, vw in enumerate(plan.virtual_workers):
+        stages = vw.stages
+        times = cost.plan_stage_times_s(plan, w)
+        bottleneck = max(times)
+        rows = []
+        for k, st in enumerate(stages):
+            dev = cluster.device(st.device)
+            nxt = stages[k + 1].device if k + 1 < len(stages) else None
+            comp = cost.compute_s(dev.gpu_type, st.start, st.stop)
+            xfer = cost.boundary_s(st.stop, dev, nxt)
+            if one_chunk:
+                in_flight = activations_in_flight(plan.schedule, len(stages) - k, plan.micro_batches)
+                mem = cost.stage_memory_bytes(st.start, st.stop, in_flight, plan.schedule)
+                mem_s = f"{mem / GIB:.2f} / {dev.memory_bytes / GIB:.1f} GiB ({100 * mem / dev.memory_bytes:.0f}%)"
+            else:
+                mem_s = "see simulate"
+            share = f"{100 * times[k] / bottleneck:.1f}%" if bottleneck > 0 else "-"
+            devs = st.device + (f" +{len(st.replicas)}" if st.replicas else "")
+            rows.append([str(k), devs, dev.gpu_type, f"[{st.start}, {st.stop})", _fmt_s(comp), _fmt_s(xfer),
+                         mem_s, share])
+        if len(plan.virtual_workers) > 1:
+            out.append(f"\nvirtual worker {w}:")
+        else:
+            out.append("")
+        out.append(_table(["stage", "device", "gpu type", "layers", "compute", "transfer out",
+                           "memory used / capacity", "share of bottleneck"], rows))
+    return "\n".join(out)

@@ -1,0 +1,48 @@
+"""Small builders shared by the tests: synthetic profiles and clusters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from partitioner.cluster import Cluster, DeviceType, Node
+from partitioner.profile import LayerProfile, LayerTime, Profile
+
+DATA = Path(__file__).parent / "data"
+GIB = 2**30
+
+
+def make_profile(times: Mapping[str, Sequence[float]], param_bytes: Sequence[float] | None = None,
+                 saved_bytes: Sequence[float] | None = None, output_bytes: Sequence[float] | None = None,
+                 micro_batch_size: int = 1, model: str = "toy") -> Profile:
+    """A profile whose layer ``l`` takes ``times[type][l]`` seconds (split 1:2 fwd:bwd)."""
+    n = len(next(iter(times.values())))
+    zeros = [0.0] * n
+    layers = []
+    for i in range(n):
+        t = {g: LayerTime(v[i] / 3.0, 2.0 * v[i] / 3.0) for g, v in times.items()}
+        layers.append(LayerProfile(f"l{i}", 0.0, (param_bytes or zeros)[i], (saved_bytes or zeros)[i],
+                                   (output_bytes or zeros)[i], t))
+    return Profile(model, micro_batch_size, tuple(layers))
+
+
+def big_type(name: str, memory_gb: float = 1e6) -> DeviceType:
+    """A GPU type with plenty of memory (for tests that ignore memory)."""
+    return DeviceType(name, memory_gb * GIB, 1e13, 1e12)
+
+
+def flat_cluster(types: Sequence[str], memory_gb: Mapping[str, float] | None = None,
+                 intra_gbps: float = 10.0, inter_gbps: float = 1.0, per_node: int = 1) -> Cluster:
+    """Devices of the given (custom) types, ``per_node`` to a node, in order."""
+    memory_gb = memory_gb or {}
+    dtypes = {t: big_type(t, memory_gb.get(t, 1e6)) for t in dict.fromkeys(types)}
+    nodes = [Node(f"n{k}", tuple(types[k * per_node:(k + 1) * per_node]), intra_gbps)
+             for k in range((len(types) + per_node - 1) // per_node)]
+    return Cluster("test", tuple(nodes), inter_gbps, dtypes)
+
+
+@pytest.fixture
+def pipedream_dir() -> Path:
+    return DATA / "pipedream"

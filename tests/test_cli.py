@@ -1,0 +1,71 @@
+import json
+
+import pytest
+
+from partitioner.cli import main
+from partitioner.plan import Plan
+from partitioner.profile import Profile
+
+from .conftest import DATA
+
+
+def test_import_then_plan(tmp_path, capsys):
+    prof_path = tmp_path / "vgg16.json"
+    assert main(["import", "pipedream", str(DATA / "pipedream" / "vgg16.txt"), "--gpu-type", "V100-SXM2-16GB",
+                 "-o", str(prof_path)]) == 0
+    prof = Profile.load(prof_path)
+    assert prof.num_layers == 41 and prof.micro_batch_size == 128
+    plan_path = tmp_path / "plan.json"
+    assert main(["plan", str(prof_path), "--cluster", "examples/clusters/v100x8.yaml", "--allow-fewer",
+                 "--micro-batches", "16", "-o", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    assert "solver dp: optimal" in out and "share of bottleneck" in out
+    plan = Plan.load(plan_path)
+    assert plan.solver is not None and plan.solver.status == "optimal"
+    plan.validate(prof, __import__("partitioner").Cluster.load("examples/clusters/v100x8.yaml"))
+
+
+def test_infeasible_exits_nonzero_with_the_reason(tmp_path, capsys):
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text("inter_node_GBps: 1\nnodes:\n  - {name: a, intra_node_GBps: 10, gpus: {V100-SXM2-16GB: 2}}\n"
+                       "device_types:\n  V100-SXM2-16GB: {memory_GB: 2, fp32_tflops: 15.7, mem_GBps: 900}\n")
+    rc = main(["plan", "examples/profiles/vgg16_v100.json", "--cluster", str(cluster), "--schedule", "gpipe",
+               "--micro-batches", "8"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("partitioner plan: infeasible: layer ") and "GiB" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('{"model": "m", "micro_batch_size": 1, "layers": [{"name": "a", "param_bytes": -5}]}',
+         "layers[0].param_bytes = -5: must be >= 0"),
+        ('{"model": "m", "micro_batch_size": 1, "layers": [{"name": "a", "times": {"Nope-GPU": {"fwd_s": 1, "bwd_s": 1}}}]}',
+         "has no times for GPU type V100-SXM2-16GB"),
+    ],
+)
+def test_bad_profile_is_one_line(tmp_path, capsys, content, expected):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    rc = main(["plan", str(bad), "--cluster", "examples/clusters/v100x8.yaml"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_cluster_names_file(tmp_path, capsys):
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"inter_node_GBps": 7, "nodes": [{"intra_node_GBps": 16, "gpus": {"V1000": 2}}]}))
+    assert main(["plan", "examples/profiles/vgg16_v100.json", "--cluster", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: nodes[0].gpus[0] = 'V1000': unknown" in err
+
+
+def test_module_entry_point():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "partitioner", "--help"], capture_output=True, text=True, check=True)
+    assert "plan" in out.stdout and "import" in out.stdout

@@ -1,0 +1,84 @@
+import json
+
+import pytest
+
+from partitioner.cluster import GIB, Cluster, catalog, resolve_gpu_type
+from partitioner.errors import FormatError
+
+
+def test_catalog_has_every_csv_row_with_sources():
+    cat = catalog()
+    for name in ("V100-SXM2-16GB", "T4", "TITAN-V", "TITAN-RTX", "RTX-2060", "Quadro-P4000", "A100-SXM4-40GB",
+                 "H100-SXM5-80GB", "RTX-3090", "L4", "A10"):
+        assert name in cat
+        assert cat[name].source
+    v100 = cat["V100-SXM2-16GB"]
+    assert v100.memory_bytes == 16 * GIB
+    assert v100.peak_flops == pytest.approx(15.6672e12)
+    assert v100.mem_bandwidth_bps == pytest.approx(900e9)
+
+
+@pytest.mark.parametrize(("alias", "name"), [("V100", "V100-SXM2-16GB"), ("titan v", "TITAN-V"),
+                                             ("Titan-RTX", "TITAN-RTX"), ("A100-40", "A100-SXM4-40GB"),
+                                             ("quadro p4000", "Quadro-P4000"), ("rtx_3090", "RTX-3090")])
+def test_aliases(alias, name):
+    assert resolve_gpu_type(alias).name == name
+
+
+def test_example_clusters_load(tmp_path):
+    het = Cluster.load("examples/clusters/hetpipe.yaml")
+    assert len(het.devices) == 16
+    assert [d.name for d in het.devices[:4]] == ["n0:0", "n0:1", "n0:2", "n0:3"]
+    assert het.gpu_types == ("TITAN-V", "TITAN-RTX", "RTX-2060", "Quadro-P4000")
+    assert het.bandwidth_gbps("n0:0", "n0:3") == 16
+    assert het.bandwidth_gbps("n0:0", "n1:0") == 7
+    for name in ("v100x8", "a100_t4"):
+        c = Cluster.load(f"examples/clusters/{name}.yaml")
+        path = tmp_path / f"{name}.json"
+        c.save(path)
+        assert Cluster.load(path) == c
+
+
+def test_overrides_and_custom_types():
+    c = Cluster.from_dict({
+        "inter_node_GBps": 5,
+        "nodes": [{"name": "a", "intra_node_GBps": 10, "gpus": {"my-gpu": 2}},
+                  {"name": "b", "intra_node_GBps": 10, "gpus": ["T4", "my-gpu"]}],
+        "device_types": {"my-gpu": {"memory_GB": 12, "fp32_tflops": 14.9, "mem_GBps": 652.8}},
+        "links": [{"between": ["a", "b"], "GBps": 20}, {"between": ["a:0", "b:1"], "GBps": 40}],
+    })
+    assert c.device("a:0").memory_bytes == 12 * GIB
+    assert c.bandwidth_gbps("a:1", "b:0") == 20  # node pair override
+    assert c.bandwidth_gbps("b:1", "a:0") == 40  # device pair override wins, either direction
+    assert c.bandwidth_gbps("a:0", "a:1") == 10
+    assert Cluster.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"inter_node_GBps": 7, "nodes": [{"intra_node_GBps": 16, "gpus": {"V1000": 1}}]},
+         r"nodes\[0\]\.gpus\[0\] = 'V1000': unknown; did you mean"),
+        ({"nodes": [{"intra_node_GBps": 16, "gpus": {"T4": 1}}]}, "inter_node_GBps is missing"),
+        ({"inter_node_GBps": -1, "nodes": [{"intra_node_GBps": 16, "gpus": {"T4": 1}}]}, "inter_node_GBps = -1: must be > 0"),
+        ({"inter_node_GBps": 7, "nodes": [{"intra_node_GBps": 16, "gpus": {"T4": 0}}]}, r"nodes\[0\]\.gpus\.T4 = 0"),
+        ({"inter_node_GBps": 7, "nodes": [{"name": "x", "intra_node_GBps": 1, "gpus": {"T4": 1}},
+                                          {"name": "x", "intra_node_GBps": 1, "gpus": {"T4": 1}}]},
+         r"nodes\[1\]\.name = 'x': duplicates"),
+        ({"inter_node_GBps": 7, "nodes": [{"intra_node_GBps": 1, "gpus": {"T4": 1}}],
+          "links": [{"between": ["n0", "zz"], "GBps": 3}]}, "'zz' is neither a node nor a device"),
+    ],
+)
+def test_bad_clusters(tmp_path, doc, message):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=message) as info:
+        Cluster.load(path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_yaml_syntax_error_names_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes: [\n")
+    with pytest.raises(FormatError, match="not valid YAML"):
+        Cluster.load(path)

@@ -1,0 +1,73 @@
+import numpy as np
+import pytest
+
+from partitioner.cost import CostModel, CostOptions, activations_in_flight, pipeline_iteration_s
+
+from .conftest import GIB, flat_cluster, make_profile
+
+
+@pytest.fixture
+def model():
+    rng = np.random.default_rng(1)
+    n = 7
+    prof = make_profile({"A": list(rng.uniform(0.1, 1, n)), "B": list(rng.uniform(0.1, 1, n))},
+                        list(rng.uniform(0, 1e9, n)), list(rng.uniform(0, 1e9, n)), list(rng.uniform(0, 1e9, n)))
+    cluster = flat_cluster(["A", "B", "A", "B"], per_node=2, intra_gbps=20, inter_gbps=2)
+    return prof, cluster
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_matrix_forms_equal_scalar_forms_bit_for_bit(model, overlap):
+    prof, cluster = model
+    cost = CostModel(prof, cluster, CostOptions(overlap_comm=overlap))
+    devs = cluster.devices
+    times = cost.stage_time_matrix(devs[1], devs[0], devs[2])
+    mem = cost.memory_matrix(3, "1f1b")
+    for i in range(prof.num_layers):
+        for j in range(i + 1, prof.num_layers + 1):
+            assert times[i, j] == cost.stage_time_s(i, j, devs[1], devs[0], devs[2])
+            assert mem[i, j] == cost.stage_memory_bytes(i, j, 3, "1f1b")
+
+
+def test_stage_time_definitions(model):
+    prof, cluster = model
+    add = CostModel(prof, cluster)
+    ovl = CostModel(prof, cluster, CostOptions(overlap_comm=True))
+    fwd, bwd = prof.times_for("B")  # n0:1 is the node's second GPU, a B
+    compute = float(fwd[2:5].sum() + bwd[2:5].sum())
+    out_bytes = prof.layers[4].output_bytes
+    in_bytes = prof.layers[1].output_bytes
+    out_s = 2 * out_bytes / (2e9)  # n0:1 -> n1:0 crosses nodes: 2 GB/s
+    in_s = 2 * in_bytes / (20e9)  # n0:0 -> n0:1 inside the node: 20 GB/s
+    assert add.stage_time_s(2, 5, "n0:1", "n0:0", "n1:0") == pytest.approx(compute + out_s)
+    assert ovl.stage_time_s(2, 5, "n0:1", "n0:0", "n1:0") == pytest.approx(max(compute, in_s, out_s))
+    assert add.stage_time_s(0, 7, "n0:1") == pytest.approx(float(fwd.sum() + bwd.sum()))
+
+
+def test_memory_formula(model):
+    prof, cluster = model
+    cost = CostModel(prof, cluster, CostOptions(optimizer_state_factor=2.0, reserved_bytes=GIB))
+    params = sum(layer.param_bytes for layer in prof.layers[1:4])
+    saved = sum(layer.saved_bytes for layer in prof.layers[1:4])
+    assert cost.stage_memory_bytes(1, 4, 3, "1f1b") == pytest.approx(params * 4 + saved * 3 + GIB)
+    assert cost.stage_memory_bytes(1, 4, 3, "2bw") == pytest.approx(params * 5 + saved * 3 + GIB)
+
+
+def test_in_flight_and_closed_forms():
+    assert [activations_in_flight("1f1b", j, 3) for j in (1, 2, 3, 4, 5)] == [1, 2, 3, 3, 3]
+    assert activations_in_flight("gpipe", 1, 8) == 8
+    with pytest.raises(ValueError, match="interleaved"):
+        activations_in_flight("interleaved", 1, 8)
+    # uniform stages: GPipe/1F1B take (m + p - 1) t; no-flush schedules m t
+    assert pipeline_iteration_s([2.0] * 4, 8, "1f1b") == pytest.approx(2.0 * (8 + 4 - 1))
+    assert pipeline_iteration_s([2.0] * 4, 8, "2bw") == pytest.approx(16.0)
+
+
+def test_lower_bound_is_below_any_split(model):
+    prof, cluster = model
+    cost = CostModel(prof, cluster)
+    lb = cost.lower_bound_s(cluster.devices)
+    fa = np.diff(cost._total_prefix("A"))
+    fb = np.diff(cost._total_prefix("B"))
+    assert lb >= np.minimum(fa, fb).max() - 1e-12
+    assert lb <= cost.compute_s("A", 0, prof.num_layers)

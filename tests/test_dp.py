@@ -1,0 +1,145 @@
+"""The chain DP against an independent brute force over every cut placement."""
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from solvers import SolveStatus, solve
+from solvers.dp import chain_dp
+
+from .conftest import GIB, flat_cluster, make_profile
+
+TYPES = ("A", "B", "C")
+
+
+def brute_force(cost, devices, schedule, m):
+    """min over all cut placements of the bottleneck, pricing stages with the scalar methods."""
+    n, p = cost.num_layers, len(devices)
+    best = math.inf
+    for inner in itertools.combinations(range(1, n), p - 1):
+        cuts = (0, *inner, n)
+        worst = 0.0
+        for k in range(p):
+            a, b = cuts[k], cuts[k + 1]
+            in_flight = activations_in_flight(schedule, p - k, m)
+            if cost.stage_memory_bytes(a, b, in_flight, schedule) > devices[k].memory_bytes:
+                worst = math.inf
+                break
+            prev = devices[k - 1] if k else None
+            nxt = devices[k + 1] if k + 1 < p else None
+            worst = max(worst, cost.stage_time_s(a, b, devices[k], prev, nxt))
+        best = min(best, worst)
+    return best
+
+
+@st.composite
+def instances(draw):
+    n = draw(st.integers(1, 8))
+    p = draw(st.integers(1, 4))
+    types = draw(st.lists(st.sampled_from(TYPES), min_size=p, max_size=p))
+    t = st.floats(0.0, 1.0, allow_nan=False)
+    times = {g: draw(st.lists(t, min_size=n, max_size=n)) for g in TYPES}
+    size = st.floats(0.0, 2.0 * GIB, allow_nan=False)
+    params = draw(st.lists(size, min_size=n, max_size=n))
+    saved = draw(st.lists(size, min_size=n, max_size=n))
+    out = draw(st.lists(size, min_size=n, max_size=n))
+    memory = {g: draw(st.floats(0.5, 30.0)) for g in TYPES}
+    per_node = draw(st.integers(1, 2))
+    overlap = draw(st.booleans())
+    schedule = draw(st.sampled_from(["1f1b", "gpipe", "2bw"]))
+    m = draw(st.integers(1, 6))
+    prof = make_profile(times, params, saved, out)
+    cluster = flat_cluster(types, memory_gb=memory, intra_gbps=draw(st.floats(1, 50)),
+                           inter_gbps=draw(st.floats(0.1, 10)), per_node=per_node)
+    return prof, cluster, CostOptions(overlap_comm=overlap, reserved_bytes=0.1 * GIB), schedule, m
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_dp_equals_brute_force(inst):
+    prof, cluster, options, schedule, m = inst
+    cost = CostModel(prof, cluster, options)
+    devs = cluster.devices
+    expected = brute_force(cost, devs, schedule, m)
+    result = solve(prof, cluster, schedule=schedule, micro_batches=m, options=options)
+    event(f"{'infeasible' if math.isinf(expected) else 'feasible'}, {len(devs)} device(s)")
+    if math.isinf(expected):
+        assert result.status is SolveStatus.INFEASIBLE
+        assert result.plan is None and result.reason
+        return
+    assert result.status is SolveStatus.OPTIMAL
+    assert result.objective == expected  # same prices, same max: exactly equal
+    assert result.lower_bound == result.objective and result.gap == 0.0
+    plan = result.plan
+    plan.validate(prof, cluster, options)  # covers the layers, fits memory
+    assert max(cost.plan_stage_times_s(plan)) == result.objective
+
+
+@settings(max_examples=150, deadline=None)
+@given(instances())
+def test_allow_fewer_is_best_prefix(inst):
+    prof, cluster, options, schedule, m = inst
+    cost = CostModel(prof, cluster, options)
+    devs = cluster.devices
+    per_q = [brute_force(cost, devs[:q], schedule, m) for q in range(1, len(devs) + 1)]
+    result = solve(prof, cluster, schedule=schedule, micro_batches=m, options=options, allow_fewer=True)
+    if math.isinf(min(per_q)):
+        assert result.status is SolveStatus.INFEASIBLE
+        return
+    assert result.objective == min(per_q)
+    used = len(result.plan.virtual_workers[0].stages)
+    assert used == per_q.index(min(per_q)) + 1  # the shortest optimal pipeline
+
+
+def test_more_devices_than_layers_is_infeasible_with_reason():
+    prof = make_profile({"A": [1.0, 1.0]})
+    cluster = flat_cluster(["A"] * 3)
+    result = solve(prof, cluster)
+    assert result.status is SolveStatus.INFEASIBLE
+    assert "3 devices but only 2 layers" in result.reason
+    assert solve(prof, cluster, allow_fewer=True).status is SolveStatus.OPTIMAL
+
+
+def test_layer_too_big_names_the_layer_and_the_numbers():
+    prof = make_profile({"A": [1.0, 1.0, 1.0]}, param_bytes=[0, 5 * GIB, 0])
+    cluster = flat_cluster(["A", "A"], memory_gb={"A": 16})
+    result = solve(prof, cluster, options=CostOptions(reserved_bytes=0))
+    assert result.status is SolveStatus.INFEASIBLE
+    # 5 GiB x (weights + gradients + 2 Adam states) = 20 GiB
+    assert result.reason.startswith("layer 1 (l1) alone needs 20.00 GiB")
+    assert "largest device (n0:0, A) has 16.00 GiB" in result.reason
+
+
+def test_total_memory_reason():
+    prof = make_profile({"A": [1.0] * 4}, param_bytes=[3 * GIB] * 4)
+    cluster = flat_cluster(["A", "A"], memory_gb={"A": 13})
+    result = solve(prof, cluster, options=CostOptions(reserved_bytes=0))
+    assert result.status is SolveStatus.INFEASIBLE
+    assert "needs at least 48.00 GiB" in result.reason and "26.00 GiB in total" in result.reason
+
+
+def test_fast_device_gets_more_layers():
+    prof = make_profile({"fast": [1.0] * 12, "slow": [3.0] * 12})
+    cluster = flat_cluster(["slow", "fast"])
+    plan = solve(prof, cluster).plan
+    first, second = plan.virtual_workers[0].stages
+    assert (first.stop - first.start, second.stop - second.start) == (3, 9)
+
+
+def test_chain_dp_returns_none_when_nothing_fits():
+    prof = make_profile({"A": [1.0]}, param_bytes=[100 * GIB])
+    cluster = flat_cluster(["A"], memory_gb={"A": 1})
+    assert chain_dp(CostModel(prof, cluster), cluster.devices) is None
+
+
+def test_unknown_solver_and_schedule():
+    prof = make_profile({"A": [1.0]})
+    cluster = flat_cluster(["A"])
+    with pytest.raises(ValueError, match="solver = 'magic': must be one of"):
+        solve(prof, cluster, solver="magic")
+    with pytest.raises(ValueError, match="interleaved and bfs are priced by the simulator"):
+        solve(prof, cluster, schedule="interleaved")
