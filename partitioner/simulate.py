@@ -83,9 +83,10 @@ class Timeline:
     Events are columns (numpy arrays, one entry per action): ``event_rank`` indexes
     ``devices``, ``event_kind`` indexes :data:`partitioner.schedule.ACTION_KINDS`. For a send
     the end is when the transfer arrives. ``iteration_s`` is the makespan of one iteration
-    for flushing schedules, and the steady-state period (between the ends of the first and
-    last simulated iterations) for ``2bw`` and ``wsp``; with several virtual workers it is
-    the slowest one's. ``clock_gaps`` (WSP) is, at every ``PULL`` that lets a rank go on,
+    for flushing schedules, and the steady-state period for ``2bw`` and ``wsp`` (between
+    iteration ends, leaving out the final drain and, under WSP, the first ``D + 1`` waves);
+    with several virtual workers it is the slowest one's. Bubble fractions are measured over
+    the same window. ``clock_gaps`` (WSP) is, at every ``PULL`` that lets a rank go on,
     its virtual worker's clock minus the slowest virtual worker's clock.
     """
 
