@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ __all__ = [
     "CostOptions",
     "activations_in_flight",
     "pipeline_iteration_s",
+    "ring_allreduce_s",
     "weight_versions",
 ]
 
@@ -92,19 +94,40 @@ def weight_versions(schedule: str) -> int:
     return 2 if schedule == "2bw" else 1
 
 
-def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, schedule: str) -> float:
+def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, schedule: str,
+                         first_slices: int = 1) -> float:
     """Closed-form time of one iteration (``m`` micro-batches) of a pipeline.
 
     Flushing schedules (GPipe, 1F1B) pay a fill and a drain: ``sum(t) + (m - 1) * max(t)``.
     PipeDream-2BW and WSP do not flush: in steady state an iteration takes ``m * max(t)``.
     The discrete-event simulator gives the exact figure for every schedule.
+
+    ``first_slices = s > 1`` prices AutoPipe-style slicing of the first micro-batch into
+    ``s`` equal slices (stage times scale linearly with the slice): the fill runs on a
+    slice, ``sum(t) / s``, and the rest of the work streams through the bottleneck,
+    ``(m - 1/s) * max(t)``. Slicing does not change a non-flushing schedule's steady state.
     """
     if not stage_times_s:
         return 0.0
     bottleneck = max(stage_times_s)
     if schedule in ("2bw", "wsp"):
         return micro_batches * bottleneck
+    if first_slices > 1:
+        return float(sum(stage_times_s) / first_slices + (micro_batches - 1.0 / first_slices) * bottleneck)
     return float(sum(stage_times_s) + (micro_batches - 1) * bottleneck)
+
+
+def ring_allreduce_s(nbytes: float, link_gbps: Sequence[float]) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n = len(link_gbps)`` members.
+
+    ``link_gbps`` are the bandwidths of the ring's ``n`` hops (member ``i`` to ``i + 1``,
+    the last back to the first). Each member sends and receives ``2 (n - 1) / n * nbytes``
+    and the ring moves at the pace of its slowest hop. One member: no communication.
+    """
+    n = len(link_gbps)
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    return 2.0 * (n - 1) / n * nbytes / (min(link_gbps) * 1e9)
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -247,6 +270,37 @@ class CostModel:
             return np.maximum(np.maximum(comp, in_s[:, None]), out_s[None, :])
         return comp + out_s[None, :]
 
+    # -- data parallelism inside a stage (replication) -------------------------------------------
+
+    def allreduce_s(self, nbytes: float, devices: Sequence[str | Device]) -> float:
+        """Ring all-reduce of ``nbytes`` over ``devices`` in the given ring order."""
+        names = [d if isinstance(d, str) else d.name for d in devices]
+        hops = [self.cluster.bandwidth_gbps(a, b) for a, b in zip(names, names[1:] + names[:1], strict=True)]
+        return ring_allreduce_s(nbytes, hops)
+
+    def param_bytes(self, start: int, stop: int) -> float:
+        """Parameter bytes of layers ``[start, stop)`` (what a replicated stage all-reduces)."""
+        return float(self.param_prefix[stop] - self.param_prefix[start])
+
+    def replicated_stage_time_s(self, start: int, stop: int, devices: Sequence[str | Device],
+                                prev: str | Device | None, nxt: str | Device | None,
+                                micro_batches: int) -> float:
+        """Per-micro-batch time of layers ``[start, stop)`` replicated over ``devices``.
+
+        Replicas share the micro-batches in proportion to their speed (each replica's own
+        :meth:`stage_time_s`, with its transfers to ``prev`` and ``nxt``), so together they
+        process one every ``1 / sum(1 / t_r)`` seconds; once per iteration the stage's
+        gradients are all-reduced over the replicas, which adds ``allreduce_s / m`` per
+        micro-batch. One device: exactly :meth:`stage_time_s`.
+        """
+        devs = [self.cluster.device(d) if isinstance(d, str) else d for d in devices]
+        if len(devs) == 1:
+            return self.stage_time_s(start, stop, devs[0], prev, nxt)
+        rate = sum(1.0 / t if t > 0 else math.inf
+                   for t in (self.stage_time_s(start, stop, d, prev, nxt) for d in devs))
+        share = 0.0 if rate == math.inf else 1.0 / rate
+        return share + self.allreduce_s(self.param_bytes(start, stop), devs) / micro_batches
+
     # -- memory ----------------------------------------------------------------------------------
 
     def weight_factor(self, schedule: str) -> float:
@@ -297,7 +351,11 @@ class CostModel:
         for k, st in enumerate(stages):
             prev = stages[k - 1].device if k > 0 else None
             nxt = stages[k + 1].device if k + 1 < len(stages) else None
-            out.append(self.stage_time_s(st.start, st.stop, st.device, prev, nxt))
+            if st.replicas:
+                out.append(self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt,
+                                                        plan.micro_batches))
+            else:
+                out.append(self.stage_time_s(st.start, st.stop, st.device, prev, nxt))
         return out
 
     def plan_memory_bytes(self, plan: Plan) -> dict[str, float]:
