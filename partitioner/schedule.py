@@ -143,11 +143,6 @@ def check_schedule(schedule: str, ranks: int, micro_batches: int, chunks: int = 
                           f"the interleaved schedule sends micro-batches in groups of one per device, so "
                           f"micro_batches must be a multiple of the {ranks} devices; nearest valid: "
                           f"{_nearest_multiples(micro_batches, ranks)}")
-    if schedule == "2bw" and micro_batches < ranks:
-        raise FormatError("micro_batches", micro_batches,
-                          f"2bw keeps two weight versions only if micro_batches >= pipeline depth "
-                          f"({ranks}); nearest valid: micro_batches={ranks}, or fewer stages "
-                          f"(at most {micro_batches})")
 
 
 # -- compute orders --------------------------------------------------------------------------
@@ -184,6 +179,9 @@ def _one_f_one_b(r: int, p: int, m: int, iterations: int) -> _Order:
 
 def _no_flush(r: int, p: int, m: int, iterations: int, wsp: bool, staleness: int) -> _Order:
     """1F1B steady state across iteration (wave) boundaries; at most ``min(p - r, m)`` in flight.
+
+    Capping what is in flight at ``m`` keeps the micro-batches in flight within two
+    consecutive iterations, so 2BW never needs a third weight version, even when ``m < p``.
 
     2BW: ``STEP`` after the last backward of each iteration creates the next weight version.
     WSP: ``PUSH(c)`` after the last backward of wave ``c``, then ``PULL(c - staleness)``, which

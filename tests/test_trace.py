@@ -76,6 +76,6 @@ def test_simulate_command_refuses_to_overwrite_an_input(tmp_path: Path) -> None:
 
 
 def test_simulate_command_reports_an_impossible_schedule(tmp_path: Path) -> None:
-    plan_p, prof_p, cl_p = _setup(tmp_path, "2bw", m=2)
-    with pytest.raises(PartitionerError, match="nearest valid: micro_batches=4"):
+    plan_p, prof_p, cl_p = _setup(tmp_path, "interleaved", m=6)
+    with pytest.raises(PartitionerError, match="multiple of the 4 devices; nearest valid: 4 or 8"):
         _cli([str(plan_p), "--profile", str(prof_p), "--cluster", str(cl_p)])
