@@ -17,6 +17,7 @@ __all__ = ["main"]
 COMMAND_MODULES = (
     "partitioner.commands.import_",
     "partitioner.commands.plan",
+    "partitioner.commands.simulate",
 )
 
 

@@ -318,6 +318,21 @@ class CostModel:
         q = self._memory_prefix(in_flight, schedule)
         return float((q[stop] - q[start]) + self.options.reserved_bytes)
 
+    def activation_bytes(self, start: int, stop: int) -> float:
+        """Bytes of activations layers ``[start, stop)`` keep for backward, per micro-batch."""
+        return float(self.saved_prefix[stop] - self.saved_prefix[start])
+
+    def weight_bytes(self, start: int, stop: int, versions: int = 1) -> float:
+        """Weights (``versions`` copies), gradients and optimizer state of layers ``[start, stop)``."""
+        params = float(self.param_prefix[stop] - self.param_prefix[start])
+        return params * (versions + 1.0 + self.options.optimizer_state_factor)
+
+    def parameter_sync_s(self, start: int, stop: int) -> float:
+        """Seconds to push (or pull) the parameters of layers ``[start, stop)`` to (from) a
+        parameter server across the inter-node network (WSP)."""
+        params = float(self.param_prefix[stop] - self.param_prefix[start])
+        return params / (self.cluster.inter_gbps * 1e9)
+
     def memory_matrix(self, in_flight: int, schedule: str = "1f1b", rows: slice = slice(None)) -> np.ndarray:
         """``stage_memory_bytes(i, j, in_flight, schedule)`` for every ``i`` in ``rows`` and every ``j``.
 

@@ -113,16 +113,26 @@ def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: st
 
 
 def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
-          schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
+          schedule: str = "1f1b", micro_batches: int | Sequence[int] | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` (default: every device of the cluster, in order).
 
     ``micro_batches`` defaults to the number of devices. With ``allow_fewer``, the first ``q``
     devices for every ``q <= len(devices)`` are tried and the best pipeline wins (the shortest
-    one on ties).
+    one on ties). ``schedule="auto"`` (gpipe, 1f1b, 2bw) and/or a list of ``micro_batches``
+    solve every combination and keep the plan with the most simulated samples/s
+    (:func:`solvers.ranking.solve_ranked`; the candidates are in ``details["ranking"]``).
     """
     if unused:
         raise FormatError("solver option", sorted(unused), "not understood by the dp solver")
+    if schedule == "auto" or isinstance(micro_batches, (list, tuple)):
+        from .ranking import AUTO_SCHEDULES, solve_ranked
+
+        n_devs = len(devices) if devices is not None else len(cluster.devices)
+        return solve_ranked(
+            solve, profile, cluster, AUTO_SCHEDULES if schedule == "auto" else (schedule,),
+            micro_batches if isinstance(micro_batches, (list, tuple)) else [micro_batches or n_devs],
+            devices=devices, options=options, allow_fewer=allow_fewer)
     t0 = time.perf_counter()
     cost = CostModel(profile, cluster, options)
     devs = cluster.subset(devices) if devices is not None else cluster.devices
@@ -151,19 +161,37 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
 
 
 def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedule: str,
-                   micro_batches: int, solver_name: str) -> Plan:
-    """A one-virtual-worker plan from a split, with closed-form predicted figures."""
-    stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices))
+                   micro_batches: int, solver_name: str, simulate: bool = True) -> Plan:
+    """A one-virtual-worker plan from a split, with its predicted figures.
+
+    The figures come from the discrete-event simulator (:func:`partitioner.simulate.predict`):
+    iteration time, samples/s, mean bubble and largest peak memory, with per-device figures in
+    ``meta``. With ``simulate=False`` they come from the closed form
+    :func:`partitioner.cost.pipeline_iteration_s` (fill + drain around the bottleneck), which is
+    exact only for uniform stages without transfers; ``meta["predicted_by"]`` says which.
+    """
+    stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices, strict=True))
     plan = Plan(profile.model, (VirtualWorker(stages),), schedule, profile.micro_batch_size, micro_batches)
     times = cost.plan_stage_times_s(plan)
-    iteration = pipeline_iteration_s(times, micro_batches, schedule)
-    predicted = {
-        "bottleneck_s": max(times),
-        "iteration_s": iteration,
-        "samples_per_s": micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
-    }
+    meta: dict[str, object] = {"stage_times_s": times}
+    if simulate:
+        from partitioner.simulate import predict, simulate_plan
+
+        tl = simulate_plan(plan, profile, cost.cluster, cost.options)
+        predicted = predict(plan, profile, cost.cluster, cost.options, timeline=tl)
+        predicted["bottleneck_s"] = max(times)
+        meta.update(predicted_by="simulator", bubble_fraction=dict(tl.bubble_fraction),
+                    peak_memory_bytes=dict(tl.peak_memory_bytes))
+    else:
+        iteration = pipeline_iteration_s(times, micro_batches, schedule)
+        predicted = {
+            "bottleneck_s": max(times),
+            "iteration_s": iteration,
+            "samples_per_s": micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
+        }
+        meta["predicted_by"] = "closed form"
     return Plan(plan.model, plan.virtual_workers, schedule, plan.micro_batch_size, micro_batches,
-                predicted=predicted, meta={"stage_times_s": times})
+                predicted=predicted, meta=meta)
 
 
 def _with_plan(result: SolveResult, plan: Plan) -> SolveResult:
