@@ -270,6 +270,18 @@ class CostModel:
             return np.maximum(np.maximum(comp, in_s[:, None]), out_s[None, :])
         return comp + out_s[None, :]
 
+    def pipeline_stage_time_s(self, start: int, stop: int, device: str | Device, prev: str | Device | None,
+                              nxt: str | Device | None, schedule: str, micro_batches: int) -> float:
+        """:meth:`stage_time_s` plus what the schedule adds per micro-batch (WSP's wave sync)."""
+        t = self.stage_time_s(start, stop, device, prev, nxt)
+        return t + self.wave_sync_s(start, stop, micro_batches) if schedule == "wsp" else t
+
+    def pipeline_stage_time_matrix(self, device: Device, prev: Device | None, nxt: Device | None,
+                                   schedule: str, micro_batches: int, rows: slice = slice(None)) -> np.ndarray:
+        """:meth:`pipeline_stage_time_s` for every ``i`` in ``rows`` and ``j`` (same operations)."""
+        t = self.stage_time_matrix(device, prev, nxt, rows)
+        return t + self.wave_sync_matrix(micro_batches, rows) if schedule == "wsp" else t
+
     # -- data parallelism inside a stage (replication) -------------------------------------------
 
     def allreduce_s(self, nbytes: float, devices: Sequence[str | Device]) -> float:
@@ -333,6 +345,24 @@ class CostModel:
         params = float(self.param_prefix[stop] - self.param_prefix[start])
         return params / (self.cluster.inter_gbps * 1e9)
 
+    def wave_sync_s(self, start: int, stop: int, micro_batches: int) -> float:
+        """WSP's per-wave PUSH + PULL of layers ``[start, stop)``, spread over the wave's micro-batches.
+
+        Every rank pushes its stage's update and pulls the global weights once per wave of
+        ``m`` micro-batches, blocking meanwhile, so in steady state its period per micro-batch
+        grows by ``2 * parameter_sync_s / m``. Added to a stage's time under the ``wsp`` schedule.
+        """
+        return float(self._sync_prefix[stop] - self._sync_prefix[start]) / micro_batches
+
+    def wave_sync_matrix(self, micro_batches: int, rows: slice = slice(None)) -> np.ndarray:
+        """``wave_sync_s(i, j, m)`` for every ``i`` in ``rows`` and every ``j`` (same operations)."""
+        q = self._sync_prefix
+        return (q[None, :] - q[rows, None]) / micro_batches
+
+    @functools.cached_property
+    def _sync_prefix(self) -> np.ndarray:
+        return 2.0 * self.param_prefix / (self.cluster.inter_gbps * 1e9)
+
     def memory_matrix(self, in_flight: int, schedule: str = "1f1b", rows: slice = slice(None)) -> np.ndarray:
         """``stage_memory_bytes(i, j, in_flight, schedule)`` for every ``i`` in ``rows`` and every ``j``.
 
@@ -352,10 +382,13 @@ class CostModel:
             prev = stages[k - 1].device if k > 0 else None
             nxt = stages[k + 1].device if k + 1 < len(stages) else None
             if st.replicas:
-                out.append(self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt,
-                                                        plan.micro_batches))
+                t = self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches)
+                if plan.schedule == "wsp":
+                    t += self.wave_sync_s(st.start, st.stop, plan.micro_batches)
             else:
-                out.append(self.stage_time_s(st.start, st.stop, st.device, prev, nxt))
+                t = self.pipeline_stage_time_s(st.start, st.stop, st.device, prev, nxt, plan.schedule,
+                                               plan.micro_batches)
+            out.append(t)
         return out
 
     def plan_memory_bytes(self, plan: Plan) -> dict[str, float]:

@@ -39,6 +39,7 @@ from partitioner.profile import Profile
 from .dp import chain_dp
 from .grouping import group
 from .hetero import price_plan, throughput_upper_bound
+from .predictions import with_predictions
 from .result import SolveResult, SolveStatus
 
 __all__ = ["BASELINES", "blockpartition_cuts", "minmax_cuts", "solve", "solve_blockpartition",
@@ -157,8 +158,8 @@ def solve(profile: Profile, cluster: Cluster, *, rule: str, virtual_workers: int
     bound = throughput_upper_bound(cost, devs)
     result = SolveResult(SolveStatus.FEASIBLE, None, 1.0 / predicted["samples_per_s"], 1.0 / bound,
                          time.perf_counter() - t0, rule, details={"virtual_workers": len(groups)})
-    plan = replace(plan, predicted=predicted, meta={"baseline": rule, "objective": objective},
-                   solver=result.solver_info())
+    plan = with_predictions(replace(plan, solver=result.solver_info()), profile, cluster, options, predicted,
+                            extra_meta={"baseline": rule, "objective": objective})
     plan.validate(profile, cluster, options)
     if not math.isfinite(predicted["samples_per_s"]):
         raise FormatError("profile", profile.model, "has zero time on every layer; nothing to balance")

@@ -137,7 +137,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
                       reason=f"no plan found within the time limit of {time_limit_s:g} s "
                              f"({len(arcs)} candidate stages)")
     picked = [a for a in range(len(arcs)) if solver.boolean_value(x[a])]
-    sol = arcs.solution(picked, problem.cost, problem.devices)
+    sol = arcs.solution(picked, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
     status = SolveStatus.OPTIMAL if code == cp_model.OPTIMAL else SolveStatus.FEASIBLE
     log.debug("cpsat: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)
     return finish(problem, "cpsat", status, sol, bound, time.perf_counter() - t0, details)

@@ -27,6 +27,7 @@ from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
 
+from .predictions import with_predictions
 from .result import SolveResult, SolveStatus
 
 __all__ = ["ChainSolution", "chain_dp", "diagnose_infeasible", "solve"]
@@ -67,7 +68,8 @@ def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
         nxt = devices[k + 1] if k + 1 < p else None
         in_flight = activations_in_flight(schedule, p - k, micro_batches)
         # T_k(i, j) on feasible (i, j): j > i and the stage fits in the device's memory.
-        cand = np.maximum(cost.stage_time_matrix(dev, prev, nxt, rows), f[None, :])
+        times = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)
+        cand = np.maximum(times, f[None, :])
         ok = (cols[None, :] > cols[rows, None]) & (cost.memory_matrix(in_flight, schedule, rows) <= dev.memory_bytes)
         cand[~ok] = np.inf
         arg = cand.argmin(axis=1)
@@ -173,25 +175,14 @@ def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedu
     stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices, strict=True))
     plan = Plan(profile.model, (VirtualWorker(stages),), schedule, profile.micro_batch_size, micro_batches)
     times = cost.plan_stage_times_s(plan)
-    meta: dict[str, object] = {"stage_times_s": times}
-    if simulate:
-        from partitioner.simulate import predict, simulate_plan
-
-        tl = simulate_plan(plan, profile, cost.cluster, cost.options)
-        predicted = predict(plan, profile, cost.cluster, cost.options, timeline=tl)
-        predicted["bottleneck_s"] = max(times)
-        meta.update(predicted_by="simulator", bubble_fraction=dict(tl.bubble_fraction),
-                    peak_memory_bytes=dict(tl.peak_memory_bytes))
-    else:
-        iteration = pipeline_iteration_s(times, micro_batches, schedule)
-        predicted = {
-            "bottleneck_s": max(times),
-            "iteration_s": iteration,
-            "samples_per_s": micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
-        }
-        meta["predicted_by"] = "closed form"
-    return Plan(plan.model, plan.virtual_workers, schedule, plan.micro_batch_size, micro_batches,
-                predicted=predicted, meta=meta)
+    iteration = pipeline_iteration_s(times, micro_batches, schedule)
+    closed = {
+        "bottleneck_s": max(times),
+        "iteration_s": iteration,
+        "samples_per_s": micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
+    }
+    return with_predictions(plan, profile, cost.cluster, cost.options, closed, simulate,
+                            extra_meta={"stage_times_s": times})
 
 
 def _with_plan(result: SolveResult, plan: Plan) -> SolveResult:

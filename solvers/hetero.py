@@ -33,6 +33,7 @@ from partitioner.profile import Profile
 from .dp import diagnose_infeasible
 from .grouping import OBJECTIVES, POLICIES, combine, group, search_opt
 from .mapping import map_worker
+from .predictions import with_predictions
 from .replication import replicate_worker
 from .result import SolveResult, SolveStatus
 
@@ -273,7 +274,8 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     meta = {"policy": policy, "objective": objective, "replication": replication,
             "worker_samples_per_s": [worker_throughput(cost, vw.stages, schedule, micro_batches)
                                      for vw in workers]}
-    plan = replace(plan, predicted=predicted, meta=meta, solver=result.solver_info())
+    plan = with_predictions(replace(plan, solver=result.solver_info()), profile, cluster, options, predicted,
+                            extra_meta=meta)
     plan.validate(profile, cluster, options)
     return replace(result, plan=plan)
 

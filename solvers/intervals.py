@@ -97,7 +97,8 @@ class Arcs:
             out.append(int(hit[0]))
         return out
 
-    def solution(self, chosen: Sequence[int], cost: CostModel, devices: Sequence[Device]) -> ChainSolution:
+    def solution(self, chosen: Sequence[int], cost: CostModel, devices: Sequence[Device], schedule: str,
+                 micro_batches: int) -> ChainSolution:
         """The split made of the ``chosen`` arcs, priced exactly with the cost model."""
         by_stage = sorted((int(self.k[a]), int(self.i[a]), int(self.j[a])) for a in chosen)
         q = len(by_stage)
@@ -107,8 +108,8 @@ class Arcs:
         if not ok:
             raise PartitionerError(f"the solver returned arcs that do not form a split: {by_stage}")
         devs = tuple(devices[:q])
-        times = [cost.stage_time_s(a, b, devs[k], devs[k - 1] if k > 0 else None,
-                                   devs[k + 1] if k + 1 < q else None)
+        times = [cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k > 0 else None,
+                                            devs[k + 1] if k + 1 < q else None, schedule, micro_batches)
                  for k, (a, b) in enumerate(ChainSolution(0.0, tuple(cuts), devs).ranges)]
         return ChainSolution(max(times), tuple(cuts), devs)
 
@@ -143,7 +144,7 @@ def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: str, micro_
             last_j = n_layers - (q - k - 1)
             rows = slice(lo, hi + 1)
             in_flight = activations_in_flight(schedule, q - k, micro_batches)
-            t = cost.stage_time_matrix(dev, prev, nxt, rows)
+            t = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)
             ok = (cols[None, :] > cols[rows, None]) & (cols[None, :] <= last_j)
             if k == q - 1:
                 ok &= cols[None, :] == n_layers

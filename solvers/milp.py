@@ -161,7 +161,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
                       reason=f"no plan found within the time limit of {time_limit_s:g} s "
                              f"({len(arcs)} candidate stages)")
     picked = [a for a, var in enumerate(x) if (var.varValue or 0.0) > 0.5]
-    sol = arcs.solution(picked, problem.cost, problem.devices)
+    sol = arcs.solution(picked, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
     proven = prob.sol_status == pulp.LpSolutionOptimal and math.isfinite(bound)
     status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
     log.debug("milp: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)

@@ -90,6 +90,8 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: str = 
                 t = 1.0 / rate
                 if r > 1:
                     t = t + params * (cost.allreduce_s(1.0, group) / micro_batches)
+                if schedule == "wsp":
+                    t = t + cost.wave_sync_matrix(micro_batches)
                 ok = upper & (mem <= min(d.memory_bytes for d in group))
                 cand = np.where(ok, np.maximum(t, nxt_f[None, :]), np.inf)
                 arg = cand.argmin(axis=1)

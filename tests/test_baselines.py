@@ -49,7 +49,7 @@ def test_baselines_validate_and_opt_is_no_worse(name):
     assert opt.ok
     if base.ok:
         base.plan.validate(prof, cl)
-        assert opt.plan.predicted["samples_per_s"] >= base.plan.predicted["samples_per_s"] * (1 - 1e-12)
+        assert opt.plan.meta["closed_form"]["samples_per_s"] >= base.plan.meta["closed_form"]["samples_per_s"] * (1 - 1e-12)
     else:
         assert base.reason
 

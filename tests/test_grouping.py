@@ -44,7 +44,7 @@ def test_opt_equals_exhaustive_grouping(objective, k):
     res = plan_cluster(prof, cl, k, "opt", objective=objective, schedule="wsp", micro_batches=4)
     want = brute_grouping(CostModel(prof, cl), list(cl.devices), k, 4, objective)
     assert res.status is SolveStatus.OPTIMAL
-    assert res.plan.predicted["samples_per_s"] == pytest.approx(want, rel=1e-9)
+    assert res.plan.meta["closed_form"]["samples_per_s"] == pytest.approx(want, rel=1e-9)
     res.plan.validate(prof, cl)
 
 
@@ -59,7 +59,7 @@ def test_opt_auto_is_at_least_every_policy_and_fits_memory():
     for pol in ("np", "ed", "hd"):
         base = plan_cluster(prof, cl, "auto", pol)
         if base.ok:
-            assert opt.plan.predicted["samples_per_s"] >= base.plan.predicted["samples_per_s"] * (1 - 1e-9)
+            assert opt.plan.meta["closed_form"]["samples_per_s"] >= base.plan.meta["closed_form"]["samples_per_s"] * (1 - 1e-9)
 
 
 def test_policies_shape():
@@ -100,4 +100,4 @@ def test_relabelling_same_node_same_type_keeps_objective():
     b = small_cluster([["TITAN-V", "TITAN-V", "RTX-2060"], ["Quadro-P4000", "RTX-2060"]])
     ra = plan_cluster(prof, a, 2, "opt", schedule="wsp", micro_batches=4)
     rb = plan_cluster(prof, b, 2, "opt", schedule="wsp", micro_batches=4)
-    assert ra.plan.predicted["samples_per_s"] == pytest.approx(rb.plan.predicted["samples_per_s"], rel=1e-12)
+    assert ra.plan.meta["closed_form"]["samples_per_s"] == pytest.approx(rb.plan.meta["closed_form"]["samples_per_s"], rel=1e-12)

@@ -40,8 +40,8 @@ def brute_force(profile, cluster, devices, schedule, m, options, allow_fewer):
                 if need > devs[k].memory_bytes:
                     worst = math.inf
                     break
-                worst = max(worst, cost.stage_time_s(a, b, devs[k], devs[k - 1] if k else None,
-                                                     devs[k + 1] if k + 1 < q else None))
+                worst = max(worst, cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k else None,
+                                                              devs[k + 1] if k + 1 < q else None, schedule, m))
             best = min(best, worst)
     return best
 
@@ -70,7 +70,7 @@ def instances(draw):
     devices = list(cluster.devices)
     order = draw(st.permutations(range(n_dev)))
     devices = [devices[i] for i in order]
-    schedule = draw(st.sampled_from(["1f1b", "gpipe", "2bw"]))
+    schedule = draw(st.sampled_from(["1f1b", "gpipe", "2bw", "wsp"]))
     m = draw(st.integers(1, 6))
     options = CostOptions(overlap_comm=draw(st.booleans()), reserved_bytes=0.05 * GIB)
     allow_fewer = draw(st.booleans())

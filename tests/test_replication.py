@@ -68,4 +68,4 @@ def test_planner_with_replication_validates_and_is_no_worse():
     pure = plan_cluster(prof, cl, 1, "opt", schedule="wsp", micro_batches=8)
     rep = plan_cluster(prof, cl, 1, "opt", schedule="wsp", micro_batches=8, replication=True)
     rep.plan.validate(prof, cl)
-    assert rep.plan.predicted["samples_per_s"] >= pure.plan.predicted["samples_per_s"] * (1 - 1e-12)
+    assert rep.plan.meta["closed_form"]["samples_per_s"] >= pure.plan.meta["closed_form"]["samples_per_s"] * (1 - 1e-12)
