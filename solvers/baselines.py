@@ -114,7 +114,7 @@ def _cuts(rule: str, cost: CostModel, devices: Sequence[Device], schedule: str, 
     if rule == "uniform":
         return uniform_cuts(n, p)
     if rule == "parameters":
-        return minmax_cuts(cost.profile.array("param_bytes"), p)
+        return minmax_cuts(cost.profile.array("param_bytes").tolist(), p)
     if rule == "blockpartition":
         return blockpartition_cuts([cost.compute_s(ref, i, i + 1) for i in range(n)], p)
     if rule == "pipedream":

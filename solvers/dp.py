@@ -131,9 +131,10 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
         from .ranking import AUTO_SCHEDULES, solve_ranked
 
         n_devs = len(devices) if devices is not None else len(cluster.devices)
+        counts = (list(micro_batches) if isinstance(micro_batches, (list, tuple))
+                  else [int(micro_batches or n_devs)])  # type: ignore[arg-type]
         return solve_ranked(
-            solve, profile, cluster, AUTO_SCHEDULES if schedule == "auto" else (schedule,),
-            micro_batches if isinstance(micro_batches, (list, tuple)) else [micro_batches or n_devs],
+            solve, profile, cluster, AUTO_SCHEDULES if schedule == "auto" else (schedule,), counts,
             devices=devices, options=options, allow_fewer=allow_fewer)
     t0 = time.perf_counter()
     cost = CostModel(profile, cluster, options)

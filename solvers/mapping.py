@@ -137,7 +137,7 @@ def _speed_key(cost: CostModel, gpu_type: str) -> float:
     return cost.compute_s(gpu_type, 0, cost.num_layers)
 
 
-def _local_search(cost, devices, labels, pools, consider, max_evaluations, bound, get_best, get_count):  # type: ignore[no-untyped-def]
+def _local_search(cost, devices, labels, pools, consider, max_evaluations, bound, get_best, get_count):
     """Heuristic order search for large virtual workers (see the module docstring)."""
     listed = tuple(labels)
     node_rank = {n: k for k, n in enumerate(dict.fromkeys(d.node for d in devices))}

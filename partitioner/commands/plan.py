@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.global_batch is None:
             raise FormatError("--microbatches", "auto", "needs --global-batch (samples per virtual worker "
                               "per iteration) to choose the micro-batch size and count")
-        choice = choose_micro_batches(profile, cluster, args.global_batch, plan_cluster, **kwargs)
+        choice = choose_micro_batches(profile, cluster, args.global_batch, plan_cluster, **kwargs)  # type: ignore[arg-type]
         if choice is None:
             print(f"partitioner plan: infeasible: no micro-batch size dividing {args.global_batch} fits",
                   file=sys.stderr)
