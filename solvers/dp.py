@@ -146,9 +146,9 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     if not (isinstance(m, int) and m >= 1):
         raise FormatError("micro_batches", m, "must be an integer >= 1")
     activations_in_flight(schedule, 1, m)  # refuses schedules the DP cannot price, with the reason
-    counts = range(1, min(len(devs), profile.num_layers) + 1) if allow_fewer else [len(devs)]
+    lengths = range(1, min(len(devs), profile.num_layers) + 1) if allow_fewer else [len(devs)]
     best: ChainSolution | None = None
-    for q in counts:
+    for q in lengths:
         sol = chain_dp(cost, devs[:q], schedule, m)
         if sol is not None and (best is None or sol.bottleneck_s < best.bottleneck_s):
             best = sol
