@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "partitioner.commands.import_",
     "partitioner.commands.plan",
     "partitioner.commands.profile",
+    "partitioner.commands.simulate",
 )
 
 

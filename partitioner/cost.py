@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ __all__ = [
     "CostOptions",
     "activations_in_flight",
     "pipeline_iteration_s",
+    "ring_allreduce_s",
     "weight_versions",
 ]
 
@@ -92,19 +94,40 @@ def weight_versions(schedule: str) -> int:
     return 2 if schedule == "2bw" else 1
 
 
-def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, schedule: str) -> float:
+def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, schedule: str,
+                         first_slices: int = 1) -> float:
     """Closed-form time of one iteration (``m`` micro-batches) of a pipeline.
 
     Flushing schedules (GPipe, 1F1B) pay a fill and a drain: ``sum(t) + (m - 1) * max(t)``.
     PipeDream-2BW and WSP do not flush: in steady state an iteration takes ``m * max(t)``.
     The discrete-event simulator gives the exact figure for every schedule.
+
+    ``first_slices = s > 1`` prices AutoPipe-style slicing of the first micro-batch into
+    ``s`` equal slices (stage times scale linearly with the slice): the fill runs on a
+    slice, ``sum(t) / s``, and the rest of the work streams through the bottleneck,
+    ``(m - 1/s) * max(t)``. Slicing does not change a non-flushing schedule's steady state.
     """
     if not stage_times_s:
         return 0.0
     bottleneck = max(stage_times_s)
     if schedule in ("2bw", "wsp"):
         return micro_batches * bottleneck
+    if first_slices > 1:
+        return float(sum(stage_times_s) / first_slices + (micro_batches - 1.0 / first_slices) * bottleneck)
     return float(sum(stage_times_s) + (micro_batches - 1) * bottleneck)
+
+
+def ring_allreduce_s(nbytes: float, link_gbps: Sequence[float]) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n = len(link_gbps)`` members.
+
+    ``link_gbps`` are the bandwidths of the ring's ``n`` hops (member ``i`` to ``i + 1``,
+    the last back to the first). Each member sends and receives ``2 (n - 1) / n * nbytes``
+    and the ring moves at the pace of its slowest hop. One member: no communication.
+    """
+    n = len(link_gbps)
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    return 2.0 * (n - 1) / n * nbytes / (min(link_gbps) * 1e9)
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -247,6 +270,49 @@ class CostModel:
             return np.maximum(np.maximum(comp, in_s[:, None]), out_s[None, :])
         return comp + out_s[None, :]
 
+    def pipeline_stage_time_s(self, start: int, stop: int, device: str | Device, prev: str | Device | None,
+                              nxt: str | Device | None, schedule: str, micro_batches: int) -> float:
+        """:meth:`stage_time_s` plus what the schedule adds per micro-batch (WSP's wave sync)."""
+        t = self.stage_time_s(start, stop, device, prev, nxt)
+        return t + self.wave_sync_s(start, stop, micro_batches) if schedule == "wsp" else t
+
+    def pipeline_stage_time_matrix(self, device: Device, prev: Device | None, nxt: Device | None,
+                                   schedule: str, micro_batches: int, rows: slice = slice(None)) -> np.ndarray:
+        """:meth:`pipeline_stage_time_s` for every ``i`` in ``rows`` and ``j`` (same operations)."""
+        t = self.stage_time_matrix(device, prev, nxt, rows)
+        return t + self.wave_sync_matrix(micro_batches, rows) if schedule == "wsp" else t
+
+    # -- data parallelism inside a stage (replication) -------------------------------------------
+
+    def allreduce_s(self, nbytes: float, devices: Sequence[str | Device]) -> float:
+        """Ring all-reduce of ``nbytes`` over ``devices`` in the given ring order."""
+        names = [d if isinstance(d, str) else d.name for d in devices]
+        hops = [self.cluster.bandwidth_gbps(a, b) for a, b in zip(names, names[1:] + names[:1], strict=True)]
+        return ring_allreduce_s(nbytes, hops)
+
+    def param_bytes(self, start: int, stop: int) -> float:
+        """Parameter bytes of layers ``[start, stop)`` (what a replicated stage all-reduces)."""
+        return float(self.param_prefix[stop] - self.param_prefix[start])
+
+    def replicated_stage_time_s(self, start: int, stop: int, devices: Sequence[str | Device],
+                                prev: str | Device | None, nxt: str | Device | None,
+                                micro_batches: int) -> float:
+        """Per-micro-batch time of layers ``[start, stop)`` replicated over ``devices``.
+
+        Replicas share the micro-batches in proportion to their speed (each replica's own
+        :meth:`stage_time_s`, with its transfers to ``prev`` and ``nxt``), so together they
+        process one every ``1 / sum(1 / t_r)`` seconds; once per iteration the stage's
+        gradients are all-reduced over the replicas, which adds ``allreduce_s / m`` per
+        micro-batch. One device: exactly :meth:`stage_time_s`.
+        """
+        devs = [self.cluster.device(d) if isinstance(d, str) else d for d in devices]
+        if len(devs) == 1:
+            return self.stage_time_s(start, stop, devs[0], prev, nxt)
+        rate = sum(1.0 / t if t > 0 else math.inf
+                   for t in (self.stage_time_s(start, stop, d, prev, nxt) for d in devs))
+        share = 0.0 if rate == math.inf else 1.0 / rate
+        return share + self.allreduce_s(self.param_bytes(start, stop), devs) / micro_batches
+
     # -- memory ----------------------------------------------------------------------------------
 
     def weight_factor(self, schedule: str) -> float:
@@ -263,6 +329,39 @@ class CostModel:
         """Peak memory of layers ``[start, stop)`` holding ``in_flight`` micro-batches' activations."""
         q = self._memory_prefix(in_flight, schedule)
         return float((q[stop] - q[start]) + self.options.reserved_bytes)
+
+    def activation_bytes(self, start: int, stop: int) -> float:
+        """Bytes of activations layers ``[start, stop)`` keep for backward, per micro-batch."""
+        return float(self.saved_prefix[stop] - self.saved_prefix[start])
+
+    def weight_bytes(self, start: int, stop: int, versions: int = 1) -> float:
+        """Weights (``versions`` copies), gradients and optimizer state of layers ``[start, stop)``."""
+        params = float(self.param_prefix[stop] - self.param_prefix[start])
+        return params * (versions + 1.0 + self.options.optimizer_state_factor)
+
+    def parameter_sync_s(self, start: int, stop: int) -> float:
+        """Seconds to push (or pull) the parameters of layers ``[start, stop)`` to (from) a
+        parameter server across the inter-node network (WSP)."""
+        params = float(self.param_prefix[stop] - self.param_prefix[start])
+        return params / (self.cluster.inter_gbps * 1e9)
+
+    def wave_sync_s(self, start: int, stop: int, micro_batches: int) -> float:
+        """WSP's per-wave PUSH + PULL of layers ``[start, stop)``, spread over the wave's micro-batches.
+
+        Every rank pushes its stage's update and pulls the global weights once per wave of
+        ``m`` micro-batches, blocking meanwhile, so in steady state its period per micro-batch
+        grows by ``2 * parameter_sync_s / m``. Added to a stage's time under the ``wsp`` schedule.
+        """
+        return float(self._sync_prefix[stop] - self._sync_prefix[start]) / micro_batches
+
+    def wave_sync_matrix(self, micro_batches: int, rows: slice = slice(None)) -> np.ndarray:
+        """``wave_sync_s(i, j, m)`` for every ``i`` in ``rows`` and every ``j`` (same operations)."""
+        q = self._sync_prefix
+        return (q[None, :] - q[rows, None]) / micro_batches
+
+    @functools.cached_property
+    def _sync_prefix(self) -> np.ndarray:
+        return 2.0 * self.param_prefix / (self.cluster.inter_gbps * 1e9)
 
     def memory_matrix(self, in_flight: int, schedule: str = "1f1b", rows: slice = slice(None)) -> np.ndarray:
         """``stage_memory_bytes(i, j, in_flight, schedule)`` for every ``i`` in ``rows`` and every ``j``.
@@ -282,7 +381,14 @@ class CostModel:
         for k, st in enumerate(stages):
             prev = stages[k - 1].device if k > 0 else None
             nxt = stages[k + 1].device if k + 1 < len(stages) else None
-            out.append(self.stage_time_s(st.start, st.stop, st.device, prev, nxt))
+            if st.replicas:
+                t = self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches)
+                if plan.schedule == "wsp":
+                    t += self.wave_sync_s(st.start, st.stop, plan.micro_batches)
+            else:
+                t = self.pipeline_stage_time_s(st.start, st.stop, st.device, prev, nxt, plan.schedule,
+                                               plan.micro_batches)
+            out.append(t)
         return out
 
     def plan_memory_bytes(self, plan: Plan) -> dict[str, float]:

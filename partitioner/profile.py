@@ -190,6 +190,29 @@ class Profile:
         )
         return Profile(self.model, self.micro_batch_size, layers, self.dtype, self.source, self.edges, self.meta)
 
+    def rescaled(self, micro_batch_size: int) -> Profile:
+        """The profile at another micro-batch size, scaled linearly (an approximation).
+
+        Per-layer times, FLOPs, saved activations and boundary tensors are multiplied by
+        ``micro_batch_size / self.micro_batch_size``; parameter bytes do not change. Real GPUs
+        are less efficient on small batches than this predicts, so prefer a profile measured
+        at the size you plan for. ``meta["rescaled_from"]`` records the measured size.
+        """
+        check(isinstance(micro_batch_size, int) and not isinstance(micro_batch_size, bool)
+              and micro_batch_size >= 1, "micro_batch_size", micro_batch_size, "must be an integer >= 1")
+        if micro_batch_size == self.micro_batch_size:
+            return self
+        f = micro_batch_size / self.micro_batch_size
+        layers = tuple(
+            LayerProfile(layer.name, layer.flops * f, layer.param_bytes, layer.saved_bytes * f,
+                         layer.output_bytes * f,
+                         {g: LayerTime(t.fwd_s * f, t.bwd_s * f, t.projected, t.measured_on)
+                          for g, t in layer.times.items()})
+            for layer in self.layers
+        )
+        meta = {**self.meta, "rescaled_from": self.meta.get("rescaled_from", self.micro_batch_size)}
+        return Profile(self.model, micro_batch_size, layers, self.dtype, self.source, self.edges, meta)
+
     # -- JSON ----------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,6 +19,13 @@ __all__ = ["SOLVERS", "SolveResult", "SolveStatus", "solve"]
 # name the user types -> "module:function"; every function takes (profile, cluster, **options)
 SOLVERS: dict[str, str] = {
     "dp": "solvers.dp:solve",
+    "hetero": "solvers.hetero:solve",
+    "uniform": "solvers.baselines:solve_uniform",
+    "parameters": "solvers.baselines:solve_parameters",
+    "blockpartition": "solvers.baselines:solve_blockpartition",
+    "pipedream": "solvers.baselines:solve_pipedream",
+    "cpsat": "solvers.cpsat:solve",
+    "milp": "solvers.milp:solve",
 }
 
 

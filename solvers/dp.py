@@ -27,6 +27,7 @@ from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
 
+from .predictions import with_predictions
 from .result import SolveResult, SolveStatus
 
 __all__ = ["ChainSolution", "chain_dp", "diagnose_infeasible", "solve"]
@@ -67,7 +68,8 @@ def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
         nxt = devices[k + 1] if k + 1 < p else None
         in_flight = activations_in_flight(schedule, p - k, micro_batches)
         # T_k(i, j) on feasible (i, j): j > i and the stage fits in the device's memory.
-        cand = np.maximum(cost.stage_time_matrix(dev, prev, nxt, rows), f[None, :])
+        times = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)
+        cand = np.maximum(times, f[None, :])
         ok = (cols[None, :] > cols[rows, None]) & (cost.memory_matrix(in_flight, schedule, rows) <= dev.memory_bytes)
         cand[~ok] = np.inf
         arg = cand.argmin(axis=1)
@@ -113,16 +115,27 @@ def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: st
 
 
 def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
-          schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
+          schedule: str = "1f1b", micro_batches: int | Sequence[int] | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` (default: every device of the cluster, in order).
 
     ``micro_batches`` defaults to the number of devices. With ``allow_fewer``, the first ``q``
     devices for every ``q <= len(devices)`` are tried and the best pipeline wins (the shortest
-    one on ties).
+    one on ties). ``schedule="auto"`` (gpipe, 1f1b, 2bw) and/or a list of ``micro_batches``
+    solve every combination and keep the plan with the most simulated samples/s
+    (:func:`solvers.ranking.solve_ranked`; the candidates are in ``details["ranking"]``).
     """
     if unused:
         raise FormatError("solver option", sorted(unused), "not understood by the dp solver")
+    if schedule == "auto" or isinstance(micro_batches, (list, tuple)):
+        from .ranking import AUTO_SCHEDULES, solve_ranked
+
+        n_devs = len(devices) if devices is not None else len(cluster.devices)
+        counts = (list(micro_batches) if isinstance(micro_batches, (list, tuple))
+                  else [int(micro_batches or n_devs)])  # type: ignore[arg-type]
+        return solve_ranked(
+            solve, profile, cluster, AUTO_SCHEDULES if schedule == "auto" else (schedule,), counts,
+            devices=devices, options=options, allow_fewer=allow_fewer)
     t0 = time.perf_counter()
     cost = CostModel(profile, cluster, options)
     devs = cluster.subset(devices) if devices is not None else cluster.devices
@@ -133,9 +146,9 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     if not (isinstance(m, int) and m >= 1):
         raise FormatError("micro_batches", m, "must be an integer >= 1")
     activations_in_flight(schedule, 1, m)  # refuses schedules the DP cannot price, with the reason
-    counts = range(1, min(len(devs), profile.num_layers) + 1) if allow_fewer else [len(devs)]
+    lengths = range(1, min(len(devs), profile.num_layers) + 1) if allow_fewer else [len(devs)]
     best: ChainSolution | None = None
-    for q in counts:
+    for q in lengths:
         sol = chain_dp(cost, devs[:q], schedule, m)
         if sol is not None and (best is None or sol.bottleneck_s < best.bottleneck_s):
             best = sol
@@ -151,19 +164,26 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
 
 
 def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedule: str,
-                   micro_batches: int, solver_name: str) -> Plan:
-    """A one-virtual-worker plan from a split, with closed-form predicted figures."""
-    stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices))
+                   micro_batches: int, solver_name: str, simulate: bool = True) -> Plan:
+    """A one-virtual-worker plan from a split, with its predicted figures.
+
+    The figures come from the discrete-event simulator (:func:`partitioner.simulate.predict`):
+    iteration time, samples/s, mean bubble and largest peak memory, with per-device figures in
+    ``meta``. With ``simulate=False`` they come from the closed form
+    :func:`partitioner.cost.pipeline_iteration_s` (fill + drain around the bottleneck), which is
+    exact only for uniform stages without transfers; ``meta["predicted_by"]`` says which.
+    """
+    stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices, strict=True))
     plan = Plan(profile.model, (VirtualWorker(stages),), schedule, profile.micro_batch_size, micro_batches)
     times = cost.plan_stage_times_s(plan)
     iteration = pipeline_iteration_s(times, micro_batches, schedule)
-    predicted = {
+    closed = {
         "bottleneck_s": max(times),
         "iteration_s": iteration,
         "samples_per_s": micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
     }
-    return Plan(plan.model, plan.virtual_workers, schedule, plan.micro_batch_size, micro_batches,
-                predicted=predicted, meta={"stage_times_s": times})
+    return with_predictions(plan, profile, cost.cluster, cost.options, closed, simulate,
+                            extra_meta={"stage_times_s": times})
 
 
 def _with_plan(result: SolveResult, plan: Plan) -> SolveResult:

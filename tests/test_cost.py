@@ -44,6 +44,19 @@ def test_stage_time_definitions(model):
     assert add.stage_time_s(0, 7, "n0:1") == pytest.approx(float(fwd.sum() + bwd.sum()))
 
 
+def test_wsp_adds_the_wave_sync_spread_over_the_wave(model):
+    prof, cluster = model
+    cost = CostModel(prof, cluster)
+    devs = cluster.devices
+    params = sum(layer.param_bytes for layer in prof.layers[2:5])
+    sync = 2 * params / (cluster.inter_gbps * 1e9)  # push + pull over the inter-node network
+    base = cost.stage_time_s(2, 5, devs[1], devs[0], devs[2])
+    assert cost.pipeline_stage_time_s(2, 5, devs[1], devs[0], devs[2], "wsp", 4) == pytest.approx(base + sync / 4)
+    assert cost.pipeline_stage_time_s(2, 5, devs[1], devs[0], devs[2], "1f1b", 4) == base
+    matrix = cost.pipeline_stage_time_matrix(devs[1], devs[0], devs[2], "wsp", 4)
+    assert matrix[2, 5] == cost.pipeline_stage_time_s(2, 5, devs[1], devs[0], devs[2], "wsp", 4)
+
+
 def test_memory_formula(model):
     prof, cluster = model
     cost = CostModel(prof, cluster, CostOptions(optimizer_state_factor=2.0, reserved_bytes=GIB))

@@ -31,7 +31,7 @@ def brute_force(cost, devices, schedule, m):
                 break
             prev = devices[k - 1] if k else None
             nxt = devices[k + 1] if k + 1 < p else None
-            worst = max(worst, cost.stage_time_s(a, b, devices[k], prev, nxt))
+            worst = max(worst, cost.pipeline_stage_time_s(a, b, devices[k], prev, nxt, schedule, m))
         best = min(best, worst)
     return best
 
@@ -50,7 +50,7 @@ def instances(draw):
     memory = {g: draw(st.floats(0.5, 30.0)) for g in TYPES}
     per_node = draw(st.integers(1, 2))
     overlap = draw(st.booleans())
-    schedule = draw(st.sampled_from(["1f1b", "gpipe", "2bw"]))
+    schedule = draw(st.sampled_from(["1f1b", "gpipe", "2bw", "wsp"]))
     m = draw(st.integers(1, 6))
     prof = make_profile(times, params, saved, out)
     cluster = flat_cluster(types, memory_gb=memory, intra_gbps=draw(st.floats(1, 50)),

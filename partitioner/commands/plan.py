@@ -7,6 +7,7 @@ import sys
 
 from ..cluster import GIB, Cluster
 from ..cost import CostOptions
+from ..errors import FormatError
 from ..plan import SCHEDULES
 from ..profile import Profile
 
@@ -38,13 +39,45 @@ def _run(args: argparse.Namespace) -> int:
     cluster = Cluster.load(args.cluster)
     options = cost_options_from_args(args)
     kwargs: dict[str, object] = {"schedule": args.schedule, "options": options}
-    if args.micro_batches is not None:
-        kwargs["micro_batches"] = args.micro_batches
     if args.devices:
         kwargs["devices"] = [d.strip() for d in args.devices.split(",") if d.strip()]
     if args.allow_fewer:
         kwargs["allow_fewer"] = True
-    result = solve(profile, cluster, solver=args.solver, **kwargs)
+    solver = args.solver
+    hetero = args.virtual_workers is not None or args.policy is not None or args.replication
+    if hetero or args.micro_batches == "auto":
+        if solver not in ("dp", "hetero"):
+            raise FormatError("--solver", solver, "--virtual-workers/--policy/--replication/--microbatches auto "
+                              "plan with the hetero planner; leave --solver out or use --solver hetero")
+        solver = "hetero"
+        vw = args.virtual_workers or "auto"
+        kwargs.update(virtual_workers=vw if vw == "auto" else _positive(vw, "--virtual-workers"),
+                      policy=args.policy or "opt", replication=bool(args.replication), objective=args.objective)
+    if args.time_limit is not None:
+        if solver not in _TIME_LIMITED:
+            raise FormatError("--time-limit", args.time_limit, f"applies to the {', '.join(_TIME_LIMITED)} "
+                              f"solvers; {solver} needs none")
+        kwargs["time_limit_s"] = args.time_limit
+    if args.micro_batches == "auto":
+        from solvers.hetero import plan_cluster
+        from solvers.microbatch import choose_micro_batches
+
+        if args.global_batch is None:
+            raise FormatError("--microbatches", "auto", "needs --global-batch (samples per virtual worker "
+                              "per iteration) to choose the micro-batch size and count")
+        choice = choose_micro_batches(profile, cluster, args.global_batch, plan_cluster, **kwargs)  # type: ignore[arg-type]
+        if choice is None:
+            print(f"partitioner plan: infeasible: no micro-batch size dividing {args.global_batch} fits",
+                  file=sys.stderr)
+            return 1
+        print(f"micro-batch size {choice.micro_batch_size} x {choice.micro_batches} micro-batches "
+              f"(first micro-batch in {choice.first_slices} slice(s)): {choice.samples_per_s:.2f} samples/s")
+        profile = profile.rescaled(choice.micro_batch_size)
+        result = choice.result
+    else:
+        if args.micro_batches is not None:
+            kwargs["micro_batches"] = _positive(args.micro_batches, "--microbatches")
+        result = solve(profile, cluster, solver=solver, **kwargs)
     if not result.ok or result.plan is None:
         print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
         return 1
@@ -56,6 +89,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+_TIME_LIMITED = ("cpsat", "milp", "hetero")
+
+
+def _positive(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise FormatError(flag, text, "must be an integer >= 1 or 'auto'")
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from solvers import SOLVERS
 
@@ -64,8 +110,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--cluster", required=True, help="cluster file (YAML or JSON)")
     parser.add_argument("--solver", default="dp", choices=sorted(SOLVERS), help="solver (default: dp)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default: 1f1b)")
-    parser.add_argument("--micro-batches", type=int, default=None,
-                        help="micro-batches per iteration (default: the number of pipeline stages)")
+    parser.add_argument("--microbatches", "--micro-batches", dest="micro_batches", default=None, metavar="auto|N",
+                        help="micro-batches per iteration (default: the solver's); auto chooses size and "
+                             "count for --global-batch")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="samples per virtual worker per iteration (for --microbatches auto)")
+    parser.add_argument("--virtual-workers", default=None, metavar="K|auto",
+                        help="split the cluster into K data-parallel pipelines (hetero planner)")
+    parser.add_argument("--policy", default=None, choices=("np", "ed", "hd", "opt"),
+                        help="virtual-worker grouping: HetPipe's np, ed, hd, or opt (default: opt)")
+    parser.add_argument("--objective", default="wsp", choices=("wsp", "sync"),
+                        help="opt maximises the sum of worker throughputs (wsp) or K x the slowest (sync)")
+    parser.add_argument("--replication", action=argparse.BooleanOptionalAction, default=False,
+                        help="let a stage run data-parallel on several GPUs of one type")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="stop cpsat / milp / the hetero search after this long and report the gap")
     parser.add_argument("--devices", default=None,
                         help="comma-separated device names in pipeline order (default: all, in file order)")
     parser.add_argument("--allow-fewer", action="store_true", help="let the solver use fewer devices than given")

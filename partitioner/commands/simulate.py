@@ -1,0 +1,67 @@
+"""``partitioner simulate PLAN --profile P --cluster C``: time a plan, write a trace and a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..cluster import GIB, Cluster
+from ..cost import CostOptions
+from ..errors import FormatError, PartitionerError
+from ..plan import Plan
+from ..profile import Profile
+
+__all__ = ["register"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..simulate import simulate_plan
+    from ..trace import render_png, summary_text, write_trace
+
+    inputs = {os.path.realpath(p) for p in (args.plan, args.profile, args.cluster)}
+    for flag, out in (("--trace", args.trace), ("--png", args.png)):
+        if out and os.path.realpath(out) in inputs:
+            raise PartitionerError(f"{flag} {out} is one of the input files; name a new output file")
+    plan = Plan.load(args.plan)
+    profile = Profile.load(args.profile)
+    cluster = Cluster.load(args.cluster)
+    options = CostOptions(overlap_comm=args.overlap_comm, optimizer_state_factor=args.optimizer_state_factor,
+                          reserved_bytes=args.reserved_gb * GIB)
+    try:
+        plan.validate(profile, cluster, options, check_memory=False)
+    except FormatError as err:
+        raise err.in_file(args.plan) from None
+    tl = simulate_plan(plan, profile, cluster, options, iterations=args.iterations)
+    print(summary_text(tl))
+    over = [f"{d} needs {tl.peak_memory_bytes[d] / GIB:.2f} GiB of {cluster.device(d).memory_bytes / GIB:.2f}"
+            for d in tl.devices if tl.peak_memory_bytes[d] > cluster.device(d).memory_bytes]
+    if over:
+        print("does not fit: " + "; ".join(over))
+    if args.trace:
+        write_trace(tl, args.trace, include_waits=args.waits)
+        print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")
+    if args.png:
+        render_png(tl, args.png)
+        print(f"wrote {args.png}")
+    return 1 if over else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="time a plan with the discrete-event simulator",
+                       description="Simulate PLAN's schedule with the cost model: iteration time, throughput, "
+                                   "bubble and peak memory per device; optionally a Perfetto trace and a PNG.")
+    p.add_argument("plan", help="plan JSON (from `partitioner plan`)")
+    p.add_argument("--profile", required=True, help="the profile the plan was made for")
+    p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace here")
+    p.add_argument("--png", metavar="OUT.png", help="write a timeline image here")
+    p.add_argument("--waits", action="store_true", help="show receive waits in the trace")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="iterations to simulate (default: 1; 2bw 4; wsp staleness + 4)")
+    g = p.add_argument_group("cost model")
+    g.add_argument("--overlap-comm", action="store_true",
+                   help="senders do not wait for their transfers (asynchronous communication)")
+    g.add_argument("--optimizer-state-factor", type=float, default=2.0,
+                   help="optimizer state bytes per parameter byte (Adam 2, SGD+momentum 1, SGD 0; default 2)")
+    g.add_argument("--reserved-gb", type=float, default=0.5, help="GiB kept free on every GPU (default 0.5)")
+    p.set_defaults(func=_run)

@@ -1,0 +1,341 @@
+"""Pipeline schedules as per-rank ordered action lists: one definition for simulator and runtime.
+
+A pipeline has ``p`` ranks (devices) and ``S = p * v`` stages: with ``v`` chunks per device
+(``interleaved``, ``bfs``), stage ``s`` runs on rank ``s % p`` as chunk ``s // p``; otherwise
+stage ``k`` runs on rank ``k``. :func:`build_schedule` returns, for every rank, the actions it
+executes, in order:
+
+``F`` / ``B``
+    forward / backward of one micro-batch on one stage.
+``SEND_ACT`` / ``RECV_ACT``
+    the activation leaving stage ``s`` for stage ``s + 1`` (placed right after the ``F`` that
+    produces it / right before the ``F`` that consumes it).
+``SEND_GRAD`` / ``RECV_GRAD``
+    the gradient leaving stage ``s`` for stage ``s - 1`` (after / before the ``B``s).
+``STEP``
+    optimizer step; ``version`` is the weight version it creates (2BW double buffer).
+``PUSH`` / ``PULL``
+    WSP: push this rank's accumulated update for wave ``version`` to the parameter server /
+    wait until every rank of every *other* virtual worker has pushed wave ``version``, then
+    pull. A rank that has pushed wave ``c`` pulls ``c - D``: it goes on only while its virtual
+    worker is at most ``D`` clocks (waves) ahead of the slowest one.
+
+Matching rule (what a runtime must do): a send and a receive match when
+:func:`match_key` is equal -- ``(direction, micro_batch, sending stage)``, usable as a
+message tag. For every ordered pair of ranks the sends appear on the sender in the same
+order as the receives on the receiver, so FIFO point-to-point channels also match by order.
+Sends are *posted* without waiting for the receiver (``isend``; the buffer is released once
+the transfer is done) and receives block. Under those semantics every list produced here is
+deadlock-free when each rank runs its list in order (the simulator checks this and names the
+ranks of any wait cycle). A runtime with rendezvous-blocking sends would deadlock on 1F1B
+(two neighbours each sending first), so it must not execute sends synchronously.
+
+Micro-batches are numbered globally across iterations: in a run of ``iterations``
+iterations of ``m`` micro-batches, micro-batch ``j`` belongs to iteration ``j // m``.
+Flushing schedules (``gpipe``, ``1f1b``, ``interleaved``, ``bfs``) simply repeat; ``2bw``
+and ``wsp`` run the 1F1B steady state across iteration boundaries without a flush.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import FormatError
+
+__all__ = [
+    "ACTION_KINDS",
+    "COMPUTE_KINDS",
+    "PULL",
+    "PUSH",
+    "RECV_ACT",
+    "RECV_GRAD",
+    "SCHEDULE_NAMES",
+    "SEND_ACT",
+    "SEND_GRAD",
+    "STEP",
+    "Action",
+    "B",
+    "Columns",
+    "F",
+    "build_schedule",
+    "check_schedule",
+    "describe",
+    "match_key",
+    "schedule_columns",
+    "stage_rank",
+    "to_actions",
+]
+
+F, B = "F", "B"
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"
+STEP, PUSH, PULL = "STEP", "PUSH", "PULL"
+ACTION_KINDS = (F, B, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, STEP, PUSH, PULL)
+# index of each kind in ACTION_KINDS: the ``kind`` column of :func:`schedule_columns`
+_F, _B, _SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD, _STEP, _PUSH, _PULL = range(9)
+COMPUTE_KINDS = (F, B)
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "bfs", "2bw", "wsp")
+NO_FLUSH = ("2bw", "wsp")
+MULTI_CHUNK = ("interleaved", "bfs")
+
+
+class Action(NamedTuple):
+    """One step of a rank's program. Immutable; a tuple so that 10^5 of them stay cheap.
+
+    ``stage`` is the pipeline stage the action belongs to (for sends and receives: the stage
+    of the rank executing it); ``peer`` is the other rank of a send or receive (-1 otherwise);
+    ``version`` is the weight version (``STEP``) or the WSP clock (``PUSH``/``PULL``).
+    """
+
+    kind: str
+    micro_batch: int = -1
+    stage: int = -1
+    peer: int = -1
+    version: int = -1
+
+
+def stage_rank(stage: int, ranks: int) -> int:
+    """The rank holding ``stage`` when stages are dealt round-robin over ``ranks`` devices."""
+    return stage % ranks
+
+
+def match_key(action: Action) -> tuple[str, int, int]:
+    """``(direction, micro_batch, sending stage)``: equal for a send and its receive."""
+    k = action.kind
+    if k == SEND_ACT:
+        return ("act", action.micro_batch, action.stage)
+    if k == RECV_ACT:
+        return ("act", action.micro_batch, action.stage - 1)
+    if k == SEND_GRAD:
+        return ("grad", action.micro_batch, action.stage)
+    if k == RECV_GRAD:
+        return ("grad", action.micro_batch, action.stage + 1)
+    raise ValueError(f"{k} is not a send or a receive")
+
+
+# -- validation -----------------------------------------------------------------------------
+
+
+def _nearest_multiples(m: int, p: int) -> str:
+    lo, hi = (m // p) * p, (m // p + 1) * p
+    return f"{lo} or {hi}" if lo >= p else f"{hi}"
+
+
+def check_schedule(schedule: str, ranks: int, micro_batches: int, chunks: int = 1,
+                   iterations: int = 1, staleness: int = 0) -> None:
+    """Raise :class:`FormatError` naming the broken rule and the nearest valid values."""
+    if schedule not in SCHEDULE_NAMES:
+        raise FormatError("schedule", schedule, f"must be one of {', '.join(SCHEDULE_NAMES)}")
+    for name, v in (("ranks", ranks), ("micro_batches", micro_batches), ("chunks", chunks),
+                    ("iterations", iterations)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise FormatError(name, v, "must be an integer >= 1")
+    if not (isinstance(staleness, int) and staleness >= 0):
+        raise FormatError("staleness", staleness, "must be an integer >= 0")
+    if schedule not in MULTI_CHUNK and chunks != 1:
+        raise FormatError("chunks", chunks, f"{schedule} runs one chunk per device; use chunks=1, or "
+                          f"the interleaved / bfs schedule for {chunks} chunks")
+    if schedule == "interleaved" and micro_batches % ranks != 0:
+        raise FormatError("micro_batches", micro_batches,
+                          f"the interleaved schedule sends micro-batches in groups of one per device, so "
+                          f"micro_batches must be a multiple of the {ranks} devices; nearest valid: "
+                          f"{_nearest_multiples(micro_batches, ranks)}")
+
+
+# -- compute orders --------------------------------------------------------------------------
+
+# A compute order is a list of (kind, micro_batch, stage, version) with kind in F, B, STEP,
+# PUSH, PULL; communication is inserted afterwards by ``_with_comm``.
+_Order = list[tuple[int, int, int, int]]
+
+
+def _gpipe(r: int, m: int, iterations: int) -> _Order:
+    out: _Order = []
+    for it in range(iterations):
+        mbs = range(it * m, (it + 1) * m)
+        out += [(_F, j, r, -1) for j in mbs]
+        out += [(_B, j, r, -1) for j in mbs]
+        out.append((_STEP, -1, -1, it + 1))
+    return out
+
+
+def _one_f_one_b(r: int, p: int, m: int, iterations: int) -> _Order:
+    """PipeDream-Flush: warm up with ``min(p - r - 1, m)`` forwards, alternate, drain."""
+    out: _Order = []
+    for it in range(iterations):
+        base = it * m
+        warm = min(p - r - 1, m)
+        out += [(_F, base + j, r, -1) for j in range(warm)]
+        for i in range(m - warm):
+            out.append((_F, base + warm + i, r, -1))
+            out.append((_B, base + i, r, -1))
+        out += [(_B, base + j, r, -1) for j in range(m - warm, m)]
+        out.append((_STEP, -1, -1, it + 1))
+    return out
+
+
+def _no_flush(r: int, p: int, m: int, iterations: int, wsp: bool, staleness: int) -> _Order:
+    """1F1B steady state across iteration (wave) boundaries; at most ``min(p - r, m)`` in flight.
+
+    Capping what is in flight at ``m`` keeps the micro-batches in flight within two
+    consecutive iterations, so 2BW never needs a third weight version, even when ``m < p``.
+
+    2BW: ``STEP`` after the last backward of each iteration creates the next weight version.
+    WSP: ``PUSH(c)`` after the last backward of wave ``c``, then ``PULL(c - staleness)``, which
+    waits until the other virtual workers have pushed wave ``c - staleness``.
+    """
+    total = m * iterations
+    cap = min(p - r, m)
+    out: _Order = []
+
+    def forward(j: int) -> None:
+        out.append((_F, j, r, -1))
+
+    def backward(j: int) -> None:
+        out.append((_B, j, r, -1))
+        if (j + 1) % m == 0:
+            wave = j // m
+            if not wsp:
+                out.append((_STEP, -1, -1, wave + 1))
+                return
+            out.append((_PUSH, -1, -1, wave))
+            if wave - staleness >= 0:
+                out.append((_PULL, -1, -1, wave - staleness))
+
+    for j in range(cap - 1):
+        forward(j)
+    for i in range(total - (cap - 1)):
+        forward(cap - 1 + i)
+        backward(i)
+    for j in range(total - (cap - 1), total):
+        backward(j)
+    return out
+
+
+def _interleaved(r: int, p: int, m: int, v: int, iterations: int) -> _Order:
+    """Megatron's depth-first interleaved 1F1B: micro-batches go through chunks in groups of p."""
+    if v == 1:
+        return _one_f_one_b(r, p, m, iterations)
+    total = m * v
+    warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+    out: _Order = []
+    for it in range(iterations):
+        base = it * m
+
+        def fwd(i: int, base: int = base) -> tuple[int, int, int, int]:
+            chunk = (i // p) % v
+            return (_F, base + (i // (p * v)) * p + i % p, chunk * p + r, -1)
+
+        def bwd(i: int, base: int = base) -> tuple[int, int, int, int]:
+            chunk = v - 1 - (i // p) % v
+            return (_B, base + (i // (p * v)) * p + i % p, chunk * p + r, -1)
+
+        out += [fwd(i) for i in range(warm)]
+        for i in range(total - warm):
+            out.append(fwd(warm + i))
+            out.append(bwd(i))
+        out += [bwd(i) for i in range(total - warm, total)]
+        out.append((_STEP, -1, -1, it + 1))
+    return out
+
+
+def _bfs(r: int, p: int, m: int, v: int, iterations: int) -> _Order:
+    """Breadth-first looping: every micro-batch through chunk 0, then chunk 1, ...; backward mirrored."""
+    out: _Order = []
+    for it in range(iterations):
+        mbs = range(it * m, (it + 1) * m)
+        for c in range(v):
+            out += [(_F, j, c * p + r, -1) for j in mbs]
+        for c in reversed(range(v)):
+            out += [(_B, j, c * p + r, -1) for j in mbs]
+        out.append((_STEP, -1, -1, it + 1))
+    return out
+
+
+Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _with_comm(order: _Order, p: int, n_stages: int) -> Columns:
+    """Insert the sends and receives around every F and B (vectorised): returns the columns
+    ``(kind, micro_batch, stage, peer, version)`` of the rank's actions."""
+    arr = np.asarray(order, dtype=np.int64).reshape(-1, 4)
+    k, j, s, ver = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
+    is_f, is_b = k == _F, k == _B
+    last = n_stages - 1
+    if p > 1:
+        recv = (is_f & (s > 0)) | (is_b & (s < last))
+        send = (is_f & (s < last)) | (is_b & (s > 0))
+    else:
+        recv = send = np.zeros(len(k), dtype=bool)
+    count = 1 + recv.astype(np.int64) + send
+    start = np.cumsum(count) - count
+    total = int(count.sum())
+    kind = np.empty(total, dtype=np.int8)
+    mb = np.full(total, -1, dtype=np.int64)
+    stage = np.full(total, -1, dtype=np.int64)
+    peer = np.full(total, -1, dtype=np.int64)
+    version = np.full(total, -1, dtype=np.int64)
+    main = start + recv
+    kind[main], mb[main], stage[main], version[main] = k, j, s, ver
+    ri, f_r = start[recv], is_f[recv]
+    kind[ri] = np.where(f_r, _RECV_ACT, _RECV_GRAD)
+    mb[ri], stage[ri] = j[recv], s[recv]
+    peer[ri] = np.where(f_r, s[recv] - 1, s[recv] + 1) % p
+    si, f_s = main[send] + 1, is_f[send]
+    kind[si] = np.where(f_s, _SEND_ACT, _SEND_GRAD)
+    mb[si], stage[si] = j[send], s[send]
+    peer[si] = np.where(f_s, s[send] + 1, s[send] - 1) % p
+    return kind, mb, stage, peer, version
+
+
+def to_actions(columns: Columns) -> list[Action]:
+    """The :class:`Action` list of one rank from its columns."""
+    kind, mb, stage, peer, version = columns
+    names = [ACTION_KINDS[c] for c in kind.tolist()]
+    return list(map(tuple.__new__, itertools.repeat(Action),
+                    zip(names, mb.tolist(), stage.tolist(), peer.tolist(), version.tolist(), strict=True)))
+
+
+def schedule_columns(schedule: str, ranks: int, micro_batches: int, chunks: int = 1,
+                     iterations: int = 1, staleness: int = 0) -> list[Columns]:
+    """:func:`build_schedule` as numpy columns ``(kind, micro_batch, stage, peer, version)`` per
+    rank, ``kind`` indexing :data:`ACTION_KINDS` (the simulator's fast path; same lists)."""
+    check_schedule(schedule, ranks, micro_batches, chunks, iterations, staleness)
+    p, m, v = ranks, micro_batches, chunks
+    orders: list[_Order]
+    if schedule == "gpipe":
+        orders = [_gpipe(r, m, iterations) for r in range(p)]
+    elif schedule == "1f1b":
+        orders = [_one_f_one_b(r, p, m, iterations) for r in range(p)]
+    elif schedule in NO_FLUSH:
+        orders = [_no_flush(r, p, m, iterations, schedule == "wsp", staleness) for r in range(p)]
+    elif schedule == "interleaved":
+        orders = [_interleaved(r, p, m, v, iterations) for r in range(p)]
+    else:
+        orders = [_bfs(r, p, m, v, iterations) for r in range(p)]
+    return [_with_comm(o, p, p * v) for o in orders]
+
+
+def build_schedule(schedule: str, ranks: int, micro_batches: int, chunks: int = 1,
+                   iterations: int = 1, staleness: int = 0) -> list[list[Action]]:
+    """Every rank's ordered actions for ``iterations`` iterations of ``micro_batches`` each.
+
+    ``ranks`` is the number of devices of the pipeline (``p``), ``chunks`` the stages per
+    device (``v``; interleaved and bfs only), ``staleness`` the WSP bound ``D``.
+    """
+    return [to_actions(c) for c in schedule_columns(schedule, ranks, micro_batches, chunks,
+                                                     iterations, staleness)]
+
+
+def describe(actions: Sequence[Action]) -> str:
+    """A compact one-line rendering of a rank's program (``F0 F1 B0 ...``), for docs and errors."""
+    parts = []
+    for a in actions:
+        if a.kind in COMPUTE_KINDS:
+            parts.append(f"{a.kind}{a.micro_batch}" + (f".{a.stage}" if a.stage >= 0 else ""))
+        elif a.kind in (STEP, PUSH, PULL):
+            parts.append(f"{a.kind}({a.version})")
+    return " ".join(parts)

@@ -1,0 +1,143 @@
+"""The chain problem as an OR-Tools CP-SAT model, with a certified lower bound.
+
+Same problem as :mod:`solvers.dp` (one pipeline over ordered devices, minimum bottleneck,
+memory per device), in the interval formulation of :mod:`solvers.intervals`. CP-SAT works
+on integers, so every stage time is rounded **down** to a whole number of ticks
+(``tick_s = largest stage time / resolution``). Rounding down makes the integer model a
+relaxation in time: its bound, converted back to seconds, is a valid lower bound on the true
+optimum (less a hundredth of a tick for floating-point safety). The plan's objective is not
+taken from the integer model: it is recomputed exactly from the chosen cuts with the cost
+model. When CP-SAT proves the integer model optimal, the plan is optimal to within one tick
+(``details["tick_s"]``); the status is then ``OPTIMAL``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from partitioner.cluster import Cluster
+from partitioner.cost import CostOptions
+from partitioner.errors import FormatError, PartitionerError
+from partitioner.profile import Profile
+
+from .intervals import DEFAULT_MAX_ARCS, build_arcs, dp_split, finish, prepare
+from .result import SolveResult, SolveStatus
+
+__all__ = ["DEFAULT_RESOLUTION", "solve"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RESOLUTION = 10**7  # ticks in the largest stage time of the model
+FLOAT_SAFETY_TICKS = 0.01
+
+
+def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
+          schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
+          allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
+          prune: bool = True, resolution: int = DEFAULT_RESOLUTION, max_arcs: int = DEFAULT_MAX_ARCS,
+          **unused: object) -> SolveResult:
+    """Optimal single-pipeline plan over ``devices`` by CP-SAT, with a lower bound.
+
+    ``hint`` runs the DP first and gives its split to CP-SAT as a solution hint; with
+    ``prune`` as well, stages slower than that split's bottleneck are left out of the model
+    (they cannot be in an optimal split). ``threads`` is CP-SAT's number of workers.
+    Other arguments as :func:`solvers.dp.solve`.
+    """
+    from ortools.sat.python import cp_model
+
+    if unused:
+        raise FormatError("solver option", sorted(unused), "not understood by the cpsat solver")
+    if not (time_limit_s > 0):
+        raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
+    if not (isinstance(threads, int) and threads >= 1):
+        raise FormatError("threads", threads, "must be an integer >= 1")
+    if not (isinstance(resolution, int) and 10 <= resolution <= 10**12):
+        raise FormatError("resolution", resolution, "must be an integer tick count in [10, 1e12]")
+    t0 = time.perf_counter()
+    problem = prepare(profile, cluster, devices, schedule, micro_batches, options, allow_fewer)
+    start = dp_split(problem) if hint else None
+    upper = start.bottleneck_s * (1 + 1e-9) if (start is not None and prune) else math.inf
+    arcs = build_arcs(problem.cost, problem.devices, schedule, problem.micro_batches, allow_fewer,
+                      max_arcs, upper)
+    details: dict[str, object] = {"arcs": len(arcs), "hint": start is not None, "pruned": math.isfinite(upper)}
+    if not arcs.lengths:  # more devices than layers and no shorter pipeline allowed
+        return finish(problem, "cpsat", SolveStatus.INFEASIBLE, None, math.nan,
+                      time.perf_counter() - t0, details)
+
+    largest = float(arcs.time_s.max(initial=0.0))
+    tick_s = largest / resolution if largest > 0 else 1.0
+    ticks = np.floor(arcs.time_s / tick_s).astype(np.int64).tolist()
+    details["tick_s"] = tick_s
+    n_layers = profile.num_layers
+
+    model = cp_model.CpModel()
+
+    # Variables: x[a] = 1 when arc a (stage k of the q-stage pipeline holds [i, j)) is chosen;
+    # y[q] = 1 when the pipeline has q stages; B = the bottleneck in ticks.
+    x = [model.new_bool_var(f"x_{a}") for a in range(len(arcs))]
+    y = {q: model.new_bool_var(f"y_{q}") for q in arcs.lengths}
+    bottleneck = model.new_int_var(0, max(ticks, default=0), "bottleneck")
+
+    # One pipeline length: sum_q y[q] = 1.
+    model.add_exactly_one(y.values())
+
+    # Flow: sum_j x[q, 0, 0, j] = y[q], and for 0 < k < q at every cut c:
+    # sum_i x[q, k-1, i, c] = sum_j x[q, k, c, j] (stage k starts where stage k-1 ended).
+    ending, starting = arcs.incidence()
+    for q in arcs.lengths:
+        model.add(cp_model.LinearExpr.sum([x[a] for a in starting.get((q, 0, 0), [])]) == y[q])
+        for k in range(1, q):
+            for c in range(1, n_layers):
+                ins, outs = ending.get((q, k - 1, c), []), starting.get((q, k, c), [])
+                if ins or outs:
+                    model.add(cp_model.LinearExpr.sum([x[a] for a in ins])
+                              == cp_model.LinearExpr.sum([x[a] for a in outs]))
+
+    # Bottleneck: B >= sum_{i,j} ticks[q, k, i, j] * x[q, k, i, j] for every stage (q, k)
+    # (at most one arc of a stage is chosen, so the sum is that stage's time).
+    for idx in arcs.groups().values():
+        model.add(bottleneck >= cp_model.LinearExpr.weighted_sum([x[a] for a in idx],
+                                                                 [ticks[a] for a in idx]))
+
+    # Objective: minimise B.
+    model.minimize(bottleneck)
+
+    if start is not None:
+        chosen = set(arcs.index_of(start))
+        for a in range(len(arcs)):
+            model.add_hint(x[a], a in chosen)
+        for q in arcs.lengths:
+            model.add_hint(y[q], q == len(start.devices))
+        model.add_hint(bottleneck, max(ticks[a] for a in chosen))
+
+    # Solve.
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.num_workers = threads
+    solver.parameters.random_seed = 0
+    code = solver.solve(model)
+    details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time,
+                   branches=solver.num_branches)
+
+    # Extract: the chosen arcs, priced exactly; the bound converted back to seconds.
+    if code == cp_model.MODEL_INVALID:
+        raise PartitionerError(f"CP-SAT rejected the model: {model.validate()}")
+    if code == cp_model.INFEASIBLE:
+        return finish(problem, "cpsat", SolveStatus.INFEASIBLE, None, math.nan,
+                      time.perf_counter() - t0, details)
+    bound = max(0.0, (solver.best_objective_bound - FLOAT_SAFETY_TICKS) * tick_s)
+    details["bound_s"] = bound  # as converted, before capping at the plan's objective
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return finish(problem, "cpsat", SolveStatus.UNKNOWN, None, bound, time.perf_counter() - t0, details,
+                      reason=f"no plan found within the time limit of {time_limit_s:g} s "
+                             f"({len(arcs)} candidate stages)")
+    picked = [a for a in range(len(arcs)) if solver.boolean_value(x[a])]
+    sol = arcs.solution(picked, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
+    status = SolveStatus.OPTIMAL if code == cp_model.OPTIMAL else SolveStatus.FEASIBLE
+    log.debug("cpsat: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)
+    return finish(problem, "cpsat", status, sol, bound, time.perf_counter() - t0, details)

@@ -1,0 +1,285 @@
+"""Heterogeneity-aware planning of a whole cluster: virtual workers, device mapping, split.
+
+:func:`plan_cluster` groups the cluster's GPUs into K virtual workers (a HetPipe policy or
+``opt``), orders each worker's GPUs and splits the layers (:mod:`solvers.mapping`),
+optionally replicating stages (:mod:`solvers.replication`), and prices the result with the
+cost model. The objective is the total throughput in samples per second; the
+``SolveResult.objective`` is its inverse, seconds per sample (smaller is better), with a
+lower bound from the cluster's total speed: ``1 / (micro_batch_size * sum_d 1 / T_d)``,
+``T_d`` the whole model's time on GPU ``d``.
+
+A virtual worker's throughput is ``m * micro_batch_size / iteration_s`` with the closed-form
+iteration time of the schedule (:func:`partitioner.cost.pipeline_iteration_s`); the mapping
+and replication DPs minimise its bottleneck stage, which dominates it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from partitioner.cluster import Cluster, Device
+from partitioner.cost import CostModel, CostOptions, activations_in_flight, pipeline_iteration_s
+from partitioner.errors import FormatError
+from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner.profile import Profile
+
+from .dp import diagnose_infeasible
+from .grouping import OBJECTIVES, POLICIES, combine, group, search_opt
+from .mapping import map_worker
+from .predictions import with_predictions
+from .replication import replicate_worker
+from .result import SolveResult, SolveStatus
+
+__all__ = ["WorkerPlanner", "plan_cluster", "price_plan", "solve"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Worker:
+    stages: tuple[Stage, ...] | None
+    throughput: float
+    exact: bool
+
+
+class WorkerPlanner:
+    """Plans one virtual worker at a time, remembering answers for equivalent GPU sets.
+
+    Two GPU sets are equivalent when they have the same GPU types on nodes of the same kind
+    (same GPU mix and intra-node bandwidth, no link overrides): such nodes are interchangeable.
+    """
+
+    def __init__(self, cost: CostModel, schedule: str, micro_batches: int, replication: bool = False,
+                 exact_limit: int = 720, max_evaluations: int = 200):
+        self.cost = cost
+        self.max_evaluations = max_evaluations
+        self.schedule = schedule
+        self.micro_batches = micro_batches
+        self.replication = replication
+        self.exact_limit = exact_limit
+        self._memo: dict[Any, _Worker] = {}
+        cl = cost.cluster
+        overridden = {end for link in cl.links for end in (link.a, link.b)}
+        self._node_kind = {n.name: (n.name if n.name in overridden else (tuple(sorted(n.gpus)), n.intra_gbps))
+                           for n in cl.nodes}
+        self._pinned = overridden
+        self.evaluations = 0
+
+    def key(self, devices: Sequence[Device]) -> Any:
+        if any(d.name in self._pinned for d in devices):
+            return tuple(sorted(d.name for d in devices))
+        per_node: dict[str, Counter[str]] = {}
+        for d in devices:
+            per_node.setdefault(d.node, Counter())[d.gpu_type] += 1
+        return tuple(sorted((self._node_kind[n], tuple(sorted(c.items()))) for n, c in per_node.items()))
+
+    def throughput_bound(self, devices: Sequence[Device]) -> float:
+        """An upper bound on :meth:`throughput`: ``micro_batch_size / lower_bound_s``, since an
+        iteration of ``m`` micro-batches takes at least ``m`` bottlenecks."""
+        k = ("bound", self.key(devices))
+        if k not in self._memo:
+            lb = self.cost.lower_bound_s(devices)
+            self._memo[k] = _Worker(None, self.cost.profile.micro_batch_size / lb if lb > 0 else math.inf, False)
+        return self._memo[k].throughput
+
+    def throughput(self, devices: Sequence[Device]) -> float:
+        return self._plan(devices, keep=False).throughput
+
+    def stages(self, devices: Sequence[Device]) -> _Worker:
+        return self._plan(devices, keep=True)
+
+    def _plan(self, devices: Sequence[Device], keep: bool) -> _Worker:
+        """``keep``: return the stages for exactly these devices (not memoised, since the memo
+        is shared by equivalent GPU sets whose stages name other devices)."""
+        k = self.key(devices)
+        if not keep and k in self._memo:
+            return self._memo[k]
+        self.evaluations += 1
+        cost, sched, m = self.cost, self.schedule, self.micro_batches
+        res = map_worker(cost, devices, sched, m, exact_limit=self.exact_limit,
+                         max_evaluations=self.max_evaluations)
+        options: list[tuple[Stage, ...]] = []
+        if res.solution is not None:
+            sol = res.solution
+            options.append(tuple(Stage(r, d.name, d.gpu_type) for r, d in zip(sol.ranges, sol.devices, strict=True)))
+        if self.replication and len(devices) > 1:
+            order = list(res.solution.devices) if res.solution is not None else list(devices)
+            rep = replicate_worker(cost, order, sched, m)
+            if rep is not None:
+                options.append(tuple(Stage(r, ds[0].name, ds[0].gpu_type, tuple(d.name for d in ds[1:]))
+                                     for r, ds in rep.stages))
+        best = _Worker(None, -math.inf, res.exact)
+        for stages in options:
+            thr = worker_throughput(cost, stages, sched, m)
+            if thr > best.throughput:
+                best = _Worker(stages, thr, res.exact)
+        self._memo[k] = replace(best, stages=None)
+        return best
+
+
+def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, micro_batches: int) -> float:
+    """Samples per second of one pipeline, priced by the cost model (-inf if it does not fit)."""
+    plan = Plan(cost.profile.model, (VirtualWorker(tuple(stages)),), schedule, cost.profile.micro_batch_size,
+                micro_batches)
+    try:
+        cost.check_plan_memory(plan)
+    except FormatError:
+        return -math.inf
+    it = pipeline_iteration_s(cost.plan_stage_times_s(plan), micro_batches, schedule)
+    return micro_batches * cost.profile.micro_batch_size / it if it > 0 else math.inf
+
+
+def price_plan(cost: CostModel, plan: Plan, objective: str = "wsp") -> dict[str, float]:
+    """Predicted figures of a multi-worker plan: total samples/s under ``objective``, the slowest
+    worker's iteration and the largest bottleneck stage."""
+    thr, its, necks = [], [], []
+    for w in range(len(plan.virtual_workers)):
+        times = cost.plan_stage_times_s(plan, w)
+        it = pipeline_iteration_s(times, plan.micro_batches, plan.schedule)
+        its.append(it)
+        necks.append(max(times))
+        thr.append(plan.micro_batches * plan.micro_batch_size / it if it > 0 else math.inf)
+    return {"samples_per_s": combine(thr, objective), "iteration_s": max(its), "bottleneck_s": max(necks)}
+
+
+def throughput_upper_bound(cost: CostModel, devices: Sequence[Device]) -> float:
+    """No plan on ``devices`` beats ``micro_batch_size * sum_d 1 / T_d`` samples per second."""
+    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devices}}
+    return cost.profile.micro_batch_size * sum(1.0 / whole[d.gpu_type] if whole[d.gpu_type] > 0 else math.inf
+                                               for d in devices)
+
+
+def _candidate_ks(n: int, nodes: int) -> list[int]:
+    if n <= 8:
+        return list(range(1, n + 1))
+    return sorted({k for k in range(1, n + 1) if n % k == 0} | {nodes})
+
+
+def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str = "auto", policy: str = "opt",
+                 *, objective: str = "wsp", replication: bool = False, schedule: str = "1f1b",
+                 micro_batches: int = 8, options: CostOptions | None = None, exact_limit: int = 720,
+                 time_limit_s: float = 50.0, devices: Sequence[str] | None = None) -> SolveResult:
+    """Group, map and split ``profile`` over ``cluster`` (see the module docstring).
+
+    ``virtual_workers``: K, or ``"auto"`` (np: one per node; ed/hd: the largest K the policy
+    allows; opt: the best K). ``objective``: ``wsp`` (sum of worker throughputs) or ``sync``
+    (K times the slowest). Infeasible problems are returned as ``SolveStatus.INFEASIBLE``.
+    """
+    t0 = time.perf_counter()
+    if policy not in POLICIES:
+        raise FormatError("policy", policy, f"must be one of {', '.join(POLICIES)}")
+    if objective not in OBJECTIVES:
+        raise FormatError("objective", objective, f"must be one of {', '.join(OBJECTIVES)}")
+    if not (isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and micro_batches >= 1):
+        raise FormatError("micro_batches", micro_batches, "must be an integer >= 1")
+    activations_in_flight(schedule, 1, micro_batches)  # refuses schedules priced only by simulation
+    cost = CostModel(profile, cluster, options)
+    devs = list(cluster.subset(devices) if devices is not None else cluster.devices)
+    n, nodes = len(devs), len(dict.fromkeys(d.node for d in devs))
+    if virtual_workers != "auto" and not (isinstance(virtual_workers, int) and not isinstance(virtual_workers, bool)):
+        raise FormatError("virtual_workers", virtual_workers, "must be an integer >= 1 or 'auto'")
+    if isinstance(virtual_workers, int) and not 1 <= virtual_workers <= n:
+        raise FormatError("virtual_workers", virtual_workers, f"must be between 1 and the cluster's {n} GPUs")
+    planner = WorkerPlanner(cost, schedule, micro_batches, replication, exact_limit)
+    # Large clusters: the grouping search screens workers with a cheaper mapping search; the
+    # finalists are then re-planned with the full one.
+    screen = planner if n <= 8 else WorkerPlanner(cost, schedule, micro_batches, replication,
+                                                  min(exact_limit, 24), 3)
+    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devs}}
+
+    def speed(t: str) -> float:
+        return whole[t]
+
+    exact = True
+    best: tuple[float, list[list[Device]]] | None = None
+    if policy == "opt":
+        ks = _candidate_ks(n, nodes) if virtual_workers == "auto" else [int(virtual_workers)]
+        budget = time_limit_s / max(1, len(ks))
+        finalists: list[list[list[Device]]] = []
+        for k in ks:
+            starts = []
+            for pol in ("np", "ed", "hd"):
+                with contextlib.suppress(FormatError):
+                    starts.append(group(pol, devs, k, speed))
+            g, val, ex = search_opt(devs, k, screen.throughput, objective, starts,
+                                    bound=screen.throughput_bound, time_limit_s=budget)
+            exact = exact and ex
+            finalists += starts
+            if g is not None and val > -math.inf:
+                finalists.append(g)
+        seen: set[Any] = set()
+        for g in finalists:
+            sig = tuple(sorted(tuple(sorted(d.name for d in w)) for w in g))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            val = combine([planner.throughput(w) for w in g], objective)
+            if val > -math.inf and (best is None or val > best[0]):
+                best = (val, g)
+    else:
+        if virtual_workers == "auto":
+            ks = [nodes] if policy == "np" else sorted(range(1, n + 1), reverse=True)
+        else:
+            ks = [int(virtual_workers)]
+        g = None
+        err: FormatError | None = None
+        for k in ks:
+            try:
+                g = group(policy, devs, k, speed)
+                break
+            except FormatError as e:
+                err = err or e
+        if g is None:
+            assert err is not None
+            raise err
+        val = combine([planner.throughput(w) for w in g], objective)
+        if val > -math.inf:
+            best = (val, g)
+        else:
+            failing = next(w for w in g if planner.throughput(w) == -math.inf)
+            reason = (f"policy {policy} with K={len(g)}: a virtual worker of {len(failing)} GPU(s) "
+                      f"({', '.join(d.name for d in failing)}) cannot hold the model: "
+                      + diagnose_infeasible(cost, failing, schedule, micro_batches))
+            return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
+                               method=f"hetero:{policy}", reason=reason)
+    elapsed = time.perf_counter() - t0
+    if best is None:
+        reason = ("no grouping of the cluster's GPUs into virtual workers fits in memory; even one "
+                  "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, schedule, micro_batches))
+        return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=elapsed, method=f"hetero:{policy}", reason=reason)
+    val, g = best
+    workers = []
+    for w in g:
+        r = planner.stages(w)
+        assert r.stages is not None
+        exact = exact and r.exact
+        workers.append(VirtualWorker(r.stages))
+    plan = Plan(profile.model, tuple(workers), schedule, profile.micro_batch_size, micro_batches)
+    predicted = price_plan(cost, plan, objective)
+    bound = throughput_upper_bound(cost, devs)
+    # Exact search proves optimality only where throughput is a function of the bottleneck alone.
+    proven = policy == "opt" and exact and not replication and schedule in ("2bw", "wsp")
+    status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
+    result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / bound,
+                         time.perf_counter() - t0, f"hetero:{policy}",
+                         details={"virtual_workers": len(g), "objective": objective,
+                                  "worker_evaluations": planner.evaluations, "exact_search": exact})
+    meta = {"policy": policy, "objective": objective, "replication": replication,
+            "worker_samples_per_s": [worker_throughput(cost, vw.stages, schedule, micro_batches)
+                                     for vw in workers]}
+    plan = with_predictions(replace(plan, solver=result.solver_info()), profile, cluster, options, predicted,
+                            extra_meta=meta)
+    plan.validate(profile, cluster, options)
+    return replace(result, plan=plan)
+
+
+def solve(profile: Profile, cluster: Cluster, **options: Any) -> SolveResult:
+    """Registry entry: :func:`plan_cluster` with the solver options as keywords."""
+    return plan_cluster(profile, cluster, **options)

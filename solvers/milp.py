@@ -1,0 +1,168 @@
+"""The chain problem as a mixed-integer program for CBC (through PuLP), with a lower bound.
+
+Same problem and formulation as :mod:`solvers.cpsat` (see :mod:`solvers.intervals`), with a
+continuous bottleneck variable. Times are divided by a unit (the largest stage time over
+1000) so the coefficients are of order one to a thousand, where CBC's absolute tolerances
+(1e-7 primal, 1e-6 integrality) are negligible.
+
+What PuLP gives back from CBC: a status and the variable values, and nothing about the
+bound. PuLP reports a run stopped at its time limit with a plan as ``LpStatusOptimal``; only
+``sol_status`` (``LpSolutionIntegerFeasible``) tells it apart from a proof. The bound is
+read from CBC's own log (``logPath``): ``Objective value`` on a proof of optimality, or
+``Lower bound`` on a stopped run. If the log has no bound, the lower bound is NaN and the
+status FEASIBLE. The bound is CBC's, in floating point with CBC's tolerances, so it is
+reported less a slack of ``1e-6`` of the largest stage time; the plan's objective is
+recomputed exactly from the chosen cuts with the cost model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+
+from partitioner.cluster import Cluster
+from partitioner.cost import CostOptions
+from partitioner.errors import FormatError, PartitionerError
+from partitioner.profile import Profile
+
+from .intervals import DEFAULT_MAX_ARCS, build_arcs, dp_split, finish, prepare
+from .result import SolveResult, SolveStatus
+
+__all__ = ["cbc_bound", "solve"]
+
+log = logging.getLogger(__name__)
+
+SCALE_MAX = 1000.0  # the largest stage time, in model units
+TOLERANCE_SLACK = 1e-6  # of the largest stage time, taken off CBC's bound
+
+_BOUND = re.compile(r"^(Objective value|Lower bound):\s+(\S+)", re.MULTILINE)
+
+
+def cbc_bound(log_text: str) -> float:
+    """CBC's lower bound from its log: the ``Lower bound`` line of a stopped run, else the
+    ``Objective value`` of a finished one, else NaN."""
+    found = dict(_BOUND.findall(log_text))
+    for key in ("Lower bound", "Objective value"):
+        try:
+            return float(found[key])
+        except (KeyError, ValueError):
+            continue
+    return math.nan
+
+
+def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
+          schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
+          allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
+          prune: bool = True, max_arcs: int = DEFAULT_MAX_ARCS, **unused: object) -> SolveResult:
+    """Optimal single-pipeline plan over ``devices`` by CBC, with a lower bound where CBC gives one.
+
+    ``hint`` runs the DP first and passes its split to CBC as a warm start; with ``prune`` as
+    well, stages slower than that split's bottleneck are left out of the model. Other
+    arguments as :func:`solvers.dp.solve` and :func:`solvers.cpsat.solve`.
+    """
+    import pulp
+
+    if unused:
+        raise FormatError("solver option", sorted(unused), "not understood by the milp solver")
+    if not (time_limit_s > 0):
+        raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
+    if not (isinstance(threads, int) and threads >= 1):
+        raise FormatError("threads", threads, "must be an integer >= 1")
+    t0 = time.perf_counter()
+    problem = prepare(profile, cluster, devices, schedule, micro_batches, options, allow_fewer)
+    start = dp_split(problem) if hint else None
+    upper = start.bottleneck_s * (1 + 1e-9) if (start is not None and prune) else math.inf
+    arcs = build_arcs(problem.cost, problem.devices, schedule, problem.micro_batches, allow_fewer,
+                      max_arcs, upper)
+    details: dict[str, object] = {"arcs": len(arcs), "warm_start": start is not None,
+                                  "pruned": math.isfinite(upper)}
+    if not arcs.lengths:  # more devices than layers and no shorter pipeline allowed
+        return finish(problem, "milp", SolveStatus.INFEASIBLE, None, math.nan,
+                      time.perf_counter() - t0, details)
+
+    largest = float(arcs.time_s.max(initial=0.0))
+    unit_s = largest / SCALE_MAX if largest > 0 else 1.0
+    coef = (arcs.time_s / unit_s).tolist()
+    details["unit_s"] = unit_s
+    n_layers = profile.num_layers
+
+    prob = pulp.LpProblem("chain", pulp.LpMinimize)
+
+    # Variables: x[a] = 1 when arc a (stage k of the q-stage pipeline holds [i, j)) is chosen;
+    # y[q] = 1 when the pipeline has q stages; B >= 0 = the bottleneck in units of unit_s.
+    x = [prob.add_variable(f"x_{a}", cat=pulp.LpBinary) for a in range(len(arcs))]
+    y = {q: prob.add_variable(f"y_{q}", cat=pulp.LpBinary) for q in arcs.lengths}
+    bottleneck = prob.add_variable("bottleneck", lowBound=0)
+
+    # Objective: minimise B.
+    prob += bottleneck
+
+    # One pipeline length: sum_q y[q] = 1.
+    prob += pulp.lpSum(y.values()) == 1, "one_length"
+
+    # Flow: sum_j x[q, 0, 0, j] = y[q], and for 0 < k < q at every cut c:
+    # sum_i x[q, k-1, i, c] = sum_j x[q, k, c, j].
+    ending, starting = arcs.incidence()
+    for q in arcs.lengths:
+        prob += pulp.lpSum(x[a] for a in starting.get((q, 0, 0), [])) == y[q], f"leave_{q}"
+        for k in range(1, q):
+            for c in range(1, n_layers):
+                ins, outs = ending.get((q, k - 1, c), []), starting.get((q, k, c), [])
+                if ins or outs:
+                    prob += (pulp.lpSum(x[a] for a in ins) == pulp.lpSum(x[a] for a in outs),
+                             f"flow_{q}_{k}_{c}")
+
+    # Bottleneck: B >= sum_{i,j} T[q, k, i, j] * x[q, k, i, j] for every stage (q, k).
+    for (q, k), idx in arcs.groups().items():
+        prob += bottleneck >= pulp.lpSum(coef[a] * x[a] for a in idx), f"stage_{q}_{k}"
+
+    if start is not None:
+        chosen = set(arcs.index_of(start))
+        for a, var in enumerate(x):
+            var.setInitialValue(1 if a in chosen else 0)
+        for q, var in y.items():
+            var.setInitialValue(1 if q == len(start.devices) else 0)
+        bottleneck.setInitialValue(max(coef[a] for a in chosen))
+
+    # Solve, with CBC's log kept to read its bound.
+    fd, log_path = tempfile.mkstemp(prefix="cbc-", suffix=".log")
+    os.close(fd)
+    try:
+        with warnings.catch_warnings():  # PuLP 3 flags the CBC it bundles as going away in PuLP 4
+            warnings.simplefilter("ignore", DeprecationWarning)
+            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=threads,
+                                    warmStart=start is not None, logPath=log_path)
+        prob.solve(cmd)
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            cbc_log = f.read()
+    finally:
+        os.unlink(log_path)
+    status_text = pulp.LpStatus[prob.status]
+    details.update(cbc_status=status_text, cbc_solution=prob.sol_status)
+
+    # Extract: the chosen arcs, priced exactly; CBC's bound converted back, less the slack.
+    if prob.status == pulp.LpStatusInfeasible:
+        return finish(problem, "milp", SolveStatus.INFEASIBLE, None, math.nan,
+                      time.perf_counter() - t0, details)
+    raw = cbc_bound(cbc_log)
+    bound = max(0.0, raw * unit_s - TOLERANCE_SLACK * largest) if math.isfinite(raw) else math.nan
+    details["bound_s"] = bound  # as converted, before capping at the plan's objective
+    has_plan = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if not has_plan:
+        if prob.status not in (pulp.LpStatusNotSolved, pulp.LpStatusOptimal):
+            raise PartitionerError(f"CBC ended with status {status_text} on the chain model")
+        return finish(problem, "milp", SolveStatus.UNKNOWN, None, bound, time.perf_counter() - t0, details,
+                      reason=f"no plan found within the time limit of {time_limit_s:g} s "
+                             f"({len(arcs)} candidate stages)")
+    picked = [a for a, var in enumerate(x) if (var.varValue or 0.0) > 0.5]
+    sol = arcs.solution(picked, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
+    proven = prob.sol_status == pulp.LpSolutionOptimal and math.isfinite(bound)
+    status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
+    log.debug("milp: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)
+    return finish(problem, "milp", status, sol, bound, time.perf_counter() - t0, details)

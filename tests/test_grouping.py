@@ -1,0 +1,103 @@
+"""Virtual-worker formation: opt equals exhaustive search on small clusters; policies; errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from partitioner.cost import CostModel
+from partitioner.errors import FormatError
+from solvers.dp import chain_dp
+from solvers.grouping import group_ed, group_hd, group_np, set_partitions
+from solvers.hetero import plan_cluster
+from solvers.result import SolveStatus
+from tests._hetero_fixtures import hetpipe_cluster, small_cluster, synthetic_profile
+
+
+def brute_worker(cost, devs, m):
+    best = math.inf
+    for perm in itertools.permutations(devs):
+        sol = chain_dp(cost, perm, "wsp", m)
+        if sol is not None:
+            best = min(best, sol.bottleneck_s)
+    return cost.profile.micro_batch_size / best if best < math.inf else -math.inf
+
+
+def brute_grouping(cost, devs, k, m, objective):
+    best = -math.inf
+    for blocks in set_partitions(len(devs), k):
+        groups = [[d for d, b in zip(devs, blocks, strict=True) if b == w] for w in range(k)]
+        vals = [brute_worker(cost, g, m) for g in groups]
+        if any(v == -math.inf for v in vals):
+            continue
+        best = max(best, sum(vals) if objective == "wsp" else k * min(vals))
+    return best
+
+
+@pytest.mark.parametrize("objective", ["wsp", "sync"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_opt_equals_exhaustive_grouping(objective, k):
+    prof = synthetic_profile(9, seed=5)
+    cl = small_cluster([["TITAN-V", "RTX-2060", "Quadro-P4000"], ["RTX-2060", "TITAN-V"]], inter=0.8)
+    res = plan_cluster(prof, cl, k, "opt", objective=objective, schedule="wsp", micro_batches=4)
+    want = brute_grouping(CostModel(prof, cl), list(cl.devices), k, 4, objective)
+    assert res.status is SolveStatus.OPTIMAL
+    assert res.plan.meta["closed_form"]["samples_per_s"] == pytest.approx(want, rel=1e-9)
+    res.plan.validate(prof, cl)
+
+
+def test_opt_auto_is_at_least_every_policy_and_fits_memory():
+    prof = synthetic_profile(30, seed=6, param_mb=20, act_mb=20)
+    cl = hetpipe_cluster(mixed=False)
+    opt = plan_cluster(prof, cl, "auto", "opt")
+    assert opt.ok
+    cost = CostModel(prof, cl)
+    for dev, used in cost.plan_memory_bytes(opt.plan).items():
+        assert used <= cl.device(dev).memory_bytes
+    for pol in ("np", "ed", "hd"):
+        base = plan_cluster(prof, cl, "auto", pol)
+        if base.ok:
+            assert opt.plan.meta["closed_form"]["samples_per_s"] >= base.plan.meta["closed_form"]["samples_per_s"] * (1 - 1e-9)
+
+
+def test_policies_shape():
+    cl = hetpipe_cluster(mixed=False)
+    devs = list(cl.devices)
+    assert [len({d.node for d in w}) for w in group_np(devs, 4)] == [1, 1, 1, 1]
+    for w in group_ed(devs, 4):
+        assert sorted(d.gpu_type for d in w) == sorted(cl.gpu_types)
+    speed = {"TITAN-V": 1.0, "TITAN-RTX": 1.1, "RTX-2060": 2.0, "Quadro-P4000": 3.0}.__getitem__
+    hd = group_hd(devs, 4, speed)
+    assert {frozenset(d.gpu_type for d in w) for w in hd} == {frozenset({"TITAN-V", "Quadro-P4000"}),
+                                                              frozenset({"TITAN-RTX", "RTX-2060"})}
+
+
+def test_bad_k_and_policies_name_the_numbers():
+    prof = synthetic_profile(10)
+    cl = small_cluster([["TITAN-V", "TITAN-V", "RTX-2060"], ["RTX-2060"]])
+    with pytest.raises(FormatError, match="between 1 and the cluster's 4 GPUs"):
+        plan_cluster(prof, cl, 5, "opt")
+    with pytest.raises(FormatError, match="TITAN-V: 2, RTX-2060: 2") as err:
+        plan_cluster(prof, cl, 3, "ed")
+    assert "3" in str(err.value)
+    with pytest.raises(FormatError, match="2 nodes"):
+        plan_cluster(prof, cl, 3, "np")
+
+
+def test_no_grouping_fits_is_infeasible_with_reason():
+    prof = synthetic_profile(6, param_mb=8000)
+    cl = small_cluster([["RTX-2060", "Quadro-P4000"], ["RTX-2060"]])
+    res = plan_cluster(prof, cl, "auto", "opt")
+    assert res.status is SolveStatus.INFEASIBLE and res.plan is None
+    assert "GiB" in res.reason and "layer" in res.reason
+
+
+def test_relabelling_same_node_same_type_keeps_objective():
+    prof = synthetic_profile(9, seed=8)
+    a = small_cluster([["TITAN-V", "RTX-2060", "TITAN-V"], ["RTX-2060", "Quadro-P4000"]])
+    b = small_cluster([["TITAN-V", "TITAN-V", "RTX-2060"], ["Quadro-P4000", "RTX-2060"]])
+    ra = plan_cluster(prof, a, 2, "opt", schedule="wsp", micro_batches=4)
+    rb = plan_cluster(prof, b, 2, "opt", schedule="wsp", micro_batches=4)
+    assert ra.plan.meta["closed_form"]["samples_per_s"] == pytest.approx(rb.plan.meta["closed_form"]["samples_per_s"], rel=1e-12)

@@ -1,0 +1,195 @@
+"""CP-SAT and MILP chain solvers against the DP and an independent brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from partitioner.cluster import Cluster, DeviceType, Node
+from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.errors import FormatError, PartitionerError
+from partitioner.profile import LayerProfile, LayerTime, Profile
+from solvers import SOLVERS, SolveStatus, cpsat, dp, milp
+from solvers import solve as front_door
+from solvers.milp import cbc_bound
+
+GIB = 2**30
+TYPES = ("gA", "gB", "gC")
+
+
+def brute_force(profile, cluster, devices, schedule, m, options, allow_fewer):
+    """Minimum bottleneck over every placement of cuts, priced stage by stage; inf if none fits."""
+    cost = CostModel(profile, cluster, options)
+    n_layers = profile.num_layers
+    lengths = range(1, min(len(devices), n_layers) + 1) if allow_fewer else [len(devices)]
+    best = math.inf
+    for q in lengths:
+        if q > n_layers:
+            continue
+        devs = devices[:q]
+        for inner in itertools.combinations(range(1, n_layers), q - 1):
+            cuts = (0, *inner, n_layers)
+            worst = 0.0
+            for k in range(q):
+                a, b = cuts[k], cuts[k + 1]
+                need = cost.stage_memory_bytes(a, b, activations_in_flight(schedule, q - k, m), schedule)
+                if need > devs[k].memory_bytes:
+                    worst = math.inf
+                    break
+                worst = max(worst, cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k else None,
+                                                              devs[k + 1] if k + 1 < q else None, schedule, m))
+            best = min(best, worst)
+    return best
+
+
+@st.composite
+def instances(draw):
+    n_layers = draw(st.integers(1, 8))
+    n_dev = draw(st.integers(1, 4))
+    mem = {t: draw(st.integers(2, 40)) * 0.1 * GIB for t in TYPES}
+    types = {t: DeviceType(t, mem[t], 1e13, 1e11) for t in TYPES}
+    # times on a 10 us grid (ties between splits are common) or off it (rounding to ticks matters)
+    unit = 1e-5 * draw(st.sampled_from([1.0, 1.0000001234567, 0.7071067811865476]))
+    layers = []
+    for i in range(n_layers):
+        times = {t: LayerTime(draw(st.integers(0, 1000)) * unit, draw(st.integers(0, 2000)) * unit)
+                 for t in TYPES}
+        layers.append(LayerProfile(f"l{i}", 0.0, draw(st.integers(0, 100)) * 1e6,
+                                   draw(st.integers(0, 200)) * 1e6, draw(st.integers(0, 100)) * 1e6, times))
+    gpus = [draw(st.sampled_from(TYPES)) for _ in range(n_dev)]
+    split = draw(st.integers(1, n_dev))
+    nodes = [Node("n0", tuple(gpus[:split]), draw(st.sampled_from([8.0, 16.0, 50.0])))]
+    if split < n_dev:
+        nodes.append(Node("n1", tuple(gpus[split:]), 16.0))
+    cluster = Cluster("c", tuple(nodes), draw(st.sampled_from([1.0, 5.0])), types)
+    profile = Profile("m", 1, tuple(layers))
+    devices = list(cluster.devices)
+    order = draw(st.permutations(range(n_dev)))
+    devices = [devices[i] for i in order]
+    schedule = draw(st.sampled_from(["1f1b", "gpipe", "2bw", "wsp"]))
+    m = draw(st.integers(1, 6))
+    options = CostOptions(overlap_comm=draw(st.booleans()), reserved_bytes=0.05 * GIB)
+    allow_fewer = draw(st.booleans())
+    resolution = draw(st.sampled_from([100, 1000, cpsat.DEFAULT_RESOLUTION]))
+    return profile, cluster, devices, schedule, m, options, allow_fewer, resolution
+
+
+def _check_agreement(inst, hint):
+    profile, cluster, devices, schedule, m, options, allow_fewer, resolution = inst
+    names = [d.name for d in devices]
+    kw = dict(schedule=schedule, micro_batches=m, options=options, allow_fewer=allow_fewer)
+    truth = brute_force(profile, cluster, devices, schedule, m, options, allow_fewer)
+    kw_cp = dict(kw, resolution=resolution)
+    r_dp = dp.solve(profile, cluster, names, **kw)
+    r_cp = cpsat.solve(profile, cluster, names, hint=hint, time_limit_s=20.0, **kw_cp)
+    r_mi = milp.solve(profile, cluster, names, hint=hint, time_limit_s=20.0, **kw)
+    if math.isinf(truth):
+        for r in (r_dp, r_cp, r_mi):
+            assert r.status is SolveStatus.INFEASIBLE, (r.method, r.status, r.objective)
+            assert r.reason and r.plan is None
+        return
+    assert r_dp.status is SolveStatus.OPTIMAL and r_dp.objective == pytest.approx(truth, rel=1e-12, abs=1e-15)
+    # CP-SAT: optimal for tick-rounded times, so within one tick of the truth; bound sound.
+    assert r_cp.status is SolveStatus.OPTIMAL
+    tick = r_cp.details["tick_s"]
+    assert truth - 1e-15 <= r_cp.objective <= truth + tick + 1e-15
+    assert r_cp.details["bound_s"] <= truth * (1 + 1e-12)
+    # MILP: CBC proves optimality (a stop at the time limit must still carry a sound bound).
+    assert r_mi.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
+    slack = 2e-6 * r_mi.details["unit_s"] * milp.SCALE_MAX
+    assert truth - 1e-15 <= r_mi.objective <= truth + slack + 1e-15
+    if not math.isnan(r_mi.details["bound_s"]):
+        assert r_mi.details["bound_s"] <= truth * (1 + 1e-12)
+    for r in (r_cp, r_mi):
+        r.plan.validate(profile, cluster, options)
+        assert r.plan.solver.name == r.method
+        times = CostModel(profile, cluster, options).plan_stage_times_s(r.plan)
+        assert max(times) == r.objective  # the reported objective is the cost model's figure
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_agree_with_brute_force(inst):
+    _check_agreement(inst, hint=False)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_agree_with_hint_and_pruning(inst):
+    _check_agreement(inst, hint=True)
+
+
+def _chain(n_layers, gpus, mem_gib=16.0, seed=1):
+    import random
+
+    rng = random.Random(seed)
+    types = {t: DeviceType(t, mem_gib * GIB, 1e13, 1e11) for t in set(gpus)}
+    layers = tuple(LayerProfile(f"l{i}", 0.0, rng.uniform(0, 5e7), rng.uniform(0, 5e7), rng.uniform(0, 5e7),
+                                {t: LayerTime(rng.uniform(1e-3, 1e-2), rng.uniform(1e-3, 2e-2)) for t in types})
+                   for i in range(n_layers))
+    half = len(gpus) // 2 or 1
+    nodes = [Node("n0", tuple(gpus[:half]), 16.0)]
+    if gpus[half:]:
+        nodes.append(Node("n1", tuple(gpus[half:]), 16.0))
+    return Profile("m", 1, layers), Cluster("c", tuple(nodes), 2.0, types)
+
+
+def test_hint_is_at_least_as_good_as_dp():
+    profile, cluster = _chain(40, ["gA", "gB", "gA", "gB"])
+    ref = dp.solve(profile, cluster)
+    for prune in (False, True):
+        r = cpsat.solve(profile, cluster, hint=True, prune=prune, time_limit_s=5.0)
+        assert r.details["hint"] is True
+        assert r.ok
+        assert r.objective <= ref.objective + r.details["tick_s"]
+        assert r.lower_bound <= ref.objective
+        w = milp.solve(profile, cluster, hint=True, prune=prune, time_limit_s=5.0)
+        assert w.ok and w.objective <= ref.objective * (1 + 2e-6)
+
+
+def test_more_devices_than_layers():
+    profile, cluster = _chain(2, ["gA", "gB", "gA"])
+    for mod in (cpsat, milp):
+        r = mod.solve(profile, cluster, hint=False)
+        assert r.status is SolveStatus.INFEASIBLE and "3 devices but only 2 layers" in r.reason
+        r = mod.solve(profile, cluster, hint=False, allow_fewer=True)
+        assert r.status is SolveStatus.OPTIMAL and r.plan.num_stages <= 2
+
+
+def test_size_limit_refuses_clearly():
+    profile, cluster = _chain(30, ["gA", "gB", "gA", "gB"])
+    for mod in (cpsat, milp):
+        with pytest.raises(PartitionerError, match="candidate stages; use the dp solver"):
+            mod.solve(profile, cluster, hint=False, max_arcs=100)
+
+
+def test_options_are_checked():
+    profile, cluster = _chain(4, ["gA", "gB"])
+    for mod in (cpsat, milp):
+        with pytest.raises(FormatError, match="not understood"):
+            mod.solve(profile, cluster, bogus=1)
+        with pytest.raises(FormatError, match="time_limit_s"):
+            mod.solve(profile, cluster, time_limit_s=0)
+        with pytest.raises(FormatError, match="micro_batches"):
+            mod.solve(profile, cluster, micro_batches=0)
+
+
+def test_registered_in_front_door():
+    assert SOLVERS["cpsat"] == "solvers.cpsat:solve" and SOLVERS["milp"] == "solvers.milp:solve"
+    profile, cluster = _chain(6, ["gA", "gB", "gA"])
+    ref = dp.solve(profile, cluster)
+    for name in ("cpsat", "milp"):
+        r = front_door(profile, cluster, name, hint=False)
+        assert r.method == name and r.objective == pytest.approx(ref.objective, rel=1e-6)
+
+
+def test_cbc_bound_from_log():
+    stopped = ("Result - Stopped on time limit\n\nObjective value:                12.50000000\n"
+               "Lower bound:                    11.250\nGap:                            0.10\n")
+    assert cbc_bound(stopped) == 11.25
+    assert cbc_bound("Result - Optimal solution found\n\nObjective value:                3.25000000\n") == 3.25
+    assert math.isnan(cbc_bound("Result - Stopped on time limit\n\nNo feasible solution found\n"))
