@@ -35,6 +35,13 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        # mkstemp makes the file private (0600): give it the mode a plain open() would have,
+        # or keep the mode of the file it replaces.
+        try:
+            mode = target.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -44,6 +51,12 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_json(path: str | os.PathLike[str], data: Any) -> None:

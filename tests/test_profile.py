@@ -68,6 +68,19 @@ def test_other_bad_files(tmp_path):
         Profile.load(zero)
 
 
+def test_saved_files_have_ordinary_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "p.json"
+        make_profile({"X": [1.0]}).save(path)
+        assert path.stat().st_mode & 0o777 == 0o644
+        path.chmod(0o640)
+        make_profile({"X": [2.0]}).save(path)  # replacing keeps the file's mode
+        assert path.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)
+
+
 def test_save_is_atomic(tmp_path, monkeypatch):
     """An interrupted write leaves the previous file whole and no temporary behind."""
     path = tmp_path / "p.json"
