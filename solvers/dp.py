@@ -30,7 +30,7 @@ from partitioner.profile import Profile
 from .predictions import with_predictions
 from .result import SolveResult, SolveStatus
 
-__all__ = ["ChainSolution", "chain_dp", "diagnose_infeasible", "solve"]
+__all__ = ["ChainSolution", "chain_arguments", "chain_dp", "diagnose_infeasible", "solve"]
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -114,6 +114,26 @@ def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: st
             f"(1f1b instead of gpipe), or allow fewer devices")
 
 
+def chain_arguments(profile: Profile, cluster: Cluster, devices: Sequence[str] | None, schedule: str,
+                    micro_batches: int | None, options: CostOptions | None
+                    ) -> tuple[CostModel, tuple[Device, ...], int]:
+    """Check the arguments every chain solver takes: (cost model, ordered devices, micro-batches).
+
+    Refuses a device listed twice, a profile without times for a device's GPU type, a
+    micro-batch count below 1, and a schedule without a per-stage memory rule.
+    """
+    cost = CostModel(profile, cluster, options)
+    devs = tuple(cluster.subset(devices) if devices is not None else cluster.devices)
+    if len({d.name for d in devs}) != len(devs):
+        raise FormatError("devices", [d.name for d in devs], "lists a device twice")
+    cost.require_times(devs)
+    m = micro_batches if micro_batches is not None else len(devs)
+    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+        raise FormatError("micro_batches", m, "must be an integer >= 1")
+    activations_in_flight(schedule, 1, m)  # refuses schedules the chain solvers cannot price
+    return cost, devs, m
+
+
 def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
           schedule: str = "1f1b", micro_batches: int | Sequence[int] | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, **unused: object) -> SolveResult:
@@ -127,25 +147,17 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     """
     if unused:
         raise FormatError("solver option", sorted(unused), "not understood by the dp solver")
-    if schedule == "auto" or isinstance(micro_batches, (list, tuple)):
+    if schedule == "auto" or not (micro_batches is None or isinstance(micro_batches, int)):
         from .ranking import AUTO_SCHEDULES, solve_ranked
 
         n_devs = len(devices) if devices is not None else len(cluster.devices)
-        counts = (list(micro_batches) if isinstance(micro_batches, (list, tuple))
-                  else [int(micro_batches or n_devs)])  # type: ignore[arg-type]
+        counts = [micro_batches or n_devs] if micro_batches is None or isinstance(micro_batches, int) \
+            else list(micro_batches)
         return solve_ranked(
             solve, profile, cluster, AUTO_SCHEDULES if schedule == "auto" else (schedule,), counts,
             devices=devices, options=options, allow_fewer=allow_fewer)
     t0 = time.perf_counter()
-    cost = CostModel(profile, cluster, options)
-    devs = cluster.subset(devices) if devices is not None else cluster.devices
-    if len(set(d.name for d in devs)) != len(devs):
-        raise FormatError("devices", [d.name for d in devs], "lists a device twice")
-    cost.require_times(devs)
-    m = micro_batches if micro_batches is not None else len(devs)
-    if not (isinstance(m, int) and m >= 1):
-        raise FormatError("micro_batches", m, "must be an integer >= 1")
-    activations_in_flight(schedule, 1, m)  # refuses schedules the DP cannot price, with the reason
+    cost, devs, m = chain_arguments(profile, cluster, devices, schedule, micro_batches, options)
     lengths = range(1, min(len(devs), profile.num_layers) + 1) if allow_fewer else [len(devs)]
     best: ChainSolution | None = None
     for q in lengths:

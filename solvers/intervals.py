@@ -188,16 +188,17 @@ class ChainProblem:
 
 def prepare(profile: Profile, cluster: Cluster, devices: Sequence[str] | None, schedule: str,
             micro_batches: int | None, options: CostOptions | None, allow_fewer: bool) -> ChainProblem:
-    """Check the common arguments the way ``solvers.dp.solve`` does and bundle them."""
-    cost = CostModel(profile, cluster, options)
-    devs = cluster.subset(devices) if devices is not None else cluster.devices
-    if len({d.name for d in devs}) != len(devs):
-        raise FormatError("devices", [d.name for d in devs], "lists a device twice")
-    m = micro_batches if micro_batches is not None else len(devs)
-    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
-        raise FormatError("micro_batches", m, "must be an integer >= 1")
-    activations_in_flight(schedule, 1, m)  # refuses schedules without a per-stage memory rule
-    return ChainProblem(profile, cost, tuple(devs), schedule, m, allow_fewer)
+    """Check the common arguments exactly as ``solvers.dp.solve`` does and bundle them."""
+    cost, devs, m = dp.chain_arguments(profile, cluster, devices, schedule, micro_batches, options)
+    return ChainProblem(profile, cost, devs, schedule, m, allow_fewer)
+
+
+def check_limits(time_limit_s: float, threads: int) -> None:
+    """Refuse a non-positive time limit or thread count (CP-SAT and CBC take both)."""
+    if not (time_limit_s > 0):
+        raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
+    if not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
+        raise FormatError("threads", threads, "must be an integer >= 1")
 
 
 def dp_split(problem: ChainProblem) -> ChainSolution | None:

@@ -31,7 +31,7 @@ from partitioner.cost import CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
 
-from .intervals import DEFAULT_MAX_ARCS, build_arcs, dp_split, finish, prepare
+from .intervals import DEFAULT_MAX_ARCS, build_arcs, check_limits, dp_split, finish, prepare
 from .result import SolveResult, SolveStatus
 
 __all__ = ["cbc_bound", "solve"]
@@ -70,10 +70,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
 
     if unused:
         raise FormatError("solver option", sorted(unused), "not understood by the milp solver")
-    if not (time_limit_s > 0):
-        raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
-    if not (isinstance(threads, int) and threads >= 1):
-        raise FormatError("threads", threads, "must be an integer >= 1")
+    check_limits(time_limit_s, threads)
     t0 = time.perf_counter()
     problem = prepare(profile, cluster, devices, schedule, micro_batches, options, allow_fewer)
     start = dp_split(problem) if hint else None
