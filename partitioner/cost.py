@@ -342,8 +342,7 @@ class CostModel:
     def parameter_sync_s(self, start: int, stop: int) -> float:
         """Seconds to push (or pull) the parameters of layers ``[start, stop)`` to (from) a
         parameter server across the inter-node network (WSP)."""
-        params = float(self.param_prefix[stop] - self.param_prefix[start])
-        return params / (self.cluster.inter_gbps * 1e9)
+        return float(self._sync_prefix[stop] - self._sync_prefix[start])
 
     def wave_sync_s(self, start: int, stop: int, micro_batches: int) -> float:
         """WSP's per-wave PUSH + PULL of layers ``[start, stop)``, spread over the wave's micro-batches.
@@ -352,16 +351,17 @@ class CostModel:
         ``m`` micro-batches, blocking meanwhile, so in steady state its period per micro-batch
         grows by ``2 * parameter_sync_s / m``. Added to a stage's time under the ``wsp`` schedule.
         """
-        return float(self._sync_prefix[stop] - self._sync_prefix[start]) / micro_batches
+        return 2.0 * float(self._sync_prefix[stop] - self._sync_prefix[start]) / micro_batches
 
     def wave_sync_matrix(self, micro_batches: int, rows: slice = slice(None)) -> np.ndarray:
         """``wave_sync_s(i, j, m)`` for every ``i`` in ``rows`` and every ``j`` (same operations)."""
         q = self._sync_prefix
-        return (q[None, :] - q[rows, None]) / micro_batches
+        return 2.0 * (q[None, :] - q[rows, None]) / micro_batches
 
     @functools.cached_property
     def _sync_prefix(self) -> np.ndarray:
-        return 2.0 * self.param_prefix / (self.cluster.inter_gbps * 1e9)
+        """Cumulative seconds to move the parameters one way over the inter-node network."""
+        return self.param_prefix / (self.cluster.inter_gbps * 1e9)
 
     def memory_matrix(self, in_flight: int, schedule: str = "1f1b", rows: slice = slice(None)) -> np.ndarray:
         """``stage_memory_bytes(i, j, in_flight, schedule)`` for every ``i`` in ``rows`` and every ``j``.

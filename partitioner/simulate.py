@@ -1,41 +1,33 @@
-"""Discrete-event timing of schedule action lists, priced by the cost model.
+"""Discrete-event timing of a plan: its schedule's action lists, priced by the cost model.
 
-Every rank runs its list from :mod:`partitioner.schedule` in order. Semantics (the ones the
-runtime implements):
-
-* ``F`` / ``B`` occupy the rank for the stage's forward / backward time
-  (:meth:`CostModel.fwd_bwd_s` of the GPU type).
-* A send starts the transfer of the boundary tensor as soon as the link is free
-  (:meth:`CostModel.transfer_s` of :meth:`CostModel.boundary_bytes`). A link is one direction
-  between two devices of a node, or between two nodes (so transfers from different GPUs of
-  one node to another node share it); transfers on a link are served first come, first
-  served. Without ``CostOptions.overlap_comm`` the sender waits for its transfer to finish
-  (the additive model); with it, the sender goes on computing.
-* A receive blocks the rank until the matching transfer has arrived.
-* ``PUSH`` / ``PULL`` (WSP) take :meth:`CostModel.parameter_sync_s` each; a ``PULL`` also waits
-  until the other virtual workers have pushed the wave it names.
-* ``STEP`` takes no time (the profile does not time the optimizer).
-
-The loop keeps one program counter per rank and a heap of runnable ranks keyed by their
-clock, so work is done in time order (which makes first-come-first-served links exact) and
-a blocked rank costs nothing until its message arrives. If ranks remain blocked when nothing
-can run, the schedule deadlocks: :class:`DeadlockError` names the ranks of the wait cycle.
+:func:`simulate_plan` builds every rank's action list from :mod:`partitioner.schedule`,
+prices each action with :class:`partitioner.cost.CostModel` (compute per GPU type, boundary
+transfers per link, WSP push/pull), runs them with the event engine of
+:mod:`partitioner.events` (whose docstring states the semantics the runtime implements) and
+summarises the result as a :class:`partitioner.timeline.Timeline`: iteration time,
+throughput, bubbles, peak memory, weight versions and WSP clock gaps.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from .cluster import Cluster
 from .cost import CostModel, CostOptions
 from .errors import FormatError, PartitionerError
+from .events import (
+    KIND_CODE,
+    OP_OF_KIND,
+    DeadlockError,
+    Op,
+    raise_deadlock,
+    run_ops,
+    simulate_programs,
+)
 from .plan import Plan
 from .profile import Profile
 from .schedule import (
@@ -47,12 +39,11 @@ from .schedule import (
     SEND_ACT,
     SEND_GRAD,
     STEP,
-    Action,
     Columns,
-    match_key,
     schedule_columns,
     to_actions,
 )
+from .timeline import Timeline
 
 __all__ = [
     "DeadlockError",
@@ -64,319 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_KIND_CODE = {k: i for i, k in enumerate(ACTION_KINDS)}
-# op codes of the event loop
-_COMPUTE, _SEND, _RECV, _STEP, _PUSH, _PULL = range(6)
-_OP_OF_KIND = {"F": _COMPUTE, "B": _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
-               RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL}
-
-
-class DeadlockError(PartitionerError):
-    """The action lists cannot all run to the end: some ranks wait for each other forever."""
-
-
-@dataclass(frozen=True, eq=False)
-class Timeline:
-    """What the simulator saw: every action's start and end, and the figures derived from them.
-
-    Events are columns (numpy arrays, one entry per action): ``event_rank`` indexes
-    ``devices``, ``event_kind`` indexes :data:`partitioner.schedule.ACTION_KINDS`. For a send
-    the end is when the transfer arrives. ``iteration_s`` is the makespan of one iteration
-    for flushing schedules, and the steady-state period for ``2bw`` and ``wsp`` (between
-    iteration ends, leaving out the final drain and, under WSP, the first ``D + 1`` waves);
-    with several virtual workers it is the slowest one's. Bubble fractions are measured over
-    the same window. ``clock_gaps`` (WSP) is, at every ``PULL`` that lets a rank go on,
-    its virtual worker's clock minus the slowest virtual worker's clock.
-    """
-
-    schedule: str
-    micro_batches: int
-    micro_batch_size: int
-    iterations: int
-    devices: tuple[str, ...]
-    rank_worker: tuple[int, ...]
-    event_rank: np.ndarray
-    event_kind: np.ndarray
-    event_micro_batch: np.ndarray
-    event_stage: np.ndarray
-    event_start_s: np.ndarray
-    event_end_s: np.ndarray
-    makespan_s: float
-    iteration_s: float
-    samples_per_s: float
-    bubble_fraction: Mapping[str, float] = field(default_factory=dict)
-    peak_memory_bytes: Mapping[str, float] = field(default_factory=dict)
-    peak_activations: Mapping[str, int] = field(default_factory=dict)
-    weight_versions: Mapping[str, int] = field(default_factory=dict)
-    clock_gaps: tuple[int, ...] = ()
-    notes: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        n = len(self.event_rank)
-        for name in ("event_kind", "event_micro_batch", "event_stage", "event_start_s", "event_end_s"):
-            if len(getattr(self, name)) != n:
-                raise FormatError(name, len(getattr(self, name)), f"must have one entry per event ({n})")
-        if len(self.rank_worker) != len(self.devices):
-            raise FormatError("rank_worker", list(self.rank_worker), "must name a virtual worker per device")
-        if self.iteration_s < 0 or self.makespan_s < 0:
-            raise FormatError("iteration_s", self.iteration_s, "times must be >= 0")
-
-    @property
-    def num_events(self) -> int:
-        return len(self.event_rank)
-
-    @property
-    def max_clock_gap(self) -> int:
-        return max(self.clock_gaps, default=0)
-
-    def events(self, rank: int | None = None) -> list[tuple[int, str, int, int, float, float]]:
-        """``(rank, kind, micro_batch, stage, start_s, end_s)`` tuples, optionally of one rank."""
-        sel = np.arange(self.num_events) if rank is None else np.flatnonzero(self.event_rank == rank)
-        return [(int(self.event_rank[i]), ACTION_KINDS[self.event_kind[i]], int(self.event_micro_batch[i]),
-                 int(self.event_stage[i]), float(self.event_start_s[i]), float(self.event_end_s[i]))
-                for i in sel]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": "partitioner.timeline/1",
-            "schedule": self.schedule, "micro_batches": self.micro_batches,
-            "micro_batch_size": self.micro_batch_size, "iterations": self.iterations,
-            "devices": list(self.devices), "rank_worker": list(self.rank_worker),
-            "makespan_s": self.makespan_s, "iteration_s": self.iteration_s,
-            "samples_per_s": self.samples_per_s,
-            "bubble_fraction": dict(self.bubble_fraction),
-            "peak_memory_bytes": dict(self.peak_memory_bytes),
-            "peak_activations": dict(self.peak_activations),
-            "weight_versions": dict(self.weight_versions),
-            "clock_gaps": list(self.clock_gaps), "notes": list(self.notes),
-            "kinds": list(ACTION_KINDS),
-            "events": {"rank": self.event_rank.tolist(), "kind": self.event_kind.tolist(),
-                       "micro_batch": self.event_micro_batch.tolist(), "stage": self.event_stage.tolist(),
-                       "start_s": self.event_start_s.tolist(), "end_s": self.event_end_s.tolist()},
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Timeline:
-        if d.get("format") != "partitioner.timeline/1":
-            raise FormatError("format", d.get("format"), "expected 'partitioner.timeline/1'")
-        ev = d["events"]
-        return cls(
-            d["schedule"], int(d["micro_batches"]), int(d["micro_batch_size"]), int(d["iterations"]),
-            tuple(d["devices"]), tuple(d["rank_worker"]),
-            np.asarray(ev["rank"], dtype=np.int32), np.asarray(ev["kind"], dtype=np.int8),
-            np.asarray(ev["micro_batch"], dtype=np.int64), np.asarray(ev["stage"], dtype=np.int32),
-            np.asarray(ev["start_s"], dtype=np.float64), np.asarray(ev["end_s"], dtype=np.float64),
-            float(d["makespan_s"]), float(d["iteration_s"]), float(d["samples_per_s"]),
-            dict(d["bubble_fraction"]), dict(d["peak_memory_bytes"]),
-            {k: int(v) for k, v in d["peak_activations"].items()},
-            {k: int(v) for k, v in d["weight_versions"].items()},
-            tuple(d["clock_gaps"]), tuple(d["notes"]),
-        )
-
-
-# -- the event loop ---------------------------------------------------------------------------
-
-# An op is (code, duration_s, key, link): key is the message key (send/recv) or the WSP wave
-# (push/pull); link indexes the link a send uses (-1 for none).
-_Op = tuple[int, float, int, int]
-
-
-def _run(ops: Sequence[Sequence[_Op]], rank_worker: Sequence[int], overlap: bool, n_links: int
-         ) -> tuple[list[list[float]], list[list[float]], list[int]]:
-    """Time every op; returns per-rank start and end lists and each rank's program counter."""
-    n_ranks = len(ops)
-    n_workers = max(rank_worker, default=-1) + 1
-    worker_size = [0] * n_workers
-    for w in rank_worker:
-        worker_size[w] += 1
-    starts = [[0.0] * len(o) for o in ops]
-    ends = [[0.0] * len(o) for o in ops]
-    pc = [0] * n_ranks
-    blocked = [-1.0] * n_ranks
-    arrival: dict[int, float] = {}
-    waiting: dict[int, int] = {}
-    link_free = [0.0] * max(n_links, 1)
-    pushes: dict[int, list[int]] = {}  # wave -> pushes counted per worker
-    push_end: dict[int, list[float]] = {}  # wave -> latest push end per worker
-    pull_wait: dict[int, list[int]] = {}
-    heap = [(0.0, r) for r in range(n_ranks)]
-    heappush, heappop = heapq.heappush, heapq.heappop
-    inf = math.inf
-
-    def pull_ready(wave: int, worker: int) -> float | None:
-        cnt, end = pushes.get(wave), push_end.get(wave)
-        if cnt is None or end is None:
-            return None if n_workers > 1 else 0.0
-        when = 0.0
-        for b in range(n_workers):
-            if b == worker:
-                continue
-            if cnt[b] < worker_size[b]:
-                return None
-            when = max(when, end[b])
-        return when
-
-    while heap:
-        t, r = heappop(heap)
-        o, st, en = ops[r], starts[r], ends[r]
-        n, i = len(o), pc[r]
-        limit = heap[0][0] if heap else inf
-        while i < n:
-            code, dur, key, link = o[i]
-            if code == _COMPUTE:
-                st[i] = t
-                t += dur
-                en[i] = t
-            elif code == _RECV:
-                a = arrival.pop(key, None)
-                if a is None:
-                    blocked[r] = t
-                    waiting[key] = r
-                    break
-                if blocked[r] >= 0:
-                    st[i] = blocked[r]
-                    blocked[r] = -1.0
-                else:
-                    st[i] = t
-                if a > t:
-                    t = a
-                en[i] = t
-            elif code == _SEND:
-                if dur > 0.0:
-                    lf = link_free[link]
-                    e = (t if t > lf else lf) + dur
-                    link_free[link] = e
-                else:
-                    e = t
-                arrival[key] = e
-                st[i] = t
-                en[i] = e
-                if not overlap:
-                    t = e
-                w = waiting.pop(key, -1)
-                if w >= 0:
-                    heappush(heap, (e, w))
-                    limit = heap[0][0]
-            elif code == _STEP:
-                st[i] = en[i] = t
-            elif code == _PUSH:
-                st[i] = t
-                t += dur
-                en[i] = t
-                worker = rank_worker[r]
-                cnt = pushes.setdefault(key, [0] * n_workers)
-                ends_w = push_end.setdefault(key, [0.0] * n_workers)
-                cnt[worker] += 1
-                ends_w[worker] = max(ends_w[worker], t)
-                if cnt[worker] == worker_size[worker] and key in pull_wait:
-                    still = []
-                    for q in pull_wait.pop(key):
-                        when = pull_ready(key, rank_worker[q])
-                        if when is None:
-                            still.append(q)
-                        else:
-                            heappush(heap, (max(when, blocked[q]), q))
-                    if still:
-                        pull_wait[key] = still
-                    limit = heap[0][0] if heap else inf
-            else:  # _PULL
-                when = pull_ready(key, rank_worker[r])
-                if when is None:
-                    blocked[r] = t
-                    pull_wait.setdefault(key, []).append(r)
-                    break
-                if blocked[r] >= 0:
-                    st[i] = blocked[r]
-                    blocked[r] = -1.0
-                else:
-                    st[i] = t
-                t = max(t, when) + dur
-                en[i] = t
-            i += 1
-            if t > limit:
-                heappush(heap, (t, r))
-                break
-        pc[r] = i
-    if arrival:
-        # a message sent but never received: the lists do not match
-        raise DeadlockError(f"{len(arrival)} message(s) sent but never received; sends and receives "
-                            f"do not match (see partitioner.schedule.match_key)")
-    return starts, ends, pc
-
-
-def _deadlock_message(programs: Sequence[Sequence[Action]], pc: Sequence[int], names: Sequence[str],
-                      rank_worker: Sequence[int], pushed: set[tuple[int, int]]) -> str:
-    """Describe the wait cycle among blocked ranks (or the wait on a finished rank)."""
-    def waits_for(r: int) -> int | None:
-        a = programs[r][pc[r]]
-        if a.kind in (RECV_ACT, RECV_GRAD):
-            return base[r] + a.peer
-        if a.kind == PULL:
-            for q in range(len(programs)):
-                if rank_worker[q] != rank_worker[r] and (q, a.version) not in pushed:
-                    return q
-        return None
-
-    base = [0] * len(programs)
-    first: dict[int, int] = {}
-    for r, w in enumerate(rank_worker):
-        first.setdefault(w, r)
-        base[r] = first[w]
-    stuck = [r for r in range(len(programs)) if pc[r] < len(programs[r])]
-
-    def what(r: int) -> str:
-        a = programs[r][pc[r]]
-        return f"rank {r} ({names[r]}) at {a.kind} micro-batch {a.micro_batch} stage {a.stage}"
-
-    r, seen = stuck[0], []
-    while r not in seen:
-        seen.append(r)
-        nxt = waits_for(r)
-        if nxt is None or pc[nxt] >= len(programs[nxt]):
-            return (f"deadlock: {what(r)} waits for "
-                    f"{'rank ' + str(nxt) + ' (' + names[nxt] + '), which has finished' if nxt is not None else 'nothing that can come'}"
-                    f"; {len(stuck)} rank(s) blocked")
-        r = nxt
-    cycle = seen[seen.index(r):]
-    return "deadlock: " + "; ".join(f"{what(q)} waits for rank {waits_for(q)}" for q in cycle)
-
-
-def simulate_programs(programs: Sequence[Sequence[Action]], rank_worker: Sequence[int] | None = None,
-                      names: Sequence[str] | None = None, fwd_s: float = 1.0, bwd_s: float = 2.0,
-                      ) -> tuple[list[list[float]], list[list[float]]]:
-    """Run action lists with unit prices (forward ``fwd_s``, backward ``bwd_s``, free transfers).
-
-    For checking schedules without a cost model: raises :class:`DeadlockError` naming the ranks
-    of any wait cycle, else returns per-rank start and end times. Peers in the lists are ranks
-    within their virtual worker (``rank_worker`` groups consecutive ranks; default: one).
-    """
-    rank_worker = list(rank_worker) if rank_worker is not None else [0] * len(programs)
-    names = list(names) if names is not None else [f"r{r}" for r in range(len(programs))]
-    ops: list[list[_Op]] = []
-    for r, prog in enumerate(programs):
-        row: list[_Op] = []
-        for a in prog:
-            code = _OP_OF_KIND[a.kind]
-            dur = fwd_s if a.kind == "F" else bwd_s if a.kind == "B" else 0.0
-            if code in (_SEND, _RECV):
-                sender, d = match_key(a)[2], int(a.kind in (SEND_GRAD, RECV_GRAD))
-                key = ((a.micro_batch * 4096 + sender) * 2 + d) * 1024 + rank_worker[r]
-            else:
-                key = a.version
-            row.append((code, dur, key, -1))
-        ops.append(row)
-    starts, ends, pc = _run(ops, rank_worker, True, 0)
-    if any(pc[r] < len(ops[r]) for r in range(len(ops))):
-        _raise_deadlock(programs, pc, names, rank_worker)
-    return starts, ends
-
-
-def _raise_deadlock(programs: Sequence[Sequence[Action]], pc: Sequence[int], names: Sequence[str],
-                    rank_worker: Sequence[int]) -> None:
-    pushed = {(r, a.version) for r, prog in enumerate(programs) for a in prog[:pc[r]] if a.kind == PUSH}
-    raise DeadlockError(_deadlock_message(programs, pc, names, rank_worker, pushed))
-
 
 # -- plans -------------------------------------------------------------------------------------
 
@@ -448,18 +126,18 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
         return links.setdefault(k, len(links))
 
     columns: list[Columns] = []
-    ops: list[list[_Op]] = []
+    ops: list[list[Op]] = []
     names: list[str] = []
     rank_worker: list[int] = []
     act_bytes: list[np.ndarray] = []  # per rank: activation bytes of each stage (global index)
     weights: list[list[tuple[int, int]]] = []  # per rank: layer ranges it holds
-    op_code = np.array([_OP_OF_KIND[k] for k in ACTION_KINDS], dtype=np.int64)
+    op_code = np.array([OP_OF_KIND[k] for k in ACTION_KINDS], dtype=np.int64)
     # message keys, equal for a send and its receive:
     # ((micro_batch * 4096 + sending stage) * 2 + direction) * 1024 + virtual worker
     sender_shift = np.array([0, 0, 0, -1, 0, 1, 0, 0, 0])
     direction = np.array([0, 0, 0, 0, 1, 1, 0, 0, 0])
-    is_msg = np.isin(np.arange(9), [_KIND_CODE[k] for k in (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)])
-    is_sync = np.isin(np.arange(9), [_KIND_CODE[k] for k in (STEP, PUSH, PULL)])
+    is_msg = np.isin(np.arange(9), [KIND_CODE[k] for k in (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)])
+    is_sync = np.isin(np.arange(9), [KIND_CODE[k] for k in (STEP, PUSH, PULL)])
     for pipe in pipes:
         cols = schedule_columns(sched, pipe.ranks, m, plan.chunks, n_iter, plan.staleness)
         p, n_st, w = pipe.ranks, len(pipe.stages), pipe.worker
@@ -490,9 +168,9 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
             rank_worker.append(w)
             act_bytes.append(saved)
             weights.append(list(pipe.stages[r::p]))
-    starts, ends, pc = _run(ops, rank_worker, cost.options.overlap_comm, len(links))
+    starts, ends, pc = run_ops(ops, rank_worker, cost.options.overlap_comm, len(links))
     if any(pc[r] < len(ops[r]) for r in range(len(ops))):
-        _raise_deadlock([to_actions(c) for c in columns], pc, names, rank_worker)
+        raise_deadlock([to_actions(c) for c in columns], pc, names, rank_worker)
     return _summarise(plan, cost, n_iter, columns, starts, ends, names, rank_worker, act_bytes,
                       weights, notes)
 
@@ -503,7 +181,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
                notes: list[str]) -> Timeline:
     sched, m = plan.schedule, plan.micro_batches
     n_workers = max(rank_worker) + 1
-    boundary = _KIND_CODE[PUSH] if sched == "wsp" else _KIND_CODE[STEP]
+    boundary = KIND_CODE[PUSH] if sched == "wsp" else KIND_CODE[STEP]
     offset = 0 if sched == "wsp" else 1  # STEP(v) ends iteration v - 1; PUSH(c) ends wave c
     st_col = [np.asarray(x, dtype=np.float64) for x in starts]
     en_col = [np.asarray(x, dtype=np.float64) for x in ends]
@@ -567,7 +245,7 @@ def _live_versions(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, version:
     current, peak = 0, 1
     live: dict[int, int] = {0: 1}  # version -> references (the current version holds one)
     used: dict[tuple[int, int], int] = {}
-    step = _KIND_CODE[STEP]
+    step = KIND_CODE[STEP]
     for k, j, s, v in zip(kind.tolist(), mb.tolist(), stage.tolist(), version.tolist(), strict=True):
         if k == 0:
             used[(j, s)] = current
@@ -593,7 +271,7 @@ def _clock_gaps(columns: list[Columns], ends: list[np.ndarray], rank_worker: lis
     size = [rank_worker.count(w) for w in range(n_workers)]
     done: dict[tuple[int, int], list[float]] = {}  # (worker, wave) -> push ends
     pulls: list[tuple[float, int]] = []
-    push, pull = _KIND_CODE[PUSH], _KIND_CODE[PULL]
+    push, pull = KIND_CODE[PUSH], KIND_CODE[PULL]
     for r, (kind, _, _, _, version) in enumerate(columns):
         for i in np.flatnonzero(kind == push):
             done.setdefault((rank_worker[r], int(version[i])), []).append(float(ends[r][i]))

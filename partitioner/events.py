@@ -1,0 +1,260 @@
+"""The event engine: runs per-rank action lists in time order and detects deadlocks.
+
+Action lists are priced by :mod:`partitioner.simulate` before they run here. Every rank runs its list from :mod:`partitioner.schedule` in order. Semantics (the ones the
+runtime implements):
+
+* ``F`` / ``B`` occupy the rank for the stage's forward / backward time
+  (:meth:`CostModel.fwd_bwd_s` of the GPU type).
+* A send starts the transfer of the boundary tensor as soon as the link is free
+  (:meth:`CostModel.transfer_s` of :meth:`CostModel.boundary_bytes`). A link is one direction
+  between two devices of a node, or between two nodes (so transfers from different GPUs of
+  one node to another node share it); transfers on a link are served first come, first
+  served. Without ``CostOptions.overlap_comm`` the sender waits for its transfer to finish
+  (the additive model); with it, the sender goes on computing.
+* A receive blocks the rank until the matching transfer has arrived.
+* ``PUSH`` / ``PULL`` (WSP) take :meth:`CostModel.parameter_sync_s` each; a ``PULL`` also waits
+  until the other virtual workers have pushed the wave it names.
+* ``STEP`` takes no time (the profile does not time the optimizer).
+
+The loop keeps one program counter per rank and a heap of runnable ranks keyed by their
+clock, so work is done in time order (which makes first-come-first-served links exact) and
+a blocked rank costs nothing until its message arrives. If ranks remain blocked when nothing
+can run, the schedule deadlocks: :class:`DeadlockError` names the ranks of the wait cycle.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+from .errors import PartitionerError
+from .schedule import (
+    ACTION_KINDS,
+    PULL,
+    PUSH,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    STEP,
+    Action,
+    match_key,
+)
+
+__all__ = ["KIND_CODE", "OP_OF_KIND", "DeadlockError", "Op", "raise_deadlock", "run_ops", "simulate_programs"]
+
+KIND_CODE = {k: i for i, k in enumerate(ACTION_KINDS)}
+# op codes of the event loop
+_COMPUTE, _SEND, _RECV, _STEP, _PUSH, _PULL = range(6)
+OP_OF_KIND = {"F": _COMPUTE, "B": _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
+               RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL}
+
+
+class DeadlockError(PartitionerError):
+    """The action lists cannot all run to the end: some ranks wait for each other forever."""
+
+
+# -- the event loop ---------------------------------------------------------------------------
+
+# An op is (code, duration_s, key, link): key is the message key (send/recv) or the WSP wave
+# (push/pull); link indexes the link a send uses (-1 for none).
+Op = tuple[int, float, int, int]
+
+
+def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bool, n_links: int
+         ) -> tuple[list[list[float]], list[list[float]], list[int]]:
+    """Time every op; returns per-rank start and end lists and each rank's program counter."""
+    n_ranks = len(ops)
+    n_workers = max(rank_worker, default=-1) + 1
+    worker_size = [0] * n_workers
+    for w in rank_worker:
+        worker_size[w] += 1
+    starts = [[0.0] * len(o) for o in ops]
+    ends = [[0.0] * len(o) for o in ops]
+    pc = [0] * n_ranks
+    blocked = [-1.0] * n_ranks
+    arrival: dict[int, float] = {}
+    waiting: dict[int, int] = {}
+    link_free = [0.0] * max(n_links, 1)
+    pushes: dict[int, list[int]] = {}  # wave -> pushes counted per worker
+    push_end: dict[int, list[float]] = {}  # wave -> latest push end per worker
+    pull_wait: dict[int, list[int]] = {}
+    heap = [(0.0, r) for r in range(n_ranks)]
+    heappush, heappop = heapq.heappush, heapq.heappop
+    inf = math.inf
+
+    def pull_ready(wave: int, worker: int) -> float | None:
+        cnt, end = pushes.get(wave), push_end.get(wave)
+        if cnt is None or end is None:
+            return None if n_workers > 1 else 0.0
+        when = 0.0
+        for b in range(n_workers):
+            if b == worker:
+                continue
+            if cnt[b] < worker_size[b]:
+                return None
+            when = max(when, end[b])
+        return when
+
+    while heap:
+        t, r = heappop(heap)
+        o, st, en = ops[r], starts[r], ends[r]
+        n, i = len(o), pc[r]
+        limit = heap[0][0] if heap else inf
+        while i < n:
+            code, dur, key, link = o[i]
+            if code == _COMPUTE:
+                st[i] = t
+                t += dur
+                en[i] = t
+            elif code == _RECV:
+                a = arrival.pop(key, None)
+                if a is None:
+                    blocked[r] = t
+                    waiting[key] = r
+                    break
+                if blocked[r] >= 0:
+                    st[i] = blocked[r]
+                    blocked[r] = -1.0
+                else:
+                    st[i] = t
+                if a > t:
+                    t = a
+                en[i] = t
+            elif code == _SEND:
+                if dur > 0.0:
+                    lf = link_free[link]
+                    e = (t if t > lf else lf) + dur
+                    link_free[link] = e
+                else:
+                    e = t
+                arrival[key] = e
+                st[i] = t
+                en[i] = e
+                if not overlap:
+                    t = e
+                w = waiting.pop(key, -1)
+                if w >= 0:
+                    heappush(heap, (e, w))
+                    limit = heap[0][0]
+            elif code == _STEP:
+                st[i] = en[i] = t
+            elif code == _PUSH:
+                st[i] = t
+                t += dur
+                en[i] = t
+                worker = rank_worker[r]
+                cnt = pushes.setdefault(key, [0] * n_workers)
+                ends_w = push_end.setdefault(key, [0.0] * n_workers)
+                cnt[worker] += 1
+                ends_w[worker] = max(ends_w[worker], t)
+                if cnt[worker] == worker_size[worker] and key in pull_wait:
+                    still = []
+                    for q in pull_wait.pop(key):
+                        when = pull_ready(key, rank_worker[q])
+                        if when is None:
+                            still.append(q)
+                        else:
+                            heappush(heap, (max(when, blocked[q]), q))
+                    if still:
+                        pull_wait[key] = still
+                    limit = heap[0][0] if heap else inf
+            else:  # _PULL
+                when = pull_ready(key, rank_worker[r])
+                if when is None:
+                    blocked[r] = t
+                    pull_wait.setdefault(key, []).append(r)
+                    break
+                if blocked[r] >= 0:
+                    st[i] = blocked[r]
+                    blocked[r] = -1.0
+                else:
+                    st[i] = t
+                t = max(t, when) + dur
+                en[i] = t
+            i += 1
+            if t > limit:
+                heappush(heap, (t, r))
+                break
+        pc[r] = i
+    if arrival:
+        # a message sent but never received: the lists do not match
+        raise DeadlockError(f"{len(arrival)} message(s) sent but never received; sends and receives "
+                            f"do not match (see partitioner.schedule.match_key)")
+    return starts, ends, pc
+
+
+def _deadlock_message(programs: Sequence[Sequence[Action]], pc: Sequence[int], names: Sequence[str],
+                      rank_worker: Sequence[int], pushed: set[tuple[int, int]]) -> str:
+    """Describe the wait cycle among blocked ranks (or the wait on a finished rank)."""
+    def waits_for(r: int) -> int | None:
+        a = programs[r][pc[r]]
+        if a.kind in (RECV_ACT, RECV_GRAD):
+            return base[r] + a.peer
+        if a.kind == PULL:
+            for q in range(len(programs)):
+                if rank_worker[q] != rank_worker[r] and (q, a.version) not in pushed:
+                    return q
+        return None
+
+    base = [0] * len(programs)
+    first: dict[int, int] = {}
+    for r, w in enumerate(rank_worker):
+        first.setdefault(w, r)
+        base[r] = first[w]
+    stuck = [r for r in range(len(programs)) if pc[r] < len(programs[r])]
+
+    def what(r: int) -> str:
+        a = programs[r][pc[r]]
+        return f"rank {r} ({names[r]}) at {a.kind} micro-batch {a.micro_batch} stage {a.stage}"
+
+    r, seen = stuck[0], []
+    while r not in seen:
+        seen.append(r)
+        nxt = waits_for(r)
+        if nxt is None or pc[nxt] >= len(programs[nxt]):
+            return (f"deadlock: {what(r)} waits for "
+                    f"{'rank ' + str(nxt) + ' (' + names[nxt] + '), which has finished' if nxt is not None else 'nothing that can come'}"
+                    f"; {len(stuck)} rank(s) blocked")
+        r = nxt
+    cycle = seen[seen.index(r):]
+    return "deadlock: " + "; ".join(f"{what(q)} waits for rank {waits_for(q)}" for q in cycle)
+
+
+def simulate_programs(programs: Sequence[Sequence[Action]], rank_worker: Sequence[int] | None = None,
+                      names: Sequence[str] | None = None, fwd_s: float = 1.0, bwd_s: float = 2.0,
+                      ) -> tuple[list[list[float]], list[list[float]]]:
+    """Run action lists with unit prices (forward ``fwd_s``, backward ``bwd_s``, free transfers).
+
+    For checking schedules without a cost model: raises :class:`DeadlockError` naming the ranks
+    of any wait cycle, else returns per-rank start and end times. Peers in the lists are ranks
+    within their virtual worker (``rank_worker`` groups consecutive ranks; default: one).
+    """
+    rank_worker = list(rank_worker) if rank_worker is not None else [0] * len(programs)
+    names = list(names) if names is not None else [f"r{r}" for r in range(len(programs))]
+    ops: list[list[Op]] = []
+    for r, prog in enumerate(programs):
+        row: list[Op] = []
+        for a in prog:
+            code = OP_OF_KIND[a.kind]
+            dur = fwd_s if a.kind == "F" else bwd_s if a.kind == "B" else 0.0
+            if code in (_SEND, _RECV):
+                sender, d = match_key(a)[2], int(a.kind in (SEND_GRAD, RECV_GRAD))
+                key = ((a.micro_batch * 4096 + sender) * 2 + d) * 1024 + rank_worker[r]
+            else:
+                key = a.version
+            row.append((code, dur, key, -1))
+        ops.append(row)
+    starts, ends, pc = run_ops(ops, rank_worker, True, 0)
+    if any(pc[r] < len(ops[r]) for r in range(len(ops))):
+        raise_deadlock(programs, pc, names, rank_worker)
+    return starts, ends
+
+
+def raise_deadlock(programs: Sequence[Sequence[Action]], pc: Sequence[int], names: Sequence[str],
+                    rank_worker: Sequence[int]) -> None:
+    pushed = {(r, a.version) for r, prog in enumerate(programs) for a in prog[:pc[r]] if a.kind == PUSH}
+    raise DeadlockError(_deadlock_message(programs, pc, names, rank_worker, pushed))
+
+
