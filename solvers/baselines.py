@@ -126,7 +126,7 @@ def _cuts(rule: str, cost: CostModel, devices: Sequence[Device], schedule: str, 
 
 def solve(profile: Profile, cluster: Cluster, *, rule: str, virtual_workers: int = 1, policy: str | None = None,
           schedule: str = "1f1b", micro_batches: int = 8, options: CostOptions | None = None,
-          objective: str = "wsp", devices: Sequence[str] | None = None, **unused: Any) -> SolveResult:
+          objective: str = "sync", devices: Sequence[str] | None = None, **unused: Any) -> SolveResult:
     """Plan with the baseline ``rule`` (see the module docstring)."""
     if unused:
         raise FormatError("solver option", sorted(unused), f"not understood by the {rule} baseline")

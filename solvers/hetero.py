@@ -8,6 +8,12 @@ cost model. The objective is the total throughput in samples per second; the
 lower bound from the cluster's total speed: ``1 / (micro_batch_size * sum_d 1 / T_d)``,
 ``T_d`` the whole model's time on GPU ``d``.
 
+Objectives: ``sync`` (the default) is K times the slowest worker's rate. That is the long-run
+rate of synchronous data parallelism, and of WSP too: its staleness bound D keeps every
+worker within D waves of the slowest, so fast workers end up waiting. ``wsp`` is the sum of
+the workers' own rates (HetPipe's figure of merit), reached only while fast workers may still
+run ahead; the simulator's prediction in ``Plan.predicted`` shows the long-run rate.
+
 A virtual worker's throughput is ``m * micro_batch_size / iteration_s`` with the closed-form
 iteration time of the schedule (:func:`partitioner.cost.pipeline_iteration_s`); the mapping
 and replication DPs minimise its bottleneck stage, which dominates it.
@@ -136,7 +142,7 @@ def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, m
     return micro_batches * cost.profile.micro_batch_size / it if it > 0 else math.inf
 
 
-def price_plan(cost: CostModel, plan: Plan, objective: str = "wsp") -> dict[str, float]:
+def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str, float]:
     """Predicted figures of a multi-worker plan: total samples/s under ``objective``, the slowest
     worker's iteration and the largest bottleneck stage."""
     thr, its, necks = [], [], []
@@ -163,7 +169,7 @@ def _candidate_ks(n: int, nodes: int) -> list[int]:
 
 
 def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str = "auto", policy: str = "opt",
-                 *, objective: str = "wsp", replication: bool = False, schedule: str = "1f1b",
+                 *, objective: str = "sync", replication: bool = False, schedule: str = "1f1b",
                  micro_batches: int = 8, options: CostOptions | None = None, exact_limit: int = 720,
                  time_limit_s: float = 50.0, devices: Sequence[str] | None = None) -> SolveResult:
     """Group, map and split ``profile`` over ``cluster`` (see the module docstring).

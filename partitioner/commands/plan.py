@@ -119,8 +119,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="split the cluster into K data-parallel pipelines (hetero planner)")
     parser.add_argument("--policy", default=None, choices=("np", "ed", "hd", "opt"),
                         help="virtual-worker grouping: HetPipe's np, ed, hd, or opt (default: opt)")
-    parser.add_argument("--objective", default="wsp", choices=("wsp", "sync"),
-                        help="opt maximises the sum of worker throughputs (wsp) or K x the slowest (sync)")
+    parser.add_argument("--objective", default="sync", choices=("sync", "wsp"),
+                        help="what opt maximises: K x the slowest virtual worker (sync, default: the long-run "
+                             "rate under data parallelism, and under WSP's staleness bound) or the sum of the "
+                             "workers' own rates (wsp: reached only while fast workers may run ahead)")
     parser.add_argument("--replication", action=argparse.BooleanOptionalAction, default=False,
                         help="let a stage run data-parallel on several GPUs of one type")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
