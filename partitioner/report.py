@@ -27,6 +27,19 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _alike_workers(plan: Plan, cluster: Cluster) -> list[list[int]]:
+    """Virtual workers grouped by layout: same layer ranges on the same GPU types over links of
+    the same bandwidth (so they price the same), in first-seen order."""
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for w, vw in enumerate(plan.virtual_workers):
+        st = vw.stages
+        key = tuple((s.layers, cluster.device(s.device).gpu_type, len(s.replicas),
+                     cluster.bandwidth_gbps(s.device, st[k + 1].device) if k + 1 < len(st) else 0.0)
+                    for k, s in enumerate(st))
+        groups.setdefault(key, []).append(w)
+    return list(groups.values())
+
+
 def format_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None = None) -> str:
     """The plan as a stage table (per virtual worker) under a header with its certificate."""
     cost = CostModel(profile, cluster, options)
@@ -36,8 +49,15 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOpt
     if plan.solver is not None:
         s = plan.solver
         gap = "n/a" if math.isnan(s.gap) else f"{100 * s.gap:.2f}%"
-        out.append(f"solver {s.name}: {s.status}, objective {_fmt_s(s.objective)}, lower bound "
-                   f"{_fmt_s(s.lower_bound)}, gap {gap}, solved in {s.time_s:.3f} s")
+        objective = plan.meta.get("objective")
+        if objective in ("sync", "wsp"):  # cluster planners minimise seconds per sample
+            value = f"{1 / s.objective:.1f} samples/s ({objective})" if s.objective > 0 else "n/a"
+            bound = f"{1 / s.lower_bound:.1f} samples/s" if s.lower_bound > 0 else "n/a"
+            out.append(f"solver {s.name}: {s.status}, objective {value}, upper bound {bound}, gap {gap}, "
+                       f"solved in {s.time_s:.3f} s")
+        else:
+            out.append(f"solver {s.name}: {s.status}, objective {_fmt_s(s.objective)}, lower bound "
+                       f"{_fmt_s(s.lower_bound)}, gap {gap}, solved in {s.time_s:.3f} s")
     pred = plan.predicted
     if pred:
         shown = []
@@ -48,7 +68,9 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOpt
             shown.append(f"{pred['samples_per_s']:.1f} samples/s")
         out.append("predicted: " + ", ".join(shown))
     one_chunk = plan.schedule in ("gpipe", "1f1b", "2bw", "wsp")
-    for w, vw in enumerate(plan.virtual_workers):
+    for workers in _alike_workers(plan, cluster):
+        w = workers[0]
+        vw = plan.virtual_workers[w]
         stages = vw.stages
         times = cost.plan_stage_times_s(plan, w)
         bottleneck = max(times)
@@ -68,7 +90,11 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOpt
             devs = st.device + (f" +{len(st.replicas)}" if st.replicas else "")
             rows.append([str(k), devs, dev.gpu_type, f"[{st.start}, {st.stop})", _fmt_s(comp), _fmt_s(xfer),
                          mem_s, share])
-        if len(plan.virtual_workers) > 1:
+        if len(workers) > 1:
+            others = ", ".join("+".join(plan.virtual_workers[o].devices) for o in workers[1:])
+            out.append(f"\nvirtual workers {', '.join(map(str, workers))} (the same layout; worker {w} shown; "
+                       f"the others on {others}):")
+        elif len(plan.virtual_workers) > 1:
             out.append(f"\nvirtual worker {w}:")
         else:
             out.append("")
