@@ -124,6 +124,20 @@ def main() -> None:
                     cell += f" ({opt[0] / f[0]:.2f}x)"
                 cells.append(cell)
             print(f"| {model} | {cluster.name} | {objective} | " + " | ".join(cells) + " |", flush=True)
+    print("\nreplication (a stage data-parallel over GPUs of one type, all-reduce priced on its links) "
+          "against pure pipelines; model objective, sync, samples/s (the simulator does not price replicas)\n")
+    print("| model | cluster | opt, pure pipelines | opt + replication | ratio | replicated stages |")
+    print("|---|---|---|---|---|---|")
+    for model, profile, cluster in cases():
+        pure = plan_cluster(profile, cluster, "auto", "opt", micro_batches=args.micro_batches)
+        rep = plan_cluster(profile, cluster, "auto", "opt", micro_batches=args.micro_batches, replication=True)
+        fp, fr = figures(pure, profile, cluster), figures(rep, profile, cluster)
+        if fp is None or fr is None:
+            print(f"| {model} | {cluster.name} | {fp} | {fr} | n/a | n/a |")
+            continue
+        assert rep.plan is not None
+        n_rep = sum(1 for vw in rep.plan.virtual_workers for st in vw.stages if st.replicas)
+        print(f"| {model} | {cluster.name} | {fp[0]:.1f} | {fr[0]:.1f} | {fr[0] / fp[0]:.2f}x | {n_rep} |", flush=True)
     syn = synthetic_profile(150, seed=0, param_mb=8, act_mb=10)
     hetpipe = Cluster.load(ROOT / "examples" / "clusters" / "hetpipe.yaml")
     print(f"\nplanning time, 150 layers, HetPipe 16 GPUs (opt, K auto; median of {args.runs}): "

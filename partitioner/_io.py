@@ -7,7 +7,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -118,9 +118,8 @@ def req_number(
     minimum: float | None = 0.0,
     strict: bool = False,
     default: float | None = None,
-    convert: Callable[[float], float] = float,
 ) -> float:
-    """A finite number field, at least ``minimum`` (greater if ``strict``)."""
+    """A finite number field, at least ``minimum`` (greater if ``strict``), as written (int or float)."""
     field = f"{where}{key}"
     if default is not None and (key not in d or d[key] is None):
         return default
@@ -132,4 +131,4 @@ def req_number(
             raise FormatError(field, value, f"must be > {minimum:g}")
         if not strict and not value >= minimum:
             raise FormatError(field, value, f"must be >= {minimum:g}")
-    return convert(value)
+    return value

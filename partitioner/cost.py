@@ -18,7 +18,8 @@ NCCL with asynchronous point-to-point on separate streams.
 
 Memory of a stage on its device:
 ``param_bytes * (weight_versions + 1 gradient + optimizer_state_factor)
-+ saved_bytes * activations_in_flight + reserved_bytes``.
++ saved_bytes * activations_in_flight + reserved_bytes``, where a stage's saved bytes count a
+tensor kept by two adjacent layers of the stage once (``LayerProfile.shared_saved_bytes``).
 """
 
 from __future__ import annotations
@@ -147,7 +148,12 @@ class CostModel:
         self.num_layers = profile.num_layers
         zero = np.zeros(1)
         self.param_prefix = np.concatenate([zero, np.cumsum(profile.array("param_bytes"))])
-        self.saved_prefix = np.concatenate([zero, np.cumsum(profile.array("saved_bytes"))])
+        # Saved bytes of layers [i, j) are A[j] - B[i]: every layer's saved bytes, less what layer
+        # l shares with layer l - 1 for the layers i < l < j (both in the stage).
+        saved = np.concatenate([zero, np.cumsum(profile.array("saved_bytes"))])
+        shared = np.concatenate([zero, np.cumsum(profile.array("shared_saved_bytes"))])
+        self.saved_stop = saved - shared
+        self.saved_start = saved - np.concatenate([shared[1:], shared[-1:]])
         self.output_bytes = profile.array("output_bytes")
         # boundary_bytes[s]: tensor crossing a cut before layer s (0 at both ends of the chain)
         self.boundary = np.concatenate([zero, self.output_bytes[:-1], zero])
@@ -320,19 +326,21 @@ class CostModel:
         return weight_versions(schedule) + 1.0 + self.options.optimizer_state_factor
 
     @functools.cache  # noqa: B019
-    def _memory_prefix(self, in_flight: int, schedule: str) -> np.ndarray:
-        q = self.param_prefix * self.weight_factor(schedule) + self.saved_prefix * in_flight
-        q.flags.writeable = False
-        return q
+    def _memory_prefix(self, in_flight: int, schedule: str) -> tuple[np.ndarray, np.ndarray]:
+        """(at stop, at start): stage memory is ``q_stop[j] - q_start[i]`` + reserved."""
+        w = self.param_prefix * self.weight_factor(schedule)
+        q_stop, q_start = w + self.saved_stop * in_flight, w + self.saved_start * in_flight
+        q_stop.flags.writeable = q_start.flags.writeable = False
+        return q_stop, q_start
 
     def stage_memory_bytes(self, start: int, stop: int, in_flight: int, schedule: str = "1f1b") -> float:
         """Peak memory of layers ``[start, stop)`` holding ``in_flight`` micro-batches' activations."""
-        q = self._memory_prefix(in_flight, schedule)
-        return float((q[stop] - q[start]) + self.options.reserved_bytes)
+        q_stop, q_start = self._memory_prefix(in_flight, schedule)
+        return float((q_stop[stop] - q_start[start]) + self.options.reserved_bytes)
 
     def activation_bytes(self, start: int, stop: int) -> float:
         """Bytes of activations layers ``[start, stop)`` keep for backward, per micro-batch."""
-        return float(self.saved_prefix[stop] - self.saved_prefix[start])
+        return float(self.saved_stop[stop] - self.saved_start[start])
 
     def weight_bytes(self, start: int, stop: int, versions: int = 1) -> float:
         """Weights (``versions`` copies), gradients and optimizer state of layers ``[start, stop)``."""
@@ -369,8 +377,8 @@ class CostModel:
         Computed with the same operations as the scalar method, so both agree to the bit and a
         plan the solvers accept is never refused by :meth:`check_plan_memory`.
         """
-        q = self._memory_prefix(in_flight, schedule)
-        return (q[None, :] - q[rows, None]) + self.options.reserved_bytes
+        q_stop, q_start = self._memory_prefix(in_flight, schedule)
+        return (q_stop[None, :] - q_start[rows, None]) + self.options.reserved_bytes
 
     # -- plans -----------------------------------------------------------------------------------
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from .errors import PartitionerError
-from .profile import LayerProfile, LayerTime, Profile
+from .profile import LayerTime, Profile
 
 __all__ = ["merge_profiles"]
 
@@ -69,13 +70,15 @@ def merge_profiles(profiles: Sequence[Profile], *, saved_rtol: float = 0.05) -> 
     layers = []
     for i, first in enumerate(base.layers):
         times: dict[str, LayerTime] = {}
-        saved = first.saved_bytes
+        widest = first  # the measurement that saw the most saved bytes (within saved_rtol of the others)
         for p in profiles:
             layer = p.layers[i]
-            saved = max(saved, layer.saved_bytes)
+            if layer.saved_bytes > widest.saved_bytes:
+                widest = layer
             for gpu, t in layer.times.items():
                 times[gpu] = _pick(gpu, layer.name, times[gpu], t) if gpu in times else t
-        layers.append(LayerProfile(first.name, first.flops, first.param_bytes, saved, first.output_bytes, times))
+        layers.append(replace(first, saved_bytes=widest.saved_bytes,
+                              shared_saved_bytes=widest.shared_saved_bytes, times=times))
     measured_on: dict[str, str] = {}
     projections: dict[str, object] = {}
     for p in profiles:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,9 @@ class LayerProfile:
 
     ``saved_bytes`` is what autograd keeps for backward per micro-batch; ``output_bytes``
     is the boundary tensor sent to the next stage if a cut is made after this layer.
+    ``shared_saved_bytes`` is the part of ``saved_bytes`` that the previous layer keeps too
+    (typically this layer's input, which a ReLU before it saved as its output): one tensor,
+    counted once when both layers are in the same stage, twice when a cut separates them.
     """
 
     name: str
@@ -73,13 +76,16 @@ class LayerProfile:
     saved_bytes: float = 0.0
     output_bytes: float = 0.0
     times: Mapping[str, LayerTime] = field(default_factory=dict)
+    shared_saved_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "name", self.name, "must be a non-empty string")
-        for name in ("flops", "param_bytes", "saved_bytes", "output_bytes"):
+        for name in ("flops", "param_bytes", "saved_bytes", "output_bytes", "shared_saved_bytes"):
             v = getattr(self, name)
             check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
                   name, v, "must be a finite number >= 0")
+        check(self.shared_saved_bytes <= self.saved_bytes, "shared_saved_bytes", self.shared_saved_bytes,
+              f"must not exceed saved_bytes ({self.saved_bytes:g})")
         for gpu, t in self.times.items():
             check(isinstance(t, LayerTime), f"times.{gpu}", t, "must be a LayerTime")
         object.__setattr__(self, "times", dict(self.times))
@@ -92,6 +98,7 @@ class LayerProfile:
             "saved_bytes": self.saved_bytes,
             "output_bytes": self.output_bytes,
             "times": {gpu: t.to_dict() for gpu, t in self.times.items()},
+            **({"shared_saved_bytes": self.shared_saved_bytes} if self.shared_saved_bytes else {}),
         }
 
     @classmethod
@@ -108,6 +115,7 @@ class LayerProfile:
                 saved_bytes=req_number(d, "saved_bytes", where, default=0.0),
                 output_bytes=req_number(d, "output_bytes", where, default=0.0),
                 times=times,
+                shared_saved_bytes=req_number(d, "shared_saved_bytes", where, default=0.0),
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
@@ -183,11 +191,7 @@ class Profile:
         """A copy with ``times`` (one per layer) recorded under ``gpu_type``."""
         if len(times) != self.num_layers:
             raise FormatError("times", len(times), f"need one entry per layer ({self.num_layers})")
-        layers = tuple(
-            LayerProfile(layer.name, layer.flops, layer.param_bytes, layer.saved_bytes, layer.output_bytes,
-                         {**layer.times, gpu_type: t})
-            for layer, t in zip(self.layers, times)
-        )
+        layers = tuple(replace(layer, times={**layer.times, gpu_type: t}) for layer, t in zip(self.layers, times))
         return Profile(self.model, self.micro_batch_size, layers, self.dtype, self.source, self.edges, self.meta)
 
     def rescaled(self, micro_batch_size: int) -> Profile:
@@ -204,10 +208,9 @@ class Profile:
             return self
         f = micro_batch_size / self.micro_batch_size
         layers = tuple(
-            LayerProfile(layer.name, layer.flops * f, layer.param_bytes, layer.saved_bytes * f,
-                         layer.output_bytes * f,
-                         {g: LayerTime(t.fwd_s * f, t.bwd_s * f, t.projected, t.measured_on)
-                          for g, t in layer.times.items()})
+            replace(layer, flops=layer.flops * f, saved_bytes=layer.saved_bytes * f,
+                    output_bytes=layer.output_bytes * f, shared_saved_bytes=layer.shared_saved_bytes * f,
+                    times={g: replace(t, fwd_s=t.fwd_s * f, bwd_s=t.bwd_s * f) for g, t in layer.times.items()})
             for layer in self.layers
         )
         meta = {**self.meta, "rescaled_from": self.meta.get("rescaled_from", self.micro_batch_size)}

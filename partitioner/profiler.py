@@ -53,6 +53,7 @@ class LayerStats:
     saved_bytes: float
     output_bytes: float
     unsupported_ops: dict[str, int]
+    shared_saved_bytes: float = 0.0
 
 
 def _as_layer_list(layers: nn.Sequential | Iterable[Any]) -> list[tuple[str, nn.Module]]:
@@ -114,6 +115,27 @@ def _out_tensor(y: Any, name: str) -> torch.Tensor:
 def saved_tensor_bytes(layer: nn.Module, x: torch.Tensor, name: str = "layer") -> tuple[torch.Tensor, int]:
     """Forward ``layer`` on ``x`` with grad, returning the output and the bytes autograd
     keeps for backward (storages de-duplicated, the module's parameters left out)."""
+    y, storages = saved_storages(layer, x, name)
+    return y, sum(storages.values())
+
+
+class _SharedSaved:
+    """Tells, layer after layer of a chain, how many of a layer's saved bytes the previous layer
+    saved too: its input's storage, when the previous layer kept that tensor as its output."""
+
+    def __init__(self) -> None:
+        self._prev_out: int | None = None  # storage of the previous output, if it was saved
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, storages: dict[int, int]) -> int:
+        key = _storage_key(x)
+        shared = storages.get(key, 0) if key == self._prev_out else 0
+        out = _storage_key(y)
+        self._prev_out = out if out in storages else None
+        return shared
+
+
+def saved_storages(layer: nn.Module, x: torch.Tensor, name: str = "layer") -> tuple[torch.Tensor, dict[int, int]]:
+    """Like :func:`saved_tensor_bytes`, with the saved storages themselves: ``{storage: bytes}``."""
     params = {_storage_key(p) for p in layer.parameters()}
     seen: dict[int, int] = {}
     keep: list[torch.Tensor] = []  # keep storages alive so their keys are not reused
@@ -127,7 +149,7 @@ def saved_tensor_bytes(layer: nn.Module, x: torch.Tensor, name: str = "layer") -
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = _out_tensor(layer(x), name)
-    return y, sum(seen.values())
+    return y, seen
 
 
 def _grad_input(x: torch.Tensor) -> torch.Tensor:
@@ -177,11 +199,13 @@ def analyze_layers(layers: nn.Sequential | Iterable[Any], sample_input: torch.Te
         flops, unsupported = {n: 0.0 for n, _ in chain}, {n: {} for n, _ in chain}
     out = []
     x = sample_input
+    shared = _SharedSaved()
     for name, layer in chain:
         xi = _grad_input(x)
-        y, saved = saved_tensor_bytes(layer, xi, name)
+        y, storages = saved_storages(layer, xi, name)
         out.append(LayerStats(name, flops[name], float(sum(_nbytes(p) for p in layer.parameters())),
-                              float(saved), float(_nbytes(y)), unsupported[name]))
+                              float(sum(storages.values())), float(_nbytes(y)), unsupported[name],
+                              float(shared.step(xi, y, storages))))
         x = y.detach()
         del y, xi
     return out
@@ -281,9 +305,11 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
         flops, unsupported = _flops_by_layer(chain, x)
         out: list[LayerProfile] = []
         runs: list[int] = []
+        shared = _SharedSaved()
         for name, layer in _progress(chain, progress, f"profiling {model_name}"):
             xi = _grad_input(x)
-            y, saved = saved_tensor_bytes(layer, xi, name)
+            y, storages = saved_storages(layer, xi, name)
+            saved, shared_bytes = sum(storages.values()), shared.step(xi, y, storages)
             out_bytes = _nbytes(y)
             nxt = y.detach()  # the next layer's input
             del y
@@ -292,7 +318,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
             out.append(LayerProfile(
                 name=name, flops=flops[name],
                 param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
-                saved_bytes=float(saved), output_bytes=float(out_bytes),
+                saved_bytes=float(saved), output_bytes=float(out_bytes), shared_saved_bytes=float(shared_bytes),
                 times={key: LayerTime(f_s, b_s, projected=False, measured_on=label)}))
             x = nxt
             for p in layer.parameters():

@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -64,6 +66,20 @@ def test_memory_formula(model):
     saved = sum(layer.saved_bytes for layer in prof.layers[1:4])
     assert cost.stage_memory_bytes(1, 4, 3, "1f1b") == pytest.approx(params * 4 + saved * 3 + GIB)
     assert cost.stage_memory_bytes(1, 4, 3, "2bw") == pytest.approx(params * 5 + saved * 3 + GIB)
+
+
+def test_shared_saved_bytes_count_once_inside_a_stage():
+    prof = make_profile({"A": [1.0] * 4}, saved_bytes=[10.0, 20.0, 30.0, 40.0])
+    layers = tuple(dataclasses.replace(x, shared_saved_bytes=s) for x, s in zip(prof.layers, [0.0, 5.0, 7.0, 11.0]))
+    prof = dataclasses.replace(prof, layers=layers)
+    cost = CostModel(prof, flat_cluster(["A"]), CostOptions(reserved_bytes=0))
+    for i in range(4):
+        for j in range(i + 1, 5):
+            inside = sum(layers[k].shared_saved_bytes for k in range(i + 1, j))  # both layers in the stage
+            expect = sum(layers[k].saved_bytes for k in range(i, j)) - inside
+            assert cost.activation_bytes(i, j) == pytest.approx(expect)
+            assert cost.stage_memory_bytes(i, j, 3) == pytest.approx(3 * expect)
+            assert cost.memory_matrix(3)[i, j] == cost.stage_memory_bytes(i, j, 3)
 
 
 def test_in_flight_and_closed_forms():

@@ -1,5 +1,6 @@
 """The chain DP against an independent brute force over every cut placement."""
 
+import dataclasses
 import itertools
 import math
 
@@ -52,7 +53,10 @@ def instances(draw):
     overlap = draw(st.booleans())
     schedule = draw(st.sampled_from(["1f1b", "gpipe", "2bw", "wsp"]))
     m = draw(st.integers(1, 6))
+    shared = [draw(st.floats(0.0, 1.0)) * s for s in saved]
     prof = make_profile(times, params, saved, out)
+    prof = dataclasses.replace(prof, layers=tuple(dataclasses.replace(x, shared_saved_bytes=h)
+                                                  for x, h in zip(prof.layers, shared)))
     cluster = flat_cluster(types, memory_gb=memory, intra_gbps=draw(st.floats(1, 50)),
                            inter_gbps=draw(st.floats(0.1, 10)), per_node=per_node)
     return prof, cluster, CostOptions(overlap_comm=overlap, reserved_bytes=0.1 * GIB), schedule, m

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 
@@ -11,6 +12,7 @@ from .conftest import make_profile
 
 def test_round_trip_is_identity(tmp_path):
     prof = make_profile({"V100-SXM2-16GB": [0.1, 0.2], "T4": [0.3, 0.5]}, [1.0, 2.0], [3.0, 4.0], [5.0, 6.0])
+    prof = dataclasses.replace(prof, layers=(prof.layers[0], dataclasses.replace(prof.layers[1], shared_saved_bytes=2.5)))
     path = tmp_path / "p.json"
     prof.save(path)
     assert json.loads(path.read_text())["format"] == PROFILE_FORMAT
@@ -32,6 +34,7 @@ def test_gpu_types_are_those_on_every_layer():
     [
         ({"name": "x", "times": {"V100": {"fwd_s": -1, "bwd_s": 0}}}, r"layers\[0\]\.times\.V100\.fwd_s = -1: must be >= 0"),
         ({"name": "x", "flops": -3}, r"layers\[0\]\.flops = -3"),
+        ({"name": "x", "saved_bytes": 4, "shared_saved_bytes": 5}, r"shared_saved_bytes = 5: must not exceed saved_bytes \(4\)"),
         ({"name": "x", "saved_bytes": "big"}, r"layers\[0\]\.saved_bytes = 'big': must be of type"),
         ({"flops": 1}, r"layers\[0\]\.name is missing"),
         ({"name": "x", "times": {"V100": {"fwd_s": 1}}}, r"layers\[0\]\.times\.V100\.bwd_s is missing"),

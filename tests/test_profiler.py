@@ -149,3 +149,19 @@ def test_interrupted_profile_keeps_the_old_file(tmp_path, run_cli, monkeypatch):
     monkeypatch.setattr(profiler_mod, "profile_model", boom)
     assert run_cli(["profile", "gpt2-tiny", "--batch-size", "1", "-o", str(out)]) == 130
     assert out.read_text() == "old contents\n" and [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
+@pytest.mark.parametrize("name", ["vgg19-tiny", "resnet50-tiny", "gpt2-tiny"])
+def test_shared_saved_bytes_make_stage_sums_exact(name):
+    """Per-layer saved bytes, less what adjacent layers share, add up to what autograd keeps
+    over one forward of the whole chain (a ReLU's saved output is the next conv's saved input)."""
+    from partitioner.profiler import saved_tensor_bytes
+
+    model = build_model(name, 2)
+    stats = analyze_layers(model.layers, model.sample_input("cpu"), count_flops=False)
+    x = model.sample_input("cpu")
+    _, whole = saved_tensor_bytes(model.sequential(), x.detach().requires_grad_(x.is_floating_point()))
+    assert sum(s.saved_bytes - s.shared_saved_bytes for s in stats) == whole
+    assert stats[0].shared_saved_bytes == 0
+    if name.startswith("vgg"):
+        assert any(s.shared_saved_bytes > 0 for s in stats)  # ReLU output = next conv's input

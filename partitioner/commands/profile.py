@@ -83,8 +83,8 @@ def _profile(args: argparse.Namespace) -> int:
             raise PartitionerError("--analytic needs at least one --gpu-type to compute roofline times for")
         stats = _stats(args)
         base = Profile(args.model, args.batch_size,
-                       tuple(LayerProfile(s.name, s.flops, s.param_bytes, s.saved_bytes, s.output_bytes)
-                             for s in stats),
+                       tuple(LayerProfile(s.name, s.flops, s.param_bytes, s.saved_bytes, s.output_bytes,
+                                          shared_saved_bytes=s.shared_saved_bytes) for s in stats),
                        source="partitioner analytic (FLOPs and bytes, no timing)",
                        meta={"unsupported_ops": {s.name: s.unsupported_ops for s in stats if s.unsupported_ops},
                              "measured_on": {}})
