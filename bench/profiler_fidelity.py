@@ -2,9 +2,10 @@
 
 1. Repeatability: each model is profiled twice; per layer, |t1 - t2| / t1 of fwd+bwd.
 2. Sum of per-layer fwd+bwd medians vs the median fwd+bwd time of the whole chain.
-3. Sum of per-layer saved bytes vs the bytes autograd keeps over one forward of the whole
-   chain (same hooks, storages de-duplicated across layers): a layer's output that the next
-   layer saves as its input is one tensor in the whole model but two in per-layer counts.
+3. Saved bytes: the sum of per-layer saved bytes less what adjacent layers share (a layer's
+   output that the next layer also saves as its input is one tensor: ``shared_saved_bytes``),
+   against the bytes autograd keeps over one forward of the whole chain (same hooks, storages
+   de-duplicated), and the plain per-layer sum for comparison.
 
     python bench/profiler_fidelity.py [--models gpt2-tiny,...] [--out bench/results/profiler_fidelity.md]
 """
@@ -51,8 +52,8 @@ def main() -> int:
     torch.manual_seed(0)
     lines = [f"# Profiler fidelity on CPU (torch {torch.__version__}, {torch.get_num_threads()} threads)", "",
              "| model | batch | layers | repeat diff median % | repeat diff max % | sum of layers s | "
-             "whole model s | sum/whole - 1 % | saved per-layer MB | saved whole MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "whole model s | sum/whole - 1 % | saved, plain sum MB | saved, shared once MB | saved whole MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for spec in args.models.split(","):
         name, batch, *rest = spec.split(":")
         m = build_model(name, int(batch), seq_len=int(rest[0]) if rest else None)
@@ -65,9 +66,11 @@ def main() -> int:
         per_layer = statistics.mean([t1.sum(), t2.sum()])
         _, saved_whole = saved_tensor_bytes(seq, x.detach().requires_grad_(x.is_floating_point()), name)
         saved_layers = sum(layer.saved_bytes for layer in runs[0].layers)
+        saved_once = saved_layers - sum(layer.shared_saved_bytes for layer in runs[0].layers)
         lines.append(f"| {name} | {batch}{'x' + rest[0] if rest else ''} | {len(m.layers)} | "
                      f"{np.median(diff):.1f} | {diff.max():.1f} | {per_layer:.4f} | {whole:.4f} | "
-                     f"{100 * (per_layer / whole - 1):+.1f} | {saved_layers / 1e6:.1f} | {saved_whole / 1e6:.1f} |")
+                     f"{100 * (per_layer / whole - 1):+.1f} | {saved_layers / 1e6:.1f} | {saved_once / 1e6:.1f} | "
+                     f"{saved_whole / 1e6:.1f} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)
