@@ -126,18 +126,23 @@ def main() -> None:
             print(f"| {model} | {cluster.name} | {objective} | " + " | ".join(cells) + " |", flush=True)
     print("\nreplication (a stage data-parallel over GPUs of one type, all-reduce priced on its links) "
           "against pure pipelines; model objective, sync, samples/s (the simulator does not price replicas)\n")
-    print("| model | cluster | opt, pure pipelines | opt + replication | ratio | replicated stages |")
-    print("|---|---|---|---|---|---|")
+    print("| model | cluster | virtual workers | opt, pure pipelines | opt + replication | ratio | replicated stages |")
+    print("|---|---|---|---|---|---|---|")
+    by_type = Cluster("hetpipe-by-type", tuple(Node(f"n{i}", (t,) * 4, 16.0) for i, t in
+                                               enumerate(("TITAN-V", "TITAN-RTX", "RTX-2060", "Quadro-P4000"))), 7.0)
     for model, profile, cluster in cases():
-        pure = plan_cluster(profile, cluster, "auto", "opt", micro_batches=args.micro_batches)
-        rep = plan_cluster(profile, cluster, "auto", "opt", micro_batches=args.micro_batches, replication=True)
-        fp, fr = figures(pure, profile, cluster), figures(rep, profile, cluster)
-        if fp is None or fr is None:
-            print(f"| {model} | {cluster.name} | {fp} | {fr} | n/a | n/a |")
-            continue
-        assert rep.plan is not None
-        n_rep = sum(1 for vw in rep.plan.virtual_workers for st in vw.stages if st.replicas)
-        print(f"| {model} | {cluster.name} | {fp[0]:.1f} | {fr[0]:.1f} | {fr[0] / fp[0]:.2f}x | {n_rep} |", flush=True)
+        for cl in ((cluster, by_type) if cluster.name == "hetpipe-4x4" else (cluster,)):
+            for k in (1, "auto"):
+                pure = plan_cluster(profile, cl, k, "opt", micro_batches=args.micro_batches)
+                rep = plan_cluster(profile, cl, k, "opt", micro_batches=args.micro_batches, replication=True)
+                fp, fr = figures(pure, profile, cl), figures(rep, profile, cl)
+                if fp is None or fr is None or rep.plan is None:
+                    print(f"| {model} | {cl.name} | {k} | {fp and f'{fp[0]:.1f}'} | {fr and f'{fr[0]:.1f}'} | n/a | n/a |")
+                    continue
+                n_rep = sum(1 for vw in rep.plan.virtual_workers for st in vw.stages if st.replicas)
+                workers = f"{k} ({len(rep.plan.virtual_workers)})" if k == "auto" else str(k)
+                print(f"| {model} | {cl.name} | {workers} | {fp[0]:.1f} | {fr[0]:.1f} | {fr[0] / fp[0]:.2f}x | {n_rep} |",
+                      flush=True)
     syn = synthetic_profile(150, seed=0, param_mb=8, act_mb=10)
     hetpipe = Cluster.load(ROOT / "examples" / "clusters" / "hetpipe.yaml")
     print(f"\nplanning time, 150 layers, HetPipe 16 GPUs (opt, K auto; median of {args.runs}): "

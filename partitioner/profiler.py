@@ -236,19 +236,21 @@ class _Timer:
 
 
 def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, warmup: int, repeats: int,
-                budget_s: float) -> tuple[float, float, int]:
+                budget_s: float, min_time_s: float = 0.0) -> tuple[float, float, int]:
     """Median forward and backward seconds of ``layer`` on input ``x``, and the runs used.
 
-    Runs ``warmup`` untimed then up to ``repeats`` timed forward+backward passes. A slow
-    layer spends at most about ``budget_s``: warm-up stops after one pass that took
-    longer than ``budget_s / 4``, and timing stops after 3 passes (or 1 pass that alone
-    took longer than ``budget_s``) once the timed passes add up to ``budget_s``.
+    Runs ``warmup`` untimed then ``repeats`` timed forward+backward passes, and more (up to
+    ``20 * repeats``) until the timed passes add up to ``min_time_s``, so that a layer of a
+    fraction of a millisecond gets enough samples for a stable median. A slow layer spends
+    at most about ``budget_s``: warm-up stops after one pass that took longer than
+    ``budget_s / 4``, and timing stops after 3 passes (or 1 pass that alone took longer
+    than ``budget_s``) once the timed passes add up to ``budget_s``.
     """
     fwd: list[float] = []
     bwd: list[float] = []
     grad_out: torch.Tensor | None = None
     done_warmup = 0
-    while len(fwd) < repeats:
+    while True:
         tf, y = timer.time(layer, x)
         y = _out_tensor(y, name)
         tb = 0.0
@@ -267,21 +269,25 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, war
         total = sum(fwd) + sum(bwd)
         if total > budget_s and (len(fwd) >= 3 or tf + tb > budget_s):
             break
+        if len(fwd) >= repeats and (total >= min_time_s or len(fwd) >= 20 * repeats):
+            break
     return statistics.median(fwd), statistics.median(bwd), len(fwd)
 
 
 def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Tensor,
                   device: torch.device | str = "cpu", *, model_name: str = "model", gpu_type: str | None = None,
-                  warmup: int = 2, repeats: int = 7, layer_budget_s: float = 2.0, progress: bool | None = None,
-                  seed: int = 0, threads: int | None = None, meta: dict[str, Any] | None = None) -> Profile:
+                  warmup: int = 2, repeats: int = 7, layer_budget_s: float = 2.0, min_layer_time_s: float = 0.05,
+                  progress: bool | None = None, seed: int = 0, threads: int | None = None,
+                  meta: dict[str, Any] | None = None) -> Profile:
     """Measure every layer of a chain on ``device`` and return a :class:`Profile`.
 
     The micro-batch size is ``sample_input.shape[0]``. Times are stored under
     ``gpu_type`` (default: the device label, e.g. ``cpu``) and marked measured, with
     ``measured_on`` naming the device that took them. Each layer runs ``warmup`` untimed
-    passes, then up to ``repeats`` timed ones, keeping the median; a slow layer stops
-    early after about ``layer_budget_s`` seconds (see ``_time_layer``; the fewest timed
-    runs any layer got is ``meta.repeats_min_used``). Running out of memory raises
+    passes, then ``repeats`` timed ones (more for a fast layer, until they add up to
+    ``min_layer_time_s``), keeping the median; a slow layer stops early after about
+    ``layer_budget_s`` seconds (see ``_time_layer``; the fewest and most timed runs any
+    layer got are ``meta.repeats_min_used`` and ``meta.repeats_max_used``). Running out of memory raises
     :class:`PartitionerError` naming the batch size.
     """
     chain = _as_layer_list(layers)
@@ -313,7 +319,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
             out_bytes = _nbytes(y)
             nxt = y.detach()  # the next layer's input
             del y
-            f_s, b_s, n = _time_layer(layer, xi, name, timer, warmup, repeats, layer_budget_s)
+            f_s, b_s, n = _time_layer(layer, xi, name, timer, warmup, repeats, layer_budget_s, min_layer_time_s)
             runs.append(n)
             out.append(LayerProfile(
                 name=name, flops=flops[name],
@@ -341,6 +347,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
         "warmup": warmup,
         "repeats_max": repeats,
         "repeats_min_used": min(runs),
+        "repeats_max_used": max(runs),
         "timing": "cuda events" if dev.type == "cuda" else "time.perf_counter",
         "flops": "fvcore FlopCountAnalysis.by_module, x2 (one multiply-add = 2 FLOPs), forward pass",
         "unsupported_ops": bad,
