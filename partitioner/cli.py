@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "partitioner.commands.plan",
     "partitioner.commands.profile",
     "partitioner.commands.simulate",
+    "partitioner.commands.train",
 )
 
 

@@ -1,0 +1,52 @@
+"""Exact synchronous data parallelism between virtual workers that may cut the chain differently.
+
+Layer ``l`` lives on one rank of every virtual worker (its holder set, see
+:meth:`runtime.layout.Layout.holder_sets`). Before each optimizer step, the gradients of the
+layers with the same holder set are flattened into one buffer, summed with one all-reduce over
+a process group of exactly those ranks, and divided by the number of virtual workers. Every
+rank visits the holder sets in the same (first-layer) order, so the collectives cannot wait on
+each other in a cycle. With one virtual worker nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .layout import Layout
+
+__all__ = ["GradientAverager"]
+
+
+class GradientAverager:
+    """Callable run before ``STEP``: average the rank's gradients over the virtual workers.
+
+    Must be constructed on every rank (it creates process groups, a collective call)."""
+
+    def __init__(self, layout: Layout, rank: int, layers: Mapping[int, nn.Module]):
+        self.workers = layout.workers
+        self.groups: list[tuple[Any, list[nn.Parameter]]] = []
+        if self.workers == 1:
+            return
+        for ranks, held in layout.holder_sets():
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                params = [p for layer in held for p in layers[layer].parameters()]
+                if params:
+                    self.groups.append((group, params))
+
+    def __call__(self) -> None:
+        for group, params in self.groups:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat /= self.workers
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).clone()
+                offset += n

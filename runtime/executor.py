@@ -1,0 +1,177 @@
+"""Execute one rank's action list from :func:`partitioner.schedule.build_schedule`.
+
+The rank runs its actions in order, exactly as listed (the simulator times the same list):
+
+``F(j, s)``
+    forward of micro-batch ``j`` through stage ``s``, keeping the autograd graph. Stage 0
+    reads the micro-batch from the data source; a later stage reads the activation its
+    ``RECV_ACT`` received (or, when the previous stage is on this rank, that stage's output).
+    The last stage computes the micro-batch's loss, divided by the micro-batch count.
+``B(j, s)``
+    backward of ``j`` through ``s``: from the loss on the last stage, otherwise with the
+    gradient its ``RECV_GRAD`` received. Parameter gradients accumulate over the iteration.
+``SEND_ACT`` / ``SEND_GRAD``
+    ``isend`` of the stage's output / input gradient to the peer (posted, not waited: the
+    schedules' matching rule needs sends that do not wait for the receiver).
+``RECV_ACT`` / ``RECV_GRAD``
+    ``irecv`` into a buffer of the known shape, waited at once. Activation shapes come from a
+    dry pass on the meta device; a gradient has the shape of the stage's own output.
+``STEP``
+    wait for this iteration's sends, average gradients over the virtual workers (the
+    ``sync`` callback), optimizer step, zero the gradients.
+
+Messages carry the tag of :func:`partitioner.schedule.match_key`; FIFO order per pair of
+ranks matches them as well (NCCL ignores tags).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner.schedule import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, STEP, Action, B, F
+
+__all__ = ["PipelineExecutor", "message_tag"]
+
+log = logging.getLogger(__name__)
+
+
+def message_tag(direction: str, micro_batch: int, sending_stage: int, num_stages: int) -> int:
+    """An integer form of ``match_key``: equal for a send and the receive that matches it."""
+    return (micro_batch * num_stages + sending_stage) * 2 + (1 if direction == "grad" else 0)
+
+
+class PipelineExecutor:
+    """Runs the action lists of one rank of one pipeline.
+
+    ``stages`` maps the global stage indices this rank holds to their modules; ``peers``
+    maps a pipeline rank to its ``torch.distributed`` rank; ``input_shapes[s]`` is the
+    shape and dtype of stage ``s``'s input; ``data(j)`` gives micro-batch ``j``'s input on
+    the device; ``loss_fn`` turns the last stage's output into a scalar loss.
+    """
+
+    def __init__(self, stages: Mapping[int, nn.Module], num_stages: int, peers: Sequence[int],
+                 input_shapes: Mapping[int, tuple[torch.Size, torch.dtype]], micro_batches: int,
+                 data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                 optimizer: torch.optim.Optimizer | None, device: torch.device,
+                 sync: Callable[[], None] | None = None):
+        self.stages = dict(stages)
+        self.num_stages = num_stages
+        self.peers = list(peers)
+        self.input_shapes = dict(input_shapes)
+        self.m = micro_batches
+        self.data = data
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.device = device
+        self.sync = sync
+        self.losses: list[float] = []  # last stage: the iteration's loss (sum of the scaled losses)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._out_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self._in_grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._loss_sum = 0.0
+
+    # -- communication -------------------------------------------------------------------
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        buf = tensor.detach().contiguous()
+        self._pending.append((dist.isend(buf, self.peers[peer], tag=tag), buf))
+
+    def _recv(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buf, self.peers[peer], tag=tag)
+        if work is not None:
+            work.wait()
+        return buf
+
+    def wait_sends(self) -> None:
+        for work, _ in self._pending:
+            if work is not None:
+                work.wait()
+        self._pending.clear()
+
+    # -- actions -------------------------------------------------------------------------
+
+    def _forward(self, j: int, s: int) -> None:
+        key = (j, s)
+        if key in self._inputs:
+            x = self._inputs[key]
+        elif s == 0:
+            x = self.data(j)
+        else:  # previous stage on this rank (one device holding consecutive chunks)
+            x = self._outputs[(j, s - 1)].detach().requires_grad_(True)
+            self._inputs[key] = x
+        y = self.stages[s](x)
+        if s == self.num_stages - 1:
+            loss = self.loss_fn(y) / self.m
+            self._loss_sum += float(loss.detach())
+            self._outputs[key] = loss
+        else:
+            self._outputs[key] = y
+
+    def _backward(self, j: int, s: int) -> None:
+        key = (j, s)
+        out = self._outputs.pop(key)
+        if s == self.num_stages - 1:
+            out.backward()
+        else:
+            grad = self._out_grads.pop(key, None)
+            if grad is None:  # next stage on this rank
+                grad = self._in_grads.pop((j, s + 1))
+                if grad is None:
+                    grad = torch.zeros_like(out)
+            torch.autograd.backward(out, grad)
+        x = self._inputs.pop(key, None)
+        if s > 0:
+            self._in_grads[key] = (x.grad if x is not None and x.grad is not None
+                                   else None)
+
+    def run(self, actions: Sequence[Action]) -> None:
+        """Execute ``actions`` (one rank's list) in order."""
+        S = self.num_stages
+        for a in actions:
+            k, j, s = a.kind, a.micro_batch, a.stage
+            if k == F:
+                self._forward(j, s)
+            elif k == B:
+                self._backward(j, s)
+            elif k == SEND_ACT:
+                self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
+            elif k == RECV_ACT:
+                shape, dtype = self.input_shapes[s]
+                self._inputs[(j, s)] = self._recv(shape, dtype, a.peer,
+                                                  message_tag("act", j, s - 1, S)).requires_grad_(True)
+            elif k == SEND_GRAD:
+                g = self._in_grads.pop((j, s))
+                if g is None:
+                    shape, dtype = self.input_shapes[s]
+                    g = torch.zeros(shape, dtype=dtype, device=self.device)
+                self._send(g, a.peer, message_tag("grad", j, s, S))
+            elif k == RECV_GRAD:
+                out = self._outputs[(j, s)]
+                self._out_grads[(j, s)] = self._recv(out.shape, out.dtype, a.peer, message_tag("grad", j, s + 1, S))
+            elif k == STEP:
+                self.step()
+            else:
+                raise ValueError(f"action {k} is not executed by this runtime")
+
+    def step(self) -> None:
+        self.wait_sends()
+        if self.sync is not None:
+            self.sync()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if any(s == self.num_stages - 1 for s in self.stages):
+            self.losses.append(self._loss_sum)
+        self._reset()

@@ -1,0 +1,115 @@
+"""Which process runs what: a plan's devices as ``torch.distributed`` ranks.
+
+Rank order: virtual worker 0's devices first, in the order its pipeline first uses them
+(stage 0's device, stage 1's, ...), then virtual worker 1's, and so on -- the order of
+``Plan.devices``. Inside a virtual worker of ``p`` devices, the device of stage ``s`` is
+pipeline rank ``s % p`` (chunk ``s // p`` for interleaved / bfs), as in
+``partitioner.schedule``.
+
+Data parallelism: layer ``l`` is held by one rank per virtual worker; those ranks form the
+layer's *holder set*. Layers with the same holder set are averaged together, in one
+all-reduce over a process group of exactly those ranks (:func:`holder_sets`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partitioner.errors import FormatError, PartitionerError
+from partitioner.plan import Plan
+
+__all__ = ["SUPPORTED_SCHEDULES", "Layout", "RankInfo", "plan_layout"]
+
+# Flushing schedules: every iteration ends with all gradients in, so synchronous data
+# parallelism is exact. 2bw and wsp keep micro-batches in flight across the weight update.
+SUPPORTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One process: its device, virtual worker, pipeline rank and stages (global indices)."""
+
+    rank: int
+    device: str
+    worker: int
+    pipe_rank: int
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The plan mapped onto ranks ``0 .. world_size - 1``."""
+
+    plan: Plan
+    ranks: tuple[RankInfo, ...]
+    pipelines: tuple[tuple[int, ...], ...]  # worker -> pipeline rank -> global rank
+    stage_layers: tuple[tuple[tuple[int, int], ...], ...]  # worker -> stage -> (start, stop)
+    num_layers: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def workers(self) -> int:
+        return len(self.pipelines)
+
+    def global_rank(self, worker: int, pipe_rank: int) -> int:
+        return self.pipelines[worker][pipe_rank]
+
+    def holder_sets(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``(ranks, layers)`` for every distinct set of ranks that hold the same layers, in the
+        order of their first layer (every rank walks this list in the same order)."""
+        holders: dict[tuple[int, ...], list[int]] = {}
+        for layer in range(self.num_layers):
+            key = []
+            for w, stages in enumerate(self.stage_layers):
+                s = next(k for k, (a, b) in enumerate(stages) if a <= layer < b)
+                key.append(self.global_rank(w, s % len(self.pipelines[w])))
+            holders.setdefault(tuple(sorted(key)), []).append(layer)
+        return [(ranks, tuple(layers)) for ranks, layers in holders.items()]
+
+
+def plan_layout(plan: Plan, num_layers: int) -> Layout:
+    """Map ``plan`` onto ranks, refusing what the runtime does not execute (one line each)."""
+    if plan.schedule not in SUPPORTED_SCHEDULES:
+        raise PartitionerError(
+            f"schedule '{plan.schedule}' is not executed by the runtime: it runs {', '.join(SUPPORTED_SCHEDULES)} "
+            f"with synchronous data parallelism between virtual workers (2bw weight stashing and WSP "
+            f"parameter servers are not implemented); re-plan with one of those")
+    if plan.staleness != 0:
+        raise PartitionerError(
+            f"staleness = {plan.staleness}: the runtime keeps virtual workers exactly synchronous "
+            f"(staleness 0, gradients all-reduced every iteration); WSP with staleness > 0 is not implemented")
+    ranks: list[RankInfo] = []
+    pipelines: list[tuple[int, ...]] = []
+    stage_layers: list[tuple[tuple[int, int], ...]] = []
+    v = plan.chunks
+    for w, vw in enumerate(plan.virtual_workers):
+        where = f"virtual_workers[{w}]"
+        expect = 0
+        for k, st in enumerate(vw.stages):
+            if st.replicas:
+                raise PartitionerError(f"{where}.stages[{k}] has replicas {list(st.replicas)}: the runtime does not "
+                                       f"replicate stages; express data parallelism as virtual workers")
+            if st.start != expect:
+                raise FormatError(f"{where}.stages[{k}].layers", list(st.layers), f"must start at layer {expect}")
+            expect = st.stop
+        if expect != num_layers:
+            raise FormatError(f"{where}.stages", f"ends at layer {expect}", f"the model has {num_layers} layers")
+        n = len(vw.stages)
+        if n % v != 0:
+            raise FormatError(f"{where}.stages", n, f"with chunks={v} the stage count must be a multiple of {v}")
+        p = n // v
+        devs = [vw.stages[d].device for d in range(p)]
+        if len(set(devs)) != p or any(st.device != devs[s % p] for s, st in enumerate(vw.stages)):
+            raise FormatError(f"{where}.stages", [s.device for s in vw.stages],
+                              f"stage c*p + d must run on the device of stage d ({p} distinct devices, chunks={v})")
+        base = len(ranks)
+        for d in range(p):
+            if any(r.device == devs[d] for r in ranks):
+                raise FormatError(f"{where}.stages[{d}].device", devs[d], "already used by another virtual worker")
+            ranks.append(RankInfo(base + d, devs[d], w, d, tuple(range(d, n, p))))
+        pipelines.append(tuple(range(base, base + p)))
+        stage_layers.append(tuple(st.layers for st in vw.stages))
+    return Layout(plan, tuple(ranks), tuple(pipelines), tuple(stage_layers), num_layers)

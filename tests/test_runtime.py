@@ -1,0 +1,187 @@
+"""The training runtime: numerics against one process, every accepted schedule runs, bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from partitioner import cli
+from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner.profile import LayerProfile, LayerTime, Profile
+from runtime.data import SyntheticData
+from runtime.launch import TrainConfig, check_world_size, train_local
+from runtime.layout import plan_layout
+from runtime.stage import build_stage, zoo_chain
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_CLUSTER = ROOT / "examples" / "clusters" / "cpu4.yaml"
+
+
+def worker(cuts: list[int], devices: list[str]) -> VirtualWorker:
+    """A virtual worker whose stage k holds layers [cuts[k], cuts[k + 1]) on devices[k % len]."""
+    return VirtualWorker(tuple(Stage((a, b), devices[k % len(devices)])
+                               for k, (a, b) in enumerate(itertools.pairwise(cuts))))
+
+
+def reference_weights(plan: Plan, steps: int, lr: float, seed: int) -> dict[str, torch.Tensor]:
+    """Single-process SGD on the whole model and the same global batches."""
+    chain = zoo_chain(plan.model, plan.micro_batch_size)
+    model = build_stage(chain, 0, chain.num_layers, seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    data = SyntheticData(chain.make_input, plan.micro_batch_size, plan.micro_batches, len(plan.virtual_workers), seed)
+    for step in range(steps):
+        opt.zero_grad()
+        model(data.global_batch(step)).float().mean().backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def trained_weights(plan: Plan, tmp_path: Path, steps: int, lr: float, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Train with the runtime; returns each virtual worker's full set of weights."""
+    cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=60,
+                      state_dir=str(tmp_path))
+    metrics = train_local(plan, cfg, start_method="fork")
+    assert len(metrics["step_s"]) == steps
+    layout = plan_layout(plan, zoo_chain(plan.model).num_layers)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in plan.virtual_workers]
+    for r in layout.ranks:
+        for state in torch.load(tmp_path / f"rank{r.rank}.pt").values():
+            out[r.worker].update(state)
+    return out
+
+
+def assert_same(plan: Plan, tmp_path: Path, steps: int = 3, lr: float = 0.05, seed: int = 1) -> None:
+    ref = reference_weights(plan, steps, lr, seed)
+    init = build_stage(zoo_chain(plan.model), 0, len(zoo_chain(plan.model).layers), seed=seed).state_dict()
+    for got in trained_weights(plan, tmp_path, steps, lr, seed):
+        assert set(got) == set(ref)
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=f"{plan.schedule}: {k}")
+    # training moved the weights (the comparison is not between two untouched copies)
+    assert any(not torch.equal(init[k], ref[k]) for k in ref)
+
+
+# -- (a) numerics -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_two_stages_two_heterogeneous_workers_match_one_process(schedule: str, tmp_path: Path) -> None:
+    # the two virtual workers cut the 4 layers differently: gradients are averaged per layer
+    plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]), worker([0, 1, 4], ["n0:2", "n0:3"])),
+                schedule=schedule, micro_batch_size=2, micro_batches=3)
+    assert_same(plan, tmp_path)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_three_stages_one_worker_match_one_process(m: int, tmp_path: Path) -> None:
+    plan = Plan("gpt2-tiny", (worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"]),), schedule="1f1b",
+                micro_batch_size=2, micro_batches=m)
+    assert_same(plan, tmp_path)
+
+
+# -- (b) every accepted schedule completes (and still computes the same weights) ---------------
+
+
+def _random_plan(rng: random.Random, schedule: str) -> Plan:
+    n_layers = 22  # vgg19-tiny
+    v = rng.choice([1, 2]) if schedule in ("interleaved", "bfs") else 1
+    p = rng.choice([1, 2, 3])
+    m = rng.randint(1, 5)
+    if schedule == "interleaved":
+        m = p * rng.randint(1, 2)
+    cuts = [0, *sorted(rng.sample(range(1, n_layers), p * v - 1)), n_layers]
+    return Plan("vgg19-tiny", (worker(cuts, [f"n0:{d}" for d in range(p)]),), schedule=schedule,
+                micro_batch_size=2, micro_batches=m, chunks=v)
+
+
+@pytest.mark.parametrize("draw", [0, 1])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "bfs"])
+def test_accepted_schedules_complete_for_random_p_m(schedule: str, draw: int, tmp_path: Path) -> None:
+    rng = random.Random(f"runtime-{schedule}-{draw}")
+    plan = _random_plan(rng, schedule)
+    assert_same(plan, tmp_path, steps=2)
+
+
+# -- (c) bad input: one clear line -------------------------------------------------------------
+
+
+def _cpu_profile(model: str, n: int) -> Profile:
+    layers = tuple(LayerProfile(f"l{i}", 1.0, 4.0, 4.0, 4.0, {"cpu": LayerTime(1e-3, 2e-3)}) for i in range(n))
+    return Profile(model, 2, layers)
+
+
+def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_plan_for_another_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), micro_batch_size=2)
+    rc = cli.main(["train", *_paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4)), "--model", "bert-tiny", "--local"])
+    assert rc == 2
+    assert "the plan is for model 'gpt2-tiny', not 'bert-tiny'" in _one_line(capsys)
+
+
+def test_profile_with_other_layer_count_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = Plan("gpt2-tiny", (worker([0, 2, 5], ["n0:0", "n0:1"]),), micro_batch_size=2)
+    rc = cli.main(["train", *_paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 5)), "--model", "gpt2-tiny", "--local"])
+    assert rc == 2
+    assert "has 4 layers but the profile has 5" in _one_line(capsys)
+
+
+def test_more_processes_needed_than_given(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = Plan("gpt2-tiny", (worker([0, 1, 2, 4], ["n0:0", "n0:1", "n0:2"]),), micro_batch_size=2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rc = cli.main(["train", *_paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4)), "--model", "gpt2-tiny"])
+    assert rc == 2
+    assert "runs on 3 devices (n0:0, n0:1, n0:2), one process each, but WORLD_SIZE = 2" in _one_line(capsys)
+    with pytest.raises(Exception, match="WORLD_SIZE = 4"):
+        check_world_size(plan_layout(plan, 4), 4)
+
+
+@pytest.mark.parametrize(("schedule", "staleness", "expect"), [
+    ("2bw", 0, "schedule '2bw' is not executed by the runtime: it runs gpipe, 1f1b, interleaved, bfs"),
+    ("wsp", 2, "schedule 'wsp' is not executed by the runtime"),
+    ("1f1b", 1, "staleness = 1: the runtime keeps virtual workers exactly synchronous"),
+])
+def test_unsupported_schedule_or_staleness(schedule: str, staleness: int, expect: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), schedule=schedule, micro_batch_size=2,
+                micro_batches=2, staleness=staleness)
+    rc = cli.main(["train", *_paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4)), "--model", "gpt2-tiny", "--local"])
+    assert rc == 2
+    assert expect in _one_line(capsys)
+
+
+def test_cli_trains_and_writes_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.launch as launch
+
+    real = launch.train_local
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
+    plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), micro_batch_size=2, micro_batches=2)
+    out = tmp_path / "metrics.json"
+    rc = cli.main(["train", *_paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4)), "--model", "gpt2-tiny", "--local",
+                   "--steps", "3", "--warmup", "1", "--threads", "1", "-o", str(out)])
+    assert rc == 0
+    m = json.loads(out.read_text())
+    assert m["world_size"] == 2 and len(m["step_s"]) == 3 and len(m["loss"]) == 3
+    # the profile says 1 ms fwd + 2 ms bwd per layer; the simulator's figure is carried through
+    assert m["predicted_iteration_s"] == pytest.approx(0.018, rel=0.01)
+    assert m["measured_iteration_s"] > 0
+    assert [r["device"] for r in m["ranks"]] == ["n0:0", "n0:1"]
+
+
+def _paths(tmp_path: Path, plan: Plan, profile: Profile) -> list[str]:
+    plan.save(tmp_path / "plan.json")
+    profile.save(tmp_path / "profile.json")
+    return [str(tmp_path / "plan.json"), "--profile", str(tmp_path / "profile.json"), "--cluster", str(CPU_CLUSTER)]
+
