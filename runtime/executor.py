@@ -27,6 +27,7 @@ ranks matches them as well (NCCL ignores tags).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -71,6 +72,9 @@ class PipelineExecutor:
         self.device = device
         self.sync = sync
         self.losses: list[float] = []  # last stage: the iteration's loss (sum of the scaled losses)
+        # seconds spent per kind of work, summed over every run: compute (F, B), waiting in
+        # receives, and the step (send completion, gradient averaging, optimizer)
+        self.seconds = {"compute": 0.0, "recv": 0.0, "step": 0.0}
         self._reset()
 
     def _reset(self) -> None:
@@ -139,18 +143,23 @@ class PipelineExecutor:
     def run(self, actions: Sequence[Action]) -> None:
         """Execute ``actions`` (one rank's list) in order."""
         S = self.num_stages
+        clock, seconds = time.perf_counter, self.seconds
         for a in actions:
             k, j, s = a.kind, a.micro_batch, a.stage
+            t0 = clock()
             if k == F:
                 self._forward(j, s)
+                seconds["compute"] += clock() - t0
             elif k == B:
                 self._backward(j, s)
+                seconds["compute"] += clock() - t0
             elif k == SEND_ACT:
                 self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
             elif k == RECV_ACT:
                 shape, dtype = self.input_shapes[s]
                 self._inputs[(j, s)] = self._recv(shape, dtype, a.peer,
                                                   message_tag("act", j, s - 1, S)).requires_grad_(True)
+                seconds["recv"] += clock() - t0
             elif k == SEND_GRAD:
                 g = self._in_grads.pop((j, s))
                 if g is None:
@@ -160,8 +169,10 @@ class PipelineExecutor:
             elif k == RECV_GRAD:
                 out = self._outputs[(j, s)]
                 self._out_grads[(j, s)] = self._recv(out.shape, out.dtype, a.peer, message_tag("grad", j, s + 1, S))
+                seconds["recv"] += clock() - t0
             elif k == STEP:
                 self.step()
+                seconds["step"] += clock() - t0
             else:
                 raise ValueError(f"action {k} is not executed by this runtime")
 

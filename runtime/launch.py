@@ -115,6 +115,8 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
     actions = build_schedule(plan.schedule, p, plan.micro_batches, plan.chunks)[me.pipe_rank]
     step_s: list[float] = []
     for step in range(config.steps):
+        if step == config.warmup:
+            executor.seconds = dict.fromkeys(executor.seconds, 0.0)
         current["batch"] = data.global_batch(step)
         dist.barrier()
         t0 = time.perf_counter()
@@ -123,12 +125,14 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
             torch.cuda.synchronize(device)
         dist.barrier()
         step_s.append(time.perf_counter() - t0)
+    timed_steps = config.steps - config.warmup if config.steps > config.warmup else config.steps
     if config.state_dir:
         torch.save({s: {k: v.cpu() for k, v in m.state_dict().items()} for s, m in modules.items()},
                    os.path.join(config.state_dir, f"rank{rank}.pt"))
     return {"rank": rank, "device": me.device, "worker": me.worker, "pipe_rank": me.pipe_rank,
             "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
-            "step_s": step_s, "losses": executor.losses, "threads": torch.get_num_threads()}
+            "step_s": step_s, "losses": executor.losses, "threads": torch.get_num_threads(),
+            "seconds_per_step": {k: v / timed_steps for k, v in executor.seconds.items()}}
 
 
 def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], backend: str) -> dict[str, Any]:
@@ -146,7 +150,8 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "measured_iteration_s": iteration,
         "samples_per_s": workers * plan.micro_batches * plan.micro_batch_size / iteration,
         "step_s": steps, "loss": mean_loss,
-        "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads")}
+        "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads",
+                                          "seconds_per_step")}
                   for r in per_rank],
     }
 
