@@ -6,7 +6,7 @@ each training process uses), the cluster is one node of 'cpu' devices
 trained with ``runtime.launch.train_local`` (one process per device, gloo, one thread each).
 Stage cuts balance the profiled compute (exhaustive over cut points).
 
-    python bench/runtime_fidelity.py [--model vgg19-tiny] [--batch 32] [--steps 10]
+    python bench/runtime_fidelity.py [--model vgg19-tiny] [--batch 32] [--steps 10] [--rounds 3]
                                      [--out bench/results/runtime_fidelity.md]
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -69,62 +70,91 @@ def make_plan(model: str, batch: int, cost: CostModel, schedule: str, stages: in
     return Plan(model, tuple(vws), schedule=schedule, micro_batch_size=batch, micro_batches=m)
 
 
+def keep_freed_memory() -> bool:
+    """Tell glibc to keep freed memory instead of returning large blocks to the system (as the
+    profiler bench does with MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_): otherwise every new
+    large tensor pays fresh page faults, more so in a pipeline stage than in the profiler's
+    re-runs of one layer. Forked training processes inherit the setting."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 32 * 2**20)) and bool(libc.mallopt(m_trim_threshold, 2**32 - 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="vgg19-tiny")
     ap.add_argument("--batch", type=int, default=32, help="micro-batch size")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="repeat profile + runs (default 3)")
     ap.add_argument("--profile", help="reuse this profile instead of measuring one")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "runtime_fidelity.md"))
+    ap.add_argument("--no-mallopt", action="store_true", help="leave glibc's malloc thresholds alone")
     args = ap.parse_args(argv)
+    kept = False if args.no_mallopt else keep_freed_memory()
 
     torch.set_num_threads(1)
-    if args.profile:
-        profile = Profile.load(args.profile)
-    else:
-        zoo = build_model(args.model, args.batch)
-        profile = profile_model(zoo.layers, zoo.sample_input(), "cpu", model_name=args.model, threads=1)
     cluster = Cluster.load(CLUSTER)
-    cost = CostModel(profile, cluster)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load_before = os.getloadavg()[0]
+    results: dict[str, list[tuple[float, float, float]]] = {c[0]: [] for c in CASES}
+    for rnd in range(args.rounds):
+        # a fresh profile each round: the shared cores make any one measurement drift
+        if args.profile:
+            profile = Profile.load(args.profile)
+        else:
+            zoo = build_model(args.model, args.batch)
+            profile = profile_model(zoo.layers, zoo.sample_input(), "cpu", model_name=args.model, threads=1)
+        cost = CostModel(profile, cluster)
+        for label, schedule, stages, workers, m in CASES:
+            plan = make_plan(args.model, args.batch, cost, schedule, stages, workers, m)
+            predicted = simulate_plan(plan, profile, cluster).iteration_s
+            metrics = train_local(plan, TrainConfig(args.model, steps=args.steps, warmup=args.warmup, threads=1),
+                                  start_method="fork")
+            measured = metrics["measured_iteration_s"]
+            # per rank: measured F+B seconds per step against the profile's sum for its layers
+            comp = []
+            for r in metrics["ranks"]:
+                (a, b), = r["layers"]
+                comp.append(r["seconds_per_step"]["compute"] / (m * cost.compute_s("cpu", a, b)) - 1.0)
+            results[label].append((predicted, measured, max(comp, key=abs)))
+            print(f"round {rnd} {label:24s} predicted {predicted * 1e3:8.2f} ms  measured "
+                  f"{measured * 1e3:8.2f} ms  ({(measured / predicted - 1) * 100:+.1f}%)  F+B vs profile "
+                  f"{' '.join(f'{c * 100:+.0f}%' for c in comp)}", flush=True)
     rows = []
-    for label, schedule, stages, workers, m in CASES:
-        plan = make_plan(args.model, args.batch, cost, schedule, stages, workers, m)
-        predicted = simulate_plan(plan, profile, cluster).iteration_s
-        metrics = train_local(plan, TrainConfig(args.model, steps=args.steps, warmup=args.warmup, threads=1),
-                              start_method="fork")
-        measured = metrics["measured_iteration_s"]
+    for label, _, stages, workers, m in CASES:
+        runs = results[label]
+        errs = sorted(meas / pred - 1.0 for pred, meas, _ in runs)
         procs = stages * workers
-        # per rank: measured F+B seconds per step against the profile's sum for its layers
-        comp = []
-        for r in metrics["ranks"]:
-            (a, b), = r["layers"]
-            comp.append(r["seconds_per_step"]["compute"] / (m * cost.compute_s("cpu", a, b)) - 1.0)
-        worst = max(comp, key=abs)
-        rows.append((label, procs, m, predicted, measured, measured / predicted - 1.0, worst,
+        rows.append((label, procs, m, statistics.median(p for p, _, _ in runs),
+                     statistics.median(x for _, x, _ in runs), statistics.median(errs), errs[0], errs[-1],
+                     statistics.median(c for _, _, c in runs),
                      "more processes than cores" if procs > (cores or 1) else ""))
-        print(f"{label:24s} procs={procs} m={m} predicted {predicted * 1e3:8.2f} ms  measured "
-              f"{measured * 1e3:8.2f} ms  ({(measured / predicted - 1) * 100:+.1f}%)  compute vs profile "
-              f"{' '.join(f'{c * 100:+.0f}%' for c in comp)}", flush=True)
     lines = [
         f"# Runtime fidelity: {args.model}, micro-batch {args.batch}, CPU (torch {torch.__version__})",
         "",
         f"Machine: {machine_line()}; {cores} cores available to this process. One torch thread per "
-        f"process; gloo over loopback; {args.steps} steps, median of the last {args.steps - args.warmup}. "
+        f"process; gloo over loopback; {args.steps} steps, median of the last {args.steps - args.warmup}; "
+        f"{args.rounds} rounds (each: profile, then every plan), medians over rounds. "
         f"1-minute load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} (the cores are "
         f"shared with other work, which is invisible to this process).",
+        f"glibc keeps freed memory (mallopt, see keep_freed_memory): {kept}.",
         "Predicted: `simulate_plan` with the profile measured on this CPU (one thread) and "
         "examples/clusters/cpu4.yaml.",
         "",
         "| plan | processes | micro-batches | predicted ms | measured ms | measured/predicted - 1 "
-        "| F+B time vs profile (worst rank) | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| range over rounds | F+B time vs profile (worst rank) | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for label, procs, m, pred, meas, err, comp_err, note in rows:
+    for label, procs, m, pred, meas, err, lo, hi, comp_err, note in rows:
         lines.append(f"| {label} | {procs} | {m} | {pred * 1e3:.2f} | {meas * 1e3:.2f} | {err * 100:+.1f}% "
-                     f"| {comp_err * 100:+.1f}% | {note} |")
+                     f"| {lo * 100:+.1f}% .. {hi * 100:+.1f}% | {comp_err * 100:+.1f}% | {note} |")
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -185,3 +185,24 @@ def _paths(tmp_path: Path, plan: Plan, profile: Profile) -> list[str]:
     profile.save(tmp_path / "profile.json")
     return [str(tmp_path / "plan.json"), "--profile", str(tmp_path / "profile.json"), "--cluster", str(CPU_CLUSTER)]
 
+
+
+# -- rank layout --------------------------------------------------------------------------------
+
+
+def test_layout_ranks_and_holder_sets() -> None:
+    # worker 0: 2 devices x 2 chunks (interleaved); worker 1: 3 stages cut elsewhere
+    plan = Plan("m", (worker([0, 2, 3, 5, 6], ["a:0", "a:1"]), worker([0, 1, 4, 6], ["b:0", "b:1", "b:2"])),
+                schedule="interleaved", micro_batches=6, chunks=1)
+    with pytest.raises(Exception, match="chunks=1"):
+        plan_layout(plan, 6)  # 4 stages on 2 devices need chunks=2
+    plan = Plan("m", plan.virtual_workers[:1], schedule="interleaved", micro_batches=2, chunks=2)
+    lay = plan_layout(plan, 6)
+    assert [(r.device, r.pipe_rank, r.stages) for r in lay.ranks] == [("a:0", 0, (0, 2)), ("a:1", 1, (1, 3))]
+    two = Plan("m", (worker([0, 2, 3, 6], ["a:0", "a:1", "a:2"]), worker([0, 1, 4, 6], ["b:0", "b:1", "b:2"])))
+    lay = plan_layout(two, 6)
+    assert [r.device for r in lay.ranks] == list(two.devices)
+    sets = lay.holder_sets()
+    # every layer is in exactly one set, each set has one rank per virtual worker
+    assert sorted(layer for _, layers in sets for layer in layers) == list(range(6))
+    assert sets == [((0, 3), (0,)), ((0, 4), (1,)), ((1, 4), (2,)), ((2, 4), (3,)), ((2, 5), (4, 5))]
