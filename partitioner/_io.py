@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from .errors import FormatError
 
 __all__ = [
+    "atomic_write_bytes",
     "atomic_write_text",
     "load_mapping",
     "opt_field",
@@ -25,25 +26,24 @@ __all__ = [
 T = TypeVar("T")
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the whole new one.
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
     The data goes to a temporary file in the same directory, is flushed to disk, and is
-    renamed over the target: an interrupted run never leaves a truncated file.
+    renamed over the target: an interrupted run never leaves a truncated file. The file gets
+    the mode a plain ``open()`` would give it, or keeps the mode of the file it replaces.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        # mkstemp makes the file private (0600): give it the mode a plain open() would have,
-        # or keep the mode of the file it replaces.
-        try:
+        try:  # mkstemp makes the file private (0600)
             mode = target.stat().st_mode & 0o7777
         except FileNotFoundError:
             mode = 0o666 & ~_umask()
         os.chmod(tmp, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)
@@ -51,6 +51,11 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _umask() -> int:

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._io import write_json
+from ._io import atomic_write_bytes, write_json
 from .schedule import ACTION_KINDS
-from .simulate import Timeline
+from .timeline import Timeline
 
 __all__ = ["chrome_trace", "render_png", "summary_text", "write_trace"]
 
@@ -114,22 +112,7 @@ def render_png(tl: Timeline, path: str | os.PathLike[str], width_in: float = 14.
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
-    _atomic_write_bytes(path, buf.getvalue())
-
-
-def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def summary_text(tl: Timeline) -> str:

@@ -171,12 +171,16 @@ def _candidate_ks(n: int, nodes: int) -> list[int]:
 def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str = "auto", policy: str = "opt",
                  *, objective: str = "sync", replication: bool = False, schedule: str = "1f1b",
                  micro_batches: int = 8, options: CostOptions | None = None, exact_limit: int = 720,
-                 time_limit_s: float = 50.0, devices: Sequence[str] | None = None) -> SolveResult:
+                 time_limit_s: float = 50.0, devices: Sequence[str] | None = None,
+                 simulate_top: int = 0) -> SolveResult:
     """Group, map and split ``profile`` over ``cluster`` (see the module docstring).
 
     ``virtual_workers``: K, or ``"auto"`` (np: one per node; ed/hd: the largest K the policy
     allows; opt: the best K). ``objective``: ``wsp`` (sum of worker throughputs) or ``sync``
     (K times the slowest). Infeasible problems are returned as ``SolveStatus.INFEASIBLE``.
+    ``simulate_top = N > 0`` (policy ``opt``): the N best groupings by the closed form, across
+    every K tried, are built into plans and the one with the most simulated samples/s wins
+    (:func:`solvers.ranking.rank_plans`); the ranking is in ``details["ranking"]``.
     """
     t0 = time.perf_counter()
     if policy not in POLICIES:
@@ -205,6 +209,7 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
 
     exact = True
     best: tuple[float, list[list[Device]]] | None = None
+    details_extra: dict[str, Any] = {}
     if policy == "opt":
         ks = _candidate_ks(n, nodes) if virtual_workers == "auto" else [int(virtual_workers)]
         budget = time_limit_s / max(1, len(ks))
@@ -221,14 +226,21 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
             if g is not None and val > -math.inf:
                 finalists.append(g)
         seen: set[Any] = set()
+        scored: list[tuple[float, list[list[Device]]]] = []
         for g in finalists:
             sig = tuple(sorted(tuple(sorted(d.name for d in w)) for w in g))
             if sig in seen:
                 continue
             seen.add(sig)
             val = combine([planner.throughput(w) for w in g], objective)
-            if val > -math.inf and (best is None or val > best[0]):
-                best = (val, g)
+            if val > -math.inf:
+                scored.append((val, g))
+                if best is None or val > best[0]:
+                    best = (val, g)
+        if simulate_top > 0 and len(scored) > 1:
+            best, ranking = _best_simulated(sorted(scored, key=lambda x: -x[0])[:simulate_top], planner,
+                                            profile, cluster, schedule, micro_batches, options)
+            details_extra["ranking"] = ranking
     else:
         if virtual_workers == "auto":
             ks = [nodes] if policy == "np" else sorted(range(1, n + 1), reverse=True)
@@ -261,13 +273,9 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
                   "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, schedule, micro_batches))
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=elapsed, method=f"hetero:{policy}", reason=reason)
     val, g = best
-    workers = []
-    for w in g:
-        r = planner.stages(w)
-        assert r.stages is not None
-        exact = exact and r.exact
-        workers.append(VirtualWorker(r.stages))
-    plan = Plan(profile.model, tuple(workers), schedule, profile.micro_batch_size, micro_batches)
+    plan, mapped_exactly = _plan_of(g, planner, profile, schedule, micro_batches)
+    exact = exact and mapped_exactly
+    workers = plan.virtual_workers
     predicted = price_plan(cost, plan, objective)
     bound = throughput_upper_bound(cost, devs)
     # Exact search proves optimality only where throughput is a function of the bottleneck alone.
@@ -276,7 +284,8 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / bound,
                          time.perf_counter() - t0, f"hetero:{policy}",
                          details={"virtual_workers": len(g), "objective": objective,
-                                  "worker_evaluations": planner.evaluations, "exact_search": exact})
+                                  "worker_evaluations": planner.evaluations, "exact_search": exact,
+                                  **details_extra})
     meta = {"policy": policy, "objective": objective, "replication": replication,
             "worker_samples_per_s": [worker_throughput(cost, vw.stages, schedule, micro_batches)
                                      for vw in workers]}
@@ -284,6 +293,31 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
                             extra_meta=meta)
     plan.validate(profile, cluster, options)
     return replace(result, plan=plan)
+
+
+def _plan_of(g: list[list[Device]], planner: WorkerPlanner, profile: Profile, schedule: str,
+             micro_batches: int) -> tuple[Plan, bool]:
+    """The plan of a grouping, every worker mapped and split by ``planner``, and whether every
+    mapping was exact."""
+    workers, exact = [], True
+    for w in g:
+        r = planner.stages(w)
+        assert r.stages is not None
+        exact = exact and r.exact
+        workers.append(VirtualWorker(r.stages))
+    return Plan(profile.model, tuple(workers), schedule, profile.micro_batch_size, micro_batches), exact
+
+
+def _best_simulated(top: list[tuple[float, list[list[Device]]]], planner: WorkerPlanner, profile: Profile,
+                    cluster: Cluster, schedule: str, micro_batches: int, options: CostOptions | None
+                    ) -> tuple[tuple[float, list[list[Device]]], list[dict[str, Any]]]:
+    """Of the closed form's best groupings, the one the simulator runs fastest (and the ranking)."""
+    from .ranking import rank_plans
+
+    plans = [_plan_of(g, planner, profile, schedule, micro_batches)[0] for _, g in top]
+    ranked = rank_plans(plans, profile, cluster, options)
+    winner = [p.virtual_workers for p in plans].index(ranked[0].plan.virtual_workers)
+    return top[winner], [r.to_dict() for r in ranked]
 
 
 def solve(profile: Profile, cluster: Cluster, **options: Any) -> SolveResult:

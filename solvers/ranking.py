@@ -20,7 +20,8 @@ from partitioner.cost import CostOptions
 from partitioner.errors import FormatError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
-from partitioner.simulate import Timeline, predict, simulate_plan
+from partitioner.simulate import predict, simulate_plan
+from partitioner.timeline import Timeline
 
 from .result import SolveResult, SolveStatus
 

@@ -62,3 +62,18 @@ def test_rank_plans_orders_by_simulated_throughput() -> None:
     ranked = rank_plans([p for p in plans if p is not None], prof, cluster)
     assert [r.plan.micro_batches for r in ranked][:2] == [8, 8]
     assert ranked[0].samples_per_s >= ranked[-1].samples_per_s
+
+
+def test_cluster_planner_ranks_groupings_of_several_k_by_simulation():
+    from solvers.hetero import plan_cluster
+    from tests._hetero_fixtures import small_cluster, synthetic_profile
+
+    prof = synthetic_profile(12, seed=3)
+    cl = small_cluster([["TITAN-V", "RTX-2060"], ["TITAN-RTX", "Quadro-P4000"]], inter=2.0)
+    res = plan_cluster(prof, cl, "auto", "opt", micro_batches=4, simulate_top=4)
+    ranking = res.details["ranking"]
+    assert len(ranking) >= 2 and len({r["virtual_workers"] for r in ranking}) >= 2
+    rates = [r["samples_per_s"] for r in ranking]
+    assert rates == sorted(rates, reverse=True)
+    assert res.plan.predicted["samples_per_s"] == pytest.approx(rates[0])  # the simulated best wins
+    res.plan.validate(prof, cl)

@@ -53,6 +53,8 @@ def _run(args: argparse.Namespace) -> int:
         vw = args.virtual_workers or "auto"
         kwargs.update(virtual_workers=vw if vw == "auto" else _positive(vw, "--virtual-workers"),
                       policy=args.policy or "opt", replication=bool(args.replication), objective=args.objective)
+        if args.simulate_top:
+            kwargs["simulate_top"] = args.simulate_top
     if args.time_limit is not None:
         if solver not in _TIME_LIMITED:
             raise FormatError("--time-limit", args.time_limit, f"applies to the {', '.join(_TIME_LIMITED)} "
@@ -123,6 +125,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="what opt maximises: K x the slowest virtual worker (sync, default: the long-run "
                              "rate under data parallelism, and under WSP's staleness bound) or the sum of the "
                              "workers' own rates (wsp: reached only while fast workers may run ahead)")
+    parser.add_argument("--simulate-top", type=int, default=0, metavar="N",
+                        help="opt: simulate the N best groupings (any K) and keep the fastest simulated one")
     parser.add_argument("--replication", action=argparse.BooleanOptionalAction, default=False,
                         help="let a stage run data-parallel on several GPUs of one type")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
