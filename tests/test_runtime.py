@@ -206,3 +206,23 @@ def test_layout_ranks_and_holder_sets() -> None:
     # every layer is in exactly one set, each set has one rank per virtual worker
     assert sorted(layer for _, layers in sets for layer in layers) == list(range(6))
     assert sets == [((0, 3), (0,)), ((0, 4), (1,)), ((1, 4), (2,)), ((2, 4), (3,)), ((2, 5), (4, 5))]
+
+
+def test_torchrun_and_local_train_the_same(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from runtime.launch import free_port
+
+    plan = Plan("gpt2-tiny", (worker([0, 3, 4], ["n0:0", "n0:1"]),), micro_batch_size=2, micro_batches=3)
+    args = _paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4))
+    out = tmp_path / "torchrun.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "partitioner", "train", *args, "--model", "gpt2-tiny", "--steps", "3", "--warmup", "1",
+           "--threads", "1", "-o", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    via_torchrun = json.loads(out.read_text())
+    local = train_local(plan, TrainConfig("gpt2-tiny", steps=3, warmup=1, threads=1), start_method="fork")
+    assert via_torchrun["world_size"] == 2
+    assert via_torchrun["loss"] == pytest.approx(local["loss"], rel=1e-6)
