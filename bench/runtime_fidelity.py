@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="repeat profile + runs (default 3)")
     ap.add_argument("--profile", help="reuse this profile instead of measuring one")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "runtime_fidelity.md"))
+    ap.add_argument("--pin", action="store_true", help="pin training process r to core r (mod cores)")
     ap.add_argument("--no-mallopt", action="store_true", help="leave glibc's malloc thresholds alone")
     args = ap.parse_args(argv)
     kept = False if args.no_mallopt else keep_freed_memory()
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, schedule, stages, workers, m in CASES:
             plan = make_plan(args.model, args.batch, cost, schedule, stages, workers, m)
             predicted = simulate_plan(plan, profile, cluster).iteration_s
-            metrics = train_local(plan, TrainConfig(args.model, steps=args.steps, warmup=args.warmup, threads=1),
+            metrics = train_local(plan, TrainConfig(args.model, steps=args.steps, warmup=args.warmup, threads=1,
+                                                          pin_cpu=args.pin),
                                   start_method="fork")
             measured = metrics["measured_iteration_s"]
             # per rank: measured F+B seconds per step against the profile's sum for its layers
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds (each: profile, then every plan), medians over rounds. "
         f"1-minute load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} (the cores are "
         f"shared with other work, which is invisible to this process).",
-        f"glibc keeps freed memory (mallopt, see keep_freed_memory): {kept}.",
+        f"glibc keeps freed memory (mallopt, see keep_freed_memory): {kept}. Process r pinned to core "
+        f"r mod {cores}: {args.pin}.",
         "Predicted: `simulate_plan` with the profile measured on this CPU (one thread) and "
         "examples/clusters/cpu4.yaml.",
         "",

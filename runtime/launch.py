@@ -58,6 +58,7 @@ class TrainConfig:
     timeout_s: float = 300.0
     model_options: dict[str, Any] = field(default_factory=dict)
     state_dir: str = ""  # when set, every rank saves its stages' weights there (rank{r}.pt)
+    pin_cpu: bool = False  # local processes: pin process r to the r-th available core (mod cores)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps >= 1):
@@ -192,8 +193,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _pin(local_rank: int) -> None:
+    """Keep process ``local_rank`` on one core, so the scheduler does not move a receiver onto
+    its sender's core when the sender wakes it."""
+    if hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
+
+
 def _bootstrap(local_rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, threads: int,
-               timeout_s: float, args: tuple[Any, ...]) -> None:
+               timeout_s: float, pin: bool, args: tuple[Any, ...]) -> None:
+    if pin:
+        _pin(local_rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
     torch.set_num_threads(threads)
@@ -206,11 +217,12 @@ def _bootstrap(local_rank: int, fn: Callable[..., Any], world: int, port: int, b
 
 
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, backend: str = "gloo",
-                threads: int = 1, timeout_s: float = 300.0, start_method: str = "spawn") -> None:
+                threads: int = 1, timeout_s: float = 300.0, start_method: str = "spawn", pin_cpu: bool = False) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``nprocs`` processes on this machine, in one
     process group (MASTER_ADDR 127.0.0.1, a free port). Raises :class:`PartitionerError` if they
-    have not finished after ``timeout_s`` (the processes are terminated)."""
-    ctx = mp.start_processes(_bootstrap, args=(fn, nprocs, free_port(), backend, threads, timeout_s, args),
+    have not finished after ``timeout_s`` (the processes are terminated). ``pin_cpu`` keeps
+    process ``r`` on the ``r``-th available core (modulo the cores)."""
+    ctx = mp.start_processes(_bootstrap, args=(fn, nprocs, free_port(), backend, threads, timeout_s, pin_cpu, args),
                              nprocs=nprocs, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout_s + 30.0
     while not ctx.join(timeout=0.5):
@@ -244,6 +256,6 @@ def train_local(plan: Plan, config: TrainConfig, start_method: str = "spawn") ->
     with tempfile.TemporaryDirectory(prefix="partitioner-train-") as tmp:
         spawn_local(_local_worker, n, (plan.to_dict(), config, tmp),
                     backend="nccl" if config.device == "cuda" else "gloo", threads=_threads(config, n),
-                    timeout_s=config.timeout_s, start_method=start_method)
+                    timeout_s=config.timeout_s, start_method=start_method, pin_cpu=config.pin_cpu)
         with open(os.path.join(tmp, "metrics.json"), encoding="utf-8") as f:
             return dict(json.load(f))
