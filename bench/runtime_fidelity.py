@@ -37,7 +37,7 @@ from runtime.launch import TrainConfig, train_local
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples" / "clusters" / "cpu4.yaml"
 
-# (label, schedule, stages per virtual worker, virtual workers, micro-batches)
+# (label, schedule, stages per virtual worker, virtual workers, micro-batches[, staleness])
 CASES = [
     ("1 stage", "1f1b", 1, 1, 4),
     ("2 stages 1f1b", "1f1b", 2, 1, 4),
@@ -46,6 +46,8 @@ CASES = [
     ("3 stages 1f1b", "1f1b", 3, 1, 6),
     ("2 workers x 1 stage", "1f1b", 1, 2, 4),
     ("2 workers x 2 stages", "1f1b", 2, 2, 4),
+    ("2 workers x 1 stage wsp D=1", "wsp", 1, 2, 4),
+    ("1 worker x 2 stages wsp D=0", "wsp", 2, 1, 4),
 ]
 
 
@@ -67,7 +69,8 @@ def make_plan(model: str, batch: int, cost: CostModel, schedule: str, stages: in
     for w in range(workers):
         vws.append(VirtualWorker(tuple(Stage((a, b), f"n0:{w * stages + k}", "cpu")
                                        for k, (a, b) in enumerate(itertools.pairwise(cuts)))))
-    return Plan(model, tuple(vws), schedule=schedule, micro_batch_size=batch, micro_batches=m)
+    return Plan(model, tuple(vws), schedule=schedule, micro_batch_size=batch, micro_batches=m,
+                staleness=1 if schedule == "wsp" and workers > 1 else 0)
 
 
 def keep_freed_memory() -> bool:

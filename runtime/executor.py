@@ -35,7 +35,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.schedule import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, STEP, Action, B, F
+from partitioner.schedule import (
+    PULL,
+    PUSH,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    STEP,
+    Action,
+    B,
+    F,
+)
 
 __all__ = ["PipelineExecutor", "message_tag"]
 
@@ -173,8 +184,20 @@ class PipelineExecutor:
             elif k == STEP:
                 self.step()
                 seconds["step"] += clock() - t0
+            elif k == PUSH:
+                self.push(a.version)
+                seconds["step"] += clock() - t0
+            elif k == PULL:
+                self.pull(a.version)
+                seconds["step"] += clock() - t0
             else:
                 raise ValueError(f"action {k} is not executed by this runtime")
+
+    def push(self, wave: int) -> None:
+        raise ValueError("PUSH needs the WSP executor (runtime.wsp.WspExecutor)")
+
+    def pull(self, wave: int) -> None:
+        raise ValueError("PULL needs the WSP executor (runtime.wsp.WspExecutor)")
 
     def step(self) -> None:
         self.wait_sends()

@@ -14,6 +14,7 @@ over the steps after ``warmup``.
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
 import socket
@@ -37,6 +38,7 @@ from .dataparallel import GradientAverager
 from .executor import PipelineExecutor
 from .layout import Layout, plan_layout
 from .stage import LayerChain, boundary_shapes, build_stage, zoo_chain
+from .wsp import WspExecutor
 
 __all__ = ["TrainConfig", "check_world_size", "free_port", "run_rank", "spawn_local", "train_distributed",
            "train_local"]
@@ -99,45 +101,78 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                 for a in [stages_layers[s][0]]}
     shapes = boundary_shapes(chain, plan.micro_batch_size)
     input_shapes = {s: shapes[stages_layers[s][0] - 1] for s in me.stages if stages_layers[s][0] > 0}
-    params = [p for m in modules.values() for p in m.parameters()]
-    optimizer = torch.optim.SGD(params, lr=config.lr) if params else None
-    averager = GradientAverager(layout, rank, by_layer)
     data = SyntheticData(chain.make_input, plan.micro_batch_size, plan.micro_batches, layout.workers, config.seed)
-    current: dict[str, torch.Tensor] = {}
+    m = plan.micro_batches
+    current = {"step": 0}
+    cache: dict[int, torch.Tensor] = {}
 
     def micro_batch(j: int) -> torch.Tensor:
-        start = (me.worker * plan.micro_batches + j) * plan.micro_batch_size
-        return current["batch"][start:start + plan.micro_batch_size].to(device)
+        step = current["step"] + j // m  # flushing lists number j within the step; wsp across waves
+        if step not in cache:
+            cache.clear()
+            cache[step] = data.global_batch(step)
+        start = (me.worker * m + j % m) * plan.micro_batch_size
+        return cache[step][start:start + plan.micro_batch_size].to(device)
+
+    def loss_fn(y: torch.Tensor) -> torch.Tensor:
+        return y.float().mean()
 
     p = len(layout.pipelines[me.worker])
-    executor = PipelineExecutor(modules, len(stages_layers), layout.pipelines[me.worker], input_shapes,
-                                plan.micro_batches, micro_batch, lambda y: y.float().mean(), optimizer, device,
-                                averager)
-    actions = build_schedule(plan.schedule, p, plan.micro_batches, plan.chunks)[me.pipe_rank]
+    peers, n_stages = layout.pipelines[me.worker], len(stages_layers)
+    executor: PipelineExecutor
     step_s: list[float] = []
-    for step in range(config.steps):
-        if step == config.warmup:
-            executor.seconds = dict.fromkeys(executor.seconds, 0.0)
-        current["batch"] = data.global_batch(step)
+    extra: dict[str, Any] = {}
+    if plan.schedule == "wsp":
+        wsp = WspExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
+                          layout=layout, rank=rank, lr=config.lr)
+        executor = wsp
+        actions = build_schedule("wsp", p, m, 1, iterations=config.steps, staleness=plan.staleness)[me.pipe_rank]
         dist.barrier()
         t0 = time.perf_counter()
-        executor.run(actions)
+        wsp.run(actions)
+        wsp.drain()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
-        step_s.append(time.perf_counter() - t0)
-    timed_steps = config.steps - config.warmup if config.steps > config.warmup else config.steps
+        extra["wave_end_s"] = [wsp.push_times[c] - t0 for c in range(config.steps)]
+        wsp.load_into_modules()
+    else:
+        params = [q for mod in modules.values() for q in mod.parameters()]
+        optimizer = torch.optim.SGD(params, lr=config.lr) if params else None
+        averager = GradientAverager(layout, rank, by_layer)
+        executor = PipelineExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, optimizer,
+                                    device, averager)
+        actions = build_schedule(plan.schedule, p, m, plan.chunks)[me.pipe_rank]
+        for step in range(config.steps):
+            if step == config.warmup:
+                executor.seconds = dict.fromkeys(executor.seconds, 0.0)
+            current["step"] = step
+            cache.clear()
+            cache[step] = data.global_batch(step)
+            dist.barrier()
+            t0 = time.perf_counter()
+            executor.run(actions)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            step_s.append(time.perf_counter() - t0)
+    # seconds are summed after the warm-up steps (flushing schedules) or over the whole run (wsp)
+    timed_steps = config.steps - config.warmup if config.steps > config.warmup and not extra else config.steps
     if config.state_dir:
         torch.save({s: {k: v.cpu() for k, v in m.state_dict().items()} for s, m in modules.items()},
                    os.path.join(config.state_dir, f"rank{rank}.pt"))
     return {"rank": rank, "device": me.device, "worker": me.worker, "pipe_rank": me.pipe_rank,
             "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
             "step_s": step_s, "losses": executor.losses, "threads": torch.get_num_threads(),
-            "seconds_per_step": {k: v / timed_steps for k, v in executor.seconds.items()}}
+            "seconds_per_step": {k: v / timed_steps for k, v in executor.seconds.items()}, **extra}
 
 
 def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], backend: str) -> dict[str, Any]:
-    steps = [max(r["step_s"][k] for r in per_rank) for k in range(config.steps)]
+    if "wave_end_s" in per_rank[0]:  # wsp: the time between the ends (pushes) of successive waves
+        ends = [max(r["wave_end_s"][c] for r in per_rank) for c in range(config.steps)]
+        steps = [ends[0], *(b - a for a, b in itertools.pairwise(ends))]
+    else:
+        steps = [max(r["step_s"][k] for r in per_rank) for k in range(config.steps)]
     timed = steps[config.warmup:] or steps
     iteration = statistics.median(timed)
     workers = len(plan.virtual_workers)

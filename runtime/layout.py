@@ -21,8 +21,8 @@ from partitioner.plan import Plan
 __all__ = ["SUPPORTED_SCHEDULES", "Layout", "RankInfo", "plan_layout"]
 
 # Flushing schedules: every iteration ends with all gradients in, so synchronous data
-# parallelism is exact. 2bw and wsp keep micro-batches in flight across the weight update.
-SUPPORTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs")
+# parallelism is exact; wsp runs Wave Synchronous Parallel (runtime/wsp.py). 2bw is not executed.
+SUPPORTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "wsp")
 
 
 @dataclass(frozen=True)
@@ -75,12 +75,11 @@ def plan_layout(plan: Plan, num_layers: int) -> Layout:
     if plan.schedule not in SUPPORTED_SCHEDULES:
         raise PartitionerError(
             f"schedule '{plan.schedule}' is not executed by the runtime: it runs {', '.join(SUPPORTED_SCHEDULES)} "
-            f"with synchronous data parallelism between virtual workers (2bw weight stashing and WSP "
-            f"parameter servers are not implemented); re-plan with one of those")
-    if plan.staleness != 0:
+            f"(2bw's double-buffered weight updates are not implemented); re-plan with one of those")
+    if plan.staleness != 0 and plan.schedule != "wsp":
         raise PartitionerError(
-            f"staleness = {plan.staleness}: the runtime keeps virtual workers exactly synchronous "
-            f"(staleness 0, gradients all-reduced every iteration); WSP with staleness > 0 is not implemented")
+            f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
+            f"a flushing schedule exactly synchronous; bounded staleness needs schedule wsp")
     ranks: list[RankInfo] = []
     pipelines: list[tuple[int, ...]] = []
     stage_layers: list[tuple[tuple[int, int], ...]] = []

@@ -148,9 +148,9 @@ def test_more_processes_needed_than_given(tmp_path: Path, capsys: pytest.Capture
 
 
 @pytest.mark.parametrize(("schedule", "staleness", "expect"), [
-    ("2bw", 0, "schedule '2bw' is not executed by the runtime: it runs gpipe, 1f1b, interleaved, bfs"),
-    ("wsp", 2, "schedule 'wsp' is not executed by the runtime"),
-    ("1f1b", 1, "staleness = 1: the runtime keeps virtual workers exactly synchronous"),
+    ("2bw", 0, "schedule '2bw' is not executed by the runtime: it runs gpipe, 1f1b, interleaved, bfs, wsp"),
+    ("1f1b", 1, "staleness = 1 with schedule '1f1b': the runtime keeps virtual workers of a flushing schedule "
+                "exactly synchronous; bounded staleness needs schedule wsp"),
 ])
 def test_unsupported_schedule_or_staleness(schedule: str, staleness: int, expect: str, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -226,3 +226,92 @@ def test_torchrun_and_local_train_the_same(tmp_path: Path) -> None:
     local = train_local(plan, TrainConfig("gpt2-tiny", steps=3, warmup=1, threads=1), start_method="fork")
     assert via_torchrun["world_size"] == 2
     assert via_torchrun["loss"] == pytest.approx(local["loss"], rel=1e-6)
+
+
+# -- WSP ------------------------------------------------------------------------------------------
+
+
+def wsp_reference(plan: Plan, steps: int, lr: float, seed: int) -> dict[str, torch.Tensor]:
+    """The WSP rule of runtime/wsp.py for one device per virtual worker, in one process: worker w
+    computes wave c on the global weights of waves <= c - 1 - D plus its own updates of waves
+    c - D .. c - 1; after the last wave every update is in."""
+    from torch.func import functional_call
+
+    chain = zoo_chain(plan.model, plan.micro_batch_size)
+    model = build_stage(chain, 0, chain.num_layers, seed=seed)
+    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    n_w, m, b, d = len(plan.virtual_workers), plan.micro_batches, plan.micro_batch_size, plan.staleness
+    data = SyntheticData(chain.make_input, b, m, n_w, seed)
+    avg: list[dict[str, torch.Tensor]] = []
+    own: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(n_w)]
+    for c in range(steps):
+        batch = data.global_batch(c)
+        for w in range(n_w):
+            weights = {}
+            for k, v in w0.items():
+                x = v.clone()
+                for u in avg[:max(0, c - d)]:
+                    x = x - lr * u[k]
+                for u in own[w][max(0, c - d):c]:
+                    x = x - lr * u[k]
+                weights[k] = x.requires_grad_(True)
+            total = {k: torch.zeros_like(v) for k, v in w0.items()}
+            for j in range(m):
+                rows = batch[(w * m + j) * b:(w * m + j + 1) * b]
+                loss = functional_call(model, weights, (rows,)).float().mean() / m
+                for k, g in zip(weights, torch.autograd.grad(loss, list(weights.values())), strict=True):
+                    total[k] = total[k] + g
+            own[w].append(total)
+        avg.append({k: sum(own[w][c][k] for w in range(n_w)) / n_w for k in w0})
+    out = {}
+    for k, v in w0.items():
+        for u in avg:
+            v = v - lr * u[k]
+        out[k] = v
+    return out
+
+
+LR = 2.0
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_wsp_follows_its_update_rule(staleness: int, tmp_path: Path) -> None:
+    plan = Plan("gpt2-tiny", (worker([0, 4], ["n0:0"]), worker([0, 4], ["n0:1"])), schedule="wsp",
+                micro_batch_size=2, micro_batches=3, staleness=staleness)
+    ref = wsp_reference(plan, 4, LR, 1)
+    for got in trained_weights(plan, tmp_path, 4, LR, 1):
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=k)
+    # (a large step, so that the mean-of-output loss's nearly constant gradients still differ
+    # measurably between stale and fresh weights)
+    if staleness == 0:  # one device per worker and D = 0: synchronous SGD on the global batch
+        sync = reference_weights(plan, 4, LR, 1)
+        for k, v in sync.items():
+            torch.testing.assert_close(ref[k], v, rtol=1e-4, atol=1e-6)
+    else:  # staleness changes the result
+        sync = reference_weights(plan, 4, LR, 1)
+        assert any(not torch.allclose(ref[k], sync[k], rtol=1e-4, atol=1e-6) for k in ref)
+
+
+@pytest.mark.parametrize("draw", [0, 1, 2])
+def test_wsp_completes_for_random_p_m_staleness(draw: int, tmp_path: Path) -> None:
+    rng = random.Random(f"runtime-wsp-{draw}")
+    p, m, d = rng.choice([1, 2, 3]), rng.randint(1, 4), rng.randint(0, 2)
+    cuts = [0, *sorted(rng.sample(range(1, 22), p - 1)), 22]
+    plan = Plan("vgg19-tiny", (worker(cuts, [f"n0:{k}" for k in range(p)]),), schedule="wsp", micro_batch_size=2,
+                micro_batches=m, staleness=d)
+    cfg = TrainConfig(plan.model, steps=d + 3, warmup=1, threads=1, timeout_s=60)
+    metrics = train_local(plan, cfg, start_method="fork")
+    assert len(metrics["step_s"]) == len(metrics["loss"]) == d + 3
+    assert all(t > 0 for t in metrics["step_s"])
+
+
+def test_wsp_pipelines_cut_differently_end_equal(tmp_path: Path) -> None:
+    plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]), worker([0, 1, 4], ["n0:2", "n0:3"])),
+                schedule="wsp", micro_batch_size=2, micro_batches=3, staleness=1)
+    first, second = trained_weights(plan, tmp_path, 4, 0.05, 1)
+    init = build_stage(zoo_chain(plan.model), 0, 4, seed=1).state_dict()
+    assert set(first) == set(second) == set(init)
+    for k in init:
+        torch.testing.assert_close(first[k], second[k], rtol=1e-5, atol=1e-7)
+    assert any(not torch.equal(init[k], first[k]) for k in init)

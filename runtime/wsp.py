@@ -1,0 +1,180 @@
+"""Wave Synchronous Parallel: the ``wsp`` schedule's PUSH / PULL with staleness ``D``.
+
+A wave is one iteration of ``m`` micro-batches. The rule this executor implements (HetPipe's
+WSP with plain SGD, learning rate ``lr``):
+
+* Every micro-batch's forward uses the rank's current *local* weights, and its backward the
+  same weights (weight stashing: an update makes new weight tensors; the autograd graph of a
+  micro-batch in flight keeps the ones it used).
+* The gradients of wave ``c`` (loss of each micro-batch divided by ``m``) are summed into the
+  wave's update ``u_c``.
+* ``PUSH(c)``: start an asynchronous all-reduce of ``u_c`` over the holders of the same layers
+  in the other virtual workers (the parameter server of those layers), and apply it locally:
+  ``w_local -= lr * u_c``.
+* ``PULL(c')``: wait until that all-reduce of wave ``c'`` is complete (every virtual worker
+  has pushed ``c'``), add ``-lr * mean_w u_c'`` to the global weights, and reset
+  ``w_local = w_global - lr * (own updates of waves after c')``.
+
+So a virtual worker that pushed wave ``c`` and pulled ``c - D`` has the global weights of
+waves ``<= c - D`` plus its own later updates: it runs at most ``D`` waves ahead of the
+slowest one. With ``D = 0`` and one device per virtual worker, this is synchronous SGD on the
+global batch. At the end of a run every outstanding wave is pulled, so all virtual workers
+finish with the same weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from .executor import PipelineExecutor
+from .layout import Layout
+
+__all__ = ["WspExecutor"]
+
+
+class WspExecutor(PipelineExecutor):
+    """Executes a rank's ``wsp`` action list (see the module docstring for the update rule)."""
+
+    def __init__(self, stages: Mapping[int, nn.Module], num_stages: int, peers: Sequence[int],
+                 input_shapes: Mapping[int, tuple[torch.Size, torch.dtype]], micro_batches: int,
+                 data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                 device: torch.device, *, layout: Layout, rank: int, lr: float):
+        super().__init__(stages, num_stages, peers, input_shapes, micro_batches, data, loss_fn, None, device)
+        self.lr = lr
+        self.workers = layout.workers
+        self.push_times: dict[int, float] = {}
+        # current weights of every stage: leaf tensors, replaced (never modified) by updates
+        self.leaves: dict[int, dict[str, torch.Tensor]] = {
+            s: {n: p.detach().clone().requires_grad_(True) for n, p in mod.named_parameters()}
+            for s, mod in self.stages.items()}
+        # parameters per holder set: (group or None, [(stage, name)]) in the global order
+        layer_of = {(s, n): int(n.split("_", 1)[0]) for s, mod in self.stages.items()
+                    for n, _ in mod.named_parameters()}
+        self.groups: list[tuple[Any, list[tuple[int, str]]]] = []
+        for ranks, layers in layout.holder_sets():
+            group = dist.new_group(list(ranks)) if self.workers > 1 else None
+            if rank in ranks:
+                keys = [k for k, layer in layer_of.items() if layer in layers]
+                if keys:
+                    self.groups.append((group, keys))
+        self.global_flat = [self._flat(keys, lambda s, n: self.leaves[s][n].detach()) for _, keys in self.groups]
+        self._grads: dict[int, dict[tuple[int, str], torch.Tensor]] = {}  # wave -> accumulated gradient
+        self._own: dict[int, list[torch.Tensor]] = {}  # wave -> own update per group (pushed, not pulled)
+        self._works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+        self._used: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def _flat(keys: list[tuple[int, str]], get: Any) -> torch.Tensor:
+        return torch.cat([get(s, n).reshape(-1) for s, n in keys])
+
+    def _set_from_flat(self, keys: list[tuple[int, str]], flat: torch.Tensor) -> None:
+        offset = 0
+        for s, n in keys:
+            old = self.leaves[s][n]
+            k = old.numel()
+            self.leaves[s][n] = flat[offset:offset + k].view_as(old).clone().requires_grad_(True)
+            offset += k
+
+    # -- compute with stashed weights ------------------------------------------------------
+
+    def _forward(self, j: int, s: int) -> None:
+        key = (j, s)
+        if key in self._inputs:
+            x = self._inputs[key]
+        elif s == 0:
+            x = self.data(j)
+        else:
+            x = self._outputs[(j, s - 1)].detach().requires_grad_(True)
+            self._inputs[key] = x
+        used = self.leaves[s]
+        self._used[key] = used
+        y = functional_call(self.stages[s], used, (x,))
+        if s == self.num_stages - 1:
+            loss = self.loss_fn(y) / self.m
+            self._loss_sum += float(loss.detach())
+            self._outputs[key] = loss
+        else:
+            self._outputs[key] = y
+
+    def _backward(self, j: int, s: int) -> None:
+        key = (j, s)
+        out = self._outputs.pop(key)
+        grad: torch.Tensor | None = None
+        if s != self.num_stages - 1:
+            grad = self._out_grads.pop(key, None)
+            if grad is None:
+                grad = self._in_grads.pop((j, s + 1)) if (j, s + 1) in self._in_grads else None
+                if grad is None:
+                    grad = torch.zeros_like(out)
+        used = self._used.pop(key)
+        x = self._inputs.pop(key, None)
+        wants_x = s > 0 and x is not None and x.requires_grad
+        inputs: list[torch.Tensor] = list(used.values())
+        if wants_x and x is not None:
+            inputs.append(x)
+        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True)
+        acc = self._grads.setdefault(j // self.m, {})
+        for (name, leaf), g in zip(used.items(), grads, strict=False):
+            if g is not None:
+                k = (s, name)
+                acc[k] = acc[k] + g if k in acc else g.detach().clone()
+            else:
+                acc.setdefault((s, name), torch.zeros_like(leaf))
+        if s > 0:
+            self._in_grads[key] = grads[-1] if wants_x else None
+
+    # -- waves -----------------------------------------------------------------------------
+
+    def push(self, wave: int) -> None:
+        # sends still in flight may wait for a receiver that waits for another worker's push:
+        # keep them, dropping only those already done (all are waited for in drain)
+        self._pending = [(w, b) for w, b in self._pending if w is not None and not w.is_completed()]
+        self.push_times[wave] = time.perf_counter()
+        acc = self._grads.pop(wave, {})
+        own, works = [], []
+        for group, keys in self.groups:
+            u = self._flat(keys, lambda s, n, acc=acc: acc.get((s, n), torch.zeros_like(self.leaves[s][n])))
+            own.append(u)
+            buf = u.clone()
+            work = dist.all_reduce(buf, group=group, async_op=True) if group is not None else None
+            works.append((work, buf))
+            local = self._flat(keys, lambda s, n: self.leaves[s][n].detach()) - self.lr * u
+            self._set_from_flat(keys, local)
+        self._own[wave] = own
+        self._works[wave] = works
+        if any(s == self.num_stages - 1 for s in self.stages):
+            self.losses.append(self._loss_sum)
+        self._loss_sum = 0.0
+
+    def pull(self, wave: int) -> None:
+        works = self._works.pop(wave)
+        self._own.pop(wave)
+        for gi, (_, keys) in enumerate(self.groups):
+            work, buf = works[gi]
+            if work is not None:
+                work.wait()
+            self.global_flat[gi] = self.global_flat[gi] - self.lr * (buf / self.workers)
+            local = self.global_flat[gi].clone()
+            for later in sorted(self._own):
+                local -= self.lr * self._own[later][gi]
+            self._set_from_flat(keys, local)
+
+    def drain(self) -> None:
+        """Pull every wave pushed and not yet pulled (the end of a run)."""
+        self.wait_sends()
+        for wave in sorted(self._works):
+            self.pull(wave)
+
+    def load_into_modules(self) -> None:
+        """Copy the current weights into the stage modules (for saving them)."""
+        with torch.no_grad():
+            for s, mod in self.stages.items():
+                for n, p in mod.named_parameters():
+                    p.copy_(self.leaves[s][n])
