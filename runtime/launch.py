@@ -126,7 +126,8 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         wsp = WspExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
                           layout=layout, rank=rank, lr=config.lr)
         executor = wsp
-        actions = build_schedule("wsp", p, m, 1, iterations=config.steps, staleness=plan.staleness)[me.pipe_rank]
+        actions = build_schedule("wsp", p, m, plan.chunks, iterations=config.steps,
+                                 staleness=plan.staleness)[me.pipe_rank]
         dist.barrier()
         t0 = time.perf_counter()
         wsp.run(actions)

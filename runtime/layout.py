@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan
+from partitioner.schedule import check_schedule
 
 __all__ = ["SUPPORTED_SCHEDULES", "Layout", "RankInfo", "plan_layout"]
 
@@ -104,6 +105,7 @@ def plan_layout(plan: Plan, num_layers: int) -> Layout:
         if len(set(devs)) != p or any(st.device != devs[s % p] for s, st in enumerate(vw.stages)):
             raise FormatError(f"{where}.stages", [s.device for s in vw.stages],
                               f"stage c*p + d must run on the device of stage d ({p} distinct devices, chunks={v})")
+        check_schedule(plan.schedule, p, plan.micro_batches, v, staleness=plan.staleness)
         base = len(ranks)
         for d in range(p):
             if any(r.device == devs[d] for r in ranks):

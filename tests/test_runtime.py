@@ -151,11 +151,13 @@ def test_more_processes_needed_than_given(tmp_path: Path, capsys: pytest.Capture
     ("2bw", 0, "schedule '2bw' is not executed by the runtime: it runs gpipe, 1f1b, interleaved, bfs, wsp"),
     ("1f1b", 1, "staleness = 1 with schedule '1f1b': the runtime keeps virtual workers of a flushing schedule "
                 "exactly synchronous; bounded staleness needs schedule wsp"),
+    ("interleaved", 0, "micro_batches = 3: the interleaved schedule sends micro-batches in groups of one per "
+                       "device, so micro_batches must be a multiple of the 2 devices; nearest valid: 2 or 4"),
 ])
 def test_unsupported_schedule_or_staleness(schedule: str, staleness: int, expect: str, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), schedule=schedule, micro_batch_size=2,
-                micro_batches=2, staleness=staleness)
+                micro_batches=3, staleness=staleness)
     rc = cli.main(["train", *_paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4)), "--model", "gpt2-tiny", "--local"])
     assert rc == 2
     assert expect in _one_line(capsys)
