@@ -31,3 +31,12 @@ run plan examples/profiles/vgg19_hetpipe.json --cluster examples/clusters/hetpip
     --virtual-workers auto --policy opt --micro-batches 8 -o "$OUT/vgg19_hetpipe_plan.json"
 run plan examples/profiles/vgg19_hetpipe.json --cluster examples/clusters/hetpipe.yaml \
     --virtual-workers auto --policy ed --micro-batches 8 -o "$OUT/vgg19_hetpipe_ed.json"
+
+echo "== 6. train with a plan: a tiny VGG-19 profiled here at micro-batch 32 (one thread, as each training"
+echo "      process will have), planned over two CPU devices,"
+echo "      trained by the runtime (one process per device, gloo) and measured against the simulator"
+run profile vgg19-tiny --batch-size 32 --device cpu --threads 1 -o "$OUT/vgg19_tiny32.json"
+run plan "$OUT/vgg19_tiny32.json" --cluster examples/clusters/cpu4.yaml --devices n0:0,n0:1 --microbatches 4 \
+    -o "$OUT/vgg19_tiny_plan.json"
+run train "$OUT/vgg19_tiny_plan.json" --profile "$OUT/vgg19_tiny32.json" --cluster examples/clusters/cpu4.yaml \
+    --model vgg19-tiny --local --steps 10 -o "$OUT/vgg19_tiny_metrics.json"

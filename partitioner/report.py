@@ -44,7 +44,7 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOpt
     """The plan as a stage table (per virtual worker) under a header with its certificate."""
     cost = CostModel(profile, cluster, options)
     out = [f"plan for {plan.model} on {cluster.name}: {len(plan.virtual_workers)} virtual worker(s), "
-           f"{len(plan.devices)} of {len(cluster.devices)} GPUs, schedule {plan.schedule}, "
+           f"{len(plan.devices)} of {len(cluster.devices)} devices, schedule {plan.schedule}, "
            f"{plan.micro_batches} micro-batches of {plan.micro_batch_size}"]
     if plan.solver is not None:
         s = plan.solver

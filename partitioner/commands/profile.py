@@ -103,7 +103,7 @@ def _profile(args: argparse.Namespace) -> int:
             key, targets = targets[0], targets[1:]  # the first --gpu-type names the measured GPU
         profile = profile_model(m.layers, m.sample_input("cpu"), args.device, model_name=args.model,
                                 gpu_type=key, warmup=args.warmup, repeats=args.repeats,
-                                meta={"config": m.config})
+                                threads=args.threads, meta={"config": m.config})
         if targets:
             profile = project_profile(profile, targets, efficiency=args.efficiency)
     profile.save(args.output)
@@ -160,6 +160,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="no timing: FLOPs and bytes only, times from the roofline (marked projected)")
     common.add_argument("--warmup", type=int, default=2, help="untimed runs per layer (default 2)")
     common.add_argument("--repeats", type=int, default=7, help="timed runs per layer, median kept (default 7)")
+    common.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads while measuring (default: torch's); match what each training "
+                             "process will get, e.g. 1 when one process per core trains")
     common.add_argument("-o", "--output", required=True, help="profile JSON to write")
     for name in _zoo_names():
         p = actions.add_parser(name, parents=[common], help=f"profile the zoo model {name}")
