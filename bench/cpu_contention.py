@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._machine import machine_line  # noqa: E402
+from bench._machine import machine_line
 
 
 def _matmul_ms(_: int) -> float:
