@@ -126,8 +126,12 @@ class PipelineExecutor:
         else:  # previous stage on this rank (one device holding consecutive chunks)
             x = self._outputs[(j, s - 1)].detach().requires_grad_(True)
             self._inputs[key] = x
-        y = self.stages[s](x)
-        if s == self.num_stages - 1:
+        self._keep_output(key, self.stages[s](x))
+
+    def _keep_output(self, key: tuple[int, int], y: torch.Tensor) -> None:
+        """Keep stage output ``y`` of (micro-batch, stage) ``key`` for its backward; the last
+        stage keeps the micro-batch's share of the loss instead (and adds it to the tally)."""
+        if key[1] == self.num_stages - 1:
             loss = self.loss_fn(y) / self.m
             self._loss_sum += float(loss.detach())
             self._outputs[key] = loss

@@ -95,13 +95,7 @@ class WspExecutor(PipelineExecutor):
             self._inputs[key] = x
         used = self.leaves[s]
         self._used[key] = used
-        y = functional_call(self.stages[s], used, (x,))
-        if s == self.num_stages - 1:
-            loss = self.loss_fn(y) / self.m
-            self._loss_sum += float(loss.detach())
-            self._outputs[key] = loss
-        else:
-            self._outputs[key] = y
+        self._keep_output(key, functional_call(self.stages[s], used, (x,)))
 
     def _backward(self, j: int, s: int) -> None:
         key = (j, s)
