@@ -117,16 +117,20 @@ class PipelineExecutor:
 
     # -- actions -------------------------------------------------------------------------
 
-    def _forward(self, j: int, s: int) -> None:
+    def _input(self, j: int, s: int) -> torch.Tensor:
+        """Input of micro-batch ``j`` to stage ``s``: received, the data, or this rank's own
+        previous stage (one device holding consecutive chunks)."""
         key = (j, s)
         if key in self._inputs:
-            x = self._inputs[key]
-        elif s == 0:
-            x = self.data(j)
-        else:  # previous stage on this rank (one device holding consecutive chunks)
-            x = self._outputs[(j, s - 1)].detach().requires_grad_(True)
-            self._inputs[key] = x
-        self._keep_output(key, self.stages[s](x))
+            return self._inputs[key]
+        if s == 0:
+            return self.data(j)
+        x = self._outputs[(j, s - 1)].detach().requires_grad_(True)
+        self._inputs[key] = x
+        return x
+
+    def _forward(self, j: int, s: int) -> None:
+        self._keep_output((j, s), self.stages[s](self._input(j, s)))
 
     def _keep_output(self, key: tuple[int, int], y: torch.Tensor) -> None:
         """Keep stage output ``y`` of (micro-batch, stage) ``key`` for its backward; the last

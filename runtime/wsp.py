@@ -86,13 +86,7 @@ class WspExecutor(PipelineExecutor):
 
     def _forward(self, j: int, s: int) -> None:
         key = (j, s)
-        if key in self._inputs:
-            x = self._inputs[key]
-        elif s == 0:
-            x = self.data(j)
-        else:
-            x = self._outputs[(j, s - 1)].detach().requires_grad_(True)
-            self._inputs[key] = x
+        x = self._input(j, s)
         used = self.leaves[s]
         self._used[key] = used
         self._keep_output(key, functional_call(self.stages[s], used, (x,)))

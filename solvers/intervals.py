@@ -44,8 +44,10 @@ __all__ = [
     "Arcs",
     "ChainProblem",
     "build_arcs",
+    "check_limits",
     "dp_split",
     "finish",
+    "model_arcs",
     "pipeline_lengths",
     "prepare",
 ]
@@ -212,6 +214,17 @@ def dp_split(problem: ChainProblem) -> ChainSolution | None:
     cuts = (0, *(st.stop for st in stages))
     devs = tuple(problem.cost.cluster.device(st.device) for st in stages)
     return ChainSolution(res.objective, cuts, devs)
+
+
+def model_arcs(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int
+               ) -> tuple[ChainSolution | None, Arcs, dict[str, object]]:
+    """What CP-SAT and CBC both build on: the DP's split (with ``hint``), the candidate stages
+    (with ``prune``, none slower than that split's bottleneck), and the details to report."""
+    start = dp_split(problem) if hint else None
+    upper = start.bottleneck_s * (1 + 1e-9) if (start is not None and prune) else math.inf
+    arcs = build_arcs(problem.cost, problem.devices, problem.schedule, problem.micro_batches,
+                      problem.allow_fewer, max_arcs, upper)
+    return start, arcs, {"arcs": len(arcs), "hint": start is not None, "pruned": math.isfinite(upper)}
 
 
 def finish(problem: ChainProblem, method: str, status: SolveStatus, sol: ChainSolution | None,

@@ -31,7 +31,7 @@ from partitioner.cost import CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
 
-from .intervals import DEFAULT_MAX_ARCS, build_arcs, check_limits, dp_split, finish, prepare
+from .intervals import DEFAULT_MAX_ARCS, check_limits, finish, model_arcs, prepare
 from .result import SolveResult, SolveStatus
 
 __all__ = ["cbc_bound", "solve"]
@@ -73,12 +73,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     check_limits(time_limit_s, threads)
     t0 = time.perf_counter()
     problem = prepare(profile, cluster, devices, schedule, micro_batches, options, allow_fewer)
-    start = dp_split(problem) if hint else None
-    upper = start.bottleneck_s * (1 + 1e-9) if (start is not None and prune) else math.inf
-    arcs = build_arcs(problem.cost, problem.devices, schedule, problem.micro_batches, allow_fewer,
-                      max_arcs, upper)
-    details: dict[str, object] = {"arcs": len(arcs), "warm_start": start is not None,
-                                  "pruned": math.isfinite(upper)}
+    start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
     if not arcs.lengths:  # more devices than layers and no shorter pipeline allowed
         return finish(problem, "milp", SolveStatus.INFEASIBLE, None, math.nan,
                       time.perf_counter() - t0, details)
