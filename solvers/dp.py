@@ -7,8 +7,11 @@ end of the pipeline (1F1B: ``min(p - k, m)``). Working backwards from the last s
 
     f_k(i) = min_{j > i, mem_k(i, j) <= M_k}  max(T_k(i, j), f_{k+1}(j)),   f_p(L) = 0,
 
-and ``f_0(0)`` is the optimum. Each step is one vectorised (rows x L) numpy reduction, so
-the whole solve is ``O(p L^2)`` arithmetic in ``p`` numpy calls of a handful of passes.
+and ``f_0(0)`` is the optimum ``B*``. A second pass, ``g_k(i) = min_{j: T_k(i, j) <= B*}
+T_k(i, j) + g_{k+1}(j)``, picks among the splits that reach ``B*`` one with the least total
+stage time (a 1F1B iteration is about that total plus ``(m - 1) B*``). Each step is one
+vectorised (rows x L) numpy reduction, so the whole solve is ``O(p L^2)`` arithmetic in
+``2 p`` numpy steps of a handful of passes.
 """
 
 from __future__ import annotations
@@ -50,11 +53,39 @@ class ChainSolution:
 
 
 def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
-             micro_batches: int = 1) -> ChainSolution | None:
-    """The minimum-bottleneck split of the chain over exactly ``devices`` in order, or None."""
+             micro_batches: int = 1, refine: bool = True) -> ChainSolution | None:
+    """The minimum-bottleneck split of the chain over exactly ``devices`` in order, or None.
+
+    With ``refine`` (the default), a second pass picks, among the splits that reach the optimal
+    bottleneck ``B*``, one with the least total stage time ``sum_k T_k``: a 1F1B or GPipe
+    iteration takes about ``sum_k T_k + (m - 1) B*``, so this is the best of the tied optima
+    (a fast device gets the layers a slow one need not hold).
+    """
     p, n_layers = len(devices), cost.num_layers
     if p == 0 or p > n_layers:
         return None
+    best, back = _sweep(cost, devices, schedule, micro_batches)
+    if not math.isfinite(best):
+        return None
+    if refine:
+        total, refined = _sweep(cost, devices, schedule, micro_batches, limit_s=best)
+        if math.isfinite(total):  # always: the first pass's split is a candidate
+            back = refined
+    cuts = [0]
+    for k in range(p):
+        cuts.append(int(back[k][cuts[-1]]))
+    return ChainSolution(best, tuple(cuts), tuple(devices))
+
+
+def _sweep(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+           limit_s: float | None = None) -> tuple[float, list[np.ndarray]]:
+    """One backward pass over the stages: the optimum from layer 0 and the back-pointers.
+
+    Without ``limit_s``: ``f_k(i) = min_j max(T_k(i, j), f_{k+1}(j))`` (the bottleneck).
+    With it: ``f_k(i) = min_{j: T_k(i, j) <= limit_s} T_k(i, j) + f_{k+1}(j)`` (the total time
+    of splits whose every stage is within the limit). Both over memory-feasible ``j > i``.
+    """
+    p, n_layers = len(devices), cost.num_layers
     cols = np.arange(n_layers + 1)
     f = np.full(n_layers + 1, np.inf)
     f[n_layers] = 0.0
@@ -67,23 +98,22 @@ def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
         prev = devices[k - 1] if k > 0 else None
         nxt = devices[k + 1] if k + 1 < p else None
         in_flight = activations_in_flight(schedule, p - k, micro_batches)
-        # T_k(i, j) on feasible (i, j): j > i and the stage fits in the device's memory.
-        times = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)
-        cand = np.maximum(times, f[None, :])
-        ok = (cols[None, :] > cols[rows, None]) & (cost.memory_matrix(in_flight, schedule, rows) <= dev.memory_bytes)
-        cand[~ok] = np.inf
+        # Feasible (i, j): i < j <= the largest stop whose stage fits in the device's memory.
+        top = cost.max_stop(in_flight, schedule, dev.memory_bytes, rows)
+        invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
+        cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)  # T_k(i, j), fresh
+        if limit_s is None:
+            np.maximum(cand, f[None, :], out=cand)
+        else:
+            invalid |= cand > limit_s
+            cand += f[None, :]
+        cand[invalid] = np.inf
         arg = cand.argmin(axis=1)
         f = np.full(n_layers + 1, np.inf)
         f[rows] = cand[np.arange(hi + 1 - lo), arg]
         back[k] = np.full(n_layers + 1, -1, dtype=np.intp)
         back[k][rows] = arg
-    best = float(f[0])
-    if not math.isfinite(best):
-        return None
-    cuts = [0]
-    for k in range(p):
-        cuts.append(int(back[k][cuts[-1]]))
-    return ChainSolution(best, tuple(cuts), tuple(devices))
+    return float(f[0]), back
 
 
 def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int) -> str:

@@ -2,6 +2,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from partitioner.cost import CostModel, CostOptions, activations_in_flight, pipeline_iteration_s
 
@@ -80,6 +82,25 @@ def test_shared_saved_bytes_count_once_inside_a_stage():
             assert cost.activation_bytes(i, j) == pytest.approx(expect)
             assert cost.stage_memory_bytes(i, j, 3) == pytest.approx(3 * expect)
             assert cost.memory_matrix(3)[i, j] == cost.stage_memory_bytes(i, j, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 10), st.integers(1, 5), st.integers(0, 2**32 - 1), st.booleans())
+def test_max_stop_agrees_with_the_scalar_memory_formula(n, in_flight, seed, exact_capacity):
+    rng = np.random.default_rng(seed)
+    prof = make_profile({"A": [1.0] * n}, list(rng.uniform(0, 2 * GIB, n)), list(rng.uniform(0, 2 * GIB, n)))
+    prof = dataclasses.replace(prof, layers=tuple(dataclasses.replace(x, shared_saved_bytes=float(rng.uniform()) * x.saved_bytes)
+                                                  for x in prof.layers))
+    cost = CostModel(prof, flat_cluster(["A"]), CostOptions(reserved_bytes=float(rng.uniform(0, GIB))))
+    if exact_capacity:  # a capacity equal to some stage's memory: the boundary case
+        i = int(rng.integers(0, n))
+        cap = cost.stage_memory_bytes(i, int(rng.integers(i + 1, n + 1)), in_flight)
+    else:
+        cap = float(rng.uniform(0.5, 30)) * GIB
+    top = cost.max_stop(in_flight, "1f1b", cap)
+    for i in range(n + 1):
+        fitting = [j for j in range(i + 1, n + 1) if cost.stage_memory_bytes(i, j, in_flight) <= cap]
+        assert fitting == list(range(i + 1, int(top[i]) + 1))  # a prefix, ending where max_stop says
 
 
 def test_in_flight_and_closed_forms():
