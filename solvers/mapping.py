@@ -116,7 +116,8 @@ def map_worker(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b
 
     def consider(order: Sequence[Label]) -> ChainSolution | None:
         nonlocal best, evaluated
-        sol = chain_dp(cost, _realise(order, pools), schedule, micro_batches)
+        # orders compete on the bottleneck; the winner's split is refined once, at the end
+        sol = chain_dp(cost, _realise(order, pools), schedule, micro_batches, refine=False)
         evaluated += 1
         if sol is not None and (best is None or sol.bottleneck_s < best.bottleneck_s):
             best = sol
@@ -127,9 +128,14 @@ def map_worker(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b
             consider(order)
             if best is not None and best.bottleneck_s <= bound * (1 + 1e-12):
                 break  # reached the bound: nothing can be better
-        return MappingResult(best, True, evaluated, bound)
-    return _local_search(cost, devices, labels, pools, consider, max_evaluations, bound, lambda: best,
-                         lambda: evaluated)
+        result = MappingResult(best, True, evaluated, bound)
+    else:
+        result = _local_search(cost, devices, labels, pools, consider, max_evaluations, bound, lambda: best,
+                               lambda: evaluated)
+    if result.solution is None:
+        return result
+    refined = chain_dp(cost, result.solution.devices, schedule, micro_batches)  # same order, same bottleneck
+    return MappingResult(refined, result.exact, result.orders_evaluated, result.lower_bound_s)
 
 
 def _speed_key(cost: CostModel, gpu_type: str) -> float:
