@@ -95,26 +95,21 @@ def weight_versions(schedule: str) -> int:
     return 2 if schedule == "2bw" else 1
 
 
-def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, schedule: str,
-                         first_slices: int = 1) -> float:
+def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, schedule: str) -> float:
     """Closed-form time of one iteration (``m`` micro-batches) of a pipeline.
 
     Flushing schedules (GPipe, 1F1B) pay a fill and a drain: ``sum(t) + (m - 1) * max(t)``.
     PipeDream-2BW and WSP do not flush: in steady state an iteration takes ``m * max(t)``.
-    The discrete-event simulator gives the exact figure for every schedule.
-
-    ``first_slices = s > 1`` prices AutoPipe-style slicing of the first micro-batch into
-    ``s`` equal slices (stage times scale linearly with the slice): the fill runs on a
-    slice, ``sum(t) / s``, and the rest of the work streams through the bottleneck,
-    ``(m - 1/s) * max(t)``. Slicing does not change a non-flushing schedule's steady state.
+    The discrete-event simulator gives the exact figure for every schedule, and is the only
+    pricing of a first micro-batch sliced AutoPipe-style (``Plan.first_slices``): its effect
+    depends on the schedule's order (none at all under GPipe, where every later micro-batch
+    still crosses the whole pipeline) and no simple formula captures it.
     """
     if not stage_times_s:
         return 0.0
     bottleneck = max(stage_times_s)
     if schedule in ("2bw", "wsp"):
         return micro_batches * bottleneck
-    if first_slices > 1:
-        return float(sum(stage_times_s) / first_slices + (micro_batches - 1.0 / first_slices) * bottleneck)
     return float(sum(stage_times_s) + (micro_batches - 1) * bottleneck)
 
 

@@ -145,6 +145,7 @@ class Plan:
     micro_batches: int = 1
     staleness: int = 0
     chunks: int = 1  # model chunks per device (interleaved / bfs)
+    first_slices: int = 1  # the first micro-batch split into this many slices (AutoPipe), flushing schedules
     predicted: Mapping[str, float] = field(default_factory=dict)
     solver: SolverInfo | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
@@ -155,11 +156,17 @@ class Plan:
         object.__setattr__(self, "meta", dict(self.meta))
         check(len(self.virtual_workers) >= 1, "virtual_workers", [], "must list at least one virtual worker")
         check(self.schedule in SCHEDULES, "schedule", self.schedule, f"must be one of {', '.join(SCHEDULES)}")
-        for name in ("micro_batch_size", "micro_batches", "chunks"):
+        for name in ("micro_batch_size", "micro_batches", "chunks", "first_slices"):
             v = getattr(self, name)
             check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v, "must be an integer >= 1")
         check(isinstance(self.staleness, int) and self.staleness >= 0, "staleness", self.staleness,
               "must be an integer >= 0")
+        if self.first_slices > 1:
+            check(self.schedule in ("gpipe", "1f1b"), "first_slices", self.first_slices,
+                  f"slicing the first micro-batch shortens a pipeline's fill; it applies to gpipe and 1f1b, "
+                  f"not {self.schedule} (use 1)")
+            check(self.micro_batch_size % self.first_slices == 0, "first_slices", self.first_slices,
+                  f"must divide micro_batch_size {self.micro_batch_size}")
 
     @property
     def num_stages(self) -> int:
@@ -231,6 +238,8 @@ class Plan:
         }
         if self.chunks != 1:
             d["chunks"] = self.chunks
+        if self.first_slices != 1:
+            d["first_slices"] = self.first_slices
         d["virtual_workers"] = [vw.to_dict() for vw in self.virtual_workers]
         d["predicted"] = dict(self.predicted)
         if self.solver is not None:
@@ -257,6 +266,7 @@ class Plan:
             micro_batches=opt_field(d, "micro_batches", int, 1),
             staleness=opt_field(d, "staleness", int, 0),
             chunks=opt_field(d, "chunks", int, 1),
+            first_slices=opt_field(d, "first_slices", int, 1),
             predicted=predicted,
             solver=None if solver is None else SolverInfo.from_dict(solver),
             meta=opt_field(d, "meta", Mapping, {}),

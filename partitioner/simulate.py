@@ -112,6 +112,9 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     """Simulate ``plan`` under its schedule with the cost model; see :class:`Timeline`."""
     cost = CostModel(profile, cluster, options)
     sched, m = plan.schedule, plan.micro_batches
+    # A first micro-batch in s slices runs as s micro-batches of 1/s the work, then m - 1 whole ones.
+    n_slices = plan.first_slices
+    m_run = m - 1 + n_slices
     n_iter = iterations if iterations is not None else default_iterations(sched, plan.staleness)
     pipes = _pipelines(plan)
     notes: list[str] = []
@@ -139,7 +142,7 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     is_msg = np.isin(np.arange(9), [KIND_CODE[k] for k in (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)])
     is_sync = np.isin(np.arange(9), [KIND_CODE[k] for k in (STEP, PUSH, PULL)])
     for pipe in pipes:
-        cols = schedule_columns(sched, pipe.ranks, m, plan.chunks, n_iter, plan.staleness)
+        cols = schedule_columns(sched, pipe.ranks, m_run, plan.chunks, n_iter, plan.staleness)
         p, n_st, w = pipe.ranks, len(pipe.stages), pipe.worker
         dev = [pipe.devices[s % p] for s in range(n_st)]
         # tables indexed [kind, stage]; stage -1 (STEP, PUSH, PULL) reads the extra last column
@@ -159,6 +162,8 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
             sync = sum(cost.parameter_sync_s(a, b) for a, b in pipe.stages[r::p])
             dur[7, -1] = dur[8, -1] = sync
             d = dur[kind, stage]
+            if n_slices > 1:  # compute and transfers of a slice scale with its share of the samples
+                d = np.where((mb >= 0) & (mb % m_run < n_slices), d / n_slices, d)
             key = np.where(is_msg[kind], ((mb * 4096 + stage + sender_shift[kind]) * 2 + direction[kind]) * 1024 + w,
                            np.where(is_sync[kind], version, -1))
             ops.append(list(zip(op_code[kind].tolist(), d.tolist(), key.tolist(), link[kind, stage].tolist(),

@@ -81,6 +81,10 @@ def plan_layout(plan: Plan, num_layers: int) -> Layout:
         raise PartitionerError(
             f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
             f"a flushing schedule exactly synchronous; bounded staleness needs schedule wsp")
+    if plan.first_slices != 1:
+        raise PartitionerError(
+            f"first_slices = {plan.first_slices}: the runtime runs micro-batches of one size "
+            f"({plan.micro_batch_size}); re-plan without slicing the first micro-batch (first_slices 1)")
     ranks: list[RankInfo] = []
     pipelines: list[tuple[int, ...]] = []
     stage_layers: list[tuple[tuple[int, int], ...]] = []

@@ -6,27 +6,48 @@ that divides ``B`` is tried with ``m = B / b`` micro-batches: the planner is run
 profile at size ``b`` (a measured profile from ``profiles`` when given, else
 :meth:`partitioner.profile.Profile.rescaled`, which scales linearly: an approximation that
 ignores the lower efficiency of small batches, so measured profiles at several sizes are
-preferred), and the closed-form iteration time of the schedule decides. For flushing
-schedules, slicing the first micro-batch into ``s`` in ``slices`` (when ``s`` divides ``b``)
-shortens the fill: priced by :func:`partitioner.cost.pipeline_iteration_s` with
-``first_slices=s``. The discrete-event simulator will replace the closed form when it lands.
+preferred), and the simulated throughput decides. For flushing schedules, slicing the
+first micro-batch into ``s`` in ``slices`` (when ``s`` divides ``b``) shortens the fill: the
+plan carries ``first_slices = s`` and the simulator runs its first micro-batch as ``s``
+slices of ``1/s`` the work. Plans the simulator cannot price (replicated stages) fall back to
+the closed form :func:`partitioner.cost.pipeline_iteration_s`, without slicing: only the
+simulator prices it (the effect is small under 1F1B and nil under GPipe).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from partitioner.cluster import Cluster
-from partitioner.cost import CostModel, pipeline_iteration_s
-from partitioner.errors import FormatError
+from partitioner.cost import CostModel, CostOptions, pipeline_iteration_s
+from partitioner.errors import FormatError, PartitionerError
+from partitioner.plan import Plan
 from partitioner.profile import Profile
 
 from .result import SolveResult
 
 __all__ = ["MicroBatchChoice", "choose_micro_batches"]
+
+
+def _priced(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None,
+            global_batch: int) -> tuple[float, float]:
+    """(iteration seconds, samples/s) of ``plan``: simulated, or by the closed form where the
+    simulator cannot price the plan (replicated stages)."""
+    from partitioner.simulate import simulate_plan
+
+    try:
+        tl = simulate_plan(plan, profile, cluster, options)
+    except PartitionerError:
+        if plan.first_slices > 1:
+            return math.inf, 0.0  # only the simulator prices slicing: never chosen unpriced
+        cost = CostModel(profile, cluster, options)
+        its = [pipeline_iteration_s(cost.plan_stage_times_s(plan, w), plan.micro_batches, plan.schedule)
+               for w in range(len(plan.virtual_workers))]
+        return max(its), len(its) * global_batch / max(its) if max(its) > 0 else math.inf
+    return tl.iteration_s, tl.samples_per_s
 
 
 @dataclass(frozen=True)
@@ -63,19 +84,15 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
         res = planner(prof, cluster, schedule=schedule, micro_batches=m, **planner_options)
         if not res.ok or res.plan is None:
             continue
-        cost = CostModel(prof, cluster, planner_options.get("options"))
+        options = planner_options.get("options")
         for s in slices:
-            if b % s or (s > 1 and schedule in ("2bw", "wsp")):
+            if b % s or (s > 1 and schedule not in ("gpipe", "1f1b")):
                 continue
-            total = 0.0
-            worst = 0.0
-            for w in range(len(res.plan.virtual_workers)):
-                it = pipeline_iteration_s(cost.plan_stage_times_s(res.plan, w), m, schedule, first_slices=s)
-                total += global_batch / it if it > 0 else math.inf
-                worst = max(worst, it)
+            plan = replace(res.plan, first_slices=s)
+            worst, total = _priced(plan, prof, cluster, options, global_batch)
             tried.append((b, s, total))
             if best is None or total > best.samples_per_s:
-                best = MicroBatchChoice(b, m, s, worst, total, res, ())
+                best = MicroBatchChoice(b, m, s, worst, total, replace(res, plan=plan), ())
     if best is None:
         return None
     return MicroBatchChoice(best.micro_batch_size, best.micro_batches, best.first_slices, best.iteration_s,

@@ -23,12 +23,22 @@ def test_rescaled_scales_times_and_activations_not_parameters():
         prof.rescaled(0)
 
 
-def test_slicing_formula():
-    t = [1.0, 3.0, 2.0]
-    assert pipeline_iteration_s(t, 4, "1f1b", first_slices=1) == pipeline_iteration_s(t, 4, "1f1b")
-    assert pipeline_iteration_s(t, 4, "1f1b", first_slices=2) == pytest.approx(6 / 2 + 3.5 * 3)
-    assert pipeline_iteration_s(t, 4, "1f1b", first_slices=2) < pipeline_iteration_s(t, 4, "1f1b")
-    assert pipeline_iteration_s(t, 4, "wsp", first_slices=2) == pipeline_iteration_s(t, 4, "wsp")
+@pytest.mark.parametrize(("sched", "p", "m", "slices", "expected"), [
+    ("gpipe", 4, 8, 2, 33.0),  # GPipe: later micro-batches still cross the whole pipeline, no gain
+    ("gpipe", 8, 4, 4, 33.0),
+    ("1f1b", 4, 8, 1, 33.0),   # (m + p - 1)(f + b) with f = 1, b = 2
+    ("1f1b", 4, 8, 2, 32.0),   # 1F1B: the first backward starts earlier
+    ("1f1b", 8, 4, 2, 31.0),
+])
+def test_slicing_the_first_micro_batch_as_simulated(sched, p, m, slices, expected):
+    from dataclasses import replace
+
+    from partitioner.simulate import simulate_plan
+    from tests.test_simulate import chain_plan, uniform_profile
+
+    plan, cluster = chain_plan(p, m, sched)
+    assert simulate_plan(replace(plan, first_slices=slices), uniform_profile(p), cluster).iteration_s == expected
+    assert pipeline_iteration_s([3.0] * p, m, sched) == (m + p - 1) * 3.0  # the closed form knows no slicing
 
 
 def test_choice_is_the_best_candidate_and_covers_the_batch():
@@ -41,3 +51,16 @@ def test_choice_is_the_best_candidate_and_covers_the_batch():
     choice.result.plan.validate(prof.rescaled(choice.micro_batch_size), cl)
     with pytest.raises(FormatError, match="divide"):
         choose_micro_batches(prof, cl, 32, plan_cluster, sizes=[3])
+
+
+def test_candidates_are_priced_by_the_simulator():
+    from partitioner.simulate import simulate_plan
+
+    prof = synthetic_profile(8, micro_batch_size=8, param_mb=5, act_mb=50)
+    cl = small_cluster([["TITAN-V", "RTX-2060"], ["TITAN-V"]])
+    choice = choose_micro_batches(prof, cl, 32, plan_cluster, virtual_workers=1, policy="opt", slices=(1, 2))
+    assert choice is not None
+    plan = choice.result.plan
+    assert plan.first_slices == choice.first_slices
+    simulated = simulate_plan(plan, prof.rescaled(choice.micro_batch_size), cl)
+    assert choice.samples_per_s == pytest.approx(simulated.samples_per_s)
