@@ -114,11 +114,8 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
                     blocked[r] = t
                     waiting[key] = r
                     break
-                if blocked[r] >= 0:
-                    st[i] = blocked[r]
-                    blocked[r] = -1.0
-                else:
-                    st[i] = t
+                st[i] = blocked[r] if blocked[r] >= 0 else t  # a resumed wait starts where it blocked
+                blocked[r] = -1.0
                 if a > t:
                     t = a
                 en[i] = t
@@ -166,11 +163,8 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
                     blocked[r] = t
                     pull_wait.setdefault(key, []).append(r)
                     break
-                if blocked[r] >= 0:
-                    st[i] = blocked[r]
-                    blocked[r] = -1.0
-                else:
-                    st[i] = t
+                st[i] = blocked[r] if blocked[r] >= 0 else t  # a resumed wait starts where it blocked
+                blocked[r] = -1.0
                 t = max(t, when) + dur
                 en[i] = t
             i += 1
