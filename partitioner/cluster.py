@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 from ._io import load_mapping, opt_field, req_field, req_number
+from .bandwidth import Bandwidth, parse_bandwidth
 from .errors import FormatError, check
 
 __all__ = [
@@ -161,6 +162,7 @@ class Node:
     name: str
     gpus: tuple[str, ...]
     intra_gbps: float
+    intra_curve: Bandwidth | None = None  # message-size-aware bandwidth; its cap is intra_gbps
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", tuple(self.gpus))
@@ -176,6 +178,7 @@ class Link:
     a: str
     b: str
     gbps: float
+    curve: Bandwidth | None = None
 
     def __post_init__(self) -> None:
         check(self.gbps > 0, "links[].GBps", self.gbps, "must be > 0")
@@ -190,6 +193,7 @@ class Cluster:
     inter_gbps: float
     device_types: Mapping[str, DeviceType] = field(default_factory=dict)
     links: tuple[Link, ...] = ()
+    inter_curve: Bandwidth | None = None  # message-size-aware inter-node bandwidth; its cap is inter_gbps
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -246,6 +250,40 @@ class Cluster:
         """Distinct GPU type names, in first-seen order."""
         return tuple(dict.fromkeys(d.gpu_type for d in self.devices))
 
+    @functools.cached_property
+    def _curves(self) -> dict[frozenset[str], Bandwidth]:
+        return {frozenset((x.a, x.b)): x.curve or Bandwidth(x.gbps, name=f"links[{k}]")
+                for k, x in enumerate(self.links)}
+
+    @functools.cached_property
+    def _flat_inter(self) -> Bandwidth:
+        return self.inter_curve or Bandwidth(self.inter_gbps, name="inter_node_GBps")
+
+    @functools.cached_property
+    def _node_curve(self) -> dict[str, Bandwidth]:
+        return {n.name: n.intra_curve or Bandwidth(n.intra_gbps, name=f"nodes.{n.name}.intra_node_GBps")
+                for n in self.nodes}
+
+    def link(self, a: str, b: str) -> Bandwidth:
+        """The :class:`Bandwidth` between two different devices (same precedence as :meth:`bandwidth_gbps`)."""
+        da, db = self.device(a), self.device(b)
+        ov = self._curves
+        for key in (frozenset((a, b)), frozenset((da.node, db.node))):
+            if key in ov:
+                return ov[key]
+        return self._node_curve[da.node] if da.node == db.node else self._flat_inter
+
+    def transfer_s(self, nbytes: float, a: str, b: str) -> float:
+        """Seconds to move one message of ``nbytes`` from device ``a`` to device ``b`` (0 if a == b)."""
+        if a == b or nbytes <= 0:
+            return 0.0
+        return self.link(a, b).seconds(nbytes)
+
+    @property
+    def has_curves(self) -> bool:
+        """Whether any link's time depends on the message size (or has a latency)."""
+        return any(not bw.is_flat for bw in (*self._curves.values(), *self._node_curve.values(), self._flat_inter))
+
     def bandwidth_gbps(self, a: str, b: str) -> float:
         """Bandwidth of the link between devices ``a`` and ``b`` in GB/s (inf for a == b).
 
@@ -274,7 +312,8 @@ class Cluster:
                    inter_gbps)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"format": CLUSTER_FORMAT, "name": self.name, "inter_node_GBps": self.inter_gbps,
+        d: dict[str, Any] = {"format": CLUSTER_FORMAT, "name": self.name,
+                             "inter_node_GBps": self.inter_curve.to_value() if self.inter_curve else self.inter_gbps,
                              "nodes": []}
         for n in self.nodes:
             counts: dict[str, int] = {}
@@ -284,11 +323,13 @@ class Cluster:
                     contiguous = False
                 counts[t] = counts.get(t, 0) + 1
             gpus: Any = counts if contiguous else list(n.gpus)
-            d["nodes"].append({"name": n.name, "intra_node_GBps": n.intra_gbps, "gpus": gpus})
+            d["nodes"].append({"name": n.name, "intra_node_GBps": n.intra_curve.to_value() if n.intra_curve
+                               else n.intra_gbps, "gpus": gpus})
         if self.device_types:
             d["device_types"] = {k: v.to_dict() for k, v in self.device_types.items()}
         if self.links:
-            d["links"] = [{"between": [x.a, x.b], "GBps": x.gbps} for x in self.links]
+            d["links"] = [{"between": [x.a, x.b], "GBps": x.curve.to_value() if x.curve else x.gbps}
+                          for x in self.links]
         return d
 
     @classmethod
@@ -314,10 +355,12 @@ class Cluster:
                 for k, t in enumerate(gpus_raw):
                     check(isinstance(t, str), f"{where}gpus[{k}]", t, "must be a GPU type name")
                 gpus = list(gpus_raw)
+            intra = parse_bandwidth(raw, "intra_node_GBps", where)
             nodes.append(Node(
                 name=str(opt_field(raw, "name", (str, int), f"n{i}", where)),
                 gpus=tuple(gpus),
-                intra_gbps=req_number(raw, "intra_node_GBps", where, strict=True),
+                intra_gbps=intra.gbps,
+                intra_curve=None if intra.is_flat else intra,
             ))
         links = []
         for k, raw in enumerate(opt_field(d, "links", list, [])):
@@ -327,13 +370,16 @@ class Cluster:
             ends = req_field(raw, "between", list, where)
             check(len(ends) == 2 and all(isinstance(e, str) for e in ends), f"{where}between", ends,
                   "must be two node or device names")
-            links.append(Link(ends[0], ends[1], req_number(raw, "GBps", where, strict=True)))
+            bw = parse_bandwidth(raw, "GBps", where)
+            links.append(Link(ends[0], ends[1], bw.gbps, None if bw.is_flat else bw))
+        inter = parse_bandwidth(d, "inter_node_GBps")
         return cls(
             name=str(opt_field(d, "name", (str, int), "cluster")),
             nodes=tuple(nodes),
-            inter_gbps=req_number(d, "inter_node_GBps", strict=True),
+            inter_gbps=inter.gbps,
             device_types=types,
             links=tuple(links),
+            inter_curve=None if inter.is_flat else inter,
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

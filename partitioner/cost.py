@@ -16,10 +16,21 @@ whose sends block the sender (gloo point-to-point does), and it never promises o
 the hardware or the communication library does not deliver. Overlap is the better model for
 NCCL with asynchronous point-to-point on separate streams.
 
-Memory of a stage on its device:
-``param_bytes * (weight_versions + 1 gradient + optimizer_state_factor)
-+ saved_bytes * activations_in_flight + reserved_bytes``, where a stage's saved bytes count a
-tensor kept by two adjacent layers of the stage once (``LayerProfile.shared_saved_bytes``).
+Memory of a stage on its device, for ``n`` parameters (``param_bytes`` over the element size of
+the profile's dtype) trained in ``CostOptions.precision``:
+``n * (weight_versions * e + e gradient + master + 4 * optimizer_state_factor)
++ saved_bytes * activations_in_flight + reserved_bytes``, with ``e`` = 4 bytes (fp32) or 2
+(fp16/bf16 mixed precision, which also keeps a 4-byte fp32 master copy), and a stage's saved
+bytes counting a tensor kept by two adjacent layers of the stage once
+(``LayerProfile.shared_saved_bytes``). ``reserved_bytes`` is the framework's own memory per GPU
+(CUDA context, communication buffers, allocator slack).
+
+Data-parallel gradient synchronisation: every set of devices that hold the same layers (virtual
+workers, replicated stages) all-reduces those layers' gradients (``n * e`` bytes) once per
+iteration, after their last backward, then each device runs its optimizer step
+(``LayerTime.update_s``). The all-reduce is a ring inside a node and hierarchical across nodes
+(reduce-scatter in each node, ring between nodes, all-gather), whichever is faster, priced on
+the cluster's links (:mod:`partitioner.bandwidth`, message-size aware).
 """
 
 from __future__ import annotations
@@ -27,22 +38,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._io import opt_field, req_number
 from .cluster import Cluster, Device, resolve_gpu_type
-from .errors import FormatError, PartitionerError
+from .errors import FormatError, PartitionerError, check
 from .profile import Profile
 
 if TYPE_CHECKING:
     from .plan import Plan
 
 __all__ = [
+    "PRECISIONS",
     "CostModel",
     "CostOptions",
+    "SyncGroup",
     "activations_in_flight",
     "pipeline_iteration_s",
     "ring_allreduce_s",
@@ -50,26 +64,75 @@ __all__ = [
 ]
 
 GIB = 2**30
+PRECISIONS = ("fp32", "fp16", "bf16")
+_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
 
 
 @dataclass(frozen=True)
 class CostOptions:
-    """Knobs of the cost model.
+    """Knobs of the cost model; saved in every plan (``Plan.pricing``) so it is re-priced alike.
 
-    ``optimizer_state_factor`` is optimizer state per parameter byte: 2 for Adam (two
-    moments), 1 for SGD with momentum, 0 for plain SGD. ``reserved_bytes`` is kept free
-    on every GPU for the CUDA context, workspaces and allocator slack.
+    ``precision`` is how the model trains: ``fp32``, or ``fp16``/``bf16`` mixed precision (2-byte
+    weights and gradients, a 4-byte fp32 master copy). ``optimizer_state_factor`` is optimizer
+    state per parameter in 4-byte words: 2 for Adam (two moments), 1 for SGD with momentum, 0
+    for plain SGD. ``reserved_bytes`` is the framework's own memory on every GPU (CUDA context,
+    communication buffers, workspaces, allocator slack). ``sync`` prices the gradient all-reduce
+    between data-parallel holders of the same layers and the optimizer step.
     """
 
     overlap_comm: bool = False
     optimizer_state_factor: float = 2.0
     reserved_bytes: float = 0.5 * GIB
+    precision: str = "fp32"
+    sync: bool = True
 
     def __post_init__(self) -> None:
-        if self.optimizer_state_factor < 0:
-            raise FormatError("optimizer_state_factor", self.optimizer_state_factor, "must be >= 0")
-        if self.reserved_bytes < 0:
-            raise FormatError("reserved_bytes", self.reserved_bytes, "must be >= 0")
+        for name in ("optimizer_state_factor", "reserved_bytes"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise FormatError(name, v, "must be a finite number >= 0")
+        if self.precision not in PRECISIONS:
+            raise FormatError("precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one weight or gradient element in training."""
+        return 4 if self.precision == "fp32" else 2
+
+    def bytes_per_parameter(self, weight_versions: int = 1) -> float:
+        """Weights (``weight_versions`` copies), gradient, fp32 master copy and optimizer state."""
+        e = self.element_bytes
+        master = 0 if self.precision == "fp32" else 4
+        return weight_versions * e + e + master + 4.0 * self.optimizer_state_factor
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"overlap_comm": self.overlap_comm, "optimizer_state_factor": self.optimizer_state_factor,
+                "reserved_GiB": self.reserved_bytes / GIB, "precision": self.precision, "sync": self.sync}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "pricing.") -> CostOptions:
+        if not isinstance(d, Mapping):
+            raise FormatError(where.rstrip("."), d, "must be an object {precision, reserved_GiB, ...}")
+        known = {"overlap_comm", "optimizer_state_factor", "reserved_GiB", "precision", "sync"}
+        for k in d:
+            check(k in known, f"{where}{k}", d[k], f"unknown option; known: {', '.join(sorted(known))}")
+        try:
+            return cls(overlap_comm=opt_field(d, "overlap_comm", bool, False, where),
+                       optimizer_state_factor=req_number(d, "optimizer_state_factor", where, default=2.0),
+                       reserved_bytes=req_number(d, "reserved_GiB", where, default=0.5) * GIB,
+                       precision=opt_field(d, "precision", str, "fp32", where),
+                       sync=opt_field(d, "sync", bool, True, where))
+        except FormatError as err:
+            raise err if err.field.startswith(where) else err.under(where) from None
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """Layers ``[start, stop)`` held by ``devices`` (>= 2): their gradients are all-reduced."""
+
+    start: int
+    stop: int
+    devices: tuple[str, ...]
 
 
 # -- what a schedule keeps in memory ----------------------------------------------------------
@@ -126,6 +189,21 @@ def ring_allreduce_s(nbytes: float, link_gbps: Sequence[float]) -> float:
     return 2.0 * (n - 1) / n * nbytes / (min(link_gbps) * 1e9)
 
 
+def hierarchical_allreduce_s(nbytes: float, per_node: Sequence[int], intra_s: Sequence[float],
+                             inter_s: float) -> float:
+    """Reduce-scatter inside each node, ring all-reduce between nodes, all-gather inside each node.
+
+    ``per_node[i]`` holders on node ``i``; ``intra_s[i]`` is the seconds node ``i``'s links take
+    for ``nbytes`` (one pass at the node's bandwidth), ``inter_s`` the same between nodes. The
+    nodes' GPUs share their node's inter-node link, so the inter-node phase moves the whole
+    buffer: ``2 (N - 1) / N`` passes. Each intra phase is ``(g - 1) / g`` passes.
+    """
+    n_nodes = len(per_node)
+    intra = max(((g - 1) / g * t for g, t in zip(per_node, intra_s, strict=True)), default=0.0)
+    inter = 2.0 * (n_nodes - 1) / n_nodes * inter_s if n_nodes > 1 else 0.0
+    return 0.0 if nbytes == 0 else 2.0 * intra + inter
+
+
 # -- the model ------------------------------------------------------------------------------
 
 
@@ -142,7 +220,10 @@ class CostModel:
         self.options = options or CostOptions()
         self.num_layers = profile.num_layers
         zero = np.zeros(1)
-        self.param_prefix = np.concatenate([zero, np.cumsum(profile.array("param_bytes"))])
+        dtype_bytes = _DTYPE_BYTES.get(profile.dtype, 4)
+        # parameters (a count) of layers [0, i); gradient bytes in training precision
+        self.param_count_prefix = np.concatenate([zero, np.cumsum(profile.array("param_bytes") / dtype_bytes)])
+        self.param_prefix = self.param_count_prefix * self.options.element_bytes
         # Saved bytes of layers [i, j) are A[j] - B[i]: every layer's saved bytes, less what layer
         # l shares with layer l - 1 for the layers i < l < j (both in the stage).
         saved = np.concatenate([zero, np.cumsum(profile.array("saved_bytes"))])
@@ -212,9 +293,7 @@ class CostModel:
         """Seconds to move ``nbytes`` one way between devices ``a`` and ``b``."""
         na = a if isinstance(a, str) else a.name
         nb = b if isinstance(b, str) else b.name
-        if nbytes == 0 or na == nb:
-            return 0.0
-        return nbytes / (self.cluster.bandwidth_gbps(na, nb) * 1e9)
+        return self.cluster.transfer_s(nbytes, na, nb)
 
     def boundary_bytes(self, cut: int) -> float:
         """Bytes of the tensor crossing a cut before layer ``cut`` (0 at the chain's ends)."""
@@ -242,7 +321,11 @@ class CostModel:
     def _boundary_vector(self, a: str, b: str) -> np.ndarray:
         if a == b:
             return self._no_transfer
-        out = 2.0 * self.boundary / (self.cluster.bandwidth_gbps(a, b) * 1e9)
+        link = self.cluster.link(a, b)
+        if link.is_flat:
+            out = 2.0 * self.boundary / (link.gbps * 1e9)
+        else:  # one message each way per cut, timed at its own size
+            out = np.array([2.0 * link.seconds(float(x)) for x in self.boundary])
         out.flags.writeable = False
         return out
 
@@ -286,14 +369,68 @@ class CostModel:
     # -- data parallelism inside a stage (replication) -------------------------------------------
 
     def allreduce_s(self, nbytes: float, devices: Sequence[str | Device]) -> float:
-        """Ring all-reduce of ``nbytes`` over ``devices`` in the given ring order."""
+        """All-reduce of ``nbytes`` over ``devices``: the faster of a ring in the given order and
+        the hierarchical algorithm (:func:`hierarchical_allreduce_s`), as NCCL picks one."""
         names = [d if isinstance(d, str) else d.name for d in devices]
-        hops = [self.cluster.bandwidth_gbps(a, b) for a, b in zip(names, names[1:] + names[:1], strict=True)]
-        return ring_allreduce_s(nbytes, hops)
+        n = len(names)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        cl = self.cluster
+        hops = list(zip(names, names[1:] + names[:1], strict=True))
+        # ring: 2(n-1) steps of nbytes/n each, at the slowest hop's pace (each step pays its latency)
+        ring = max(2.0 * (n - 1) * cl.link(a, b).seconds(nbytes / n) for a, b in hops)
+        by_node: dict[str, list[str]] = {}
+        for d in names:
+            by_node.setdefault(cl.device(d).node, []).append(d)
+        if len(by_node) == 1 or all(len(v) == 1 for v in by_node.values()):
+            return ring
+        intra = [cl.link(v[0], v[1]).seconds(nbytes) if len(v) > 1 else 0.0 for v in by_node.values()]
+        heads = [v[0] for v in by_node.values()]
+        inter = max(cl.link(a, b).seconds(nbytes) for a, b in zip(heads, heads[1:] + heads[:1], strict=True))
+        hier = hierarchical_allreduce_s(nbytes, [len(v) for v in by_node.values()], intra, inter)
+        return min(ring, hier)
 
     def param_bytes(self, start: int, stop: int) -> float:
-        """Parameter bytes of layers ``[start, stop)`` (what a replicated stage all-reduces)."""
+        """Gradient bytes of layers ``[start, stop)`` in training precision (what data parallelism
+        all-reduces)."""
         return float(self.param_prefix[stop] - self.param_prefix[start])
+
+    def update_s(self, gpu_type: str, start: int, stop: int) -> float:
+        """Optimizer step of layers ``[start, stop)`` on ``gpu_type`` (0 where the profile has none)."""
+        return float(self._update_prefix(gpu_type)[stop] - self._update_prefix(gpu_type)[start])
+
+    @functools.cache  # noqa: B019
+    def _update_prefix(self, gpu_type: str) -> np.ndarray:
+        key = self._times_key.get(gpu_type, gpu_type)
+        return np.concatenate([np.zeros(1), np.cumsum(self.profile.update_times_for(key))])
+
+    # -- data-parallel synchronisation -----------------------------------------------------------
+
+    def sync_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
+        """The all-reduces of ``plan``: maximal layer ranges with one set of holders (>= 2 devices),
+        ordered by first layer (every device runs its groups in this order, so no cycle forms).
+
+        Under ``wsp`` there is none: WSP pushes and pulls instead (:meth:`wave_sync_s`).
+        """
+        if plan.schedule == "wsp" or not self.options.sync:
+            return ()
+        holders: list[list[str]] = [[] for _ in range(self.num_layers)]
+        for vw in plan.virtual_workers:
+            for st in vw.stages:
+                for layer in range(st.start, min(st.stop, self.num_layers)):
+                    holders[layer].extend(st.devices)
+        out: list[SyncGroup] = []
+        start = 0
+        for layer in range(1, self.num_layers + 1):
+            if layer == self.num_layers or holders[layer] != holders[start]:
+                if len(holders[start]) > 1:
+                    out.append(SyncGroup(start, layer, tuple(holders[start])))
+                start = layer
+        return tuple(out)
+
+    def sync_s(self, group: SyncGroup) -> float:
+        """All-reduce seconds of one :class:`SyncGroup`."""
+        return self.allreduce_s(self.param_bytes(group.start, group.stop), group.devices)
 
     def replicated_stage_time_s(self, start: int, stop: int, devices: Sequence[str | Device],
                                 prev: str | Device | None, nxt: str | Device | None,
@@ -317,13 +454,13 @@ class CostModel:
     # -- memory ----------------------------------------------------------------------------------
 
     def weight_factor(self, schedule: str) -> float:
-        """Bytes of weights + gradients + optimizer state per parameter byte."""
-        return weight_versions(schedule) + 1.0 + self.options.optimizer_state_factor
+        """Bytes of weights + gradients + master copy + optimizer state per parameter."""
+        return self.options.bytes_per_parameter(weight_versions(schedule))
 
     @functools.cache  # noqa: B019
     def _memory_prefix(self, in_flight: int, schedule: str) -> tuple[np.ndarray, np.ndarray]:
         """(at stop, at start): stage memory is ``q_stop[j] - q_start[i]`` + reserved."""
-        w = self.param_prefix * self.weight_factor(schedule)
+        w = self.param_count_prefix * self.weight_factor(schedule)
         q_stop, q_start = w + self.saved_stop * in_flight, w + self.saved_start * in_flight
         q_stop.flags.writeable = q_start.flags.writeable = False
         return q_stop, q_start
@@ -364,13 +501,16 @@ class CostModel:
         return float(self.saved_stop[stop] - self.saved_start[start])
 
     def weight_bytes(self, start: int, stop: int, versions: int = 1) -> float:
-        """Weights (``versions`` copies), gradients and optimizer state of layers ``[start, stop)``."""
-        params = float(self.param_prefix[stop] - self.param_prefix[start])
-        return params * (versions + 1.0 + self.options.optimizer_state_factor)
+        """Weights (``versions`` copies), gradients, master copy and optimizer state of ``[start, stop)``."""
+        params = float(self.param_count_prefix[stop] - self.param_count_prefix[start])
+        return params * self.options.bytes_per_parameter(versions)
 
     def parameter_sync_s(self, start: int, stop: int) -> float:
         """Seconds to push (or pull) the parameters of layers ``[start, stop)`` to (from) a
         parameter server across the inter-node network (WSP)."""
+        inter = self.cluster.inter_curve
+        if inter is not None:
+            return inter.seconds(self.param_bytes(start, stop))
         return float(self._sync_prefix[stop] - self._sync_prefix[start])
 
     def wave_sync_s(self, start: int, stop: int, micro_batches: int) -> float:
@@ -380,10 +520,16 @@ class CostModel:
         ``m`` micro-batches, blocking meanwhile, so in steady state its period per micro-batch
         grows by ``2 * parameter_sync_s / m``. Added to a stage's time under the ``wsp`` schedule.
         """
-        return 2.0 * float(self._sync_prefix[stop] - self._sync_prefix[start]) / micro_batches
+        return 2.0 * self.parameter_sync_s(start, stop) / micro_batches
 
     def wave_sync_matrix(self, micro_batches: int, rows: slice = slice(None)) -> np.ndarray:
         """``wave_sync_s(i, j, m)`` for every ``i`` in ``rows`` and every ``j`` (same operations)."""
+        inter = self.cluster.inter_curve
+        if inter is not None:
+            q = self.param_prefix
+            nbytes = q[None, :] - q[rows, None]
+            secs = np.vectorize(lambda x: inter.seconds(float(x)) if x > 0 else 0.0, otypes=[float])(nbytes)
+            return 2.0 * secs / micro_batches
         q = self._sync_prefix
         return 2.0 * (q[None, :] - q[rows, None]) / micro_batches
 

@@ -14,7 +14,10 @@ runtime implements):
 * A receive blocks the rank until the matching transfer has arrived.
 * ``PUSH`` / ``PULL`` (WSP) take :meth:`CostModel.parameter_sync_s` each; a ``PULL`` also waits
   until the other virtual workers have pushed the wave it names.
-* ``STEP`` takes no time (the profile does not time the optimizer).
+* ``ALLREDUCE`` is a collective: a member blocks until every member of its group has arrived,
+  then all finish together after the all-reduce time (:meth:`CostModel.sync_s`).
+* ``STEP`` takes the optimizer step of the rank's layers (``LayerTime.update_s``; 0 where the
+  profile did not time it).
 
 The loop keeps one program counter per rank and a heap of runnable ranks keyed by their
 clock, so work is done in time order (which makes first-come-first-served links exact) and
@@ -26,11 +29,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .errors import PartitionerError
 from .schedule import (
     ACTION_KINDS,
+    ALLREDUCE,
     PULL,
     PUSH,
     RECV_ACT,
@@ -46,9 +50,9 @@ __all__ = ["KIND_CODE", "OP_OF_KIND", "DeadlockError", "Op", "raise_deadlock", "
 
 KIND_CODE = {k: i for i, k in enumerate(ACTION_KINDS)}
 # op codes of the event loop
-_COMPUTE, _SEND, _RECV, _STEP, _PUSH, _PULL = range(6)
+_COMPUTE, _SEND, _RECV, _STEP, _PUSH, _PULL, _COLL = range(7)
 OP_OF_KIND = {"F": _COMPUTE, "B": _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
-               RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL}
+               RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL, ALLREDUCE: _COLL}
 
 
 class DeadlockError(PartitionerError):
@@ -57,14 +61,22 @@ class DeadlockError(PartitionerError):
 
 # -- the event loop ---------------------------------------------------------------------------
 
-# An op is (code, duration_s, key, link): key is the message key (send/recv) or the WSP wave
-# (push/pull); link indexes the link a send uses (-1 for none).
+# An op is (code, duration_s, key, link): key is the message key (send/recv), the WSP wave
+# (push/pull) or the collective's key (all-reduce); link indexes the link a send uses (-1 for none).
 Op = tuple[int, float, int, int]
 
 
-def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bool, n_links: int
-         ) -> tuple[list[list[float]], list[list[float]], list[int]]:
-    """Time every op; returns per-rank start and end lists and each rank's program counter."""
+def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bool, n_links: int,
+            collective_size: Mapping[int, int] | None = None,
+            ) -> tuple[list[list[float]], list[list[float]], list[int]]:
+    """Time every op; returns per-rank start and end lists and each rank's program counter.
+
+    ``collective_size[key]`` is the number of members of the all-reduce ``key``."""
+    coll_size = collective_size or {}
+    coll_count: dict[int, int] = {}
+    coll_latest: dict[int, float] = {}
+    coll_end: dict[int, float] = {}
+    coll_wait: dict[int, list[int]] = {}
     n_ranks = len(ops)
     n_workers = max(rank_worker, default=-1) + 1
     worker_size = [0] * n_workers
@@ -136,7 +148,26 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
                     heappush(heap, (e, w))
                     limit = heap[0][0]
             elif code == _STEP:
-                st[i] = en[i] = t
+                st[i] = t
+                t += dur
+                en[i] = t
+            elif code == _COLL:
+                done = coll_end.get(key)
+                if done is None:
+                    cnt = coll_count[key] = coll_count.get(key, 0) + 1
+                    coll_latest[key] = max(coll_latest.get(key, 0.0), t)
+                    if cnt < coll_size.get(key, 1):
+                        blocked[r] = t
+                        coll_wait.setdefault(key, []).append(r)
+                        break
+                    done = coll_end[key] = coll_latest[key] + dur
+                    for q in coll_wait.pop(key, []):
+                        heappush(heap, (done, q))
+                    limit = heap[0][0] if heap else inf
+                st[i] = blocked[r] if blocked[r] >= 0 else t
+                blocked[r] = -1.0
+                t = done
+                en[i] = t
             elif code == _PUSH:
                 st[i] = t
                 t += dur

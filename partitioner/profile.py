@@ -24,15 +24,20 @@ PROFILE_FORMAT = "partitioner.profile/1"
 
 @dataclass(frozen=True)
 class LayerTime:
-    """Forward and backward time of one layer on one GPU type, per micro-batch."""
+    """Forward and backward time of one layer on one GPU type, per micro-batch.
+
+    ``update_s`` is the optimizer step of the layer's parameters, once per iteration (it does
+    not depend on the micro-batch size); 0 when the profile did not time it.
+    """
 
     fwd_s: float
     bwd_s: float
     projected: bool = False
     measured_on: str = ""  # the device that really took the numbers ("cpu", "cuda:NVIDIA H100 ...")
+    update_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("fwd_s", "bwd_s"):
+        for name in ("fwd_s", "bwd_s", "update_s"):
             v = getattr(self, name)
             check(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, name, v,
                   "must be a finite number of seconds >= 0")
@@ -45,6 +50,8 @@ class LayerTime:
         d: dict[str, Any] = {"fwd_s": self.fwd_s, "bwd_s": self.bwd_s, "projected": self.projected}
         if self.measured_on:
             d["measured_on"] = self.measured_on
+        if self.update_s:
+            d["update_s"] = self.update_s
         return d
 
     @classmethod
@@ -56,6 +63,7 @@ class LayerTime:
             bwd_s=req_number(d, "bwd_s", where),
             projected=opt_field(d, "projected", bool, False, where),
             measured_on=opt_field(d, "measured_on", str, "", where),
+            update_s=req_number(d, "update_s", where, default=0.0),
         )
 
 
@@ -174,6 +182,11 @@ class Profile:
     def array(self, name: str) -> np.ndarray:
         """One numeric layer field (``flops``, ``param_bytes``, ...) as a float64 array."""
         return np.array([getattr(layer, name) for layer in self.layers], dtype=np.float64)
+
+    def update_times_for(self, gpu_type: str) -> np.ndarray:
+        """Optimizer-step seconds per layer on ``gpu_type`` (0 where not timed)."""
+        return np.array([layer.times[gpu_type].update_s if gpu_type in layer.times else 0.0
+                         for layer in self.layers], dtype=np.float64)
 
     def times_for(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) seconds per layer on ``gpu_type``; every layer must have it."""

@@ -14,6 +14,11 @@ executes, in order:
     the gradient leaving stage ``s`` for stage ``s - 1`` (after / before the ``B``s).
 ``STEP``
     optimizer step; ``version`` is the weight version it creates (2BW double buffer).
+``ALLREDUCE``
+    data-parallel gradient all-reduce among the devices holding the same layers, before a
+    ``STEP``; ``peer`` numbers the group. Schedules do not emit it: where it goes depends on the
+    plan's placement, so the simulator inserts it (``CostModel.sync_groups``) and the runtime
+    runs its gradient averaging at the same point.
 ``PUSH`` / ``PULL``
     WSP: push this rank's accumulated update for wave ``version`` to the parameter server /
     wait until every rank of every *other* virtual worker has pushed wave ``version``, then
@@ -48,6 +53,7 @@ from .errors import FormatError
 
 __all__ = [
     "ACTION_KINDS",
+    "ALLREDUCE",
     "COMPUTE_KINDS",
     "PULL",
     "PUSH",
@@ -72,10 +78,10 @@ __all__ = [
 
 F, B = "F", "B"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"
-STEP, PUSH, PULL = "STEP", "PUSH", "PULL"
-ACTION_KINDS = (F, B, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, STEP, PUSH, PULL)
+STEP, PUSH, PULL, ALLREDUCE = "STEP", "PUSH", "PULL", "ALLREDUCE"
+ACTION_KINDS = (F, B, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, STEP, PUSH, PULL, ALLREDUCE)
 # index of each kind in ACTION_KINDS: the ``kind`` column of :func:`schedule_columns`
-_F, _B, _SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD, _STEP, _PUSH, _PULL = range(9)
+_F, _B, _SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD, _STEP, _PUSH, _PULL, _ALLREDUCE = range(10)
 COMPUTE_KINDS = (F, B)
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "bfs", "2bw", "wsp")
 NO_FLUSH = ("2bw", "wsp")

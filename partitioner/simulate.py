@@ -32,6 +32,7 @@ from .plan import Plan
 from .profile import Profile
 from .schedule import (
     ACTION_KINDS,
+    ALLREDUCE,
     PULL,
     PUSH,
     RECV_ACT,
@@ -118,9 +119,16 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     n_iter = iterations if iterations is not None else default_iterations(sched, plan.staleness)
     pipes = _pipelines(plan)
     notes: list[str] = []
-    if len(pipes) > 1 and sched != "wsp":
+    groups = cost.sync_groups(plan)
+    group_s = [cost.sync_s(g) for g in groups]
+    groups_of: dict[str, list[int]] = {}
+    for gi, g in enumerate(groups):
+        for d in g.devices:
+            groups_of.setdefault(d, []).append(gi)
+    if len(pipes) > 1 and sched != "wsp" and not cost.options.sync:
         notes.append(f"{len(pipes)} virtual workers simulated as independent pipelines; the gradient "
-                     f"all-reduce between them is not priced (use schedule wsp for WSP synchronisation)")
+                     f"all-reduce between them is not priced (sync off)")
+    coll_size: dict[int, int] = {}
     links: dict[tuple[str, str], int] = {}
 
     def link_of(a: str, b: str) -> int:
@@ -137,17 +145,19 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     op_code = np.array([OP_OF_KIND[k] for k in ACTION_KINDS], dtype=np.int64)
     # message keys, equal for a send and its receive:
     # ((micro_batch * 4096 + sending stage) * 2 + direction) * 1024 + virtual worker
-    sender_shift = np.array([0, 0, 0, -1, 0, 1, 0, 0, 0])
-    direction = np.array([0, 0, 0, 0, 1, 1, 0, 0, 0])
-    is_msg = np.isin(np.arange(9), [KIND_CODE[k] for k in (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)])
-    is_sync = np.isin(np.arange(9), [KIND_CODE[k] for k in (STEP, PUSH, PULL)])
+    n_kinds = len(ACTION_KINDS)
+    sender_shift = np.array([0, 0, 0, -1, 0, 1, 0, 0, 0, 0])
+    direction = np.array([0, 0, 0, 0, 1, 1, 0, 0, 0, 0])
+    is_msg = np.isin(np.arange(n_kinds), [KIND_CODE[k] for k in (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)])
+    is_sync = np.isin(np.arange(n_kinds), [KIND_CODE[k] for k in (STEP, PUSH, PULL)])
+    ar_code = KIND_CODE[ALLREDUCE]
     for pipe in pipes:
         cols = schedule_columns(sched, pipe.ranks, m_run, plan.chunks, n_iter, plan.staleness)
         p, n_st, w = pipe.ranks, len(pipe.stages), pipe.worker
         dev = [pipe.devices[s % p] for s in range(n_st)]
         # tables indexed [kind, stage]; stage -1 (STEP, PUSH, PULL) reads the extra last column
-        dur = np.zeros((9, n_st + 1))
-        link = np.full((9, n_st + 1), -1, dtype=np.int64)
+        dur = np.zeros((n_kinds, n_st + 1))
+        link = np.full((n_kinds, n_st + 1), -1, dtype=np.int64)
         for s, (a, b) in enumerate(pipe.stages):
             dur[0, s], dur[1, s] = cost.fwd_bwd_s(cluster.device(dev[s]).gpu_type, a, b)
             if s + 1 < n_st:
@@ -158,14 +168,25 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
                 link[4, s] = link_of(dev[s], dev[s - 1])
         saved = np.array([cost.activation_bytes(a, b) for a, b in pipe.stages])
         for r in range(p):
-            kind, mb, stage, _, version = cols[r]
+            mine = groups_of.get(pipe.devices[r], [])
+            cols[r] = _with_allreduce(cols[r], mine, ar_code)
+            kind, mb, stage, peer, version = cols[r]
             sync = sum(cost.parameter_sync_s(a, b) for a, b in pipe.stages[r::p])
             dur[7, -1] = dur[8, -1] = sync
+            gpu = cluster.device(pipe.devices[r]).gpu_type
+            dur[6, -1] = sum(cost.update_s(gpu, a, b) for a, b in pipe.stages[r::p])
             d = dur[kind, stage]
             if n_slices > 1:  # compute and transfers of a slice scale with its share of the samples
                 d = np.where((mb >= 0) & (mb % m_run < n_slices), d / n_slices, d)
             key = np.where(is_msg[kind], ((mb * 4096 + stage + sender_shift[kind]) * 2 + direction[kind]) * 1024 + w,
                            np.where(is_sync[kind], version, -1))
+            ar = kind == ar_code
+            if ar.any():
+                d = np.where(ar, np.asarray(group_s + [0.0])[np.where(ar, peer, -1)], d)
+                key = np.where(ar, peer * (n_iter + 2) + version, key)
+                for gi in set(peer[ar].tolist()):
+                    for v in set(version[ar].tolist()):
+                        coll_size[gi * (n_iter + 2) + v] = len(groups[gi].devices)
             ops.append(list(zip(op_code[kind].tolist(), d.tolist(), key.tolist(), link[kind, stage].tolist(),
                                 strict=True)))
             columns.append(cols[r])
@@ -173,11 +194,26 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
             rank_worker.append(w)
             act_bytes.append(saved)
             weights.append(list(pipe.stages[r::p]))
-    starts, ends, pc = run_ops(ops, rank_worker, cost.options.overlap_comm, len(links))
+    starts, ends, pc = run_ops(ops, rank_worker, cost.options.overlap_comm, len(links), coll_size)
     if any(pc[r] < len(ops[r]) for r in range(len(ops))):
         raise_deadlock([to_actions(c) for c in columns], pc, names, rank_worker)
     return _summarise(plan, cost, n_iter, columns, starts, ends, names, rank_worker, act_bytes,
                       weights, notes)
+
+
+def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
+    """Insert one ALLREDUCE per sync group (``peer`` = the group) before every STEP of a rank."""
+    kind, mb, stage, peer, version = cols
+    if not groups:
+        return cols
+    at = np.flatnonzero(kind == KIND_CODE[STEP])
+    if not len(at):
+        return cols
+    pos = np.repeat(at, len(groups))
+    g = np.tile(np.asarray(groups, dtype=np.int64), len(at))
+    ver = np.repeat(version[at], len(groups))
+    return (np.insert(kind, pos, code).astype(kind.dtype), np.insert(mb, pos, -1), np.insert(stage, pos, -1),
+            np.insert(peer, pos, g), np.insert(version, pos, ver))
 
 
 def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],

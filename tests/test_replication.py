@@ -18,7 +18,10 @@ def test_ring_allreduce_formula():
     cl = small_cluster([["TITAN-V", "TITAN-V"], ["TITAN-V"]], intra=10.0, inter=2.0)
     cost = CostModel(synthetic_profile(4), cl)
     devs = ["n0:0", "n0:1", "n1:0"]
-    assert cost.allreduce_s(6e9, devs) == pytest.approx(2 * 2 / 3 * 6e9 / 2e9)
+    ring = 2 * 2 / 3 * 6e9 / 2e9  # 4.0 s: every byte of the ring crosses the 2 GB/s hop
+    # hierarchical: reduce-scatter in n0 (1/2 pass at 10 GB/s), ring of 2 nodes (1 pass at 2 GB/s), all-gather
+    hierarchical = 0.5 * 6e9 / 10e9 + 2 * 1 / 2 * 6e9 / 2e9 + 0.5 * 6e9 / 10e9
+    assert cost.allreduce_s(6e9, devs) == pytest.approx(min(ring, hierarchical)) == pytest.approx(3.6)
     assert cost.allreduce_s(6e9, devs[:2]) == pytest.approx(2 * 1 / 2 * 6e9 / 10e9)
     assert ring_allreduce_s(1e9, [5.0]) == 0.0
     assert cost.replicated_stage_time_s(0, 2, devs[:1], None, None, 4) == cost.stage_time_s(0, 2, devs[0])

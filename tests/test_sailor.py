@@ -29,9 +29,9 @@ def test_one_profile_with_seven_measured_types():
         for i, layer in enumerate(p.layers):
             t = layer.times[gpu]
             assert (t.fwd_s, t.bwd_s) == (raw[str(i)][0], raw[str(i)][1]) and t.measured_on == sailor
-            assert p.meta["update_s"][gpu][i] == raw[str(i)][2]
+            assert p.layers[i].times[gpu].update_s == raw[str(i)][2]
     info = json.loads((DATA / "llm_info_OPT-350_only.json").read_text())["OPT-350"]["1"]
-    assert p.layers[3].param_bytes == info["3"]["params_bytes"]
+    assert p.layers[3].param_bytes == 2 * info["3"]["params_floats"]  # fp16: 2 bytes per parameter
     assert p.layers[3].saved_bytes == info["3"]["act_mem_bytes"]
 
 

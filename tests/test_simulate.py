@@ -110,7 +110,7 @@ def test_link_contention_serialises_transfers() -> None:
     tl = simulate_plan(plan, prof, cluster, NO_RESERVE)
     sends = [e for e in tl.events() if e[1] == "SEND_ACT"]
     assert sorted(e[5] for e in sends) == pytest.approx([2.0, 3.0])  # second waits for the first
-    assert tl.notes  # the unpriced all-reduce between virtual workers is said
+    assert not tl.notes  # the all-reduce between virtual workers is priced now
 
 
 @pytest.mark.parametrize("d", [0, 1, 2])

@@ -14,11 +14,15 @@ lacks (Sailor's ``GH-96``, a Grace-Hopper 96 GB part) is kept as Sailor spells i
 Sailor records no FLOPs; they are computed from the model shape for a GPT-style decoder:
 a block does ``24 b s h^2 + 4 b s^2 h`` forward FLOPs, the head ``2 b s h V``, the
 embedding one addition per element (``b s h``). Sailor's optimizer-update time per layer
-is kept in ``meta.update_s``.
+becomes each layer's ``LayerTime.update_s``.
 
 The profile's ``dtype`` is ``float16`` (mixed precision): the measured speed ratios between
 GPU types follow their tensor-core peaks, not their FP32 peaks (docs/profiling.md), so
-projection uses the tensor-core roof. Byte counts are Sailor's, 4 bytes per element.
+projection uses the tensor-core roof. Parameters and boundary tensors are counted at 2 bytes
+per element (``params_floats``, ``act_output_floats``: what an fp16 model holds and sends);
+saved activations are Sailor's ``act_mem_bytes``, which is what the measured Clariden runs
+grow by per sample (docs/fidelity.md). With ``tensor_parallel`` t > 1 the counts and times
+are those of one of the t shards: plan a tensor-parallel group as one device.
 """
 
 from __future__ import annotations
@@ -82,11 +86,11 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
                           f"not in {info_path.name} (has {', '.join(have)})", file=str(info_path))
     info = info_model[tp]
     b = micro_batch_size
+    elem = 2 if dtype in ("float16", "bfloat16") else 4
     gpu_files = sorted(p for p in root.glob("*.json") if not p.name.startswith(SAILOR_SKIP))
     if not gpu_files:
         raise FormatError("directory", str(root), "has no <GPU>.json profile files")
     times: dict[str, list[LayerTime]] = {}
-    update: dict[str, list[float]] = {}
     names_map: dict[str, str] = {}
     for path in gpu_files:
         sailor_name = path.stem
@@ -105,10 +109,10 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
             row = per_layer.get(str(i))
             if not (isinstance(row, list) and len(row) >= 2 and all(isinstance(v, (int, float)) for v in row)):
                 raise FormatError(f"{b}.{tp}.{i}", row, "must be [fwd_s, bwd_s, update_s]", file=str(path))
-            rows.append(LayerTime(float(row[0]), float(row[1]), projected=False, measured_on=sailor_name))
             ups.append(float(row[2]) if len(row) > 2 else 0.0)
+            rows.append(LayerTime(float(row[0]), float(row[1]), projected=False, measured_on=sailor_name,
+                                  update_s=ups[-1]))
         times[gpu] = rows
-        update[gpu] = ups
     layers = []
     for i in range(n_all):
         li = info.get(str(i))
@@ -124,16 +128,16 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
         try:
             layers.append(LayerProfile(
                 name=lname, flops=flops,
-                param_bytes=_num(li, "params_bytes", where),
+                param_bytes=_num(li, "params_floats", where) * elem,
                 saved_bytes=_num(li, "act_mem_bytes", where) * b,
-                output_bytes=_num(li, "act_output_bytes", where) * b,
+                output_bytes=_num(li, "act_output_floats", where) * elem * b,
                 times={gpu: t[i] for gpu, t in times.items()}))
         except FormatError as err:
             raise err.in_file(str(info_path)) from None
     if not layers:
         raise PartitionerError(f"{cfg_path}: num_all_layers is 0")
     meta = {"measured_on": {g: s_name for s_name, g in names_map.items()},
-            "sailor_gpu_names": names_map, "tensor_parallel": tensor_parallel, "update_s": update,
+            "sailor_gpu_names": names_map, "tensor_parallel": tensor_parallel,
             "seq_len": s, "hidden_size": h, "vocab_size": vocab,
             "flops": "analytic: block 24bsh^2+4bs^2h, head 2bshV, embedding bsh"}
     return Profile(name, b, tuple(layers), dtype=dtype, source=f"sailor:{root.name}", meta=meta)
