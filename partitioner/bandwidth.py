@@ -15,6 +15,7 @@ value (polynomial fits are only valid over the sizes they were fitted on).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ class Bandwidth:
             if nbytes >= pts[-1][0]:
                 return pts[-1][1]
             x = math.log2(nbytes)
-            for (n0, b0), (n1, b1) in zip(pts, pts[1:]):
+            for (n0, b0), (n1, b1) in itertools.pairwise(pts):
                 if nbytes <= n1:
                     x0, x1 = math.log2(n0), math.log2(n1)
                     return b0 + (b1 - b0) * (x - x0) / (x1 - x0)

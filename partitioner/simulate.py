@@ -182,7 +182,7 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
                            np.where(is_sync[kind], version, -1))
             ar = kind == ar_code
             if ar.any():
-                d = np.where(ar, np.asarray(group_s + [0.0])[np.where(ar, peer, -1)], d)
+                d = np.where(ar, np.asarray([*group_s, 0.0])[np.where(ar, peer, -1)], d)
                 key = np.where(ar, peer * (n_iter + 2) + version, key)
                 for gi in set(peer[ar].tolist()):
                     for v in set(version[ar].tolist()):
