@@ -152,21 +152,21 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
                 t += dur
                 en[i] = t
             elif code == _COLL:
-                done = coll_end.get(key)
-                if done is None:
-                    cnt = coll_count[key] = coll_count.get(key, 0) + 1
+                finish = coll_end.get(key)
+                if finish is None:
+                    arrived = coll_count[key] = coll_count.get(key, 0) + 1
                     coll_latest[key] = max(coll_latest.get(key, 0.0), t)
-                    if cnt < coll_size.get(key, 1):
+                    if arrived < coll_size.get(key, 1):
                         blocked[r] = t
                         coll_wait.setdefault(key, []).append(r)
                         break
-                    done = coll_end[key] = coll_latest[key] + dur
+                    finish = coll_end[key] = coll_latest[key] + dur
                     for q in coll_wait.pop(key, []):
-                        heappush(heap, (done, q))
+                        heappush(heap, (finish, q))
                     limit = heap[0][0] if heap else inf
                 st[i] = blocked[r] if blocked[r] >= 0 else t
                 blocked[r] = -1.0
-                t = done
+                t = finish
                 en[i] = t
             elif code == _PUSH:
                 st[i] = t

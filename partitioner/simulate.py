@@ -123,8 +123,8 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     group_s = [cost.sync_s(g) for g in groups]
     groups_of: dict[str, list[int]] = {}
     for gi, g in enumerate(groups):
-        for d in g.devices:
-            groups_of.setdefault(d, []).append(gi)
+        for holder in g.devices:
+            groups_of.setdefault(holder, []).append(gi)
     if len(pipes) > 1 and sched != "wsp" and not cost.options.sync:
         notes.append(f"{len(pipes)} virtual workers simulated as independent pipelines; the gradient "
                      f"all-reduce between them is not priced (sync off)")
