@@ -223,7 +223,10 @@ class CostModel:
         dtype_bytes = _DTYPE_BYTES.get(profile.dtype, 4)
         # parameters (a count) of layers [0, i); gradient bytes in training precision
         self.param_count_prefix = np.concatenate([zero, np.cumsum(profile.array("param_bytes") / dtype_bytes)])
-        self.param_prefix = self.param_count_prefix * self.options.element_bytes
+        # A profile of one shard of a t-way tensor-parallel group (Profile.meta["tensor_parallel"]) is
+        # planned as one device of t GPUs: memory is per GPU, data-parallel traffic is t shards.
+        self.shards = int(profile.meta.get("tensor_parallel", 1) or 1)
+        self.param_prefix = self.param_count_prefix * (self.options.element_bytes * self.shards)
         # Saved bytes of layers [i, j) are A[j] - B[i]: every layer's saved bytes, less what layer
         # l shares with layer l - 1 for the layers i < l < j (both in the stage).
         saved = np.concatenate([zero, np.cumsum(profile.array("saved_bytes"))])

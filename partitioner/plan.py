@@ -24,6 +24,15 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "2bw", "wsp")
 MULTI_CHUNK_SCHEDULES = ("interleaved", "bfs")
 
 
+def _pricing(raw: Any) -> dict[str, Any]:
+    """Validated ``pricing`` of a plan file (the cost options it was priced with)."""
+    if raw is None:
+        return {}
+    from .cost import CostOptions
+
+    return CostOptions.from_dict(raw).to_dict()
+
+
 @dataclass(frozen=True)
 class Stage:
     """Layers ``[start, stop)`` on ``device``; ``replicas`` run the same stage data-parallel."""
@@ -149,9 +158,11 @@ class Plan:
     predicted: Mapping[str, float] = field(default_factory=dict)
     solver: SolverInfo | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    pricing: Mapping[str, Any] = field(default_factory=dict)  # the CostOptions it was priced with
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "virtual_workers", tuple(self.virtual_workers))
+        object.__setattr__(self, "pricing", dict(self.pricing))
         object.__setattr__(self, "predicted", dict(self.predicted))
         object.__setattr__(self, "meta", dict(self.meta))
         check(len(self.virtual_workers) >= 1, "virtual_workers", [], "must list at least one virtual worker")
@@ -242,6 +253,8 @@ class Plan:
             d["first_slices"] = self.first_slices
         d["virtual_workers"] = [vw.to_dict() for vw in self.virtual_workers]
         d["predicted"] = dict(self.predicted)
+        if self.pricing:
+            d["pricing"] = dict(self.pricing)
         if self.solver is not None:
             d["solver"] = self.solver.to_dict()
         if self.meta:
@@ -270,10 +283,19 @@ class Plan:
             predicted=predicted,
             solver=None if solver is None else SolverInfo.from_dict(solver),
             meta=opt_field(d, "meta", Mapping, {}),
+            pricing=_pricing(d.get("pricing")),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         write_json(path, self.to_dict())
+
+    def cost_options(self) -> CostOptions | None:
+        """The :class:`CostOptions` the plan was priced with, or None for a plan that does not say."""
+        if not self.pricing:
+            return None
+        from .cost import CostOptions
+
+        return CostOptions.from_dict(self.pricing)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:

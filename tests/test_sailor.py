@@ -23,16 +23,26 @@ def test_one_profile_with_seven_measured_types():
     assert set(p.gpu_types) == set(CATALOG_NAMES.values())
     assert p.meta["sailor_gpu_names"] == CATALOG_NAMES
     assert [x.name for x in p.layers][:2] == ["embed", "block0"] and p.layers[-1].name == "head"
+    clipped = 0
     for sailor, gpu in CATALOG_NAMES.items():
-        raw = json.loads((DATA / f"{sailor}.json").read_text())["1"]["1"]
+        data = json.loads((DATA / f"{sailor}.json").read_text())
+        raw = data["1"]["1"]
+        larger = [data[k]["1"] for k in data if int(k) > 1 and "1" in data[k]]
         assert not p.is_projected(gpu)
         for i, layer in enumerate(p.layers):
             t = layer.times[gpu]
-            assert (t.fwd_s, t.bwd_s) == (raw[str(i)][0], raw[str(i)][1]) and t.measured_on == sailor
-            assert p.layers[i].times[gpu].update_s == raw[str(i)][2]
+            # the measured time, unless the same layer was measured faster on more samples
+            for col, got in ((0, t.fwd_s), (1, t.bwd_s)):
+                assert got == min([raw[str(i)][col]] + [x[str(i)][col] for x in larger])
+                clipped += got != raw[str(i)][col]
+            assert t.measured_on == sailor and t.update_s == raw[str(i)][2]
+    assert 0 < clipped < 0.1 * 2 * 26 * len(CATALOG_NAMES)  # a few noisy entries, not the profile
     info = json.loads((DATA / "llm_info_OPT-350_only.json").read_text())["OPT-350"]["1"]
     assert p.layers[3].param_bytes == 2 * info["3"]["params_floats"]  # fp16: 2 bytes per parameter
-    assert p.layers[3].saved_bytes == info["3"]["act_mem_bytes"]
+    assert import_sailor(DATA, activations="sailor").layers[3].saved_bytes == info["3"]["act_mem_bytes"]
+    # Megatron-LM's formula at t = 1: s h (34 + 5 a s / h) bytes per sample
+    assert p.layers[3].saved_bytes == 2048 * 1024 * (34 + 5 * 16 * 2048 / 1024)
+    assert p.layers[0].saved_bytes == info["0"]["act_mem_bytes"]  # embedding: Sailor's count
 
 
 def test_micro_batch_scales_bytes_and_flops():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from ..cluster import GIB, Cluster
-from ..cost import CostOptions
+from ..cost import PRECISIONS, CostOptions
 from ..errors import FormatError
 from ..plan import SCHEDULES
 from ..profile import Profile
@@ -15,19 +16,37 @@ __all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
-    """Cost-model flags shared by the commands that price plans."""
+    """Cost-model flags shared by the commands that price plans (unset flags keep the defaults,
+    or for a saved plan the options it was priced with)."""
     group = parser.add_argument_group("cost model")
-    group.add_argument("--overlap-comm", action="store_true",
+    group.add_argument("--overlap-comm", action="store_true", default=None,
                        help="price a stage as max(compute, transfer in, transfer out) instead of compute + transfer out")
-    group.add_argument("--optimizer-state-factor", type=float, default=2.0,
-                       help="optimizer state bytes per parameter byte (Adam 2, SGD+momentum 1, SGD 0; default 2)")
-    group.add_argument("--reserved-gb", type=float, default=0.5,
-                       help="GiB kept free on every GPU for context and workspace (default 0.5)")
+    group.add_argument("--precision", choices=PRECISIONS, default=None,
+                       help="training precision: fp32, or fp16/bf16 mixed precision with fp32 master weights "
+                            "(default fp32)")
+    group.add_argument("--optimizer-state-factor", type=float, default=None,
+                       help="optimizer state per parameter in 4-byte words (Adam 2, SGD+momentum 1, SGD 0; default 2)")
+    group.add_argument("--reserved-gb", type=float, default=None,
+                       help="GiB the framework itself uses on every GPU: context, buffers, workspace (default 0.5)")
+    group.add_argument("--no-sync", action="store_true", default=None,
+                       help="do not price the data-parallel gradient all-reduce and optimizer step")
 
 
-def cost_options_from_args(args: argparse.Namespace) -> CostOptions:
-    return CostOptions(overlap_comm=args.overlap_comm, optimizer_state_factor=args.optimizer_state_factor,
-                       reserved_bytes=args.reserved_gb * GIB)
+def cost_options_from_args(args: argparse.Namespace, base: CostOptions | None = None) -> CostOptions:
+    """``base`` (default: the defaults) with every cost flag the user gave."""
+    base = base or CostOptions()
+    changes: dict[str, object] = {}
+    if args.overlap_comm is not None:
+        changes["overlap_comm"] = True
+    if args.precision is not None:
+        changes["precision"] = args.precision
+    if args.optimizer_state_factor is not None:
+        changes["optimizer_state_factor"] = args.optimizer_state_factor
+    if args.reserved_gb is not None:
+        changes["reserved_bytes"] = args.reserved_gb * GIB
+    if args.no_sync is not None:
+        changes["sync"] = False
+    return replace(base, **changes) if changes else base  # type: ignore[arg-type]
 
 
 def _run(args: argparse.Namespace) -> int:

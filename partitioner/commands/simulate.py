@@ -6,10 +6,10 @@ import argparse
 import os
 
 from ..cluster import GIB, Cluster
-from ..cost import CostOptions
 from ..errors import FormatError, PartitionerError
 from ..plan import Plan
 from ..profile import Profile
+from .plan import add_cost_arguments, cost_options_from_args
 
 __all__ = ["register"]
 
@@ -25,8 +25,13 @@ def _run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
-    options = CostOptions(overlap_comm=args.overlap_comm, optimizer_state_factor=args.optimizer_state_factor,
-                          reserved_bytes=args.reserved_gb * GIB)
+    saved = plan.cost_options()
+    options = cost_options_from_args(args, saved)
+    if saved is None:
+        print("note: the plan does not record the options it was priced with (an older plan); "
+              "priced with the defaults and the flags given")
+    elif options != saved:
+        print("note: the flags given override the options the plan was priced with")
     try:
         plan.validate(profile, cluster, options, check_memory=False)
     except FormatError as err:
@@ -58,10 +63,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--waits", action="store_true", help="show receive waits in the trace")
     p.add_argument("--iterations", type=int, default=None,
                    help="iterations to simulate (default: 1; 2bw 4; wsp staleness + 4)")
-    g = p.add_argument_group("cost model")
-    g.add_argument("--overlap-comm", action="store_true",
-                   help="senders do not wait for their transfers (asynchronous communication)")
-    g.add_argument("--optimizer-state-factor", type=float, default=2.0,
-                   help="optimizer state bytes per parameter byte (Adam 2, SGD+momentum 1, SGD 0; default 2)")
-    g.add_argument("--reserved-gb", type=float, default=0.5, help="GiB kept free on every GPU (default 0.5)")
+    add_cost_arguments(p)
     p.set_defaults(func=_run)
