@@ -569,6 +569,37 @@ class CostModel:
             out.append(t)
         return out
 
+    def plan_iteration_s(self, plan: Plan) -> float:
+        """Closed-form iteration time of ``plan``: each pipeline's fill, steady state and drain
+        (:func:`pipeline_iteration_s`), then the gradient all-reduces and the optimizer step.
+
+        Under a flushing schedule stage ``k`` finishes its last backward earlier than stage 0 by
+        the backward work and gradient transfers of stages ``0..k-1``; each all-reduce starts when
+        its last holder is done (groups run in :meth:`sync_groups` order on every device), and each
+        device then steps. Without a flush (2bw) the all-reduce and step follow the steady state.
+        One-chunk schedules; the simulator is the reference for the others.
+        """
+        finish: dict[str, float] = {}
+        layers_of: dict[str, list[tuple[int, int]]] = {}
+        for vw in plan.virtual_workers:
+            times = self.plan_stage_times_s(plan, plan.virtual_workers.index(vw))
+            total = pipeline_iteration_s(times, plan.micro_batches, plan.schedule)
+            back = 0.0
+            for k, st in enumerate(vw.stages):
+                for d in st.devices:
+                    layers_of.setdefault(d, []).append((st.start, st.stop))
+                    done = total if plan.schedule in ("2bw", "wsp") else total - back
+                    finish[d] = max(finish.get(d, 0.0), done)
+                gpu = self.cluster.device(st.device).gpu_type
+                nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
+                back += self.fwd_bwd_s(gpu, st.start, st.stop)[1] + self.boundary_s(st.stop, st.device, nxt) / 2
+        for g in self.sync_groups(plan):
+            end = max(finish[d] for d in g.devices) + self.sync_s(g)
+            for d in g.devices:
+                finish[d] = end
+        return max(t + sum(self.update_s(self.cluster.device(d).gpu_type, a, b) for a, b in layers_of[d])
+                   for d, t in finish.items())
+
     def plan_memory_bytes(self, plan: Plan) -> dict[str, float]:
         """Peak memory per device under the plan's schedule (one-chunk schedules)."""
         used: dict[str, float] = {}

@@ -33,7 +33,13 @@ from ..plan import Plan, Stage, VirtualWorker
 from ..profile import Profile
 from .sailor import import_sailor, sailor_gpu_name
 
-__all__ = ["SailorRun", "import_sailor_run", "sailor_bandwidth"]
+__all__ = ["MEGATRON_DEEPSPEED_RESERVED_GIB", "SailorRun", "import_sailor_run", "sailor_bandwidth"]
+
+# The one calibrated constant: the memory Megatron-DeepSpeed itself holds on every GPU beyond
+# weights, gradients, optimizer state and activations (communication buffers, workspaces,
+# allocator slack). Fitted by ``bench/fidelity.py --fit`` on Sailor's 15 Clariden runs only
+# (median of measured minus modelled peak): 4.81 GiB.
+MEGATRON_DEEPSPEED_RESERVED_GIB = 4.8
 
 # Published peaks of GPU types Sailor names that the built-in catalog lacks (used only to
 # project times to other types; the runs are priced with Sailor's measured times).
@@ -126,7 +132,7 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
                   f"pipeline_list[0].layers_per_stage[{k}]", layers, "must be consecutive layer indices")
             out.append(Stage((layers[0], layers[-1] + 1), f"n{k * n_dp + w}:0", gpu_name))
         workers.append(VirtualWorker(tuple(out)))
-    opts = options or CostOptions(precision="fp16")
+    opts = options or CostOptions(precision="fp16", reserved_bytes=MEGATRON_DEEPSPEED_RESERVED_GIB * GIB)
     real = float(_field(cfg, "real", (int, float), file))  # type: ignore[arg-type]
     peak = float(_field(cfg, "max_mem", (int, float), file))  # type: ignore[arg-type]
     check(math.isfinite(real) and real > 0, "real", real, "must be > 0 seconds")

@@ -1,0 +1,150 @@
+"""Predicted against measured: Sailor's 15 OPT-350M training runs on Clariden (GH200 nodes).
+
+    python bench/fidelity.py [--fit] [--write] [--runs DIR --profiles DIR --network FILE]
+
+Every run is read with the project's own importer (``partitioner.importers.sailor_runs``: the
+run's layer cuts, replicas as virtual workers, 1F1B, its micro-batch size and global batch,
+fp16 mixed precision with Adam, the measured NCCL curve on the inter-node links) and priced by
+the simulator, exactly as ``partitioner simulate`` prices a plan. Figures: iteration time and
+peak memory against the measured ``real`` and ``max_mem``; within every group of one node count
+the predicted order against the measured order (Spearman); the closed form the solvers use
+against the simulator.
+
+``--fit`` refits the one calibrated constant, the framework's own memory per GPU, as the
+median of (measured - modelled) peak memory with none reserved, and prints it; the table always
+uses the documented ``MEGATRON_DEEPSPEED_RESERVED_GIB``. ``--write`` saves the scatter plot to
+docs/img/fidelity.png and the figures to bench/results/fidelity.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._machine import machine_line  # noqa: E402
+from partitioner._io import atomic_write_text  # noqa: E402
+from partitioner.cluster import GIB  # noqa: E402
+from partitioner.cost import CostModel  # noqa: E402
+from partitioner.importers.sailor_runs import MEGATRON_DEEPSPEED_RESERVED_GIB, import_sailor_run  # noqa: E402
+from partitioner.simulate import simulate_plan  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation of two equally long lists without ties (1.0 for one or two equal orders)."""
+    n = len(a)
+    if n < 2:
+        return 1.0
+    ra = {i: r for r, i in enumerate(sorted(range(n), key=lambda i: a[i]))}
+    rb = {i: r for r, i in enumerate(sorted(range(n), key=lambda i: b[i]))}
+    return 1.0 - 6.0 * sum((ra[i] - rb[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
+
+
+def evaluate(runs_dir: Path, profiles: Path, network: Path, reserved_gib: float) -> list[dict]:
+    rows = []
+    for path in sorted(runs_dir.glob("*.json")):
+        run = import_sailor_run(path, profiles, network)
+        opts = replace(run.options, reserved_bytes=reserved_gib * GIB)
+        tl = simulate_plan(run.plan, run.profile, run.cluster, opts)
+        closed = CostModel(run.profile, run.cluster, opts).plan_iteration_s(run.plan)
+        rows.append({
+            "run": run.name.removeprefix("plan_config_"), "nodes": run.nodes,
+            "stages": len(run.plan.virtual_workers[0].stages), "dp": len(run.plan.virtual_workers),
+            "mbs": run.plan.micro_batch_size, "micro_batches": run.plan.micro_batches,
+            "measured_s": run.measured_iteration_s, "predicted_s": tl.iteration_s, "closed_form_s": closed,
+            "measured_peak_GiB": run.measured_peak_bytes / GIB,
+            "predicted_peak_GiB": max(tl.peak_memory_bytes.values()) / GIB,
+        })
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=Path, default=SHARED / "sailor_validation" / "clariden_opt350")
+    ap.add_argument("--profiles", type=Path, default=SHARED / "sailor_opt350")
+    ap.add_argument("--network", type=Path,
+                    default=SHARED / "sailor_validation" / "network" / "network_coeffs_all_homo.json")
+    ap.add_argument("--fit", action="store_true", help="refit the framework memory constant on these runs")
+    ap.add_argument("--write", action="store_true", help="write docs/img/fidelity.png and bench/results/fidelity.json")
+    args = ap.parse_args()
+    for p in (args.runs, args.profiles, args.network):
+        if not p.exists():
+            print(f"fidelity: {p} not found (it comes with the shared data; see --help)", file=sys.stderr)
+            return 2
+    print(f"machine: {machine_line()}")
+    if args.fit:
+        raw = evaluate(args.runs, args.profiles, args.network, 0.0)
+        fit = statistics.median(r["measured_peak_GiB"] - r["predicted_peak_GiB"] for r in raw)
+        print(f"fitted framework memory per GPU: {fit:.2f} GiB (documented constant: "
+              f"{MEGATRON_DEEPSPEED_RESERVED_GIB} GiB)")
+    rows = evaluate(args.runs, args.profiles, args.network, MEGATRON_DEEPSPEED_RESERVED_GIB)
+    print(f"{'run':14s} {'N':>3s} {'pp':>3s} {'dp':>3s} {'mbs':>4s} {'m':>4s} {'measured':>9s} {'predicted':>9s} "
+          f"{'error':>7s} {'closed':>8s} {'vs sim':>7s}  {'peak meas':>9s} {'predicted':>9s} {'error':>7s}")
+    for r in rows:
+        r["error"] = r["predicted_s"] / r["measured_s"] - 1
+        r["closed_vs_sim"] = r["closed_form_s"] / r["predicted_s"] - 1
+        r["mem_error"] = r["predicted_peak_GiB"] / r["measured_peak_GiB"] - 1
+        print(f"{r['run']:14s} {r['nodes']:3d} {r['stages']:3d} {r['dp']:3d} {r['mbs']:4d} {r['micro_batches']:4d} "
+              f"{r['measured_s']:8.3f}s {r['predicted_s']:8.3f}s {100 * r['error']:+6.1f}% "
+              f"{r['closed_form_s']:7.3f}s {100 * r['closed_vs_sim']:+6.2f}%  {r['measured_peak_GiB']:8.2f}G "
+              f"{r['predicted_peak_GiB']:8.2f}G {100 * r['mem_error']:+6.1f}%")
+    groups: dict[int, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["nodes"], []).append(r)
+    rhos = {n: spearman([r["measured_s"] for r in g], [r["predicted_s"] for r in g])
+            for n, g in sorted(groups.items()) if len(g) >= 2}
+    med = statistics.median(abs(r["error"]) for r in rows)
+    worst_mem = max(abs(r["mem_error"]) for r in rows)
+    worst_closed = max(abs(r["closed_vs_sim"]) for r in rows)
+    print("\nSpearman of predicted vs measured iteration time, per node count: "
+          + ", ".join(f"N={n}: {rho:.2f}" for n, rho in rhos.items()))
+    print(f"median |iteration error| {100 * med:.1f}% (target 15%); worst {100 * max(abs(r['error']) for r in rows):.1f}%")
+    print(f"worst |peak memory error| {100 * worst_mem:.1f}% (target 15% on every plan)")
+    print(f"closed form vs simulator: worst {100 * worst_closed:.2f}% (target 2%)")
+    if args.write:
+        _plot(rows, ROOT / "docs" / "img" / "fidelity.png")
+        out = ROOT / "bench" / "results" / "fidelity.json"
+        atomic_write_text(out, json.dumps({"machine": machine_line(), "rows": rows, "spearman": rhos,
+                                           "median_abs_error": med}, indent=1) + "\n")
+        print(f"wrote docs/img/fidelity.png and {out.relative_to(ROOT)}")
+    ok = all(abs(rho - 1.0) < 1e-9 for rho in rhos.values()) and med <= 0.15 and worst_mem <= 0.15
+    return 0 if ok else 1
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, key_m, key_p, unit, title in ((a, "measured_s", "predicted_s", "s", "iteration time"),
+                                          (b, "measured_peak_GiB", "predicted_peak_GiB", "GiB", "peak memory")):
+        xs, ys = [r[key_m] for r in rows], [r[key_p] for r in rows]
+        hi = max(xs + ys) * 1.1
+        ax.plot([0, hi], [0, hi], color="grey", lw=1)
+        ax.fill_between([0, hi], [0, 0.85 * hi], [0, 1.15 * hi], color="grey", alpha=0.12, label="±15%")
+        sc = ax.scatter(xs, ys, c=[r["nodes"] for r in rows], cmap="viridis", s=36, zorder=3)
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.set_xlabel(f"measured ({unit})")
+        ax.set_ylabel(f"predicted ({unit})")
+        ax.set_title(f"OPT-350M on Clariden GH200: {title}")
+        ax.legend(loc="upper left")
+    fig.colorbar(sc, ax=b, label="nodes")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
