@@ -85,12 +85,14 @@ def _megatron_block_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int
 
 
 def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 1, tensor_parallel: int = 1,
-                  model: str | None = None, dtype: str = "float16", activations: str = "megatron") -> Profile:
+                  model: str | None = None, dtype: str = "float16", activations: str = "megatron",
+                  gpu_types: tuple[str, ...] = ()) -> Profile:
     """Read a Sailor profile directory into one profile (see the module docstring).
 
     ``activations``: ``megatron`` prices a transformer block's saved activations with the published
     formula of Megatron-LM (:func:`_megatron_block_bytes`), ``sailor`` keeps Sailor's
     ``act_mem_bytes`` (7% lower per block at t = 4); the embedding and head keep Sailor's.
+    ``gpu_types`` (Sailor's names) limits the import to those types; default: every file.
     """
     if activations not in ACTIVATION_MODELS:
         raise FormatError("activations", activations, f"must be one of {', '.join(ACTIVATION_MODELS)}")
@@ -117,9 +119,11 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
     info = info_model[tp]
     b = micro_batch_size
     elem = 2 if dtype in ("float16", "bfloat16") else 4
-    gpu_files = sorted(p for p in root.glob("*.json") if not p.name.startswith(SAILOR_SKIP))
+    gpu_files = sorted(p for p in root.glob("*.json") if not p.name.startswith(SAILOR_SKIP)
+                       and (not gpu_types or p.stem in gpu_types))
     if not gpu_files:
-        raise FormatError("directory", str(root), "has no <GPU>.json profile files")
+        wanted = f" for {', '.join(gpu_types)}" if gpu_types else ""
+        raise FormatError("directory", str(root), f"has no <GPU>.json profile files{wanted}")
     times: dict[str, list[LayerTime]] = {}
     noise: dict[str, int] = {}
     names_map: dict[str, str] = {}

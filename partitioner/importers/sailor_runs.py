@@ -117,7 +117,7 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
     mbs = int(_field(cfg, "mbs", int, file))
     gbs = int(_field(cfg, "gbs", int, file))
     check(gbs % (mbs * n_dp) == 0, "gbs", gbs, f"must be a multiple of mbs x dp = {mbs * n_dp}")
-    profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=tp)
+    profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=tp, gpu_types=(gpu,))
     gpu_name = sailor_gpu_name(gpu)
     extra = {gpu_name: _EXTRA_TYPES[gpu]} if gpu in _EXTRA_TYPES else {}
     n_stages = len(stages)
