@@ -60,7 +60,7 @@ def test_memory_per_parameter_fp32_and_mixed_precision():
 def test_unknown_precision_lists_the_valid_ones():
     with pytest.raises(FormatError, match="precision = 'fp8': must be one of fp32, fp16, bf16"):
         CostOptions(precision="fp8")
-    with pytest.raises(FormatError, match="pricing.precision"):
+    with pytest.raises(FormatError, match=r"pricing\.precision"):
         CostOptions.from_dict({"precision": "int4"})
 
 
@@ -105,7 +105,7 @@ def test_sailor_network_curve():
     x = math.log2(33.5e6 / 1e6)
     assert bw.gbps_at(33.5e6) == pytest.approx(a * x * x + b * x + c)
     assert bw.gbps_at(1e9) == pytest.approx(92.551901043989)  # capped by the measured maximum
-    with pytest.raises(FormatError, match="inter.GH-96.3"):
+    with pytest.raises(FormatError, match=r"inter\.GH-96\.3"):
         sailor_bandwidth(NETWORK, "inter", "GH-96", 3)
 
 
