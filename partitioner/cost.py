@@ -437,7 +437,7 @@ class CostModel:
 
     def replicated_stage_time_s(self, start: int, stop: int, devices: Sequence[str | Device],
                                 prev: str | Device | None, nxt: str | Device | None,
-                                micro_batches: int) -> float:
+                                micro_batches: int, include_allreduce: bool = True) -> float:
         """Per-micro-batch time of layers ``[start, stop)`` replicated over ``devices``.
 
         Replicas share the micro-batches in proportion to their speed (each replica's own
@@ -452,6 +452,8 @@ class CostModel:
         rate = sum(1.0 / t if t > 0 else math.inf
                    for t in (self.stage_time_s(start, stop, d, prev, nxt) for d in devs))
         share = 0.0 if rate == math.inf else 1.0 / rate
+        if not include_allreduce:
+            return share
         return share + self.allreduce_s(self.param_bytes(start, stop), devs) / micro_batches
 
     # -- memory ----------------------------------------------------------------------------------
@@ -552,15 +554,18 @@ class CostModel:
 
     # -- plans -----------------------------------------------------------------------------------
 
-    def plan_stage_times_s(self, plan: Plan, worker: int = 0) -> list[float]:
-        """Per-micro-batch time of each stage of virtual worker ``worker``."""
+    def plan_stage_times_s(self, plan: Plan, worker: int = 0, allreduce_apart: bool = False) -> list[float]:
+        """Per-micro-batch time of each stage of virtual worker ``worker``. A replicated stage
+        includes its all-reduce spread over the micro-batches unless ``allreduce_apart`` (when the
+        caller prices the all-reduce after the pipeline, as :meth:`plan_iteration_s` does)."""
         stages = plan.virtual_workers[worker].stages
         out = []
         for k, st in enumerate(stages):
             prev = stages[k - 1].device if k > 0 else None
             nxt = stages[k + 1].device if k + 1 < len(stages) else None
             if st.replicas:
-                t = self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches)
+                t = self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches,
+                                                 include_allreduce=not allreduce_apart)
                 if plan.schedule == "wsp":
                     t += self.wave_sync_s(st.start, st.stop, plan.micro_batches)
             else:
@@ -582,7 +587,7 @@ class CostModel:
         finish: dict[str, float] = {}
         layers_of: dict[str, list[tuple[int, int]]] = {}
         for vw in plan.virtual_workers:
-            times = self.plan_stage_times_s(plan, plan.virtual_workers.index(vw))
+            times = self.plan_stage_times_s(plan, plan.virtual_workers.index(vw), allreduce_apart=True)
             total = pipeline_iteration_s(times, plan.micro_batches, plan.schedule)
             back = 0.0
             for k, st in enumerate(vw.stages):

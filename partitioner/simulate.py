@@ -18,7 +18,7 @@ import numpy as np
 
 from .cluster import Cluster
 from .cost import CostModel, CostOptions
-from .errors import FormatError, PartitionerError
+from .errors import FormatError
 from .events import (
     KIND_CODE,
     OP_OF_KIND,
@@ -73,9 +73,10 @@ def default_iterations(schedule: str, staleness: int = 0) -> int:
 @dataclass(frozen=True)
 class _Pipeline:
     worker: int
-    ranks: int  # p
-    devices: tuple[str, ...]  # rank -> device
+    ranks: int  # p: devices of the pipeline (stage positions when stages are replicated)
+    devices: tuple[str, ...]  # rank -> device (the first device of a replicated stage)
     stages: tuple[tuple[int, int], ...]  # stage -> (start, stop)
+    replicas: tuple[tuple[str, ...], ...] = ()  # stage -> its devices, when a stage is replicated
 
 
 def _pipelines(plan: Plan) -> list[_Pipeline]:
@@ -83,12 +84,14 @@ def _pipelines(plan: Plan) -> list[_Pipeline]:
     v = plan.chunks
     for w, vw in enumerate(plan.virtual_workers):
         where = f"virtual_workers[{w}]"
-        for k, st in enumerate(vw.stages):
-            if st.replicas:
-                raise PartitionerError(
-                    f"{where}.stages[{k}] has replicas {list(st.replicas)}: the simulator does not price "
-                    f"the gradient all-reduce of replicated stages; plan without replicas or use "
-                    f"virtual workers (wsp) for data parallelism")
+        replicated = any(st.replicas for st in vw.stages)
+        if replicated:
+            if v != 1:
+                raise FormatError(f"{where}.stages", [s.device for s in vw.stages],
+                                  f"replicated stages run one chunk per device; chunks={v} is not supported with them")
+            out.append(_Pipeline(w, len(vw.stages), tuple(st.device for st in vw.stages),
+                                 tuple(st.layers for st in vw.stages), tuple(st.devices for st in vw.stages)))
+            continue
         n = len(vw.stages)
         if n % v != 0:
             raise FormatError(f"{where}.stages", n, f"with chunks={v} the stage count must be a multiple "
@@ -105,6 +108,45 @@ def _pipelines(plan: Plan) -> list[_Pipeline]:
                                   f"with chunks={v}, stage {s} (chunk {s // p}) must be on {devs[s % p]}: "
                                   f"stage c*p + d runs on the device of stage d")
         out.append(_Pipeline(w, p, devs, tuple(st.layers for st in vw.stages)))
+    return out
+
+
+def _share(times_s: list[float], micro_batches: int) -> np.ndarray:
+    """Replica of each micro-batch for replicas taking ``times_s`` per micro-batch: each next one
+    goes to the replica that would finish it first, so shares follow the replicas' speeds."""
+    count = [0] * len(times_s)
+    out = np.empty(micro_batches, dtype=np.int64)
+    for j in range(micro_batches):
+        i = min(range(len(times_s)), key=lambda r: ((count[r] + 1) * times_s[r], r))
+        out[j] = i
+        count[i] += 1
+    return out
+
+
+def _replicated_ranks(pipe: _Pipeline, cols: list[Columns], assign: list[np.ndarray], m_run: int
+                      ) -> list[tuple[str, int, Columns]]:
+    """Every replica's program: its stage's actions on the micro-batches it is given, sends and
+    receives addressed to the replica of the neighbouring stage that has that micro-batch (peer =
+    rank within the virtual worker). Each replica keeps its stage's order, so the lists stay
+    deadlock-free (every wait is for an action earlier in the unreplicated schedule)."""
+    base = np.cumsum([0] + [len(r) for r in pipe.replicas])
+    send_act, recv_act = KIND_CODE[SEND_ACT], KIND_CODE[RECV_ACT]
+    send_grad, recv_grad = KIND_CODE[SEND_GRAD], KIND_CODE[RECV_GRAD]
+    out = []
+    for k, devs in enumerate(pipe.replicas):
+        kind, mb, stage, peer, version = cols[k]
+        slot = np.where(mb >= 0, mb % m_run, 0)
+        for i, dev in enumerate(devs):
+            keep = (mb < 0) | (assign[k][slot] == i)
+            kk, jj, ss, pp, vv = kind[keep], mb[keep], stage[keep], peer[keep].copy(), version[keep]
+            sl = slot[keep]
+            up = (kk == send_act) | (kk == recv_grad)  # talks to stage k + 1
+            down = (kk == recv_act) | (kk == send_grad)  # talks to stage k - 1
+            if up.any():
+                pp[up] = base[k + 1] + assign[k + 1][sl[up]]
+            if down.any():
+                pp[down] = base[k - 1] + assign[k - 1][sl[down]]
+            out.append((dev, k, (kk, jj, ss, pp, vv)))
     return out
 
 
@@ -154,28 +196,39 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     for pipe in pipes:
         cols = schedule_columns(sched, pipe.ranks, m_run, plan.chunks, n_iter, plan.staleness)
         p, n_st, w = pipe.ranks, len(pipe.stages), pipe.worker
-        dev = [pipe.devices[s % p] for s in range(n_st)]
-        # tables indexed [kind, stage]; stage -1 (STEP, PUSH, PULL) reads the extra last column
-        dur = np.zeros((n_kinds, n_st + 1))
-        link = np.full((n_kinds, n_st + 1), -1, dtype=np.int64)
-        for s, (a, b) in enumerate(pipe.stages):
-            dur[0, s], dur[1, s] = cost.fwd_bwd_s(cluster.device(dev[s]).gpu_type, a, b)
-            if s + 1 < n_st:
-                dur[2, s] = cost.transfer_s(cost.boundary_bytes(b), dev[s], dev[s + 1])
-                link[2, s] = link_of(dev[s], dev[s + 1])
-            if s > 0:
-                dur[4, s] = cost.transfer_s(cost.boundary_bytes(a), dev[s], dev[s - 1])
-                link[4, s] = link_of(dev[s], dev[s - 1])
+        if pipe.replicas:
+            assign = [_share([cost.compute_s(cluster.device(d).gpu_type, a, b) for d in devs], m_run)
+                      for devs, (a, b) in zip(pipe.replicas, pipe.stages, strict=True)]
+            ranks = _replicated_ranks(pipe, cols, assign, m_run)
+        else:
+            ranks = [(pipe.devices[r], r, cols[r]) for r in range(p)]
+        rank_dev = [dev for dev, _, _ in ranks]  # rank within the worker -> device
         saved = np.array([cost.activation_bytes(a, b) for a, b in pipe.stages])
-        for r in range(p):
-            mine = groups_of.get(pipe.devices[r], [])
-            cols[r] = _with_allreduce(cols[r], mine, ar_code)
-            kind, mb, stage, peer, version = cols[r]
-            sync = sum(cost.parameter_sync_s(a, b) for a, b in pipe.stages[r::p])
-            dur[7, -1] = dur[8, -1] = sync
-            gpu = cluster.device(pipe.devices[r]).gpu_type
-            dur[6, -1] = sum(cost.update_s(gpu, a, b) for a, b in pipe.stages[r::p])
-            d = dur[kind, stage]
+        boundary_out = np.array([cost.boundary_bytes(b) for _, b in pipe.stages])
+        boundary_in = np.array([cost.boundary_bytes(a) for a, _ in pipe.stages])
+        for dev, r, col in ranks:
+            col = _with_allreduce(col, groups_of.get(dev, []), ar_code)
+            kind, mb, stage, peer, version = col
+            held = pipe.stages[r::p]
+            gpu = cluster.device(dev).gpu_type
+            fb = np.array([cost.fwd_bwd_s(gpu, a, b) for a, b in pipe.stages] + [(0.0, 0.0)])
+            d = np.zeros(len(kind))
+            lnk = np.full(len(kind), -1, dtype=np.int64)
+            d = np.where(kind == 0, fb[stage, 0], np.where(kind == 1, fb[stage, 1], d))
+            d = np.where(kind == KIND_CODE[STEP], sum(cost.update_s(gpu, a, b) for a, b in held), d)
+            sync = sum(cost.parameter_sync_s(a, b) for a, b in held)
+            d = np.where((kind == KIND_CODE[PUSH]) | (kind == KIND_CODE[PULL]), sync, d)
+            for send, nbytes in ((KIND_CODE[SEND_ACT], boundary_out), (KIND_CODE[SEND_GRAD], boundary_in)):
+                rows = np.flatnonzero(kind == send)
+                if not len(rows):
+                    continue
+                width = len(rank_dev) + 1
+                pairs, inverse = np.unique(stage[rows] * width + peer[rows], return_inverse=True)
+                price = np.array([cost.transfer_s(float(nbytes[x // width]), dev, rank_dev[x % width])
+                                  for x in pairs.tolist()])
+                via = np.array([link_of(dev, rank_dev[x % width]) for x in pairs.tolist()], dtype=np.int64)
+                d[rows] = price[inverse]
+                lnk[rows] = via[inverse]
             if n_slices > 1:  # compute and transfers of a slice scale with its share of the samples
                 d = np.where((mb >= 0) & (mb % m_run < n_slices), d / n_slices, d)
             key = np.where(is_msg[kind], ((mb * 4096 + stage + sender_shift[kind]) * 2 + direction[kind]) * 1024 + w,
@@ -187,13 +240,13 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
                 for gi in set(peer[ar].tolist()):
                     for v in set(version[ar].tolist()):
                         coll_size[gi * (n_iter + 2) + v] = len(groups[gi].devices)
-            ops.append(list(zip(op_code[kind].tolist(), d.tolist(), key.tolist(), link[kind, stage].tolist(),
-                                strict=True)))
-            columns.append(cols[r])
-            names.append(pipe.devices[r])
+            ops.append(list(zip(op_code[kind].tolist(), d.tolist(), key.tolist(), lnk.tolist(), strict=True)))
+            columns.append(col)
+            names.append(dev)
             rank_worker.append(w)
             act_bytes.append(saved)
-            weights.append(list(pipe.stages[r::p]))
+            weights.append(list(held))
+        del n_st
     starts, ends, pc = run_ops(ops, rank_worker, cost.options.overlap_comm, len(links), coll_size)
     if any(pc[r] < len(ops[r]) for r in range(len(ops))):
         raise_deadlock([to_actions(c) for c in columns], pc, names, rank_worker)

@@ -53,6 +53,7 @@ class _Worker:
     stages: tuple[Stage, ...] | None
     throughput: float
     exact: bool
+    ranges: tuple[tuple[int, int], ...] = ()  # the layer ranges of its stages (kept in the memo)
 
 
 class WorkerPlanner:
@@ -126,8 +127,24 @@ class WorkerPlanner:
             thr = worker_throughput(cost, stages, sched, m)
             if thr > best.throughput:
                 best = _Worker(stages, thr, res.exact)
+        best = replace(best, ranges=tuple(st.layers for st in best.stages or ()))
         self._memo[k] = replace(best, stages=None)
         return best
+
+    def ranges(self, devices: Sequence[Device]) -> tuple[tuple[int, int], ...]:
+        """The layer ranges of the stages of the best plan for ``devices``."""
+        return self._plan(devices, keep=False).ranges
+
+    def sync_estimate_s(self, grouping: Sequence[Sequence[Device]]) -> float:
+        """The gradient all-reduce between the workers of ``grouping``, as the grouping search
+        prices it: every stage's gradients over one device of every worker (the first), the
+        largest such all-reduce. The finished plan is priced exactly (``plan_iteration_s``)."""
+        cost = self.cost
+        if len(grouping) < 2 or not cost.options.sync:
+            return 0.0
+        heads = [w[0] for w in grouping]
+        largest = max((cost.param_bytes(a, b) for w in grouping for a, b in self.ranges(w)), default=0.0)
+        return cost.allreduce_s(largest, heads)
 
 
 def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, micro_batches: int) -> float:
@@ -144,7 +161,8 @@ def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, m
 
 def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str, float]:
     """Predicted figures of a multi-worker plan: total samples/s under ``objective``, the slowest
-    worker's iteration and the largest bottleneck stage."""
+    worker's iteration and the largest bottleneck stage. Under ``sync`` the iteration is the
+    closed form with the gradient all-reduce and the optimizer step (:meth:`CostModel.plan_iteration_s`)."""
     thr, its, necks = [], [], []
     for w in range(len(plan.virtual_workers)):
         times = cost.plan_stage_times_s(plan, w)
@@ -152,6 +170,11 @@ def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str
         its.append(it)
         necks.append(max(times))
         thr.append(plan.micro_batches * plan.micro_batch_size / it if it > 0 else math.inf)
+    if objective == "sync" and plan.schedule != "wsp":
+        it = cost.plan_iteration_s(plan)
+        samples = len(plan.virtual_workers) * plan.micro_batches * plan.micro_batch_size
+        return {"samples_per_s": samples / it if it > 0 else math.inf, "iteration_s": it,
+                "bottleneck_s": max(necks)}
     return {"samples_per_s": combine(thr, objective), "iteration_s": max(its), "bottleneck_s": max(necks)}
 
 
@@ -232,7 +255,7 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
             if sig in seen:
                 continue
             seen.add(sig)
-            val = combine([planner.throughput(w) for w in g], objective)
+            val = _grouping_value(g, planner, objective, micro_batches)
             if val > -math.inf:
                 scored.append((val, g))
                 if best is None or val > best[0]:
@@ -279,7 +302,9 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     predicted = price_plan(cost, plan, objective)
     bound = throughput_upper_bound(cost, devs)
     # Exact search proves optimality only where throughput is a function of the bottleneck alone.
-    proven = policy == "opt" and exact and not replication and schedule in ("2bw", "wsp")
+    # (The search prices the all-reduce between workers by an estimate, so with it no proof.)
+    proven = (policy == "opt" and exact and not replication
+              and (schedule == "wsp" or (schedule == "2bw" and not cost.options.sync)))
     status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
     result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / bound,
                          time.perf_counter() - t0, f"hetero:{policy}",
@@ -293,6 +318,19 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
                             extra_meta=meta)
     plan.validate(profile, cluster, options)
     return replace(result, plan=plan)
+
+
+def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: str, micro_batches: int) -> float:
+    """Samples/s of a grouping: ``combine`` of its workers' rates; under ``sync`` the iteration
+    of the slowest worker also pays the all-reduce between workers (:meth:`WorkerPlanner.sync_estimate_s`),
+    which is what makes data parallelism lose to pipelines on slow links."""
+    rates = [planner.throughput(w) for w in g]
+    val = combine(rates, objective)
+    if objective != "sync" or val == -math.inf or len(g) < 2 or planner.schedule == "wsp":
+        return val
+    samples = micro_batches * planner.cost.profile.micro_batch_size
+    iteration = samples / min(rates) + planner.sync_estimate_s(g)
+    return len(g) * samples / iteration
 
 
 def _plan_of(g: list[list[Device]], planner: WorkerPlanner, profile: Profile, schedule: str,

@@ -217,3 +217,38 @@ def test_measured_runs_are_predicted_in_their_measured_order_and_memory():
     four = runs[:2]
     pred = [simulate_plan(r.plan, r.profile, r.cluster, r.options).iteration_s for r in four]
     assert (pred[0] > pred[1]) == (four[0].measured_iteration_s > four[1].measured_iteration_s)
+
+
+# -- replicated stages -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("replicas,m", [(2, 8), (4, 8), (3, 9)])
+def test_replicated_stage_simulated_equals_its_closed_form(replicas, m):
+    """One stage over r identical GPUs: each runs m / r micro-batches, then the all-reduce and the step."""
+    cl = cluster(1, replicas, intra=20.0)
+    prof = uniform(2, params=1e9, update=0.125)
+    devs = [f"n0:{i}" for i in range(replicas)]
+    plan = Plan("u", (VirtualWorker((Stage((0, 2), devs[0], replicas=tuple(devs[1:])),)),), "1f1b", 1, m)
+    opts = CostOptions(reserved_bytes=0.0)
+    cost = CostModel(prof, cl, opts)
+    tl = simulate_plan(plan, prof, cl, opts)
+    expect = m // replicas * 6.0 + cost.allreduce_s(2e9, devs) + 0.25
+    assert tl.iteration_s == pytest.approx(expect, rel=1e-9)
+    assert cost.plan_iteration_s(plan) == pytest.approx(expect, rel=1e-9)
+    per_device = {d: sum(1 for e in tl.events() if e[0] == tl.devices.index(d) and e[1] == "F") for d in devs}
+    assert set(per_device.values()) == {m // replicas}
+
+
+def test_mixed_replicas_share_micro_batches_by_speed_and_pipelines_do_not_deadlock():
+    layers = tuple(LayerProfile(f"l{i}", param_bytes=1e8, saved_bytes=1e6, output_bytes=1e6,
+                                times={"fast": LayerTime(1.0, 2.0), "slow": LayerTime(2.0, 4.0)}) for i in range(3))
+    prof = Profile("u", 1, layers)
+    cl = Cluster("c", (Node("n0", ("fast", "slow", "fast"), 50.0), Node("n1", ("fast",), 50.0)), 5.0,
+                 {"fast": big_type("fast"), "slow": big_type("slow")})
+    for schedule in ("1f1b", "gpipe"):
+        plan = Plan("u", (VirtualWorker((Stage((0, 1), "n0:0", replicas=("n0:1",)), Stage((1, 2), "n0:2"),
+                                         Stage((2, 3), "n1:0"))),), schedule, 1, 9)
+        tl = simulate_plan(plan, prof, cl)
+        forwards = {d: sum(1 for e in tl.events() if tl.devices[e[0]] == d and e[1] == "F") for d in tl.devices}
+        assert forwards == {"n0:0": 6, "n0:1": 3, "n0:2": 9, "n1:0": 9}  # twice as fast, twice the share
+        assert any(e[1] == "ALLREDUCE" for e in tl.events())
+        assert CostModel(prof, cl).plan_iteration_s(plan) == pytest.approx(tl.iteration_s, rel=0.25)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel, CostOptions, activations_in_flight
-from partitioner.errors import FormatError, PartitionerError
+from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner.simulate import Timeline, predict, simulate_plan
@@ -164,9 +164,10 @@ def test_bad_plans_are_refused() -> None:
                                       Stage((3, 4), "n0:0"))),), "interleaved", 4, 2, chunks=2)
     with pytest.raises(FormatError, match="must be on n0:0"):
         simulate_plan(bad, uniform_profile(4), Cluster.homogeneous("V100", 1, 2, 16, 7))
-    rep = Plan("toy", (VirtualWorker((Stage((0, 1), "n0:0", replicas=("n0:1",)),)),), "1f1b", 4, 2)
-    with pytest.raises(PartitionerError, match="all-reduce"):
-        simulate_plan(rep, uniform_profile(1), Cluster.homogeneous("V100", 1, 2, 16, 7))
+    rep = Plan("toy", (VirtualWorker((Stage((0, 1), "n0:0", replicas=("n0:1",)), Stage((1, 2), "n0:0"))),),
+               "interleaved", 4, 2, chunks=2)
+    with pytest.raises(FormatError, match="replicated stages run one chunk per device"):
+        simulate_plan(rep, uniform_profile(2), Cluster.homogeneous("V100", 1, 2, 16, 7))
 
 
 @pytest.mark.parametrize("sched", ["gpipe", "1f1b"])
