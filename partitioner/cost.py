@@ -4,17 +4,20 @@ Every solver and the simulator call this module, so a plan is judged the same wa
 everywhere. Per micro-batch, a stage holding layers ``[i, j)`` on device ``d`` costs
 
 * compute: ``sum_l fwd_l,t(d) + bwd_l,t(d)`` from the profile;
-* transfer: the boundary tensor after layer ``j-1`` (``output_bytes``) goes forward to the
-  next stage's device and its gradient, of the same size, comes back:
-  ``2 * output_bytes / bandwidth(d, next)``;
-* combined either **additively** (``compute + transfer out``, the default) or, with
-  ``CostOptions(overlap_comm=True)``, as PipeDream's ``max(compute, transfer in,
-  transfer out)``.
+* transfers: the stage sends two messages per micro-batch, the boundary tensor after layer
+  ``j-1`` (``output_bytes``) forward to the next stage's device and the gradient of its input
+  (the tensor before layer ``i``) back to the previous stage's device, each priced on its link
+  (:meth:`transfer_s`, message-size aware);
+* combined either **additively** (``compute + activation out + gradient out``, the default:
+  the sender waits for its sends) or, with ``CostOptions(overlap_comm=True)``, as
+  ``max(compute, gradient out, activation out)``: each direction of a link carries one
+  message per micro-batch while the stage computes.
 
-The additive model is the default because it is the conservative one: it matches a runtime
-whose sends block the sender (gloo point-to-point does), and it never promises overlap that
-the hardware or the communication library does not deliver. Overlap is the better model for
-NCCL with asynchronous point-to-point on separate streams.
+This is exactly what the simulator charges (a send occupies its sender, or with overlap only
+its link), so the closed form and the simulated steady state agree. The additive model is the
+default because it is the conservative one: it matches a runtime whose sends block the sender
+(gloo point-to-point does). Overlap is the better model for NCCL with asynchronous
+point-to-point on separate streams.
 
 Memory of a stage on its device, for ``n`` parameters (``param_bytes`` over the element size of
 the profile's dtype) trained in ``CostOptions.precision``:
@@ -303,7 +306,7 @@ class CostModel:
         return float(self.boundary[cut])
 
     def boundary_s(self, cut: int, a: str | Device | None, b: str | Device | None) -> float:
-        """Activation forward plus gradient backward across ``cut`` between ``a`` and ``b``."""
+        """One message across ``cut`` from ``a`` to ``b`` (an activation forward or a gradient back)."""
         if a is None or b is None:
             return 0.0
         return float(self.boundary_vector_s(a, b)[cut])
@@ -326,36 +329,37 @@ class CostModel:
             return self._no_transfer
         link = self.cluster.link(a, b)
         if link.is_flat:
-            out = 2.0 * self.boundary / (link.gbps * 1e9)
-        else:  # one message each way per cut, timed at its own size
-            out = np.array([2.0 * link.seconds(float(x)) for x in self.boundary])
+            out = self.boundary / (link.gbps * 1e9)
+        else:  # each message timed at its own size
+            out = np.array([link.seconds(float(x)) for x in self.boundary])
         out.flags.writeable = False
         return out
 
     # -- stage time ----------------------------------------------------------------------------
 
-    def combine(self, compute_s: float, in_s: float, out_s: float) -> float:
-        """A stage's time per micro-batch from its compute and its two boundary transfers."""
+    def combine(self, compute_s: float, back_s: float, out_s: float) -> float:
+        """A stage's time per micro-batch from its compute, its gradient send back and its
+        activation send forward."""
         if self.options.overlap_comm:
-            return max(compute_s, in_s, out_s)
-        return compute_s + out_s
+            return max(compute_s, back_s, out_s)
+        return compute_s + back_s + out_s
 
     def stage_time_s(self, start: int, stop: int, device: str | Device,
                      prev: str | Device | None = None, nxt: str | Device | None = None) -> float:
         """Per-micro-batch time of layers ``[start, stop)`` on ``device`` between ``prev`` and ``nxt``."""
         dev = self.cluster.device(device) if isinstance(device, str) else device
         return self.combine(self.compute_s(dev.gpu_type, start, stop),
-                            self.boundary_s(start, prev, dev), self.boundary_s(stop, dev, nxt))
+                            self.boundary_s(start, dev, prev), self.boundary_s(stop, dev, nxt))
 
     def stage_time_matrix(self, device: Device, prev: Device | None, nxt: Device | None,
                           rows: slice = slice(None)) -> np.ndarray:
         """``stage_time_s(i, j, device, prev, nxt)`` for every ``i`` in ``rows`` and every ``j``."""
         comp = self.compute_matrix(device.gpu_type)[rows]
         out_s = self.boundary_vector_s(device, nxt)
+        back_s = self.boundary_vector_s(device, prev)[rows]
         if self.options.overlap_comm:
-            in_s = self.boundary_vector_s(prev, device)[rows]
-            return np.maximum(np.maximum(comp, in_s[:, None]), out_s[None, :])
-        return comp + out_s[None, :]
+            return np.maximum(np.maximum(comp, back_s[:, None]), out_s[None, :])
+        return (comp + back_s[:, None]) + out_s[None, :]
 
     def pipeline_stage_time_s(self, start: int, stop: int, device: str | Device, prev: str | Device | None,
                               nxt: str | Device | None, schedule: str, micro_batches: int) -> float:
@@ -574,6 +578,55 @@ class CostModel:
             out.append(t)
         return out
 
+    def worker_iteration_s(self, plan: Plan, worker: int = 0) -> float:
+        """Closed-form time of one iteration of virtual worker ``worker``'s pipeline, before any
+        all-reduce: with ``f, b`` a stage's forward and backward compute, ``a`` its activation
+        send and ``g`` its gradient send (one micro-batch each), and ``t`` its steady-state time
+        per micro-batch (:meth:`plan_stage_times_s`),
+
+        * 1F1B (and the interleaved / breadth-first approximations): the first micro-batch crosses
+          every stage and link forward and back, the others follow at the bottleneck's pace:
+          ``sum(f + a + b + g) + (m - 1) max(t)``;
+        * GPipe: a forward flow shop, then a backward one: ``sum(f + a) + (m - 1) max(t_f) +
+          sum(b + g) + (m - 1) max(t_b)`` with ``t_f = f + a`` (``max(f, a)`` with overlap);
+        * 2BW and WSP (no flush): ``m max(t)``.
+
+        A replicated stage counts at its replicas' combined pace (its fastest replica's times
+        scaled by that pace), exact for a stage replicated alone.
+        """
+        vw = plan.virtual_workers[worker]
+        times = self.plan_stage_times_s(plan, worker, allreduce_apart=True)
+        m = plan.micro_batches
+        if plan.schedule in ("2bw", "wsp"):
+            return m * max(times)
+        fill_f, fill_b, tf, tb = 0.0, 0.0, [], []
+        rounds: list[float] = []  # per stage: its compute and the round trip of its outgoing cut
+        join = max if self.options.overlap_comm else (lambda x, y: x + y)
+        for k, st in enumerate(vw.stages):
+            prev = vw.stages[k - 1].device if k > 0 else None
+            nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
+            best = min(st.devices, key=lambda d: self.compute_s(self.cluster.device(d).gpu_type, st.start, st.stop))
+            f, b = self.fwd_bwd_s(self.cluster.device(best).gpu_type, st.start, st.stop)
+            a = self.boundary_s(st.stop, best, nxt)
+            g = self.boundary_s(st.start, best, prev)
+            share = times[k] / self.stage_time_s(st.start, st.stop, best, prev, nxt) if st.replicas else 1.0
+            fill_f += (f + a) * share
+            fill_b += (b + g) * share
+            rounds.append((f + b) * share + (a + self.boundary_s(st.stop, nxt, best) if nxt is not None else 0.0))
+            tf.append(join(f, a) * share)
+            tb.append(join(b, g) * share)
+        if plan.schedule == "gpipe":
+            return fill_f + (m - 1) * max(tf) + fill_b + (m - 1) * max(tb)
+        # 1F1B keeps at most p - k micro-batches past stage k: each of them spends at least the
+        # round trip R_k (stages k.. forward and back, with their transfers) there, so by Little's
+        # law the pace is at least R_k / (p - k); with overlapped transfers this can bind.
+        p = len(vw.stages)
+        pace, trip = max(times), 0.0
+        for k in range(p - 1, -1, -1):
+            trip += rounds[k]
+            pace = max(pace, trip / (p - k))
+        return fill_f + fill_b + (m - 1) * pace
+
     def plan_iteration_s(self, plan: Plan) -> float:
         """Closed-form iteration time of ``plan``: each pipeline's fill, steady state and drain
         (:func:`pipeline_iteration_s`), then the gradient all-reduces and the optimizer step.
@@ -586,9 +639,8 @@ class CostModel:
         """
         finish: dict[str, float] = {}
         layers_of: dict[str, list[tuple[int, int]]] = {}
-        for vw in plan.virtual_workers:
-            times = self.plan_stage_times_s(plan, plan.virtual_workers.index(vw), allreduce_apart=True)
-            total = pipeline_iteration_s(times, plan.micro_batches, plan.schedule)
+        for w, vw in enumerate(plan.virtual_workers):
+            total = self.worker_iteration_s(plan, w)
             back = 0.0
             for k, st in enumerate(vw.stages):
                 for d in st.devices:
@@ -597,7 +649,7 @@ class CostModel:
                     finish[d] = max(finish.get(d, 0.0), done)
                 gpu = self.cluster.device(st.device).gpu_type
                 nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
-                back += self.fwd_bwd_s(gpu, st.start, st.stop)[1] + self.boundary_s(st.stop, st.device, nxt) / 2
+                back += self.fwd_bwd_s(gpu, st.start, st.stop)[1] + self.boundary_s(st.stop, nxt, st.device)
         for g in self.sync_groups(plan):
             end = max(finish[d] for d in g.devices) + self.sync_s(g)
             for d in g.devices:

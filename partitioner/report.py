@@ -79,7 +79,8 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOpt
             dev = cluster.device(st.device)
             nxt = stages[k + 1].device if k + 1 < len(stages) else None
             comp = cost.compute_s(dev.gpu_type, st.start, st.stop)
-            xfer = cost.boundary_s(st.stop, dev, nxt)
+            prev = stages[k - 1].device if k > 0 else None
+            xfer = cost.boundary_s(st.stop, dev, nxt) + cost.boundary_s(st.start, dev, prev)
             if one_chunk:
                 in_flight = activations_in_flight(plan.schedule, len(stages) - k, plan.micro_batches)
                 mem = cost.stage_memory_bytes(st.start, st.stop, in_flight, plan.schedule)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.cluster import Cluster, Device
-from partitioner.cost import CostModel, CostOptions, activations_in_flight, pipeline_iteration_s
+from partitioner.cost import CostModel, CostOptions, activations_in_flight
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
@@ -212,13 +212,13 @@ def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedu
     The figures come from the discrete-event simulator (:func:`partitioner.simulate.predict`):
     iteration time, samples/s, mean bubble and largest peak memory, with per-device figures in
     ``meta``. With ``simulate=False`` they come from the closed form
-    :func:`partitioner.cost.pipeline_iteration_s` (fill + drain around the bottleneck), which is
-    exact only for uniform stages without transfers; ``meta["predicted_by"]`` says which.
+    :meth:`partitioner.cost.CostModel.plan_iteration_s` (fill and drain around the bottleneck,
+    then the optimizer step); ``meta["predicted_by"]`` says which.
     """
     stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices, strict=True))
     plan = Plan(profile.model, (VirtualWorker(stages),), schedule, profile.micro_batch_size, micro_batches)
     times = cost.plan_stage_times_s(plan)
-    iteration = pipeline_iteration_s(times, micro_batches, schedule)
+    iteration = cost.plan_iteration_s(plan)
     closed = {
         "bottleneck_s": max(times),
         "iteration_s": iteration,

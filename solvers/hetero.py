@@ -15,7 +15,7 @@ the workers' own rates (HetPipe's figure of merit), reached only while fast work
 run ahead; the simulator's prediction in ``Plan.predicted`` shows the long-run rate.
 
 A virtual worker's throughput is ``m * micro_batch_size / iteration_s`` with the closed-form
-iteration time of the schedule (:func:`partitioner.cost.pipeline_iteration_s`); the mapping
+iteration time of the schedule (:meth:`partitioner.cost.CostModel.worker_iteration_s`); the mapping
 and replication DPs minimise its bottleneck stage, which dominates it.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from partitioner.cluster import Cluster, Device
-from partitioner.cost import CostModel, CostOptions, activations_in_flight, pipeline_iteration_s
+from partitioner.cost import CostModel, CostOptions, activations_in_flight
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
@@ -155,7 +155,7 @@ def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, m
         cost.check_plan_memory(plan)
     except FormatError:
         return -math.inf
-    it = pipeline_iteration_s(cost.plan_stage_times_s(plan), micro_batches, schedule)
+    it = cost.worker_iteration_s(plan)
     return micro_batches * cost.profile.micro_batch_size / it if it > 0 else math.inf
 
 
@@ -166,7 +166,7 @@ def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str
     thr, its, necks = [], [], []
     for w in range(len(plan.virtual_workers)):
         times = cost.plan_stage_times_s(plan, w)
-        it = pipeline_iteration_s(times, plan.micro_batches, plan.schedule)
+        it = cost.worker_iteration_s(plan, w)
         its.append(it)
         necks.append(max(times))
         thr.append(plan.micro_batches * plan.micro_batch_size / it if it > 0 else math.inf)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from partitioner.cluster import Cluster
-from partitioner.cost import CostModel, CostOptions, pipeline_iteration_s
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
@@ -44,9 +44,8 @@ def _priced(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions
         if plan.first_slices > 1:
             return math.inf, 0.0  # only the simulator prices slicing: never chosen unpriced
         cost = CostModel(profile, cluster, options)
-        its = [pipeline_iteration_s(cost.plan_stage_times_s(plan, w), plan.micro_batches, plan.schedule)
-               for w in range(len(plan.virtual_workers))]
-        return max(its), len(its) * global_batch / max(its) if max(its) > 0 else math.inf
+        it = cost.plan_iteration_s(plan)
+        return it, len(plan.virtual_workers) * global_batch / it if it > 0 else math.inf
     return tl.iteration_s, tl.samples_per_s
 
 
