@@ -15,6 +15,7 @@ __all__ = ["main"]
 
 # One module per subcommand, in the order ``--help`` lists them.
 COMMAND_MODULES = (
+    "partitioner.commands.export",
     "partitioner.commands.import_",
     "partitioner.commands.plan",
     "partitioner.commands.profile",
