@@ -187,7 +187,8 @@ def _torch_pipelining(plan: Plan, layer_names: Sequence[str] | None) -> dict[str
 def _torch_snippet(e: Mapping[str, Any]) -> str:
     multi = e["schedule_class"] in _MULTI_STAGE_CLASSES
     lines = [
-        "# torchrun --nproc-per-node N train.py   (rank r runs on the device listed for it in the export)",
+        f"# torchrun --nproc-per-node {e['world_size']} train.py   (rank r on the device the export lists for it;",
+        "#  examples/torch_pipelining_train.py is a complete script)",
         "import json, torch, torch.distributed as dist",
         "from runtime.torch_pipelining import build_rank",
         "",
@@ -255,6 +256,7 @@ def _deepspeed_snippet(e: Mapping[str, Any]) -> str:
         "import deepspeed",
         "from deepspeed.pipe import PipelineModule",
         "",
+        f"# layers: the model's {e['num_layers']} layers in order (nn.Module or LayerSpec), as the plan's profile lists them",
     ]
     if e["partition_method"] == "uniform":
         lines += [f"# the plan's split is DeepSpeed's own uniform split: {e['parts']}",
@@ -274,7 +276,8 @@ def _deepspeed_snippet(e: Mapping[str, Any]) -> str:
             f"net = PlannedPipelineModule(layers=layers, num_stages={e['num_stages']})",
         ]
     lines += ["engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),",
-              f"                                       config={json.dumps(e['config'])})"]
+              f"                                       config={json.dumps(e['config'])})",
+              "loss = engine.train_batch(data_iter)   # one plan iteration: gradient_accumulation_steps micro-batches"]
     return "\n".join(lines) + "\n"
 
 
