@@ -13,10 +13,11 @@ from typing import Any
 from . import __version__
 from .errors import PartitionerError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "verbosity"]
 
 # One module per subcommand, in the order ``--help`` lists them.
 COMMAND_MODULES = (
+    "partitioner.commands.compare",
     "partitioner.commands.export",
     "partitioner.commands.import_",
     "partitioner.commands.plan",
