@@ -69,3 +69,26 @@ def test_module_entry_point():
 
     out = subprocess.run([sys.executable, "-m", "partitioner", "--help"], capture_output=True, text=True, check=True)
     assert "plan" in out.stdout and "import" in out.stdout
+
+
+def test_version(capsys):
+    from partitioner import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"partitioner {__version__}"
+
+
+@pytest.mark.parametrize(("argv", "count"), [
+    (["plan", "p.json", "--cluster", "c.yaml"], 0),
+    (["-v", "plan", "p.json", "--cluster", "c.yaml"], 1),
+    (["plan", "p.json", "--cluster", "c.yaml", "-vv"], 2),
+    (["-v", "export", "p.json", "--to", "deepspeed", "-v", "-o", "e.json"], 2),
+    (["import", "pipedream", "g.txt", "-o", "p.json", "--verbose"], 1),
+    (["profile", "project", "p.json", "--gpu-type", "T4", "-o", "q.json", "-v"], 1),
+])
+def test_verbose_before_or_after_the_subcommand(argv, count):
+    from partitioner.cli import build_parser, verbosity
+
+    assert verbosity(build_parser().parse_args(argv)) == count

@@ -74,6 +74,17 @@ def instances(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_dp_equals_brute_force(inst):
+    _check_dp_equals_brute_force(inst)
+
+
+@pytest.mark.slow
+@settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_dp_equals_brute_force_long(inst):
+    _check_dp_equals_brute_force(inst)
+
+
+def _check_dp_equals_brute_force(inst):
     prof, cluster, options, schedule, m = inst
     cost = CostModel(prof, cluster, options)
     devs = cluster.devices

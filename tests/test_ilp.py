@@ -123,6 +123,20 @@ def test_agree_with_hint_and_pruning(inst):
     _check_agreement(inst, hint=True)
 
 
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_agree_with_brute_force_long(inst):
+    _check_agreement(inst, hint=False)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_agree_with_hint_and_pruning_long(inst):
+    _check_agreement(inst, hint=True)
+
+
 def _chain(n_layers, gpus, mem_gib=16.0, seed=1):
     import random
 

@@ -99,7 +99,7 @@ def _random_plan(rng: random.Random, schedule: str) -> Plan:
                 micro_batch_size=2, micro_batches=m, chunks=v)
 
 
-@pytest.mark.parametrize("draw", [0, 1])
+@pytest.mark.parametrize("draw", [0, 1, *(pytest.param(d, marks=pytest.mark.slow) for d in range(2, 8))])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "bfs"])
 def test_accepted_schedules_complete_for_random_p_m(schedule: str, draw: int, tmp_path: Path) -> None:
     rng = random.Random(f"runtime-{schedule}-{draw}")

@@ -1,0 +1,391 @@
+"""Plans in the form other training frameworks take them (torch-free).
+
+Three targets, each a JSON-ready dict (``partitioner.export/1``) with a ready snippet:
+
+``torch-pipelining``
+    What ``torch.distributed.pipelining`` needs: per pipeline and stage the layer range, the
+    rank that runs it and its device; the split points of ``pipeline(..., split_spec=...)``
+    as module names (``SplitPoint.BEGINNING`` of each stage's first layer, for a model built
+    as an ``nn.Sequential`` of the profile's layers); torch's schedule class and
+    ``n_microbatches``; the rows of the global batch each pipeline trains on; and, with several
+    virtual workers, the sets of ranks whose gradients are averaged (one set per group of
+    layers with the same holders). ``runtime.torch_pipelining`` builds the per-rank
+    ``PipelineStage`` objects of a zoo model and the schedule from it.
+``deepspeed``
+    The layer boundaries of DeepSpeed's ``PipelineModule`` (its ``parts``: stage ``s`` holds
+    layers ``[parts[s], parts[s + 1])``), the pipeline and data-parallel degrees, the rank ->
+    device order of DeepSpeed's pipe x data topology and a DeepSpeed config. DeepSpeed's
+    ``partition_method`` accepts only ``'parameters'``, ``'uniform'`` and ``'type:REGEX'``; a
+    partition that is none of these needs ``PipelineModule._partition_layers`` overridden, which
+    the snippet does.
+``megatron``
+    Megatron-LM arguments for a GPT-style chain (embedding, transformer layers, output head):
+    the pipeline layout string of ``--pipeline-model-parallel-layout`` (any contiguous split),
+    and, where the split has equal middle stages, the older
+    ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` form.
+
+A plan a target cannot run raises :class:`ExportError`, one line naming what the target lacks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import PartitionerError
+from .plan import Plan, VirtualWorker
+
+__all__ = ["EXPORT_FORMAT", "TARGETS", "TORCH_SCHEDULE_CLASSES", "ExportError", "deepspeed_uniform_parts",
+           "export_plan", "megatron_layer_kinds"]
+
+EXPORT_FORMAT = "partitioner.export/1"
+TARGETS = ("torch-pipelining", "deepspeed", "megatron")
+# The plan's flushing schedules and the torch.distributed.pipelining class that runs each.
+TORCH_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                          "interleaved": "ScheduleInterleaved1F1B", "bfs": "ScheduleLoopedBFS"}
+_MULTI_STAGE_CLASSES = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS")
+
+
+class ExportError(PartitionerError):
+    """The target cannot run the plan; the message says what it lacks (one line)."""
+
+    def __init__(self, target: str, what: str):
+        super().__init__(f"{target} cannot run this plan: {what}")
+
+
+# -- shared checks and tables ---------------------------------------------------------------
+
+
+def _cuts(vw: VirtualWorker) -> list[int]:
+    return [*(s.start for s in vw.stages), vw.stages[-1].stop]
+
+
+def _check_plan(plan: Plan, target: str) -> int:
+    """Refuse what no target runs; check the stages cover ``[0, L)`` in order. Returns ``L``."""
+    if plan.schedule in ("wsp", "2bw"):
+        what = ("bounded staleness between virtual workers (Wave Synchronous Parallel)" if plan.schedule == "wsp"
+                else "double-buffered weights (PipeDream-2BW)")
+        raise ExportError(target, f"schedule {plan.schedule} needs {what}, which {target} does not implement; "
+                                  f"re-plan with gpipe, 1f1b, interleaved or bfs")
+    if plan.first_slices != 1:
+        raise ExportError(target, f"first_slices = {plan.first_slices}: {target} runs micro-batches of one size; "
+                                  f"re-plan without slicing the first micro-batch")
+    n_layers = plan.virtual_workers[0].stages[-1].stop
+    for w, vw in enumerate(plan.virtual_workers):
+        for k, st in enumerate(vw.stages):
+            if st.replicas:
+                raise ExportError(target, f"virtual_workers[{w}].stages[{k}] is replicated on {list(st.replicas)}; "
+                                          f"{target} has no per-stage replication (express it as virtual workers)")
+        cuts = _cuts(vw)
+        if cuts[0] != 0 or cuts[-1] != n_layers or any(a.stop != b.start for a, b in itertools.pairwise(vw.stages)):
+            raise PartitionerError(f"virtual_workers[{w}].stages: layers {[list(s.layers) for s in vw.stages]} do "
+                                   f"not cover [0, {n_layers}) contiguously; check the plan with "
+                                   f"`partitioner simulate`")
+    return n_layers
+
+
+def _pipeline_shape(plan: Plan, target: str) -> list[int]:
+    """Pipeline ranks per virtual worker; stage ``c * p + d`` must run on the device of stage ``d``."""
+    v = plan.chunks
+    sizes = []
+    for w, vw in enumerate(plan.virtual_workers):
+        n = len(vw.stages)
+        if n % v:
+            raise ExportError(target, f"virtual_workers[{w}] has {n} stages, not a multiple of chunks = {v}")
+        p = n // v
+        devs = [vw.stages[d].device for d in range(p)]
+        if len(set(devs)) != p or any(st.device != devs[s % p] for s, st in enumerate(vw.stages)):
+            raise ExportError(target, f"virtual_workers[{w}] places its {n} stages on {[s.device for s in vw.stages]}; "
+                                      f"{target} runs stage c*p + d on pipeline rank d ({p} distinct devices, "
+                                      f"chunks = {v})")
+        sizes.append(p)
+    return sizes
+
+
+def _identical_cuts(plan: Plan, target: str, lacks: str) -> list[int]:
+    first = _cuts(plan.virtual_workers[0])
+    for w, vw in enumerate(plan.virtual_workers[1:], start=1):
+        if _cuts(vw) != first:
+            raise ExportError(target, f"virtual workers 0 and {w} cut the model differently ({first} vs "
+                                      f"{_cuts(vw)}); {lacks}")
+    return first
+
+
+def _one_stage_per_rank(plan: Plan, target: str, schedules: str) -> None:
+    if plan.chunks != 1 or plan.schedule not in ("gpipe", "1f1b"):
+        raise ExportError(target, f"schedule {plan.schedule} with chunks = {plan.chunks} puts several stages on one "
+                                  f"rank; {target} holds one stage per rank ({schedules}); re-plan with 1f1b or gpipe")
+
+
+# -- torch.distributed.pipelining -----------------------------------------------------------
+
+
+def _holder_sets(plan: Plan, pipelines: Sequence[Sequence[int]], n_layers: int) -> list[dict[str, Any]]:
+    """Every distinct set of ranks holding the same layers (one rank per virtual worker)."""
+    holders: dict[tuple[int, ...], list[int]] = {}
+    for layer in range(n_layers):
+        key = []
+        for w, vw in enumerate(plan.virtual_workers):
+            s = next(k for k, st in enumerate(vw.stages) if st.start <= layer < st.stop)
+            key.append(pipelines[w][s % len(pipelines[w])])
+        holders.setdefault(tuple(sorted(key)), []).append(layer)
+    return [{"ranks": list(ranks), "layers": layers} for ranks, layers in holders.items()]
+
+
+def _torch_pipelining(plan: Plan, layer_names: Sequence[str] | None) -> dict[str, Any]:
+    target = "torch-pipelining"
+    n_layers = _check_plan(plan, target)
+    cls = TORCH_SCHEDULE_CLASSES[plan.schedule]
+    if plan.chunks != 1 and cls not in _MULTI_STAGE_CLASSES:
+        raise ExportError(target, f"chunks = {plan.chunks} under {plan.schedule}: torch's {cls} runs one stage per "
+                                  f"rank; several stages per rank need ScheduleInterleaved1F1B or ScheduleLoopedBFS")
+    sizes = _pipeline_shape(plan, target)
+    m, b = plan.micro_batches, plan.micro_batch_size
+    if cls == "ScheduleInterleaved1F1B":
+        for w, p in enumerate(sizes):
+            rounds = max(1, m // p)
+            if m % rounds:
+                raise ExportError(target, f"virtual_workers[{w}]: torch's ScheduleInterleaved1F1B needs "
+                                          f"n_microbatches ({m}) to be a multiple of its rounds max(1, {m} // {p}) "
+                                          f"= {rounds}")
+    names = None
+    if layer_names is not None:
+        if len(layer_names) != n_layers:
+            raise PartitionerError(f"{len(layer_names)} layer names for a plan of {n_layers} layers")
+        names = [str(n).replace(".", "_") for n in layer_names]
+    ranks: list[dict[str, Any]] = []
+    pipelines: list[dict[str, Any]] = []
+    rank_lists: list[list[int]] = []
+    for w, (vw, p) in enumerate(zip(plan.virtual_workers, sizes)):
+        base = len(ranks)
+        n = len(vw.stages)
+        for d in range(p):
+            st = vw.stages[d]
+            ranks.append({"rank": base + d, "device": st.device, "gpu_type": st.gpu_type, "virtual_worker": w,
+                          "pipe_rank": d, "stages": list(range(d, n, p))})
+        rank_lists.append(list(range(base, base + p)))
+        stages = [{"stage": s, "layers": list(st.layers), "rank": base + s % p, "device": st.device,
+                   "gpu_type": st.gpu_type} for s, st in enumerate(vw.stages)]
+        pipe: dict[str, Any] = {"virtual_worker": w, "ranks": rank_lists[-1],
+                                "batch_rows": [w * m * b, (w + 1) * m * b], "stages": stages}
+        pipe["split_spec"] = (None if names is None
+                              else {names[st.start]: "BEGINNING" for st in vw.stages[1:]})
+        pipelines.append(pipe)
+    out: dict[str, Any] = {
+        "format": EXPORT_FORMAT, "target": target, "model": plan.model, "num_layers": n_layers,
+        "schedule": plan.schedule, "schedule_class": cls, "n_microbatches": m, "micro_batch_size": b,
+        "stages_per_rank": plan.chunks, "world_size": len(ranks),
+        "ranks": ranks, "pipelines": pipelines,
+        "grad_sync": _holder_sets(plan, rank_lists, n_layers) if len(pipelines) > 1 else [],
+    }
+    out["snippet"] = _torch_snippet(out)
+    return out
+
+
+def _torch_snippet(e: Mapping[str, Any]) -> str:
+    multi = e["schedule_class"] in _MULTI_STAGE_CLASSES
+    lines = [
+        f"# torchrun --nproc-per-node {e['world_size']} train.py   (rank r on the device the export lists for it;",
+        "#  examples/torch_pipelining_train.py is a complete script)",
+        "import json, torch, torch.distributed as dist",
+        "from runtime.torch_pipelining import build_rank",
+        "",
+        "dist.init_process_group()",
+        "export = json.load(open('EXPORT.json'))",
+        "me = build_rank(export, dist.get_rank(), seed=0)   # PipelineStage(s) + torch."
+        f"{e['schedule_class']}({'stages' if multi else 'stage'}, n_microbatches={e['n_microbatches']}, ...)",
+        "opt = torch.optim.SGD(me.parameters(), lr=0.01)",
+        "for batch in batches:                  # the global batch; each pipeline takes its batch_rows",
+        "    losses = me.step(batch)            # torch's schedule.step on this rank's rows",
+        "    me.sync_gradients()                # average over virtual workers (grad_sync)",
+        "    opt.step(); opt.zero_grad()",
+    ]
+    spec = e["pipelines"][0]["split_spec"]
+    if spec is not None:
+        shown = ", ".join(f"'{k}': SplitPoint.BEGINNING" for k in spec)
+        lines += ["", "# or trace the model with torch's frontend (pipeline 0's split points):",
+                  "from torch.distributed.pipelining import pipeline, SplitPoint",
+                  f"pipe = pipeline(model_as_sequential, mb_args=(micro_batch,), split_spec={{{shown}}})"]
+    return "\n".join(lines) + "\n"
+
+
+# -- DeepSpeed ------------------------------------------------------------------------------
+
+
+def deepspeed_uniform_parts(num_layers: int, num_stages: int) -> list[int]:
+    """The boundaries DeepSpeed's ``partition_method='uniform'`` gives: ``num_layers // num_stages``
+    layers per stage, one more for each of the first ``num_layers % num_stages`` stages (one
+    layer per stage, and empty stages after them, when there are fewer layers than stages)."""
+    if num_layers <= num_stages:
+        return [min(p, num_layers) for p in range(num_stages + 1)]
+    size, extra = divmod(num_layers, num_stages)
+    return [p * size + min(p, extra) for p in range(num_stages + 1)]
+
+
+def _deepspeed(plan: Plan) -> dict[str, Any]:
+    target = "deepspeed"
+    n_layers = _check_plan(plan, target)
+    _one_stage_per_rank(plan, target, "its TrainSchedule, a 1F1B order")
+    _pipeline_shape(plan, target)
+    parts = _identical_cuts(plan, target, "DeepSpeed's data-parallel replicas all run one partition (PipelineModule "
+                                          "parts)")
+    pp, dp = len(parts) - 1, len(plan.virtual_workers)
+    m, b = plan.micro_batches, plan.micro_batch_size
+    # DeepSpeed's PipeDataParallelTopology orders ranks pipe-major: rank = stage * dp + replica
+    ranks = [{"rank": s * dp + w, "device": vw.stages[s].device, "gpu_type": vw.stages[s].gpu_type,
+              "stage": s, "data_parallel_rank": w}
+             for s in range(pp) for w, vw in enumerate(plan.virtual_workers)]
+    uniform = parts == deepspeed_uniform_parts(n_layers, pp)
+    out: dict[str, Any] = {
+        "format": EXPORT_FORMAT, "target": target, "model": plan.model, "num_layers": n_layers,
+        "num_stages": pp, "data_parallel": dp, "parts": parts,
+        "partition_method": "uniform" if uniform else None,
+        "schedule": plan.schedule,
+        "config": {"train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
+                   "train_batch_size": b * m * dp},
+        "world_size": pp * dp, "ranks": ranks,
+    }
+    out["snippet"] = _deepspeed_snippet(out)
+    return out
+
+
+def _deepspeed_snippet(e: Mapping[str, Any]) -> str:
+    lines = [
+        "import deepspeed",
+        "from deepspeed.pipe import PipelineModule",
+        "",
+        f"# layers: the model's {e['num_layers']} layers in order (nn.Module or LayerSpec), as the plan's profile lists them",
+    ]
+    if e["partition_method"] == "uniform":
+        lines += [f"# the plan's split is DeepSpeed's own uniform split: {e['parts']}",
+                  f"net = PipelineModule(layers=layers, num_stages={e['num_stages']}, partition_method='uniform')"]
+    else:
+        lines += [
+            "class PlannedPipelineModule(PipelineModule):",
+            "    \"\"\"PipelineModule with the plan's stage boundaries (stage s: layers [PARTS[s], PARTS[s+1])).\"\"\"",
+            "",
+            f"    PARTS = {e['parts']}",
+            "",
+            "    def _partition_layers(self, method='parameters'):",
+            "        self.parts = list(self.PARTS)",
+            "        stage = self._topo.get_coord(self.global_rank).pipe",
+            "        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])",
+            "",
+            f"net = PlannedPipelineModule(layers=layers, num_stages={e['num_stages']})",
+        ]
+    lines += ["engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),",
+              f"                                       config={json.dumps(e['config'])})",
+              "loss = engine.train_batch(data_iter)   # one plan iteration: gradient_accumulation_steps micro-batches"]
+    return "\n".join(lines) + "\n"
+
+
+# -- Megatron-LM ----------------------------------------------------------------------------
+
+
+def megatron_layer_kinds(model: str, num_layers: int) -> list[str] | None:
+    """Megatron's layer letters for the chain of ``model`` (``E`` embedding, ``t`` transformer
+    layer, ``L`` output head and loss), or ``None`` when the model is not a GPT-style chain.
+    The zoo's GPT-2 models are: embedding, ``num_layers - 2`` blocks, head."""
+    if model.startswith("gpt2") and num_layers >= 3:
+        return ["E", *["t"] * (num_layers - 2), "L"]
+    return None
+
+
+def _layout_stage(kinds: Sequence[str]) -> str:
+    t = kinds.count("t")
+    body = "" if t == 0 else ("t" if t == 1 else f"t*{t}")
+    return ("E" if "E" in kinds else "") + body + ("L" if "L" in kinds else "")
+
+
+def _megatron(plan: Plan) -> dict[str, Any]:
+    target = "megatron"
+    n_layers = _check_plan(plan, target)
+    kinds = megatron_layer_kinds(plan.model, n_layers)
+    if kinds is None:
+        raise ExportError(target, f"model '{plan.model}' is not a GPT-style chain (embedding, transformer layers, "
+                                  f"output head), the only model Megatron-LM's pipeline builds; the zoo's gpt2-* are")
+    if plan.schedule == "bfs":
+        raise ExportError(target, "schedule bfs: Megatron-LM's interleaved schedule runs micro-batches depth-first "
+                                  "and has no breadth-first order; re-plan with interleaved")
+    sizes = _pipeline_shape(plan, target)
+    cuts = _identical_cuts(plan, target, "Megatron-LM's data-parallel replicas all run one pipeline split")
+    pp, v, dp = sizes[0], plan.chunks, len(plan.virtual_workers)
+    m, b = plan.micro_batches, plan.micro_batch_size
+    stage_kinds = [kinds[a:c] for a, c in itertools.pairwise(cuts)]
+    counts = [k.count("t") for k in stage_kinds]
+    layout = "|".join(_layout_stage(k) for k in stage_kinds)
+    n_t = n_layers - 2
+    args: list[str] = ["--num-layers", str(n_t), "--pipeline-model-parallel-size", str(pp)]
+    if v > 1:
+        args += ["--num-virtual-stages-per-pipeline-rank", str(v)]
+    args += ["--micro-batch-size", str(b), "--global-batch-size", str(b * m * dp)]
+    uneven, why = _megatron_uneven(counts, pp, v)
+    ranks = [{"rank": d * dp + w, "device": vw.stages[d].device, "gpu_type": vw.stages[d].gpu_type,
+              "pipeline_rank": d, "data_parallel_rank": w, "stages": list(range(d, pp * v, pp))}
+             for d in range(pp) for w, vw in enumerate(plan.virtual_workers)]
+    out: dict[str, Any] = {
+        "format": EXPORT_FORMAT, "target": target, "model": plan.model, "num_layers": n_layers,
+        "transformer_layers_per_stage": counts, "pipeline_parallel": pp, "virtual_stages_per_rank": v,
+        "data_parallel": dp, "schedule": plan.schedule, "layout": layout,
+        "args": args, "layout_args": [*args, "--pipeline-model-parallel-layout", layout],
+        "uneven_args": None if uneven is None else [*args, *uneven],
+        "uneven_args_unavailable": why, "world_size": pp * dp, "ranks": ranks,
+    }
+    out["snippet"] = _megatron_snippet(out)
+    return out
+
+
+def _megatron_uneven(counts: Sequence[int], pp: int, v: int) -> tuple[list[str] | None, str | None]:
+    """``--decoder-first/last-pipeline-num-layers`` for ``counts`` (transformer layers per stage),
+    or ``None`` and the reason they cannot express it."""
+    if len(set(counts)) == 1:
+        return [], None
+    if v > 1:
+        return None, ("the virtual stages hold different numbers of transformer layers; without a layout "
+                      "Megatron-LM gives every virtual stage the same count")
+    mid = counts[1:-1]
+    if len(set(mid)) > 1:
+        return None, (f"middle stages hold {mid} transformer layers; without a layout Megatron-LM gives every "
+                      f"stage but the first and the last the same count")
+    if 0 in counts:
+        return None, "a stage holds no transformer layer (only the embedding or the head)"
+    extra: list[str] = []
+    if pp == 2:
+        return ["--decoder-first-pipeline-num-layers", str(counts[0])], None
+    if counts[0] != mid[0]:
+        extra += ["--decoder-first-pipeline-num-layers", str(counts[0])]
+    if counts[-1] != mid[0]:
+        extra += ["--decoder-last-pipeline-num-layers", str(counts[-1])]
+    return extra, None
+
+
+def _megatron_snippet(e: Mapping[str, Any]) -> str:
+    lines = [f"# {e['pipeline_parallel']} pipeline x {e['data_parallel']} data-parallel ranks; "
+             f"transformer layers per stage {e['transformer_layers_per_stage']}"]
+    if e["uneven_args"] is not None:
+        lines += ["# Megatron-LM with --decoder-first/last-pipeline-num-layers:",
+                  "torchrun ... pretrain_gpt.py " + " ".join(e["uneven_args"])]
+    else:
+        lines += [f"# --decoder-first/last-pipeline-num-layers cannot express it: {e['uneven_args_unavailable']}"]
+    lines += ["# Megatron-LM with --pipeline-model-parallel-layout:",
+              "torchrun ... pretrain_gpt.py " + " ".join(e["args"]) + f" --pipeline-model-parallel-layout "
+              f"'{e['layout']}'"]
+    return "\n".join(lines) + "\n"
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def export_plan(plan: Plan, target: str, layer_names: Sequence[str] | None = None) -> dict[str, Any]:
+    """``plan`` as ``target`` (one of :data:`TARGETS`) takes it; raises :class:`ExportError`
+    when the target cannot run it. ``layer_names`` (the module names of the model's layers as
+    an ``nn.Sequential``) give torch's ``split_spec``; without them it is ``None``."""
+    if target == "torch-pipelining":
+        return _torch_pipelining(plan, layer_names)
+    if target == "deepspeed":
+        return _deepspeed(plan)
+    if target == "megatron":
+        return _megatron(plan)
+    raise PartitionerError(f"unknown export target '{target}'; valid targets: {', '.join(TARGETS)}")

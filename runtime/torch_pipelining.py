@@ -1,0 +1,152 @@
+"""Run a plan exported with ``partitioner export --to torch-pipelining`` on torch's own pipelining.
+
+:func:`build_rank` turns the export (``partitioner.export/1``, target ``torch-pipelining``) into
+this rank's ``torch.distributed.pipelining.PipelineStage`` objects -- one per stage the rank
+holds, each an ``nn.Sequential`` of the zoo model's layers built by :func:`runtime.stage.build_stage`
+(so every layer starts from the same per-layer seed as in this project's runtime) -- and the
+torch schedule named by the export (``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B`` or ``ScheduleLoopedBFS``) over the rank's pipeline process group.
+
+The process group must be initialised, with one process per rank of the export. Every rank
+calls :func:`build_rank` (process groups are created collectively). Each step, every rank
+calls :meth:`TorchPipelineRank.step` with the same global batch (each pipeline trains on its
+``batch_rows``), then :meth:`TorchPipelineRank.sync_gradients` (averages the gradients of the
+layers several virtual workers hold, over the export's ``grad_sync`` rank sets), then its
+optimizer. The default loss is the mean of the model's output, as in :mod:`runtime.launch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner.errors import PartitionerError
+from partitioner.export import EXPORT_FORMAT, TORCH_SCHEDULE_CLASSES
+
+from .stage import build_stage, zoo_chain
+
+__all__ = ["TorchPipelineRank", "build_rank", "mean_output_loss"]
+
+
+def mean_output_loss(output: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    """The runtime's loss (``runtime.launch``): the mean of the model's output; ``target`` unused."""
+    return output.float().mean()
+
+
+@dataclass
+class TorchPipelineRank:
+    """One rank of an exported plan on ``torch.distributed.pipelining``."""
+
+    rank: int
+    worker: int
+    pipe_rank: int
+    modules: dict[int, nn.Sequential]  # global stage index -> module
+    stages: list[Any]  # torch PipelineStage objects, in stage order
+    schedule: Any  # the torch schedule object
+    batch_rows: tuple[int, int]
+    is_first: bool
+    is_last: bool
+    grad_groups: list[tuple[Any, list[nn.Parameter]]] = field(default_factory=list)
+    group_sizes: list[int] = field(default_factory=list)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for s in sorted(self.modules):
+            yield from self.modules[s].parameters()
+
+    def step(self, global_batch: torch.Tensor, target: torch.Tensor | None = None) -> list[float] | None:
+        """One forward/backward over this pipeline's rows of ``global_batch`` with torch's
+        schedule. Returns the micro-batch losses on the rank holding the last stage, else None."""
+        a, b = self.batch_rows
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        if self.is_last:
+            rows = global_batch[a:b]
+            kwargs["target"] = target[a:b] if target is not None else torch.zeros(rows.shape[0])
+            kwargs["losses"] = losses
+        args = (global_batch[a:b],) if self.is_first else ()
+        self.schedule.step(*args, **kwargs)
+        return [float(x.detach()) for x in losses] if self.is_last else None
+
+    def sync_gradients(self) -> None:
+        """Average the gradients of layers held in several virtual workers (one all-reduce per
+        rank set of the export's ``grad_sync``; every rank walks the sets in the same order)."""
+        for (group, params), size in zip(self.grad_groups, self.group_sizes):
+            if group is None or not params:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat /= size
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).clone()
+                offset += n
+
+
+def _check_export(export: Mapping[str, Any]) -> None:
+    if export.get("format") != EXPORT_FORMAT or export.get("target") != "torch-pipelining":
+        raise PartitionerError(f"not a torch-pipelining export (format {export.get('format')!r}, target "
+                               f"{export.get('target')!r}); make one with `partitioner export PLAN --to "
+                               f"torch-pipelining`")
+    if export.get("schedule_class") not in TORCH_SCHEDULE_CLASSES.values():
+        raise PartitionerError(f"schedule_class = {export.get('schedule_class')!r}: must be one of "
+                               f"{', '.join(TORCH_SCHEDULE_CLASSES.values())}")
+
+
+def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: torch.device | str = "cpu",
+               loss_fn: Callable[..., torch.Tensor] = mean_output_loss,
+               model_options: Mapping[str, Any] | None = None) -> TorchPipelineRank:
+    """This rank's stages of the exported plan and torch's schedule over them (collective:
+    every rank of the export calls it)."""
+    from torch.distributed import pipelining
+
+    _check_export(export)
+    world = dist.get_world_size()
+    if world != export["world_size"]:
+        raise PartitionerError(f"the export runs on {export['world_size']} ranks, the process group has {world}")
+    device = torch.device(device)
+    me = export["ranks"][rank]
+    pipe = export["pipelines"][me["virtual_worker"]]
+    chain = zoo_chain(export["model"], export["micro_batch_size"], **dict(model_options or {}))
+    if chain.num_layers != export["num_layers"]:
+        raise PartitionerError(f"model '{export['model']}' has {chain.num_layers} layers, the export "
+                               f"{export['num_layers']}")
+    # one process group per pipeline, created by every rank in the same order
+    groups: list[Any] = []
+    for p in export["pipelines"]:
+        groups.append(None if len(export["pipelines"]) == 1 else dist.new_group(p["ranks"]))
+    group = groups[me["virtual_worker"]]
+    n_stages = len(pipe["stages"])
+    modules: dict[int, nn.Sequential] = {}
+    stages = []
+    for s in me["stages"]:
+        a, b = pipe["stages"][s]["layers"]
+        modules[s] = build_stage(chain, a, b, seed=seed, device=device)
+        stages.append(pipelining.PipelineStage(modules[s], s, n_stages, device, group=group))
+    cls = getattr(pipelining, export["schedule_class"])
+    m = export["n_microbatches"]
+    if export["schedule_class"] in ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS"):
+        schedule = cls(stages, m, loss_fn=loss_fn)
+    else:
+        schedule = cls(stages[0], m, loss_fn=loss_fn)
+    # gradient averaging between virtual workers: the layers this rank holds, per rank set
+    by_layer: dict[int, nn.Module] = {pipe["stages"][s]["layers"][0] + k: layer for s, mod in modules.items()
+                for k, layer in enumerate(mod)}
+    grad_groups: list[tuple[Any, list[nn.Parameter]]] = []
+    sizes: list[int] = []
+    for held in export.get("grad_sync", []):
+        g = dist.new_group(held["ranks"]) if len(held["ranks"]) > 1 else None
+        params = ([q for layer in held["layers"] for q in by_layer[layer].parameters()]
+                  if rank in held["ranks"] else [])
+        grad_groups.append((g if rank in held["ranks"] else None, params))
+        sizes.append(len(held["ranks"]))
+    return TorchPipelineRank(rank=rank, worker=me["virtual_worker"], pipe_rank=me["pipe_rank"], modules=modules,
+                             stages=stages, schedule=schedule, batch_rows=tuple(pipe["batch_rows"]),
+                             is_first=0 in me["stages"], is_last=n_stages - 1 in me["stages"],
+                             grad_groups=grad_groups, group_sizes=sizes)
