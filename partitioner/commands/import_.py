@@ -30,6 +30,50 @@ def _sailor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sailor_run(args: argparse.Namespace) -> int:
+    import os
+    from dataclasses import replace
+
+    from ..importers.sailor_runs import import_sailor_run
+
+    run = import_sailor_run(args.plan_config, args.profiles, args.network)
+    os.makedirs(args.output, exist_ok=True)
+    measured = {"iteration_s": run.measured_iteration_s, "peak_memory_bytes": run.measured_peak_bytes}
+    plan = replace(run.plan, pricing=run.options.to_dict(), meta={**run.plan.meta, "measured": measured})
+    paths = [os.path.join(args.output, name) for name in ("plan.json", "profile.json", "cluster.json")]
+    plan.save(paths[0])
+    run.profile.save(paths[1])
+    run.cluster.save(paths[2])
+    print(f"imported {run.name}: {len(plan.virtual_workers)} virtual worker(s) of "
+          f"{len(plan.virtual_workers[0].stages)} stage(s), {plan.micro_batches} micro-batches of "
+          f"{plan.micro_batch_size}, {len(run.cluster.devices)} tensor-parallel groups of "
+          f"{run.profile.meta.get('tensor_parallel', 1)} GPUs; measured {run.measured_iteration_s:.3f} s per "
+          f"iteration, peak {run.measured_peak_bytes / 2**30:.2f} GiB -> {', '.join(paths)}")
+    return 0
+
+
+def _sailor_network(args: argparse.Namespace) -> int:
+    from ..cluster import Cluster, Node
+    from ..importers.sailor_runs import sailor_bandwidth
+
+    inter = sailor_bandwidth(args.file, "inter", args.gpu_type, args.gpus_per_node)
+    intra = sailor_bandwidth(args.intra, "intra", args.gpu_type, args.gpus_per_node) if args.intra else None
+    from ..importers.sailor import sailor_gpu_name
+
+    gpu = sailor_gpu_name(args.gpu_type)
+    from ..importers.sailor_runs import _EXTRA_TYPES
+
+    extra = {gpu: _EXTRA_TYPES[args.gpu_type]} if args.gpu_type in _EXTRA_TYPES else {}
+    nodes = tuple(Node(f"n{i}", (gpu,) * args.gpus_per_node, intra.gbps if intra else args.intra_gbps,
+                       intra_curve=intra) for i in range(args.nodes))
+    cluster = Cluster(f"{args.gpu_type}-{args.nodes}x{args.gpus_per_node}", nodes, inter.gbps, extra,
+                      inter_curve=inter)
+    cluster.save(args.output)
+    print(f"wrote {args.output}: {args.nodes} node(s) of {args.gpus_per_node} {gpu}, inter-node curve "
+          f"{inter.gbps_at(1e8):.1f} GB/s at 100 MB (cap {inter.gbps:.1f})")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("import", help="convert another tool's profile to this project's format")
     formats = parser.add_subparsers(dest="format", required=True, metavar="FORMAT")
@@ -48,3 +92,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     sl.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel degree to import (default 1)")
     sl.add_argument("--model", default=None, help="model name (default: the training config's)")
     sl.set_defaults(func=_sailor)
+    sr = formats.add_parser("sailor-run", help="one of Sailor's measured training runs -> plan, profile, cluster")
+    sr.add_argument("plan_config", help="Sailor plan_config_*.json (with the measured 'real' and 'max_mem')")
+    sr.add_argument("--profiles", required=True, help="Sailor profile directory of the run's GPU type")
+    sr.add_argument("--network", required=True, help="Sailor network_coeffs_all_homo.json")
+    sr.add_argument("-o", "--output", required=True, help="directory for plan.json, profile.json, cluster.json")
+    sr.set_defaults(func=_sailor_run)
+    sn = formats.add_parser("sailor-network", help="Sailor's fitted NCCL curves -> a cluster file")
+    sn.add_argument("file", help="Sailor network_coeffs_all_homo.json")
+    sn.add_argument("--gpu-type", required=True, help="Sailor's GPU name (GH-96, A100-40, V100-16, ...)")
+    sn.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    sn.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (a key of the curves)")
+    sn.add_argument("--intra", metavar="FILE", help="Sailor intra_node_bandwidths.json for the intra-node curve")
+    sn.add_argument("--intra-gbps", type=float, default=100.0, help="flat intra-node GB/s without --intra")
+    sn.add_argument("-o", "--output", required=True, help="cluster file to write (.yaml or .json)")
+    sn.set_defaults(func=_sailor_network)

@@ -38,6 +38,15 @@ def _run(args: argparse.Namespace) -> int:
         raise err.in_file(args.plan) from None
     tl = simulate_plan(plan, profile, cluster, options, iterations=args.iterations)
     print(summary_text(tl))
+    measured = plan.meta.get("measured")
+    if isinstance(measured, dict) and isinstance(measured.get("iteration_s"), (int, float)):
+        peak = max(tl.peak_memory_bytes.values())
+        line = (f"measured iteration {measured['iteration_s']:.5g} s: predicted "
+                f"{100 * (tl.iteration_s / measured['iteration_s'] - 1):+.1f}%")
+        if isinstance(measured.get("peak_memory_bytes"), (int, float)) and measured["peak_memory_bytes"] > 0:
+            line += (f"; measured peak {measured['peak_memory_bytes'] / GIB:.2f} GiB: predicted "
+                     f"{100 * (peak / measured['peak_memory_bytes'] - 1):+.1f}%")
+        print(line)
     over = [f"{d} needs {tl.peak_memory_bytes[d] / GIB:.2f} GiB of {cluster.device(d).memory_bytes / GIB:.2f}"
             for d in tl.devices if tl.peak_memory_bytes[d] > cluster.device(d).memory_bytes]
     if over:

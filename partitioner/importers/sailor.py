@@ -86,13 +86,14 @@ def _megatron_block_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int
 
 def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 1, tensor_parallel: int = 1,
                   model: str | None = None, dtype: str = "float16", activations: str = "megatron",
-                  gpu_types: tuple[str, ...] = ()) -> Profile:
+                  gpu_types: tuple[str, ...] = (), clip_noise: bool = True) -> Profile:
     """Read a Sailor profile directory into one profile (see the module docstring).
 
     ``activations``: ``megatron`` prices a transformer block's saved activations with the published
     formula of Megatron-LM (:func:`_megatron_block_bytes`), ``sailor`` keeps Sailor's
     ``act_mem_bytes`` (7% lower per block at t = 4); the embedding and head keep Sailor's.
     ``gpu_types`` (Sailor's names) limits the import to those types; default: every file.
+    ``clip_noise=False`` keeps every time as measured (see the module docstring).
     """
     if activations not in ACTIVATION_MODELS:
         raise FormatError("activations", activations, f"must be one of {', '.join(ACTIVATION_MODELS)}")
@@ -148,7 +149,7 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
             if not (isinstance(row, list) and len(row) >= 2 and all(isinstance(v, (int, float)) for v in row)):
                 raise FormatError(f"{b}.{tp}.{i}", row, "must be [fwd_s, bwd_s, update_s]", file=str(path))
             ups.append(float(row[2]) if len(row) > 2 else 0.0)
-            fwd, bwd = _monotone(float(row[0]), float(row[1]), larger, str(i))
+            fwd, bwd = _monotone(float(row[0]), float(row[1]), larger if clip_noise else [], str(i))
             clipped += (fwd, bwd) != (float(row[0]), float(row[1]))
             rows.append(LayerTime(fwd, bwd, projected=False, measured_on=sailor_name, update_s=ups[-1]))
         times[gpu] = rows

@@ -91,8 +91,10 @@ def _field(d: dict[str, Any], key: str, kind: type, file: str) -> Any:
 
 
 def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os.PathLike[str],
-                      network: str | os.PathLike[str], options: CostOptions | None = None) -> SailorRun:
-    """Read one of Sailor's measured runs (see the module docstring)."""
+                      network: str | os.PathLike[str], options: CostOptions | None = None,
+                      activations: str = "megatron", clip_noise: bool = True) -> SailorRun:
+    """Read one of Sailor's measured runs (see the module docstring); ``activations`` and
+    ``clip_noise`` are passed to :func:`partitioner.importers.sailor.import_sailor`."""
     file = str(plan_config)
     cfg = load_mapping(plan_config)
     pipes = _field(cfg, "pipeline_list", list, file)
@@ -117,7 +119,8 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
     mbs = int(_field(cfg, "mbs", int, file))
     gbs = int(_field(cfg, "gbs", int, file))
     check(gbs % (mbs * n_dp) == 0, "gbs", gbs, f"must be a multiple of mbs x dp = {mbs * n_dp}")
-    profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=tp, gpu_types=(gpu,))
+    profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=tp, gpu_types=(gpu,),
+                            activations=activations, clip_noise=clip_noise)
     gpu_name = sailor_gpu_name(gpu)
     extra = {gpu_name: _EXTRA_TYPES[gpu]} if gpu in _EXTRA_TYPES else {}
     n_stages = len(stages)
