@@ -85,6 +85,8 @@ class LayerProfile:
     output_bytes: float = 0.0
     times: Mapping[str, LayerTime] = field(default_factory=dict)
     shared_saved_bytes: float = 0.0
+    # times measured at other micro-batch sizes: size -> GPU type -> time (per micro-batch of that size)
+    times_at: Mapping[int, Mapping[str, LayerTime]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "name", self.name, "must be a non-empty string")
@@ -97,6 +99,12 @@ class LayerProfile:
         for gpu, t in self.times.items():
             check(isinstance(t, LayerTime), f"times.{gpu}", t, "must be a LayerTime")
         object.__setattr__(self, "times", dict(self.times))
+        for size, by_gpu in self.times_at.items():
+            check(isinstance(size, int) and not isinstance(size, bool) and size >= 1, "times_at", size,
+                  "keys must be micro-batch sizes >= 1")
+            for gpu, t in by_gpu.items():
+                check(isinstance(t, LayerTime), f"times_at.{size}.{gpu}", t, "must be a LayerTime")
+        object.__setattr__(self, "times_at", {k: dict(v) for k, v in sorted(self.times_at.items())})
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +115,8 @@ class LayerProfile:
             "output_bytes": self.output_bytes,
             "times": {gpu: t.to_dict() for gpu, t in self.times.items()},
             **({"shared_saved_bytes": self.shared_saved_bytes} if self.shared_saved_bytes else {}),
+            **({"times_at": {str(b): {g: t.to_dict() for g, t in v.items()} for b, v in self.times_at.items()}}
+               if self.times_at else {}),
         }
 
     @classmethod
@@ -115,6 +125,13 @@ class LayerProfile:
             raise FormatError(where.rstrip("."), d, "must be an object")
         times_raw = opt_field(d, "times", Mapping, {}, where)
         times = {str(g): LayerTime.from_dict(t, f"{where}times.{g}.") for g, t in times_raw.items()}
+        at_raw = opt_field(d, "times_at", Mapping, {}, where)
+        times_at: dict[int, dict[str, LayerTime]] = {}
+        for size, by_gpu in at_raw.items():
+            check(str(size).isdigit() and int(size) >= 1, f"{where}times_at", size, "keys must be micro-batch sizes >= 1")
+            check(isinstance(by_gpu, Mapping), f"{where}times_at.{size}", by_gpu, "must map GPU types to times")
+            times_at[int(size)] = {str(g): LayerTime.from_dict(t, f"{where}times_at.{size}.{g}.")
+                                   for g, t in by_gpu.items()}
         try:
             return cls(
                 name=req_field(d, "name", str, where),
@@ -124,6 +141,7 @@ class LayerProfile:
                 output_bytes=req_number(d, "output_bytes", where, default=0.0),
                 times=times,
                 shared_saved_bytes=req_number(d, "shared_saved_bytes", where, default=0.0),
+                times_at=times_at,
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
@@ -206,6 +224,56 @@ class Profile:
             raise FormatError("times", len(times), f"need one entry per layer ({self.num_layers})")
         layers = tuple(replace(layer, times={**layer.times, gpu_type: t}) for layer, t in zip(self.layers, times))
         return Profile(self.model, self.micro_batch_size, layers, self.dtype, self.source, self.edges, self.meta)
+
+    @property
+    def measured_sizes(self) -> tuple[int, ...]:
+        """Micro-batch sizes with times on every layer: the profile's own and those of ``times_at``."""
+        extra = set(self.layers[0].times_at)
+        for layer in self.layers[1:]:
+            extra &= set(layer.times_at)
+        return tuple(sorted({self.micro_batch_size, *extra}))
+
+    def at_size(self, micro_batch_size: int) -> Profile:
+        """The profile at another micro-batch size.
+
+        With times measured at several sizes (``times_at``) a measured size is used as is and a
+        size between two measured ones is interpolated linearly between them, per layer and GPU
+        type; a size outside the measured range is an error. With one measured size, this is
+        :meth:`rescaled` (linear scaling). Byte counts and FLOPs scale with the size; parameters
+        and optimizer-step times do not.
+        """
+        sizes = self.measured_sizes
+        if micro_batch_size == self.micro_batch_size:
+            return self
+        if len(sizes) == 1:
+            return self.rescaled(micro_batch_size)
+        check(isinstance(micro_batch_size, int) and not isinstance(micro_batch_size, bool)
+              and sizes[0] <= micro_batch_size <= sizes[-1], "micro_batch_size", micro_batch_size,
+              f"must lie within the measured sizes {', '.join(map(str, sizes))}: times are interpolated "
+              f"between measured sizes, never extrapolated")
+        lo = max(x for x in sizes if x <= micro_batch_size)
+        hi = min(x for x in sizes if x >= micro_batch_size)
+        w = 0.0 if hi == lo else (micro_batch_size - lo) / (hi - lo)
+        f = micro_batch_size / self.micro_batch_size
+
+        def at(layer: LayerProfile, size: int) -> Mapping[str, LayerTime]:
+            return layer.times if size == self.micro_batch_size else layer.times_at[size]
+
+        layers = []
+        for layer in self.layers:
+            a, b = at(layer, lo), at(layer, hi)
+            times = {g: replace(a[g], fwd_s=(1 - w) * a[g].fwd_s + w * b[g].fwd_s,
+                                bwd_s=(1 - w) * a[g].bwd_s + w * b[g].bwd_s,
+                                update_s=layer.times[g].update_s if g in layer.times else a[g].update_s)
+                     for g in a if g in b}
+            others = {**layer.times_at, self.micro_batch_size: layer.times}
+            others.pop(micro_batch_size, None)
+            layers.append(replace(layer, flops=layer.flops * f, saved_bytes=layer.saved_bytes * f,
+                                  output_bytes=layer.output_bytes * f, shared_saved_bytes=layer.shared_saved_bytes * f,
+                                  times=times, times_at=others))
+        how = "measured" if lo == hi else f"interpolated between {lo} and {hi}"
+        return Profile(self.model, micro_batch_size, tuple(layers), self.dtype, self.source, self.edges,
+                       {**self.meta, "times_at_size": how})
 
     def rescaled(self, micro_batch_size: int) -> Profile:
         """The profile at another micro-batch size, scaled linearly (an approximation).

@@ -4,9 +4,10 @@ slicing of the first micro-batch.
 For a global minibatch of ``B`` samples per virtual worker, every micro-batch size ``b``
 that divides ``B`` is tried with ``m = B / b`` micro-batches: the planner is run on the
 profile at size ``b`` (a measured profile from ``profiles`` when given, else
-:meth:`partitioner.profile.Profile.rescaled`, which scales linearly: an approximation that
-ignores the lower efficiency of small batches, so measured profiles at several sizes are
-preferred), and the simulated throughput decides. For flushing schedules, slicing the
+:meth:`partitioner.profile.Profile.at_size`: measured times at that size, or interpolated
+between two measured sizes, and only linear scaling when the profile was measured at one size,
+an approximation that ignores the fixed costs of small batches; with several measured sizes
+only sizes between them are tried), and the simulated throughput decides. For flushing schedules, slicing the
 first micro-batch into ``s`` in ``slices`` (when ``s`` divides ``b``) shortens the fill: the
 plan carries ``first_slices = s`` and the simulator runs its first micro-batch as ``s``
 slices of ``1/s`` the work. Plans the simulator cannot price (replicated stages) fall back to
@@ -75,10 +76,16 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
     bad = [b for b in cands if global_batch % b]
     if bad:
         raise FormatError("micro_batch_size", bad, f"must divide the global batch {global_batch}")
+    measured = profile.measured_sizes
+    if len(measured) > 1 and not sizes:  # measured at several sizes: only sizes between them
+        cands = [b for b in cands if measured[0] <= b <= measured[-1]]
+        if not cands:
+            raise FormatError("global_batch", global_batch, f"no divisor lies within the measured micro-batch "
+                              f"sizes {', '.join(map(str, measured))}")
     best: MicroBatchChoice | None = None
     tried = []
     for b in cands:
-        prof = (profiles or {}).get(b) or profile.rescaled(b)
+        prof = (profiles or {}).get(b) or profile.at_size(b)
         m = global_batch // b
         res = planner(prof, cluster, schedule=schedule, micro_batches=m, **planner_options)
         if not res.ok or res.plan is None:

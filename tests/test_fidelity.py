@@ -252,3 +252,44 @@ def test_mixed_replicas_share_micro_batches_by_speed_and_pipelines_do_not_deadlo
         assert forwards == {"n0:0": 6, "n0:1": 3, "n0:2": 9, "n1:0": 9}  # twice as fast, twice the share
         assert any(e[1] == "ALLREDUCE" for e in tl.events())
         assert CostModel(prof, cl).plan_iteration_s(plan) == pytest.approx(tl.iteration_s, rel=0.25)
+
+
+# -- profiles at several micro-batch sizes -------------------------------------------------------------
+
+def test_profile_at_measured_and_interpolated_sizes_never_extrapolated(tmp_path):
+    from partitioner.importers.sailor import import_sailor
+
+    prof = import_sailor(DATA / "sailor_opt350", micro_batch_size=2, tensor_parallel=4, gpu_types=("GH-96",),
+                         all_sizes=True)
+    assert prof.measured_sizes == (1, 2, 4, 8, 16, 32, 64, 128)
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof  # times_at round-trips
+    eight = prof.at_size(8)
+    direct = import_sailor(DATA / "sailor_opt350", micro_batch_size=8, tensor_parallel=4, gpu_types=("GH-96",))
+    for a, b in zip(eight.layers, direct.layers, strict=True):
+        assert a.times["GH-96"].fwd_s == b.times["GH-96"].fwd_s and a.saved_bytes == pytest.approx(b.saved_bytes)
+    six = prof.at_size(6)  # halfway between 4 and 8
+    four, eight_ = prof.at_size(4), prof.at_size(8)
+    t = [x.layers[5].times["GH-96"].bwd_s for x in (four, six, eight_)]
+    assert t[1] == pytest.approx((t[0] + t[2]) / 2) and six.meta["times_at_size"] == "interpolated between 4 and 8"
+    with pytest.raises(FormatError, match="within the measured sizes 1, 2, 4, 8, 16, 32, 64, 128"):
+        prof.at_size(256)
+    single = import_sailor(DATA / "sailor_opt350", micro_batch_size=2, tensor_parallel=4, gpu_types=("GH-96",))
+    assert single.measured_sizes == (2,) and single.at_size(4).meta["rescaled_from"] == 2  # linear, as before
+
+
+def test_micro_batch_choice_tries_only_measured_ranges():
+    from partitioner.importers.sailor import import_sailor
+    from solvers.hetero import plan_cluster
+    from solvers.microbatch import choose_micro_batches
+
+    prof = import_sailor(DATA / "sailor_opt350", micro_batch_size=2, tensor_parallel=4, gpu_types=("GH-96",),
+                         all_sizes=True)
+    prof = Profile(prof.model, prof.micro_batch_size,
+                   tuple(replace(x, times_at={k: v for k, v in x.times_at.items() if k <= 8}) for x in prof.layers),
+                   prof.dtype, prof.source, prof.edges, prof.meta)
+    cl = Cluster("c", (Node("n0", ("GH-96",) * 2, 100.0),), 25.0,
+                 {"GH-96": big_type("GH-96")})
+    choice = choose_micro_batches(prof, cl, 32, plan_cluster, virtual_workers=1)
+    assert choice is not None
+    assert {b for b, _, _ in choice.tried} == {1, 2, 4, 8}  # 16 and 32 divide 32 but were never measured

@@ -23,9 +23,12 @@ def _sailor(args: argparse.Namespace) -> int:
     from ..importers.sailor import import_sailor
 
     profile = import_sailor(args.directory, micro_batch_size=args.micro_batch_size,
-                            tensor_parallel=args.tensor_parallel, model=args.model)
+                            tensor_parallel=args.tensor_parallel, model=args.model, all_sizes=args.all_sizes)
     profile.save(args.output)
-    print(f"imported {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}, "
+    sizes = profile.measured_sizes
+    also = f" (times also at sizes {', '.join(str(x) for x in sizes if x != profile.micro_batch_size)})" \
+        if len(sizes) > 1 else ""
+    print(f"imported {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}{also}, "
           f"measured on {', '.join(profile.gpu_types)} -> {args.output}")
     return 0
 
@@ -91,6 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sl.add_argument("--micro-batch-size", type=int, default=1, help="micro-batch size to import (default 1)")
     sl.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel degree to import (default 1)")
     sl.add_argument("--model", default=None, help="model name (default: the training config's)")
+    sl.add_argument("--all-sizes", action="store_true",
+                    help="also keep the times of every other measured micro-batch size (for --microbatches auto)")
     sl.set_defaults(func=_sailor)
     sr = formats.add_parser("sailor-run", help="one of Sailor's measured training runs -> plan, profile, cluster")
     sr.add_argument("plan_config", help="Sailor plan_config_*.json (with the measured 'real' and 'max_mem')")

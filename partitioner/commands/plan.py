@@ -93,12 +93,16 @@ def _run(args: argparse.Namespace) -> int:
             return 1
         print(f"micro-batch size {choice.micro_batch_size} x {choice.micro_batches} micro-batches "
               f"(first micro-batch in {choice.first_slices} slice(s)): {choice.samples_per_s:.2f} samples/s")
-        if choice.micro_batch_size != profile.micro_batch_size:
+        measured = profile.measured_sizes
+        if choice.micro_batch_size != profile.micro_batch_size and len(measured) == 1:
             print(f"note: size {choice.micro_batch_size} is priced by scaling the profile measured at "
                   f"{profile.micro_batch_size} linearly, which ignores the fixed costs of a small batch "
                   f"(kernel launches, reading the weights) and favours small sizes; profile the model at "
                   f"the sizes you consider to choose among measured numbers")
-        profile = profile.rescaled(choice.micro_batch_size)
+        elif choice.micro_batch_size not in measured:
+            print(f"note: size {choice.micro_batch_size} is priced by interpolating between the measured "
+                  f"sizes {', '.join(map(str, measured))}")
+        profile = profile.at_size(choice.micro_batch_size)
         result = choice.result
     else:
         if args.micro_batches is not None:

@@ -84,16 +84,40 @@ def _megatron_block_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int
     return float(seq * batch * hidden * (10 + 24 / tp + 5 * heads * seq / (hidden * tp)))
 
 
+def _other_sizes(data: dict[str, Any], tp: str, own: int, n_all: int, clip_noise: bool, sailor_name: str
+                 ) -> dict[int, list[LayerTime]]:
+    """Times of every other micro-batch size measured at degree ``tp`` on all ``n_all`` layers."""
+    sizes = sorted(int(k) for k in data if str(k).isdigit() and isinstance(data[k], dict) and tp in data[k])
+    out: dict[int, list[LayerTime]] = {}
+    for size in sizes:
+        if size == own:
+            continue
+        table = data[str(size)][tp]
+        larger = [data[str(x)][tp] for x in sizes if x > size] if clip_noise else []
+        rows = []
+        for i in range(n_all):
+            row = table.get(str(i)) if isinstance(table, dict) else None
+            if not (isinstance(row, list) and len(row) >= 2 and all(isinstance(v, (int, float)) for v in row)):
+                break
+            fwd, bwd = _monotone(float(row[0]), float(row[1]), larger, str(i))
+            rows.append(LayerTime(fwd, bwd, measured_on=sailor_name, update_s=float(row[2]) if len(row) > 2 else 0.0))
+        if len(rows) == n_all:
+            out[size] = rows
+    return out
+
+
 def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 1, tensor_parallel: int = 1,
                   model: str | None = None, dtype: str = "float16", activations: str = "megatron",
-                  gpu_types: tuple[str, ...] = (), clip_noise: bool = True) -> Profile:
+                  gpu_types: tuple[str, ...] = (), clip_noise: bool = True, all_sizes: bool = False) -> Profile:
     """Read a Sailor profile directory into one profile (see the module docstring).
 
     ``activations``: ``megatron`` prices a transformer block's saved activations with the published
     formula of Megatron-LM (:func:`_megatron_block_bytes`), ``sailor`` keeps Sailor's
     ``act_mem_bytes`` (7% lower per block at t = 4); the embedding and head keep Sailor's.
     ``gpu_types`` (Sailor's names) limits the import to those types; default: every file.
-    ``clip_noise=False`` keeps every time as measured (see the module docstring).
+    ``clip_noise=False`` keeps every time as measured (see the module docstring). ``all_sizes``
+    also keeps the times of every other micro-batch size measured at this degree on every GPU
+    type (``LayerProfile.times_at``), so that micro-batch choice uses measured numbers.
     """
     if activations not in ACTIVATION_MODELS:
         raise FormatError("activations", activations, f"must be one of {', '.join(ACTIVATION_MODELS)}")
@@ -126,6 +150,7 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
         wanted = f" for {', '.join(gpu_types)}" if gpu_types else ""
         raise FormatError("directory", str(root), f"has no <GPU>.json profile files{wanted}")
     times: dict[str, list[LayerTime]] = {}
+    times_at: dict[int, dict[str, list[LayerTime]]] = {}
     noise: dict[str, int] = {}
     names_map: dict[str, str] = {}
     for path in gpu_files:
@@ -155,6 +180,9 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
         times[gpu] = rows
         if clipped:
             noise[gpu] = clipped
+        if all_sizes:
+            for size, table in _other_sizes(data, tp, b, n_all, clip_noise, sailor_name).items():
+                times_at.setdefault(size, {})[gpu] = table
     layers = []
     for i in range(n_all):
         li = info.get(str(i))
@@ -174,7 +202,9 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
                 saved_bytes=(_num(li, "act_mem_bytes", where) * b if activations == "sailor" or lname[:5] != "block"
                              else _megatron_block_bytes(s, b, h, heads, tensor_parallel)),
                 output_bytes=_num(li, "act_output_floats", where) * elem * b,
-                times={gpu: t[i] for gpu, t in times.items()}))
+                times={gpu: t[i] for gpu, t in times.items()},
+                times_at={size: {g: t[i] for g, t in by_gpu.items()} for size, by_gpu in times_at.items()
+                          if len(by_gpu) == len(times)}))
         except FormatError as err:
             raise err.in_file(str(info_path)) from None
     if not layers:
