@@ -51,6 +51,7 @@ from ._io import opt_field, req_number
 from .cluster import Cluster, Device, resolve_gpu_type
 from .errors import FormatError, PartitionerError, check
 from .profile import Profile
+from .schedule import spec
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -142,23 +143,15 @@ class SyncGroup:
 
 
 def activations_in_flight(schedule: str, stages_from_end: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak, for one-chunk schedules.
-
-    ``stages_from_end`` counts the stage itself: the last stage has 1. GPipe keeps all
-    ``m``; 1F1B-style schedules (``1f1b``, ``2bw``, ``wsp``) keep ``min(p - k, m)`` on
-    stage ``k`` of ``p``, that is ``min(stages_from_end, m)``.
-    """
-    if schedule == "gpipe":
-        return micro_batches
-    if schedule in ("1f1b", "2bw", "wsp"):
-        return min(stages_from_end, micro_batches)
-    raise FormatError("schedule", schedule, "activations in flight per stage are defined here for "
-                      "gpipe, 1f1b, 2bw and wsp; interleaved and bfs are priced by the simulator")
+    """Micro-batches whose activations a stage holds at its peak, for one-chunk schedules
+    (:meth:`partitioner.schedule.ScheduleSpec.activations_in_flight`): ``stages_from_end``
+    counts the stage itself, so the last stage has 1."""
+    return spec(schedule).activations_in_flight(stages_from_end, micro_batches)
 
 
 def weight_versions(schedule: str) -> int:
     """Copies of the weights a stage keeps: 2 for PipeDream-2BW's double buffer, else 1."""
-    return 2 if schedule == "2bw" else 1
+    return spec(schedule).weight_versions
 
 
 def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, schedule: str) -> float:
@@ -174,7 +167,7 @@ def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, sch
     if not stage_times_s:
         return 0.0
     bottleneck = max(stage_times_s)
-    if schedule in ("2bw", "wsp"):
+    if not spec(schedule).flushes:
         return micro_batches * bottleneck
     return float(sum(stage_times_s) + (micro_batches - 1) * bottleneck)
 
@@ -365,13 +358,13 @@ class CostModel:
                               nxt: str | Device | None, schedule: str, micro_batches: int) -> float:
         """:meth:`stage_time_s` plus what the schedule adds per micro-batch (WSP's wave sync)."""
         t = self.stage_time_s(start, stop, device, prev, nxt)
-        return t + self.wave_sync_s(start, stop, micro_batches) if schedule == "wsp" else t
+        return t + self.wave_sync_s(start, stop, micro_batches) if spec(schedule).sync == "wave" else t
 
     def pipeline_stage_time_matrix(self, device: Device, prev: Device | None, nxt: Device | None,
                                    schedule: str, micro_batches: int, rows: slice = slice(None)) -> np.ndarray:
         """:meth:`pipeline_stage_time_s` for every ``i`` in ``rows`` and ``j`` (same operations)."""
         t = self.stage_time_matrix(device, prev, nxt, rows)
-        return t + self.wave_sync_matrix(micro_batches, rows) if schedule == "wsp" else t
+        return t + self.wave_sync_matrix(micro_batches, rows) if spec(schedule).sync == "wave" else t
 
     # -- data parallelism inside a stage (replication) -------------------------------------------
 
@@ -419,7 +412,7 @@ class CostModel:
 
         Under ``wsp`` there is none: WSP pushes and pulls instead (:meth:`wave_sync_s`).
         """
-        if plan.schedule == "wsp" or not self.options.sync:
+        if spec(plan.schedule).sync != "allreduce" or not self.options.sync:
             return ()
         holders: list[list[str]] = [[] for _ in range(self.num_layers)]
         for vw in plan.virtual_workers:
@@ -570,7 +563,7 @@ class CostModel:
             if st.replicas:
                 t = self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches,
                                                  include_allreduce=not allreduce_apart)
-                if plan.schedule == "wsp":
+                if spec(plan.schedule).sync == "wave":
                     t += self.wave_sync_s(st.start, st.stop, plan.micro_batches)
             else:
                 t = self.pipeline_stage_time_s(st.start, st.stop, st.device, prev, nxt, plan.schedule,
@@ -597,7 +590,7 @@ class CostModel:
         vw = plan.virtual_workers[worker]
         times = self.plan_stage_times_s(plan, worker, allreduce_apart=True)
         m = plan.micro_batches
-        if plan.schedule in ("2bw", "wsp"):
+        if not spec(plan.schedule).flushes:
             return m * max(times)
         fill_f, fill_b, tf, tb = 0.0, 0.0, [], []
         rounds: list[float] = []  # per stage: its compute and the round trip of its outgoing cut
@@ -615,7 +608,7 @@ class CostModel:
             rounds.append((f + b) * share + (a + self.boundary_s(st.stop, nxt, best) if nxt is not None else 0.0))
             tf.append(join(f, a) * share)
             tb.append(join(b, g) * share)
-        if plan.schedule == "gpipe":
+        if spec(plan.schedule).all_forwards_first:
             return fill_f + (m - 1) * max(tf) + fill_b + (m - 1) * max(tb)
         # 1F1B keeps at most p - k micro-batches past stage k: each of them spends at least the
         # round trip R_k (stages k.. forward and back, with their transfers) there, so by Little's
@@ -645,7 +638,7 @@ class CostModel:
             for k, st in enumerate(vw.stages):
                 for d in st.devices:
                     layers_of.setdefault(d, []).append((st.start, st.stop))
-                    done = total if plan.schedule in ("2bw", "wsp") else total - back
+                    done = total if not spec(plan.schedule).flushes else total - back
                     finish[d] = max(finish.get(d, 0.0), done)
                 gpu = self.cluster.device(st.device).gpu_type
                 nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
@@ -671,7 +664,7 @@ class CostModel:
 
     def check_plan_memory(self, plan: Plan) -> None:
         """Raise :class:`FormatError` naming the first device whose stages do not fit."""
-        if plan.schedule not in ("gpipe", "1f1b", "2bw", "wsp"):
+        if spec(plan.schedule).multi_chunk:
             return  # multi-chunk schedules: the simulator measures their peak
         for w, vw in enumerate(plan.virtual_workers):
             p = len(vw.stages)

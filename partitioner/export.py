@@ -36,6 +36,7 @@ from typing import Any
 
 from .errors import PartitionerError
 from .plan import Plan, VirtualWorker
+from .schedule import spec
 
 __all__ = ["EXPORT_FORMAT", "TARGETS", "TORCH_SCHEDULE_CLASSES", "ExportError", "deepspeed_uniform_parts",
            "export_plan", "megatron_layer_kinds"]
@@ -64,8 +65,9 @@ def _cuts(vw: VirtualWorker) -> list[int]:
 
 def _check_plan(plan: Plan, target: str) -> int:
     """Refuse what no target runs; check the stages cover ``[0, L)`` in order. Returns ``L``."""
-    if plan.schedule in ("wsp", "2bw"):
-        what = ("bounded staleness between virtual workers (Wave Synchronous Parallel)" if plan.schedule == "wsp"
+    sp = spec(plan.schedule)
+    if not sp.flushes:
+        what = ("bounded staleness between virtual workers (Wave Synchronous Parallel)" if sp.sync == "wave"
                 else "double-buffered weights (PipeDream-2BW)")
         raise ExportError(target, f"schedule {plan.schedule} needs {what}, which {target} does not implement; "
                                   f"re-plan with gpipe, 1f1b, interleaved or bfs")
@@ -114,7 +116,7 @@ def _identical_cuts(plan: Plan, target: str, lacks: str) -> list[int]:
 
 
 def _one_stage_per_rank(plan: Plan, target: str, schedules: str) -> None:
-    if plan.chunks != 1 or plan.schedule not in ("gpipe", "1f1b"):
+    if plan.chunks != 1 or spec(plan.schedule).multi_chunk:
         raise ExportError(target, f"schedule {plan.schedule} with chunks = {plan.chunks} puts several stages on one "
                                   f"rank; {target} holds one stage per rank ({schedules}); re-plan with 1f1b or gpipe")
 

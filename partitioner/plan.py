@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._io import load_mapping, opt_field, req_field, req_number, write_json
 from .errors import FormatError, check
+from .schedule import MULTI_CHUNK, SCHEDULE_NAMES, spec
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -19,9 +20,9 @@ if TYPE_CHECKING:
 __all__ = ["PLAN_FORMAT", "SCHEDULES", "Plan", "SolverInfo", "Stage", "VirtualWorker"]
 
 PLAN_FORMAT = "partitioner.plan/1"
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "2bw", "wsp")
+SCHEDULES = SCHEDULE_NAMES
 # Schedules under which one device may hold several (non-adjacent) stages of a pipeline.
-MULTI_CHUNK_SCHEDULES = ("interleaved", "bfs")
+MULTI_CHUNK_SCHEDULES = MULTI_CHUNK
 
 
 def _pricing(raw: Any) -> dict[str, Any]:
@@ -173,7 +174,7 @@ class Plan:
         check(isinstance(self.staleness, int) and self.staleness >= 0, "staleness", self.staleness,
               "must be an integer >= 0")
         if self.first_slices > 1:
-            check(self.schedule in ("gpipe", "1f1b"), "first_slices", self.first_slices,
+            check(spec(self.schedule).sliceable, "first_slices", self.first_slices,
                   f"slicing the first micro-batch shortens a pipeline's fill; it applies to gpipe and 1f1b, "
                   f"not {self.schedule} (use 1)")
             check(self.micro_batch_size % self.first_slices == 0, "first_slices", self.first_slices,

@@ -8,6 +8,7 @@ from .cluster import Cluster
 from .cost import CostModel, CostOptions, activations_in_flight
 from .plan import Plan
 from .profile import Profile
+from .schedule import spec
 
 __all__ = ["format_plan"]
 
@@ -67,7 +68,7 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOpt
         if "samples_per_s" in pred:
             shown.append(f"{pred['samples_per_s']:.1f} samples/s")
         out.append("predicted: " + ", ".join(shown))
-    one_chunk = plan.schedule in ("gpipe", "1f1b", "2bw", "wsp")
+    one_chunk = not spec(plan.schedule).multi_chunk
     for workers in _alike_workers(plan, cluster):
         w = workers[0]
         vw = plan.virtual_workers[w]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -59,6 +60,7 @@ __all__ = [
     "PUSH",
     "RECV_ACT",
     "RECV_GRAD",
+    "SCHEDULES",
     "SCHEDULE_NAMES",
     "SEND_ACT",
     "SEND_GRAD",
@@ -67,11 +69,13 @@ __all__ = [
     "B",
     "Columns",
     "F",
+    "ScheduleSpec",
     "build_schedule",
     "check_schedule",
     "describe",
     "match_key",
     "schedule_columns",
+    "spec",
     "stage_rank",
     "to_actions",
 ]
@@ -83,9 +87,59 @@ ACTION_KINDS = (F, B, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, STEP, PUSH, PULL
 # index of each kind in ACTION_KINDS: the ``kind`` column of :func:`schedule_columns`
 _F, _B, _SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD, _STEP, _PUSH, _PULL, _ALLREDUCE = range(10)
 COMPUTE_KINDS = (F, B)
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "bfs", "2bw", "wsp")
-NO_FLUSH = ("2bw", "wsp")
-MULTI_CHUNK = ("interleaved", "bfs")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What the rest of the library needs to know about a schedule, said once.
+
+    ``flushes``: an iteration ends with every micro-batch's backward done (GPipe, 1F1B,
+    interleaved, breadth-first); 2BW and WSP run the steady state across iterations.
+    ``multi_chunk``: a device may hold several stages (``chunks`` > 1). ``weight_versions``:
+    copies of the weights a stage keeps. ``all_forwards_first``: every micro-batch's forward
+    precedes the first backward (GPipe), so a stage holds all ``m`` micro-batches' activations;
+    otherwise 1F1B-style, ``min(p - k, m)`` on stage ``k`` of ``p`` (one-chunk schedules).
+    ``sync``: how virtual workers synchronise, ``allreduce`` of gradients before every step or
+    ``wave`` (WSP's push and pull with staleness). ``sliceable``: the first micro-batch may be
+    sliced (AutoPipe) to shorten the fill.
+    """
+
+    name: str
+    flushes: bool
+    multi_chunk: bool = False
+    weight_versions: int = 1
+    all_forwards_first: bool = False
+    sync: str = "allreduce"
+    sliceable: bool = False
+
+    def activations_in_flight(self, stages_from_end: int, micro_batches: int) -> int:
+        """Micro-batches whose activations stage ``p - stages_from_end`` holds at its peak
+        (one-chunk schedules; the simulator measures the multi-chunk ones)."""
+        if self.multi_chunk:
+            raise FormatError("schedule", self.name, "activations in flight per stage are defined here for "
+                              "one-chunk schedules; interleaved and bfs are priced by the simulator")
+        return micro_batches if self.all_forwards_first else min(stages_from_end, micro_batches)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
+    ScheduleSpec("gpipe", flushes=True, all_forwards_first=True, sliceable=True),
+    ScheduleSpec("1f1b", flushes=True, sliceable=True),
+    ScheduleSpec("interleaved", flushes=True, multi_chunk=True),
+    ScheduleSpec("bfs", flushes=True, multi_chunk=True),
+    ScheduleSpec("2bw", flushes=False, weight_versions=2),
+    ScheduleSpec("wsp", flushes=False, sync="wave"),
+)}
+SCHEDULE_NAMES = tuple(SCHEDULES)
+NO_FLUSH = tuple(n for n, s in SCHEDULES.items() if not s.flushes)
+MULTI_CHUNK = tuple(n for n, s in SCHEDULES.items() if s.multi_chunk)
+
+
+def spec(schedule: str) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` of a schedule name (a one-line error for an unknown one)."""
+    try:
+        return SCHEDULES[schedule]
+    except (KeyError, TypeError):
+        raise FormatError("schedule", schedule, f"must be one of {', '.join(SCHEDULES)}") from None
 
 
 class Action(NamedTuple):

@@ -42,6 +42,7 @@ from .schedule import (
     STEP,
     Columns,
     schedule_columns,
+    spec,
     to_actions,
 )
 from .timeline import Timeline
@@ -63,11 +64,10 @@ log = logging.getLogger(__name__)
 def default_iterations(schedule: str, staleness: int = 0) -> int:
     """Iterations simulated by default: one for flushing schedules; enough for a steady state
     (and for the WSP staleness bound to bind) for ``2bw`` and ``wsp``."""
-    if schedule == "2bw":
-        return 4
-    if schedule == "wsp":
+    sp = spec(schedule)
+    if sp.sync == "wave":
         return staleness + 4
-    return 1
+    return 1 if sp.flushes else 4
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     for gi, g in enumerate(groups):
         for holder in g.devices:
             groups_of.setdefault(holder, []).append(gi)
-    if len(pipes) > 1 and sched != "wsp" and not cost.options.sync:
+    if len(pipes) > 1 and spec(sched).sync == "allreduce" and not cost.options.sync:
         notes.append(f"{len(pipes)} virtual workers simulated as independent pipelines; the gradient "
                      f"all-reduce between them is not priced (sync off)")
     coll_size: dict[int, int] = {}
@@ -275,8 +275,9 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
                notes: list[str]) -> Timeline:
     sched, m = plan.schedule, plan.micro_batches
     n_workers = max(rank_worker) + 1
-    boundary = KIND_CODE[PUSH] if sched == "wsp" else KIND_CODE[STEP]
-    offset = 0 if sched == "wsp" else 1  # STEP(v) ends iteration v - 1; PUSH(c) ends wave c
+    wave = spec(sched).sync == "wave"
+    boundary = KIND_CODE[PUSH] if wave else KIND_CODE[STEP]
+    offset = 0 if wave else 1  # STEP(v) ends iteration v - 1; PUSH(c) ends wave c
     st_col = [np.asarray(x, dtype=np.float64) for x in starts]
     en_col = [np.asarray(x, dtype=np.float64) for x in ends]
     t_end = np.zeros((n_workers, n_iter))
@@ -295,7 +296,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
             # the last iteration drains the pipeline: measure up to the end of the one before;
             # under WSP the first D + 1 waves run ahead of the slowest worker unchecked: skip them
             last = n_iter - 2 if n_iter >= 3 else n_iter - 1
-            first = min(plan.staleness + 1, last - 1) if sched == "wsp" and last >= 2 else 0
+            first = min(plan.staleness + 1, last - 1) if wave and last >= 2 else 0
             windows.append((float(t_end[w, first]), float(t_end[w, last]), last - first))
     iteration = max((hi - lo) / k if n_iter > 1 else hi for lo, hi, k in windows)
     samples = n_workers * m * plan.micro_batch_size
@@ -315,12 +316,12 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         sign = 1 - 2 * kind[comp].astype(np.int64)
         held = np.cumsum(sign * act_bytes[r][stage[comp]])
         count = np.cumsum(sign)
-        live = _live_versions(kind, mb, stage, version) if sched == "2bw" else 1
+        live = _live_versions(kind, mb, stage, version) if spec(sched).weight_versions > 1 else 1
         w_bytes = sum(cost.weight_bytes(a, b, live) for a, b in weights[r])
         peak_mem[name] = w_bytes + (float(held.max()) if len(held) else 0.0) + cost.options.reserved_bytes
         peak_act[name] = int(count.max()) if len(count) else 0
         versions[name] = live
-    gaps = _clock_gaps(columns, en_col, rank_worker) if sched == "wsp" else ()
+    gaps = _clock_gaps(columns, en_col, rank_worker) if wave else ()
     for line in notes:
         log.info(line)
     cat = np.concatenate

@@ -35,6 +35,7 @@ from partitioner.cost import CostModel, CostOptions, activations_in_flight
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
+from partitioner.schedule import spec
 
 from .dp import diagnose_infeasible
 from .grouping import OBJECTIVES, POLICIES, combine, group, search_opt
@@ -170,7 +171,7 @@ def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str
         its.append(it)
         necks.append(max(times))
         thr.append(plan.micro_batches * plan.micro_batch_size / it if it > 0 else math.inf)
-    if objective == "sync" and plan.schedule != "wsp":
+    if objective == "sync" and spec(plan.schedule).sync == "allreduce":
         it = cost.plan_iteration_s(plan)
         samples = len(plan.virtual_workers) * plan.micro_batches * plan.micro_batch_size
         return {"samples_per_s": samples / it if it > 0 else math.inf, "iteration_s": it,
@@ -304,7 +305,8 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     # Exact search proves optimality only where throughput is a function of the bottleneck alone.
     # (The search prices the all-reduce between workers by an estimate, so with it no proof.)
     proven = (policy == "opt" and exact and not replication
-              and (schedule == "wsp" or (schedule == "2bw" and not cost.options.sync)))
+              and not spec(schedule).flushes
+              and (spec(schedule).sync == "wave" or not cost.options.sync))
     status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
     result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / bound,
                          time.perf_counter() - t0, f"hetero:{policy}",
@@ -326,7 +328,7 @@ def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: st
     which is what makes data parallelism lose to pipelines on slow links."""
     rates = [planner.throughput(w) for w in g]
     val = combine(rates, objective)
-    if objective != "sync" or val == -math.inf or len(g) < 2 or planner.schedule == "wsp":
+    if objective != "sync" or val == -math.inf or len(g) < 2 or spec(planner.schedule).sync != "allreduce":
         return val
     samples = micro_batches * planner.cost.profile.micro_batch_size
     iteration = samples / min(rates) + planner.sync_estimate_s(g)

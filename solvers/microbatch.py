@@ -27,6 +27,7 @@ from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
+from partitioner.schedule import spec
 
 from .result import SolveResult
 
@@ -92,7 +93,7 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
             continue
         options = planner_options.get("options")
         for s in slices:
-            if b % s or (s > 1 and schedule not in ("gpipe", "1f1b")):
+            if b % s or (s > 1 and not spec(schedule).sliceable):
                 continue
             plan = replace(res.plan, first_slices=s)
             worst, total = _priced(plan, prof, cluster, options, global_batch)

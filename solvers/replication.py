@@ -30,6 +30,7 @@ import numpy as np
 
 from partitioner.cluster import Device
 from partitioner.cost import CostModel, activations_in_flight
+from partitioner.schedule import spec
 
 __all__ = ["ReplicatedSolution", "replicate_chain", "replicate_worker"]
 
@@ -90,7 +91,7 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: str = 
                 t = 1.0 / rate
                 if r > 1:
                     t = t + params * (cost.allreduce_s(1.0, group) / micro_batches)
-                if schedule == "wsp":
+                if spec(schedule).sync == "wave":
                     t = t + cost.wave_sync_matrix(micro_batches)
                 ok = upper & (mem <= min(d.memory_bytes for d in group))
                 cand = np.where(ok, np.maximum(t, nxt_f[None, :]), np.inf)
