@@ -162,6 +162,29 @@ def throughput_upper_bound(cost: CostModel, devices: Sequence[Device]) -> float:
                                                for d in devices)
 
 
+# The largest chain DP one virtual worker may need (devices x layers^2 cells): 64 devices over
+# 1,000 layers, about 0.4 s (docs/benchmarks.md). The mapping search runs several per worker.
+MAX_WORKER_DP_CELLS = 64 * 1000**2
+
+
+def max_worker_gpus(num_layers: int) -> int:
+    """The most GPUs one virtual worker may hold for a model of ``num_layers`` layers."""
+    return max(1, MAX_WORKER_DP_CELLS // max(1, num_layers) ** 2)
+
+
+def _check_worker_size(n: int, k: int, num_layers: int, largest: int) -> int:
+    """``k`` if ``n`` GPUs in ``k`` virtual workers keep every worker within ``largest`` GPUs;
+    otherwise one line with the numbers and the smallest ``K`` that would."""
+    per = -(-n // k)
+    if per > largest:
+        need = -(-n // largest)
+        raise FormatError("virtual_workers", k, f"{n:,} GPUs in {k} virtual worker(s) put up to {per:,} GPUs in "
+                          f"one pipeline; planning one over {num_layers:,} layers is a DP of {per * num_layers**2:.2g} "
+                          f"cells, above the {MAX_WORKER_DP_CELLS:.2g} this planner handles (at most {largest:,} "
+                          f"GPUs per worker): use K >= {need:,}")
+    return k
+
+
 def _candidate_ks(n: int, nodes: int) -> list[int]:
     if n <= 8:
         return list(range(1, n + 1))
@@ -197,6 +220,11 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
         raise FormatError("virtual_workers", virtual_workers, "must be an integer >= 1 or 'auto'")
     if isinstance(virtual_workers, int) and not 1 <= virtual_workers <= n:
         raise FormatError("virtual_workers", virtual_workers, f"must be between 1 and the cluster's {n} GPUs")
+    if not time_limit_s > 0:
+        raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
+    largest = max_worker_gpus(cost.num_layers)
+    if isinstance(virtual_workers, int):
+        _check_worker_size(n, virtual_workers, cost.num_layers, largest)
     planner = WorkerPlanner(cost, schedule, micro_batches, replication, exact_limit)
     # Large clusters: the grouping search screens workers with a cheaper mapping search; the
     # finalists are then re-planned with the full one.
@@ -209,9 +237,12 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
 
     exact = True
     best: tuple[float, list[list[Device]]] | None = None
+    used = planner  # the planner whose mapping the chosen grouping's plan takes
     details_extra: dict[str, Any] = {}
     if policy == "opt":
         ks = _candidate_ks(n, nodes) if virtual_workers == "auto" else [int(virtual_workers)]
+        if virtual_workers == "auto":
+            ks = [k for k in ks if -(-n // k) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers, largest)]
         budget = time_limit_s / max(1, len(ks))
         finalists: list[list[list[Device]]] = []
         for k in ks:
@@ -226,24 +257,35 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
             if g is not None and val > -math.inf:
                 finalists.append(g)
         seen: set[Any] = set()
-        scored: list[tuple[float, list[list[Device]]]] = []
+        unique: list[list[list[Device]]] = []
         for g in finalists:
             sig = tuple(sorted(tuple(sorted(d.name for d in w)) for w in g))
-            if sig in seen:
-                continue
-            seen.add(sig)
-            val = combine([planner.throughput(w) for w in g], objective)
+            if sig not in seen:
+                seen.add(sig)
+                unique.append(g)
+        # Re-plan the finalists with the full mapping search, the most promising first, while the
+        # time limit allows; past it, a finalist keeps the screening search's plan (a real plan too).
+        if screen is not planner:
+            unique.sort(key=lambda g: -combine([screen.throughput(w) for w in g], objective))
+        deadline = t0 + time_limit_s
+        scored: list[tuple[float, list[list[Device]]]] = []
+        for g in unique:
+            full = screen is planner or time.perf_counter() < deadline
+            val = combine([(planner if full else screen).throughput(w) for w in g], objective)
             if val > -math.inf:
                 scored.append((val, g))
                 if best is None or val > best[0]:
-                    best = (val, g)
+                    best, used = (val, g), (planner if full else screen)
         if simulate_top > 0 and len(scored) > 1:
             best, ranking = _best_simulated(sorted(scored, key=lambda x: -x[0])[:simulate_top], planner,
                                             profile, cluster, schedule, micro_batches, options)
+            used = planner
             details_extra["ranking"] = ranking
     else:
         if virtual_workers == "auto":
             ks = [nodes] if policy == "np" else sorted(range(1, n + 1), reverse=True)
+            ks = [k for k in ks if -(-n // k) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers,
+                                                                                 largest)]
         else:
             ks = [int(virtual_workers)]
         g = None
@@ -273,7 +315,7 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
                   "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, schedule, micro_batches))
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=elapsed, method=f"hetero:{policy}", reason=reason)
     val, g = best
-    plan, mapped_exactly = _plan_of(g, planner, profile, schedule, micro_batches)
+    plan, mapped_exactly = _plan_of(g, used, profile, schedule, micro_batches)
     exact = exact and mapped_exactly
     workers = plan.virtual_workers
     predicted = price_plan(cost, plan, objective)

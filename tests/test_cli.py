@@ -96,8 +96,18 @@ def test_planning_commands_do_not_import_torch(tmp_path):
     """--help, import, plan and simulate never load torch (nor the plotting and MILP packages they do not use)."""
     import subprocess
     import sys
+    from pathlib import Path
 
     res = subprocess.run([sys.executable, "-c", _NO_HEAVY_IMPORTS, str(tmp_path), str(DATA / "pipedream" / "vgg16.txt")],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr
     assert "HEAVY []" in res.stdout.splitlines()
+
+
+@pytest.mark.parametrize("limit", ["0", "-2", "nan"])
+def test_time_limit_not_positive_is_one_line(capsys, limit):
+    rc = main(["plan", "examples/profiles/vgg19_hetpipe.json", "--cluster", "examples/clusters/hetpipe.yaml",
+               "--virtual-workers", "2", "--time-limit", limit])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "--time-limit" in err and "must be > 0 seconds" in err
