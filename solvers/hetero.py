@@ -77,6 +77,7 @@ class WorkerPlanner:
                            for n in cl.nodes}
         self._pinned = overridden
         self.evaluations = 0
+        self.deadline: float | None = None  # time.perf_counter() value past which mappings stop early
 
     def key(self, devices: Sequence[Device]) -> Any:
         if any(d.name in self._pinned for d in devices):
@@ -110,7 +111,7 @@ class WorkerPlanner:
         self.evaluations += 1
         cost, sched, m = self.cost, self.schedule, self.micro_batches
         res = map_worker(cost, devices, sched, m, exact_limit=self.exact_limit,
-                         max_evaluations=self.max_evaluations)
+                         max_evaluations=self.max_evaluations, deadline=self.deadline)
         options: list[tuple[Stage, ...]] = []
         if res.solution is not None:
             sol = res.solution
@@ -230,6 +231,7 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     # finalists are then re-planned with the full one.
     screen = planner if n <= 8 else WorkerPlanner(cost, schedule, micro_batches, replication,
                                                   min(exact_limit, 24), 3)
+    planner.deadline = screen.deadline = t0 + time_limit_s
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devs}}
 
     def speed(t: str) -> float:
