@@ -103,11 +103,17 @@ class WorkerPlanner:
         return self._plan(devices, keep=True)
 
     def _plan(self, devices: Sequence[Device], keep: bool) -> _Worker:
-        """``keep``: return the stages for exactly these devices (not memoised, since the memo
-        is shared by equivalent GPU sets whose stages name other devices)."""
+        """``keep``: return the stages for exactly these devices (the memo is shared by
+        equivalent GPU sets, so a kept plan of an equivalent set is relabelled onto them)."""
         k = self.key(devices)
         if not keep and k in self._memo:
             return self._memo[k]
+        if keep and ("stages", k) in self._memo:
+            template = self._memo[("stages", k)]
+            assert template.stages is not None
+            if any(d.name in self._pinned for d in devices):
+                return template  # such a key names the devices themselves: the very same set
+            return replace(template, stages=_relabel(template.stages, self.cost, devices))
         self.evaluations += 1
         cost, sched, m = self.cost, self.schedule, self.micro_batches
         res = map_worker(cost, devices, sched, m, exact_limit=self.exact_limit,
@@ -128,7 +134,41 @@ class WorkerPlanner:
             if thr > best.throughput:
                 best = _Worker(stages, thr, res.exact)
         self._memo[k] = replace(best, stages=None)
+        if keep and best.stages is not None:
+            self._memo[("stages", k)] = best
         return best
+
+
+def _relabel(stages: Sequence[Stage], cost: CostModel, devices: Sequence[Device]) -> tuple[Stage, ...]:
+    """``stages`` (planned for an equivalent GPU set: the same GPU types on nodes of the same
+    kind) moved onto ``devices``: node to node of the same kind and GPU mix, GPU to GPU of the
+    same type, so every price is unchanged."""
+    cluster = cost.cluster
+    names = [st.device for st in stages] + [r for st in stages for r in st.replicas]
+    old = [cluster.device(nm) for nm in names]
+
+    def by_node(devs: Sequence[Device]) -> dict[str, list[Device]]:
+        out: dict[str, list[Device]] = {}
+        for d in devs:
+            out.setdefault(d.node, []).append(d)
+        return out
+
+    def kind(node: str, devs: list[Device]) -> Any:
+        nd = next(n for n in cluster.nodes if n.name == node)
+        return tuple(sorted(nd.gpus)), nd.intra_gbps, tuple(sorted(Counter(d.gpu_type for d in devs).items()))
+
+    free: dict[Any, list[list[Device]]] = {}
+    for node, devs in by_node(devices).items():
+        free.setdefault(kind(node, devs), []).append(list(devs))
+    mapping: dict[str, str] = {}
+    for node, devs in by_node(old).items():
+        target = free[kind(node, devs)].pop()
+        for d in devs:
+            match = next(t for t in target if t.gpu_type == d.gpu_type)
+            target.remove(match)
+            mapping[d.name] = match.name
+    return tuple(replace(st, device=mapping[st.device], replicas=tuple(mapping[r] for r in st.replicas))
+                 for st in stages)
 
 
 def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, micro_batches: int) -> float:
@@ -245,9 +285,16 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
         ks = _candidate_ks(n, nodes) if virtual_workers == "auto" else [int(virtual_workers)]
         if virtual_workers == "auto":
             ks = [k for k in ks if -(-n // k) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers, largest)]
+        if screen is not planner:
+            ks.sort(reverse=True)  # smallest workers first: the cheapest to map, so a time limit still sees many K
         budget = time_limit_s / max(1, len(ks))
         finalists: list[list[list[Device]]] = []
         for k in ks:
+            if time.perf_counter() >= t0 + time_limit_s and any(
+                    combine([screen.throughput(w) for w in g], objective) > -math.inf for g in finalists):
+                log.info("time limit reached: K = %d and above not searched", k)
+                exact = False
+                break
             starts = []
             for pol in ("np", "ed", "hd"):
                 with contextlib.suppress(FormatError):

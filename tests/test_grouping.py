@@ -146,3 +146,22 @@ def test_time_limit_and_worker_size_limits_are_one_line_errors(monkeypatch):
         plan_cluster(prof, cl, 1, "opt")
     res = plan_cluster(prof, cl, "auto", "opt")  # auto keeps to the K that respect the limit
     assert res.ok and all(len(w.stages) <= 2 for w in res.plan.virtual_workers)
+
+
+def test_equivalent_workers_share_one_mapping_relabelled_onto_their_own_gpus():
+    """Workers on nodes of the same kind get the same split, each on its own GPUs (relabelled,
+    not re-searched), and every worker's priced time equals a fresh mapping of its GPUs."""
+    from solvers.hetero import WorkerPlanner, worker_throughput
+
+    prof = synthetic_profile(12, seed=3)
+    cl = small_cluster([["TITAN-V", "RTX-2060", "TITAN-V"]] * 4 + [["RTX-2060", "Quadro-P4000"]] * 2)
+    res = plan_cluster(prof, cl, "auto", "np")
+    assert res.ok and len(res.plan.virtual_workers) == 6
+    res.plan.validate(prof, cl)
+    cost = CostModel(prof, cl)
+    for node, vw in zip(cl.nodes, res.plan.virtual_workers, strict=True):
+        assert {st.device for st in vw.stages} == {d.name for d in cl.devices if d.node == node.name}
+        fresh = WorkerPlanner(cost, "1f1b", 8).stages([d for d in cl.devices if d.node == node.name])
+        assert worker_throughput(cost, vw.stages, "1f1b", 8) == pytest.approx(fresh.throughput, rel=1e-12)
+    layouts = {tuple((st.layers, st.gpu_type) for st in vw.stages) for vw in res.plan.virtual_workers}
+    assert len(layouts) == 2  # one per node kind
