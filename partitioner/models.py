@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import PartitionerError
+from .zoo import BERT, CNN_DEFAULTS, GPT2, MODEL_NAMES
 
 __all__ = ["MODEL_NAMES", "ZooModel", "build_model", "model_names"]
 
@@ -242,21 +243,6 @@ def _token_input(vocab: int, seq: int) -> Callable[[int, torch.device | str], to
 
 # -- the zoo ---------------------------------------------------------------------------
 
-_GPT2 = {"gpt2-small": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
-         "gpt2-xl": (48, 1600, 25), "gpt2-tiny": (2, 64, 4)}
-_CNN_DEFAULTS = {  # name: (kind, blocks, width, image, classes, vgg hidden)
-    "vgg19": ("vgg", (), 1.0, 224, 1000, 4096),
-    "vgg19-tiny": ("vgg", (), 0.125, 32, 10, 64),
-    "resnet50": ("resnet", (3, 4, 6, 3), 1.0, 224, 1000, 0),
-    "resnet50-tiny": ("resnet", (3, 4, 6, 3), 0.125, 32, 10, 0),
-    "resnet152": ("resnet", (3, 8, 36, 3), 1.0, 224, 1000, 0),
-    "resnet152-tiny": ("resnet", (3, 8, 36, 3), 0.125, 32, 10, 0),
-}
-_BERT = {"bert-large": (24, 1024, 16), "bert-tiny": (2, 64, 4)}
-
-MODEL_NAMES: tuple[str, ...] = (*_CNN_DEFAULTS, *_GPT2, *_BERT)
-
-
 def model_names() -> tuple[str, ...]:
     """Every zoo name, in the order ``--help`` lists them."""
     return MODEL_NAMES
@@ -278,8 +264,8 @@ def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, i
     torch.manual_seed(seed)
     cfg: dict[str, Any] = {}
     with torch.device(device):
-        if name in _CNN_DEFAULTS:
-            kind, blocks, w, image, classes, hidden = _CNN_DEFAULTS[name]
+        if name in CNN_DEFAULTS:
+            kind, blocks, w, image, classes, hidden = CNN_DEFAULTS[name]
             w = width if width is not None else w
             image = image_size if image_size is not None else image
             cfg = {"width": w, "image_size": image, "classes": classes}
@@ -289,8 +275,8 @@ def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, i
                 layers = _resnet(blocks, w, classes)
             make = _image_input(3, image)
         else:
-            n, hidden, heads = _GPT2[name] if name in _GPT2 else _BERT[name]
-            bert = name in _BERT
+            n, hidden, heads = GPT2[name] if name in GPT2 else BERT[name]
+            bert = name in BERT
             tiny = name.endswith("-tiny")
             n = num_blocks if num_blocks is not None else n
             v = vocab if vocab is not None else (512 if tiny else (30522 if bert else 50257))

@@ -33,7 +33,7 @@ from partitioner.profile import Profile
 from .predictions import with_predictions
 from .result import SolveResult, SolveStatus
 
-__all__ = ["ChainSolution", "chain_arguments", "chain_dp", "diagnose_infeasible", "solve"]
+__all__ = ["ChainSolution", "best_prefix_dp", "chain_arguments", "chain_dp", "diagnose_infeasible", "solve"]
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -65,6 +65,12 @@ def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
     if p == 0 or p > n_layers:
         return None
     best, back = _sweep(cost, devices, schedule, micro_batches)
+    return _solution(cost, devices, schedule, micro_batches, best, back, refine)
+
+
+def _solution(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int, best: float,
+              back: list[np.ndarray], refine: bool) -> ChainSolution | None:
+    """The split a first pass found (``best``, ``back``), refined to the least total stage time."""
     if not math.isfinite(best):
         return None
     if refine:
@@ -72,9 +78,141 @@ def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
         if math.isfinite(total):  # always: the first pass's split is a candidate
             back = refined
     cuts = [0]
-    for k in range(p):
+    for k in range(len(devices)):
         cuts.append(int(back[k][cuts[-1]]))
     return ChainSolution(best, tuple(cuts), tuple(devices))
+
+
+def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
+                   micro_batches: int = 1, refine: bool = True) -> ChainSolution | None:
+    """The best split over the first ``q`` devices, over every ``q``: the least bottleneck, the
+    shortest pipeline among equals (refined as in :func:`chain_dp`), or None when no prefix fits.
+
+    Exact, and usually about one :func:`chain_dp` more, not ``len(devices) / 2`` of them: one
+    forward pass over the devices gives a lower bound on every prefix's optimum (see
+    :func:`_prefix_lower_bounds`); the prefixes are then solved exactly in the order of their
+    bounds, and the search stops at the first bound that cannot beat the best found.
+    """
+    q_max = min(len(devices), cost.num_layers)
+    if q_max == 0:
+        return None
+    devices = devices[:q_max]
+    bounds = _prefix_lower_bounds(cost, devices, schedule, micro_batches)
+    best, best_q, best_back = math.inf, 0, None
+    solved, tightened = 0, False
+    while True:
+        # The most promising prefix that can still win: its bound is below the best found, or
+        # equal to it with a shorter pipeline (the shortest wins ties).
+        open_q = [q for q in range(1, q_max + 1) if bounds[q - 1] < best or (bounds[q - 1] == best and q < best_q)]
+        if not open_q:
+            break
+        if solved and not tightened:
+            # More than one prefix is needed: a second bound, exact in memory, usually settles it.
+            bounds = np.maximum(bounds, _distance_lower_bounds(cost, devices, schedule, micro_batches))
+            tightened = True
+            continue
+        q = min(open_q, key=lambda x: (bounds[x - 1], x))
+        value, back = _sweep(cost, devices[:q], schedule, micro_batches)
+        solved += 1
+        bounds[q - 1] = value  # solved: its bound is its optimum
+        if value < best or (value == best and q < best_q):
+            best, best_q, best_back = value, q, back
+        elif not math.isfinite(value):
+            bounds[q - 1] = math.inf
+        if q != best_q:
+            bounds[q - 1] = math.inf  # done with it
+    log.debug("allow_fewer: %d of %d prefixes solved exactly (second bound: %s)", solved, q_max, tightened)
+    if best_back is None:
+        return None
+    return _solution(cost, devices[:best_q], schedule, micro_batches, best, best_back, refine)
+
+
+def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: str,
+                         micro_batches: int) -> np.ndarray:
+    """``bounds[q - 1] <= `` the optimal bottleneck over ``devices[:q]``, for every ``q``, in one pass.
+
+    A forward pass, ``h_{k+1}(j) = min_{i < j} max(h_k(i), T_k(i, j))`` with ``h_0(0) = 0``, and
+    ``bounds[q - 1] = h_q(L)``. Stage times do not depend on the pipeline's length: stage ``k``
+    sends to ``devices[k + 1]`` whatever ``q`` is, and the last stage's cut at ``L`` carries no
+    tensor (checked; otherwise that column is priced without a next device). Memory does depend
+    on it (1F1B keeps ``min(q - k, m)`` micro-batches in flight on stage ``k``), so the pass
+    relaxes it to the fewest micro-batches any stage keeps, and to a capacity a hair larger
+    (rounding can never make the relaxation stricter than the exact test). A relaxation can
+    only lower the optimum, so every bound is valid; where memory does not bind, it is exact.
+    """
+    p, n_layers = len(devices), cost.num_layers
+    cols = np.arange(n_layers + 1)
+    fewest = min(activations_in_flight(schedule, d, micro_batches) for d in range(1, p + 1))
+    h = np.full(n_layers + 1, np.inf)
+    h[0] = 0.0
+    bounds = np.full(p, np.inf)
+    for k in range(p):
+        lo, hi = (0, 0) if k == 0 else (k, n_layers - 1)
+        rows = slice(lo, hi + 1)
+        dev = devices[k]
+        prev = devices[k - 1] if k > 0 else None
+        nxt = devices[k + 1] if k + 1 < p else None
+        top = cost.max_stop(fewest, schedule, dev.memory_bytes * (1 + 1e-9), rows)
+        invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
+        cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)
+        if nxt is not None and cost.boundary_vector_s(dev, nxt)[n_layers] != 0.0:
+            last = cost.pipeline_stage_time_matrix(dev, prev, None, schedule, micro_batches, rows)
+            cand[:, n_layers] = last[:, n_layers]
+        np.maximum(cand, h[rows, None], out=cand)
+        cand[invalid] = np.inf
+        h = cand.min(axis=0)
+        bounds[k] = h[n_layers]
+    return bounds
+
+
+def _distance_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: str,
+                           micro_batches: int) -> np.ndarray:
+    """``bounds[q - 1] <= `` the optimal bottleneck over ``devices[:q]``, for every ``q``, in one pass
+    indexed by the distance from the pipeline's end, where memory is exact.
+
+    In a pipeline of ``q`` stages the stage ``d`` places from the end (the last has ``d = 1``)
+    keeps ``min(d, m)`` micro-batches in flight (1F1B) and runs on ``devices[q - d]``, one of
+    ``devices[:len(devices) - d + 1]`` whatever ``q`` is, sending to the device after it. Relaxing
+    that pair to the best of them (at every ``(i, j)`` the least time over the kinds of pair: GPU
+    type, link, same node or not; no transfer in; the largest memory) makes one
+    backward pass, ``g_d(i) = min_j max(T*_d(i, j), g_{d-1}(j))`` with ``g_0(L) = 0``, bound
+    every prefix at once: ``bounds[q - 1] = g_q(0)``. Exact for identical devices on one link
+    speed; it catches the prefixes that memory rules out, which the forward bound cannot.
+    """
+    q_max, n_layers = len(devices), cost.num_layers
+    cols = np.arange(n_layers + 1)
+    g = np.full(n_layers + 1, np.inf)
+    g[n_layers] = 0.0
+    bounds = np.full(q_max, np.inf)
+    fastest: np.ndarray | None = None
+    pool_kinds: tuple[tuple[str, float, bool], ...] = ()
+    for d in range(1, q_max + 1):
+        # Positions devices[k] (k <= q_max - d) can take; a stage before the end sends to devices[k + 1].
+        pairs = [(devices[k], devices[k + 1] if d > 1 else None) for k in range(q_max - d + 1)]
+        kinds = {_pair_kind(cost, a, b): (a, b) for a, b in reversed(pairs)}
+        if tuple(kinds) != pool_kinds:  # the pool shrinks as d grows: its kinds change a few times
+            pool_kinds = tuple(kinds)
+            mats = [cost.pipeline_stage_time_matrix(a, None, b, schedule, micro_batches) for a, b in kinds.values()]
+            fastest = mats[0] if len(mats) == 1 else np.minimum.reduce(mats)
+        assert fastest is not None
+        pool = devices[: q_max - d + 1]
+        rows = slice(0, n_layers - d + 1)  # d - 1 stages after this one need >= d - 1 layers
+        capacity = max(dev.memory_bytes for dev in pool) * (1 + 1e-9)
+        top = cost.max_stop(activations_in_flight(schedule, d, micro_batches), schedule, capacity, rows)
+        invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
+        cand = np.maximum(fastest[rows], g[None, :])
+        cand[invalid] = np.inf
+        g = np.full(n_layers + 1, np.inf)
+        g[rows] = cand.min(axis=1)
+        bounds[d - 1] = g[0]
+    return bounds
+
+
+def _pair_kind(cost: CostModel, a: Device, b: Device | None) -> tuple[str, float, bool]:
+    """What a stage's time on ``a`` sending to ``b`` depends on: GPU type, link, same node."""
+    if b is None:
+        return a.gpu_type, math.inf, True
+    return a.gpu_type, cost.cluster.bandwidth_gbps(a.name, b.name), a.node == b.node
 
 
 def _sweep(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
@@ -188,12 +326,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
             devices=devices, options=options, allow_fewer=allow_fewer)
     t0 = time.perf_counter()
     cost, devs, m = chain_arguments(profile, cluster, devices, schedule, micro_batches, options)
-    lengths = range(1, min(len(devs), profile.num_layers) + 1) if allow_fewer else [len(devs)]
-    best: ChainSolution | None = None
-    for q in lengths:
-        sol = chain_dp(cost, devs[:q], schedule, m)
-        if sol is not None and (best is None or sol.bottleneck_s < best.bottleneck_s):
-            best = sol
+    best = best_prefix_dp(cost, devs, schedule, m) if allow_fewer else chain_dp(cost, devs, schedule, m)
     elapsed = time.perf_counter() - t0
     if best is None:
         tried = devs[: profile.num_layers] if allow_fewer else devs

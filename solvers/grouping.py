@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from partitioner.cluster import Device
 from partitioner.errors import FormatError
 
-__all__ = ["OBJECTIVES", "POLICIES", "combine", "group", "group_ed", "group_hd", "group_np",
-           "search_opt", "set_partitions"]
+__all__ = ["OBJECTIVES", "POLICIES", "combine", "count_set_partitions", "group", "group_ed", "group_hd",
+           "group_np", "search_opt", "set_partitions"]
 
 log = logging.getLogger(__name__)
 
@@ -139,22 +139,51 @@ def group(policy: str, devices: Sequence[Device], k: int, speed: Callable[[str],
 
 def set_partitions(n: int, k: int) -> Iterator[list[int]]:
     """Every partition of ``range(n)`` into exactly ``k`` non-empty blocks, as block indices
-    (restricted growth strings: each partition exactly once)."""
-    a = [0] * n
+    (restricted growth strings: each partition exactly once, in lexicographic order).
 
-    def rec(i: int, used: int) -> Iterator[list[int]]:
-        if n - i < k - used:
+    Iterative, so ``n`` may be any size (one partition each for ``k = 1`` and ``k = n``).
+    """
+    if not 1 <= k <= n:
+        return
+    # a[i]: block of element i; top[i]: blocks used by a[0..i] (max + 1). The first string puts
+    # elements 0..n-k in block 0 and the last k - 1 elements in blocks 1..k-1.
+    a = [0] * (n - k + 1) + list(range(1, k))
+    top = [1] * (n - k + 1) + list(range(2, k + 1))
+    while True:
+        yield list(a)
+        # Advance the rightmost element that can grow while the rest can still reach k blocks.
+        i = n - 1
+        while i > 0:
+            grown = a[i] + 1
+            used = max(top[i - 1], grown + 1)
+            if grown < k and grown <= top[i - 1] and used + (n - 1 - i) >= k:
+                break
+            i -= 1
+        if i == 0:
             return
-        if i == n:
-            if used == k:
-                yield list(a)
-            return
-        for b in range(min(used + 1, k)):
-            a[i] = b
-            yield from rec(i + 1, used + (b == used))
+        a[i] += 1
+        top[i] = max(top[i - 1], a[i] + 1)
+        # Fill the rest with the smallest string that still uses all k blocks.
+        for j in range(i + 1, n):
+            need = k - top[j - 1]  # blocks still to open
+            if need >= n - j:  # every remaining element must open a new block
+                a[j] = top[j - 1]
+            else:
+                a[j] = 0
+            top[j] = max(top[j - 1], a[j] + 1)
 
-    if 1 <= k <= n:
-        yield from rec(0, 0)
+
+def count_set_partitions(n: int, k: int, cap: int) -> int:
+    """The Stirling number S(n, k) (partitions of n elements into k blocks), or ``cap + 1``
+    when it exceeds ``cap``: cheap at any ``n`` (S is unimodal in ``k``, so when both
+    S(n, 2) = 2^(n-1) - 1 and S(n, n-1) = n(n-1)/2 exceed ``cap``, so does every 1 < k < n)."""
+    if not 1 <= k <= n:
+        return 0
+    if k in (1, n):
+        return 1
+    if n > 64 and math.comb(n, 2) > cap:  # 2^(n-1) - 1 > cap as well
+        return cap + 1
+    return min(_stirling2(n, k), cap + 1)
 
 
 def _stirling2(n: int, k: int) -> int:
@@ -174,7 +203,7 @@ def search_opt(devices: Sequence[Device], k: int, value: Value, objective: str,
     t0 = time.perf_counter()
     best: Grouping | None = None
     best_val = -math.inf
-    if _stirling2(n, k) <= exact_limit:
+    if count_set_partitions(n, k, exact_limit) <= exact_limit:
         for blocks in set_partitions(n, k):
             g: Grouping = [[] for _ in range(k)]
             for d, b in zip(devices, blocks, strict=True):

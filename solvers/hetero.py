@@ -79,6 +79,7 @@ class WorkerPlanner:
                            for n in cl.nodes}
         self._pinned = overridden
         self.evaluations = 0
+        self.deadline: float | None = None  # time.perf_counter() value past which mappings stop early
 
     def key(self, devices: Sequence[Device]) -> Any:
         if any(d.name in self._pinned for d in devices):
@@ -104,15 +105,21 @@ class WorkerPlanner:
         return self._plan(devices, keep=True)
 
     def _plan(self, devices: Sequence[Device], keep: bool) -> _Worker:
-        """``keep``: return the stages for exactly these devices (not memoised, since the memo
-        is shared by equivalent GPU sets whose stages name other devices)."""
+        """``keep``: return the stages for exactly these devices (the memo is shared by
+        equivalent GPU sets, so a kept plan of an equivalent set is relabelled onto them)."""
         k = self.key(devices)
         if not keep and k in self._memo:
             return self._memo[k]
+        if keep and ("stages", k) in self._memo:
+            template = self._memo[("stages", k)]
+            assert template.stages is not None
+            if any(d.name in self._pinned for d in devices):
+                return template  # such a key names the devices themselves: the very same set
+            return replace(template, stages=_relabel(template.stages, self.cost, devices))
         self.evaluations += 1
         cost, sched, m = self.cost, self.schedule, self.micro_batches
         res = map_worker(cost, devices, sched, m, exact_limit=self.exact_limit,
-                         max_evaluations=self.max_evaluations)
+                         max_evaluations=self.max_evaluations, deadline=self.deadline)
         options: list[tuple[Stage, ...]] = []
         if res.solution is not None:
             sol = res.solution
@@ -130,6 +137,8 @@ class WorkerPlanner:
                 best = _Worker(stages, thr, res.exact)
         best = replace(best, ranges=tuple(st.layers for st in best.stages or ()))
         self._memo[k] = replace(best, stages=None)
+        if keep and best.stages is not None:
+            self._memo[("stages", k)] = best
         return best
 
     def ranges(self, devices: Sequence[Device]) -> tuple[tuple[int, int], ...]:
@@ -146,6 +155,38 @@ class WorkerPlanner:
         heads = [w[0] for w in grouping]
         largest = max((cost.param_bytes(a, b) for w in grouping for a, b in self.ranges(w)), default=0.0)
         return cost.allreduce_s(largest, heads)
+
+
+def _relabel(stages: Sequence[Stage], cost: CostModel, devices: Sequence[Device]) -> tuple[Stage, ...]:
+    """``stages`` (planned for an equivalent GPU set: the same GPU types on nodes of the same
+    kind) moved onto ``devices``: node to node of the same kind and GPU mix, GPU to GPU of the
+    same type, so every price is unchanged."""
+    cluster = cost.cluster
+    names = [st.device for st in stages] + [r for st in stages for r in st.replicas]
+    old = [cluster.device(nm) for nm in names]
+
+    def by_node(devs: Sequence[Device]) -> dict[str, list[Device]]:
+        out: dict[str, list[Device]] = {}
+        for d in devs:
+            out.setdefault(d.node, []).append(d)
+        return out
+
+    def kind(node: str, devs: list[Device]) -> Any:
+        nd = next(n for n in cluster.nodes if n.name == node)
+        return tuple(sorted(nd.gpus)), nd.intra_gbps, tuple(sorted(Counter(d.gpu_type for d in devs).items()))
+
+    free: dict[Any, list[list[Device]]] = {}
+    for node, devs in by_node(devices).items():
+        free.setdefault(kind(node, devs), []).append(list(devs))
+    mapping: dict[str, str] = {}
+    for node, devs in by_node(old).items():
+        target = free[kind(node, devs)].pop()
+        for d in devs:
+            match = next(t for t in target if t.gpu_type == d.gpu_type)
+            target.remove(match)
+            mapping[d.name] = match.name
+    return tuple(replace(st, device=mapping[st.device], replicas=tuple(mapping[r] for r in st.replicas))
+                 for st in stages)
 
 
 def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, micro_batches: int) -> float:
@@ -186,6 +227,29 @@ def throughput_upper_bound(cost: CostModel, devices: Sequence[Device]) -> float:
                                                for d in devices)
 
 
+# The largest chain DP one virtual worker may need (devices x layers^2 cells): 64 devices over
+# 1,000 layers, about 0.4 s (docs/benchmarks.md). The mapping search runs several per worker.
+MAX_WORKER_DP_CELLS = 64 * 1000**2
+
+
+def max_worker_gpus(num_layers: int) -> int:
+    """The most GPUs one virtual worker may hold for a model of ``num_layers`` layers."""
+    return max(1, MAX_WORKER_DP_CELLS // max(1, num_layers) ** 2)
+
+
+def _check_worker_size(n: int, k: int, num_layers: int, largest: int) -> int:
+    """``k`` if ``n`` GPUs in ``k`` virtual workers keep every worker within ``largest`` GPUs;
+    otherwise one line with the numbers and the smallest ``K`` that would."""
+    per = -(-n // k)
+    if per > largest:
+        need = -(-n // largest)
+        raise FormatError("virtual_workers", k, f"{n:,} GPUs in {k} virtual worker(s) put up to {per:,} GPUs in "
+                          f"one pipeline; planning one over {num_layers:,} layers is a DP of {per * num_layers**2:.2g} "
+                          f"cells, above the {MAX_WORKER_DP_CELLS:.2g} this planner handles (at most {largest:,} "
+                          f"GPUs per worker): use K >= {need:,}")
+    return k
+
+
 def _candidate_ks(n: int, nodes: int) -> list[int]:
     if n <= 8:
         return list(range(1, n + 1))
@@ -221,11 +285,17 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
         raise FormatError("virtual_workers", virtual_workers, "must be an integer >= 1 or 'auto'")
     if isinstance(virtual_workers, int) and not 1 <= virtual_workers <= n:
         raise FormatError("virtual_workers", virtual_workers, f"must be between 1 and the cluster's {n} GPUs")
+    if not time_limit_s > 0:
+        raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
+    largest = max_worker_gpus(cost.num_layers)
+    if isinstance(virtual_workers, int):
+        _check_worker_size(n, virtual_workers, cost.num_layers, largest)
     planner = WorkerPlanner(cost, schedule, micro_batches, replication, exact_limit)
     # Large clusters: the grouping search screens workers with a cheaper mapping search; the
     # finalists are then re-planned with the full one.
     screen = planner if n <= 8 else WorkerPlanner(cost, schedule, micro_batches, replication,
                                                   min(exact_limit, 24), 3)
+    planner.deadline = screen.deadline = t0 + time_limit_s
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devs}}
 
     def speed(t: str) -> float:
@@ -233,12 +303,22 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
 
     exact = True
     best: tuple[float, list[list[Device]]] | None = None
+    used = planner  # the planner whose mapping the chosen grouping's plan takes
     details_extra: dict[str, Any] = {}
     if policy == "opt":
         ks = _candidate_ks(n, nodes) if virtual_workers == "auto" else [int(virtual_workers)]
+        if virtual_workers == "auto":
+            ks = [k for k in ks if -(-n // k) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers, largest)]
+        if screen is not planner:
+            ks.sort(reverse=True)  # smallest workers first: the cheapest to map, so a time limit still sees many K
         budget = time_limit_s / max(1, len(ks))
         finalists: list[list[list[Device]]] = []
         for k in ks:
+            if time.perf_counter() >= t0 + time_limit_s and any(
+                    combine([screen.throughput(w) for w in g], objective) > -math.inf for g in finalists):
+                log.info("time limit reached: K = %d and above not searched", k)
+                exact = False
+                break
             starts = []
             for pol in ("np", "ed", "hd"):
                 with contextlib.suppress(FormatError):
@@ -250,24 +330,35 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
             if g is not None and val > -math.inf:
                 finalists.append(g)
         seen: set[Any] = set()
-        scored: list[tuple[float, list[list[Device]]]] = []
+        unique: list[list[list[Device]]] = []
         for g in finalists:
             sig = tuple(sorted(tuple(sorted(d.name for d in w)) for w in g))
-            if sig in seen:
-                continue
-            seen.add(sig)
-            val = _grouping_value(g, planner, objective, micro_batches)
+            if sig not in seen:
+                seen.add(sig)
+                unique.append(g)
+        # Re-plan the finalists with the full mapping search, the most promising first, while the
+        # time limit allows; past it, a finalist keeps the screening search's plan (a real plan too).
+        if screen is not planner:
+            unique.sort(key=lambda g: -combine([screen.throughput(w) for w in g], objective))
+        deadline = t0 + time_limit_s
+        scored: list[tuple[float, list[list[Device]]]] = []
+        for g in unique:
+            full = screen is planner or time.perf_counter() < deadline
+            val = _grouping_value(g, planner if full else screen, objective, micro_batches)
             if val > -math.inf:
                 scored.append((val, g))
                 if best is None or val > best[0]:
-                    best = (val, g)
+                    best, used = (val, g), (planner if full else screen)
         if simulate_top > 0 and len(scored) > 1:
             best, ranking = _best_simulated(sorted(scored, key=lambda x: -x[0])[:simulate_top], planner,
                                             profile, cluster, schedule, micro_batches, options)
+            used = planner
             details_extra["ranking"] = ranking
     else:
         if virtual_workers == "auto":
             ks = [nodes] if policy == "np" else sorted(range(1, n + 1), reverse=True)
+            ks = [k for k in ks if -(-n // k) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers,
+                                                                                 largest)]
         else:
             ks = [int(virtual_workers)]
         g = None
@@ -297,7 +388,7 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
                   "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, schedule, micro_batches))
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=elapsed, method=f"hetero:{policy}", reason=reason)
     val, g = best
-    plan, mapped_exactly = _plan_of(g, planner, profile, schedule, micro_batches)
+    plan, mapped_exactly = _plan_of(g, used, profile, schedule, micro_batches)
     exact = exact and mapped_exactly
     workers = plan.virtual_workers
     predicted = price_plan(cost, plan, objective)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -100,8 +101,12 @@ def _realise(order: Sequence[Label], pools: dict[Label, list[Device]]) -> list[D
 
 
 def map_worker(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b", micro_batches: int = 1,
-               *, exact_limit: int = 720, max_evaluations: int = 200) -> MappingResult:
-    """Best pipeline order and split of ``devices`` (all of them are used, one stage each)."""
+               *, exact_limit: int = 720, max_evaluations: int = 200,
+               deadline: float | None = None) -> MappingResult:
+    """Best pipeline order and split of ``devices`` (all of them are used, one stage each).
+
+    ``deadline`` (a ``time.perf_counter()`` value): past it, the search stops after the orders
+    it has started with and keeps the best found (reported as not exact)."""
     devices = list(devices)
     labels = device_labels(cost, devices)
     pools: dict[Label, list[Device]] = {}
@@ -123,15 +128,22 @@ def map_worker(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b
             best = sol
         return sol
 
+    def out_of_time() -> bool:
+        return deadline is not None and time.perf_counter() >= deadline
+
     if n_orders <= exact_limit:
+        complete = True
         for order in label_orders(labels):
             consider(order)
             if best is not None and best.bottleneck_s <= bound * (1 + 1e-12):
                 break  # reached the bound: nothing can be better
-        result = MappingResult(best, True, evaluated, bound)
+            if best is not None and out_of_time():
+                complete = False
+                break
+        result = MappingResult(best, complete, evaluated, bound)
     else:
         result = _local_search(cost, devices, labels, pools, consider, max_evaluations, bound, lambda: best,
-                               lambda: evaluated)
+                               lambda: evaluated, out_of_time)
     if result.solution is None:
         return result
     refined = chain_dp(cost, result.solution.devices, schedule, micro_batches)  # same order, same bottleneck
@@ -143,7 +155,8 @@ def _speed_key(cost: CostModel, gpu_type: str) -> float:
     return cost.compute_s(gpu_type, 0, cost.num_layers)
 
 
-def _local_search(cost, devices, labels, pools, consider, max_evaluations, bound, get_best, get_count):
+def _local_search(cost, devices, labels, pools, consider, max_evaluations, bound, get_best, get_count,
+                  out_of_time=lambda: False):
     """Heuristic order search for large virtual workers (see the module docstring)."""
     listed = tuple(labels)
     node_rank = {n: k for k, n in enumerate(dict.fromkeys(d.node for d in devices))}
@@ -156,11 +169,11 @@ def _local_search(cost, devices, labels, pools, consider, max_evaluations, bound
         scored.append((sol.bottleneck_s if sol is not None else math.inf, order))
     cur_val, cur = min(scored, key=lambda x: x[0])
     improved = True
-    while improved and get_count() < max_evaluations and cur_val > bound * (1 + 1e-12):
+    while improved and get_count() < max_evaluations and cur_val > bound * (1 + 1e-12) and not out_of_time():
         improved = False
         moves = _neighbours(cur)
         for cand in moves:
-            if get_count() >= max_evaluations:
+            if get_count() >= max_evaluations or out_of_time():
                 break
             sol = consider(cand)
             if sol is not None and sol.bottleneck_s < cur_val * (1 - 1e-12):

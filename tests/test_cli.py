@@ -92,3 +92,45 @@ def test_verbose_before_or_after_the_subcommand(argv, count):
     from partitioner.cli import build_parser, verbosity
 
     assert verbosity(build_parser().parse_args(argv)) == count
+
+
+_NO_HEAVY_IMPORTS = r"""
+import sys
+from partitioner.cli import build_parser, main
+
+parser = build_parser()
+for argv in (["plan", "p.json", "--cluster", "c.yaml"], ["simulate", "plan.json", "--profile", "p.json",
+             "--cluster", "c.yaml"], ["import", "pipedream", "g.txt", "-o", "x.json"]):
+    parser.parse_args(argv)
+out = sys.argv[1]
+assert main(["import", "pipedream", sys.argv[2], "--gpu-type", "V100-SXM2-16GB", "-o", out + "/p.json"]) == 0
+assert main(["plan", out + "/p.json", "--cluster", "examples/clusters/v100x8.yaml", "--allow-fewer",
+             "--micro-batches", "8", "-o", out + "/plan.json"]) == 0
+assert main(["plan", out + "/p.json", "--cluster", "examples/clusters/v100x8.yaml", "--virtual-workers", "2",
+             "--micro-batches", "8"]) == 0
+assert main(["simulate", out + "/plan.json", "--profile", out + "/p.json", "--cluster",
+             "examples/clusters/v100x8.yaml", "--trace", out + "/trace.json"]) == 0
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "matplotlib", "ortools", "pulp", "scipy", "fvcore"})
+print("HEAVY", heavy)
+"""
+
+
+def test_planning_commands_do_not_import_torch(tmp_path):
+    """--help, import, plan and simulate never load torch (nor the plotting and MILP packages they do not use)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    res = subprocess.run([sys.executable, "-c", _NO_HEAVY_IMPORTS, str(tmp_path), str(DATA / "pipedream" / "vgg16.txt")],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+    assert "HEAVY []" in res.stdout.splitlines()
+
+
+@pytest.mark.parametrize("limit", ["0", "-2", "nan"])
+def test_time_limit_not_positive_is_one_line(capsys, limit):
+    rc = main(["plan", "examples/profiles/vgg19_hetpipe.json", "--cluster", "examples/clusters/hetpipe.yaml",
+               "--virtual-workers", "2", "--time-limit", limit])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "--time-limit" in err and "must be > 0 seconds" in err

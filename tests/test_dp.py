@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from partitioner.cost import CostModel, CostOptions, activations_in_flight
 from solvers import SolveStatus, solve
-from solvers.dp import chain_dp
+from solvers.dp import best_prefix_dp, chain_dp
 
 from .conftest import GIB, flat_cluster, make_profile
 
@@ -170,3 +170,42 @@ def test_unknown_solver_and_schedule():
         solve(prof, cluster, solver="magic")
     with pytest.raises(ValueError, match="interleaved and bfs are priced by the simulator"):
         solve(prof, cluster, schedule="interleaved")
+
+
+@st.composite
+def longer_instances(draw):
+    """Up to 10 devices: enough prefixes for the bounds of best_prefix_dp to prune (or not)."""
+    n = draw(st.integers(1, 14))
+    p = draw(st.integers(1, 10))
+    used = TYPES[:draw(st.integers(1, len(TYPES)))]  # often one type: the second bound is exact there
+    types = draw(st.lists(st.sampled_from(used), min_size=p, max_size=p))
+    t = st.floats(0.0, 1.0, allow_nan=False)
+    times = {g: draw(st.lists(t, min_size=n, max_size=n)) for g in TYPES}
+    size = st.floats(0.0, 1.0 * GIB, allow_nan=False)
+    prof = make_profile(times, draw(st.lists(size, min_size=n, max_size=n)),
+                        draw(st.lists(size, min_size=n, max_size=n)), draw(st.lists(size, min_size=n, max_size=n)))
+    memory = {g: draw(st.floats(0.5, 12.0)) for g in TYPES}  # activations in flight often decide
+    cluster = flat_cluster(types, memory_gb=memory, intra_gbps=draw(st.floats(1, 50)),
+                           inter_gbps=draw(st.floats(0.1, 10)), per_node=draw(st.integers(1, 4)))
+    options = CostOptions(overlap_comm=draw(st.booleans()), reserved_bytes=0.1 * GIB)
+    return prof, cluster, options, draw(st.sampled_from(["1f1b", "gpipe", "2bw", "wsp"])), draw(st.integers(1, 12))
+
+
+@settings(max_examples=200, deadline=None)
+@given(longer_instances())
+def test_best_prefix_dp_equals_every_prefix_solved(inst):
+    """The bounded search over prefixes returns what solving every prefix returns: same value, same
+    (shortest) pipeline, same refined split."""
+    prof, cluster, options, schedule, m = inst
+    cost = CostModel(prof, cluster, options)
+    devs = cluster.devices
+    every = [chain_dp(cost, devs[:q], schedule, m) for q in range(1, min(len(devs), prof.num_layers) + 1)]
+    feasible = [s for s in every if s is not None]
+    got = best_prefix_dp(cost, devs, schedule, m)
+    event("infeasible" if not feasible else f"best of {len(every)} prefix(es)")
+    if not feasible:
+        assert got is None
+        return
+    want = min(feasible, key=lambda s: (s.bottleneck_s, len(s.devices)))
+    assert got is not None
+    assert (got.bottleneck_s, got.cuts, got.devices) == (want.bottleneck_s, want.cuts, want.devices)

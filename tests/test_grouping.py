@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 
 import pytest
 
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError
 from solvers.dp import chain_dp
-from solvers.grouping import group_ed, group_hd, group_np, set_partitions
+from solvers.grouping import count_set_partitions, group_ed, group_hd, group_np, set_partitions
 from solvers.hetero import plan_cluster
 from solvers.result import SolveStatus
 from tests._hetero_fixtures import hetpipe_cluster, small_cluster, synthetic_profile
@@ -101,3 +102,66 @@ def test_relabelling_same_node_same_type_keeps_objective():
     ra = plan_cluster(prof, a, 2, "opt", schedule="wsp", micro_batches=4)
     rb = plan_cluster(prof, b, 2, "opt", schedule="wsp", micro_batches=4)
     assert ra.plan.meta["closed_form"]["samples_per_s"] == pytest.approx(rb.plan.meta["closed_form"]["samples_per_s"], rel=1e-12)
+
+
+def _restricted_growth_strings(n, k):
+    """Every string a with a[0] = 0, a[i] <= max(a[:i]) + 1, using exactly k values (brute force)."""
+    for a in itertools.product(range(k), repeat=n):
+        top = 0
+        for x in a:
+            if x > top:
+                break
+            top += x == top
+        else:
+            if top == k:
+                yield list(a)
+
+
+@pytest.mark.parametrize("n", range(0, 8))
+def test_set_partitions_is_every_partition_once(n):
+    for k in range(0, n + 2):
+        got = list(set_partitions(n, k))
+        assert got == (list(_restricted_growth_strings(n, k)) if n else [])
+        assert len(got) == count_set_partitions(n, k, 10**9)
+
+
+def test_set_partitions_has_no_depth_limit():
+    """One partition into one block (or n singletons) for a cluster larger than Python's recursion limit."""
+    n = 3 * sys.getrecursionlimit()
+    assert list(set_partitions(n, 1)) == [[0] * n]
+    assert list(set_partitions(n, n)) == [list(range(n))]
+    assert count_set_partitions(n, 2, 20000) == 20001 and count_set_partitions(n, n - 1, 20000) == 20001
+
+
+def test_time_limit_and_worker_size_limits_are_one_line_errors(monkeypatch):
+    import solvers.hetero as hetero
+
+    prof = synthetic_profile(10)
+    cl = small_cluster([["TITAN-V", "TITAN-V", "RTX-2060"], ["RTX-2060"]])
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(FormatError, match=r"time_limit_s .*must be > 0 seconds"):
+            plan_cluster(prof, cl, 2, "opt", time_limit_s=bad)
+    monkeypatch.setattr(hetero, "MAX_WORKER_DP_CELLS", 2 * 10**2)  # at most 2 GPUs per worker over 10 layers
+    with pytest.raises(FormatError, match=r"4 GPUs in 1 virtual worker\(s\) put up to 4 GPUs .* use K >= 2"):
+        plan_cluster(prof, cl, 1, "opt")
+    res = plan_cluster(prof, cl, "auto", "opt")  # auto keeps to the K that respect the limit
+    assert res.ok and all(len(w.stages) <= 2 for w in res.plan.virtual_workers)
+
+
+def test_equivalent_workers_share_one_mapping_relabelled_onto_their_own_gpus():
+    """Workers on nodes of the same kind get the same split, each on its own GPUs (relabelled,
+    not re-searched), and every worker's priced time equals a fresh mapping of its GPUs."""
+    from solvers.hetero import WorkerPlanner, worker_throughput
+
+    prof = synthetic_profile(12, seed=3)
+    cl = small_cluster([["TITAN-V", "RTX-2060", "TITAN-V"]] * 4 + [["RTX-2060", "Quadro-P4000"]] * 2)
+    res = plan_cluster(prof, cl, "auto", "np")
+    assert res.ok and len(res.plan.virtual_workers) == 6
+    res.plan.validate(prof, cl)
+    cost = CostModel(prof, cl)
+    for node, vw in zip(cl.nodes, res.plan.virtual_workers, strict=True):
+        assert {st.device for st in vw.stages} == {d.name for d in cl.devices if d.node == node.name}
+        fresh = WorkerPlanner(cost, "1f1b", 8).stages([d for d in cl.devices if d.node == node.name])
+        assert worker_throughput(cost, vw.stages, "1f1b", 8) == pytest.approx(fresh.throughput, rel=1e-12)
+    layouts = {tuple((st.layers, st.gpu_type) for st in vw.stages) for vw in res.plan.virtual_workers}
+    assert len(layouts) == 2  # one per node kind

@@ -75,6 +75,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.simulate_top:
             kwargs["simulate_top"] = args.simulate_top
     if args.time_limit is not None:
+        if not args.time_limit > 0:
+            raise FormatError("--time-limit", args.time_limit, "must be > 0 seconds")
         if solver not in _TIME_LIMITED:
             raise FormatError("--time-limit", args.time_limit, f"applies to the {', '.join(_TIME_LIMITED)} "
                               f"solvers; {solver} needs none")

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def _zoo_names() -> tuple[str, ...]:
-    from ..models import MODEL_NAMES
+    from ..zoo import MODEL_NAMES
 
     return MODEL_NAMES
 
