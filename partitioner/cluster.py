@@ -146,6 +146,13 @@ class Device:
     index: int
     type: DeviceType
 
+    def __post_init__(self) -> None:
+        check(isinstance(self.index, int) and not isinstance(self.index, bool) and self.index >= 0,
+              "device.index", self.index, "must be an integer >= 0")
+        check(self.name == f"{self.node}:{self.index}", "device.name", self.name,
+              f"must be NODE:INDEX, here {self.node}:{self.index}")
+        check(isinstance(self.type, DeviceType), "device.type", self.type, "must be a DeviceType")
+
     @property
     def gpu_type(self) -> str:
         return self.type.name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from .cost import CostOptions
     from .profile import Profile
 
-__all__ = ["PLAN_FORMAT", "SCHEDULES", "Plan", "SolverInfo", "Stage", "VirtualWorker"]
+__all__ = ["PLAN_FORMAT", "SCHEDULES", "Plan", "SolveStatus", "SolverInfo", "Stage", "VirtualWorker"]
 
 PLAN_FORMAT = "partitioner.plan/1"
 SCHEDULES = SCHEDULE_NAMES
@@ -112,22 +113,41 @@ class VirtualWorker:
         return cls(tuple(Stage.from_dict(s, f"{where}stages[{k}].") for k, s in enumerate(stages)))
 
 
+class SolveStatus(str, enum.Enum):
+    """How a solve ended. ``INFEASIBLE`` carries a reason; it is an answer, not a crash."""
+
+    OPTIMAL = "optimal"  # proven optimal for the problem as modelled (gap 0)
+    FEASIBLE = "feasible"  # a valid plan with a lower bound; the gap says how far it may be
+    INFEASIBLE = "infeasible"  # proven: no plan satisfies the constraints (see ``reason``)
+    UNKNOWN = "unknown"  # stopped (time limit) before finding a plan or proving infeasibility
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class SolverInfo:
     """How a plan was found, with its certificate: objective, lower bound and gap."""
 
     name: str
-    status: str
+    status: SolveStatus
     objective: float = math.nan
     lower_bound: float = math.nan
     gap: float = math.nan
     time_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "status", SolveStatus(self.status))
+        except ValueError:
+            raise FormatError("solver.status", self.status,
+                              f"must be one of {', '.join(s.value for s in SolveStatus)}") from None
+
     def to_dict(self) -> dict[str, Any]:
         def num(x: float) -> float | None:
             return None if math.isnan(x) else x
 
-        return {"name": self.name, "status": self.status, "objective": num(self.objective),
+        return {"name": self.name, "status": self.status.value, "objective": num(self.objective),
                 "lower_bound": num(self.lower_bound), "gap": num(self.gap), "time_s": self.time_s}
 
     @classmethod

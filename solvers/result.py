@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from partitioner.plan import Plan, SolverInfo
+from partitioner.plan import Plan, SolverInfo, SolveStatus
 
 __all__ = ["SolveResult", "SolveStatus"]
-
-
-class SolveStatus(str, enum.Enum):
-    """How a solve ended. ``INFEASIBLE`` carries a reason; it is an answer, not a crash."""
-
-    OPTIMAL = "optimal"  # proven optimal for the problem as modelled (gap 0)
-    FEASIBLE = "feasible"  # a valid plan with a lower bound; the gap says how far it may be
-    INFEASIBLE = "infeasible"  # proven: no plan satisfies the constraints (see ``reason``)
-    UNKNOWN = "unknown"  # stopped (time limit) before finding a plan or proving infeasibility
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -51,5 +38,5 @@ class SolveResult:
         return self.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE) and self.plan is not None
 
     def solver_info(self) -> SolverInfo:
-        return SolverInfo(self.method, self.status.value, self.objective, self.lower_bound, self.gap,
+        return SolverInfo(self.method, self.status, self.objective, self.lower_bound, self.gap,
                           self.runtime_s)
