@@ -43,6 +43,7 @@ and ``wsp`` run the 1F1B steady state across iteration boundaries without a flus
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ __all__ = [
     "SEND_GRAD",
     "STEP",
     "Action",
+    "ActionKind",
     "B",
     "Columns",
     "F",
@@ -80,12 +82,41 @@ __all__ = [
     "to_actions",
 ]
 
-F, B = "F", "B"
-SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"
-STEP, PUSH, PULL, ALLREDUCE = "STEP", "PUSH", "PULL", "ALLREDUCE"
-ACTION_KINDS = (F, B, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, STEP, PUSH, PULL, ALLREDUCE)
-# index of each kind in ACTION_KINDS: the ``kind`` column of :func:`schedule_columns`
-_F, _B, _SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD, _STEP, _PUSH, _PULL, _ALLREDUCE = range(10)
+class ActionKind(str, enum.Enum):
+    """What an action does (the module docstring says each one's meaning). A ``str`` enum: a
+    kind equals its name (``ActionKind.F == "F"``); :attr:`code` is its index in
+    :data:`ACTION_KINDS`, the ``kind`` column of :func:`schedule_columns`."""
+
+    F = "F"
+    B = "B"
+    SEND_ACT = "SEND_ACT"
+    RECV_ACT = "RECV_ACT"
+    SEND_GRAD = "SEND_GRAD"
+    RECV_GRAD = "RECV_GRAD"
+    STEP = "STEP"
+    PUSH = "PUSH"
+    PULL = "PULL"
+    ALLREDUCE = "ALLREDUCE"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
+
+    @property
+    def code(self) -> int:
+        return _CODE[self]
+
+
+ACTION_KINDS = tuple(ActionKind)
+_CODE = {k: i for i, k in enumerate(ACTION_KINDS)}
+F, B = ActionKind.F, ActionKind.B
+SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
+SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
+STEP, PUSH, PULL, ALLREDUCE = ActionKind.STEP, ActionKind.PUSH, ActionKind.PULL, ActionKind.ALLREDUCE
+# the ``kind`` column's codes
+_F, _B, _SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD, _STEP, _PUSH, _PULL, _ALLREDUCE = range(len(ACTION_KINDS))
 COMPUTE_KINDS = (F, B)
 
 
@@ -150,7 +181,7 @@ class Action(NamedTuple):
     ``version`` is the weight version (``STEP``) or the WSP clock (``PUSH``/``PULL``).
     """
 
-    kind: str
+    kind: ActionKind
     micro_batch: int = -1
     stage: int = -1
     peer: int = -1
