@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from .cluster import Cluster
 from .cost import CostModel, CostOptions
-from .errors import FormatError
 from .events import (
     KIND_CODE,
     OP_OF_KIND,
@@ -28,6 +26,7 @@ from .events import (
     run_ops,
     simulate_programs,
 )
+from .placement import PipelinePlacement, place, replica_shares
 from .plan import Plan
 from .profile import Profile
 from .schedule import (
@@ -70,60 +69,7 @@ def default_iterations(schedule: str, staleness: int = 0) -> int:
     return 1 if sp.flushes else 4
 
 
-@dataclass(frozen=True)
-class _Pipeline:
-    worker: int
-    ranks: int  # p: devices of the pipeline (stage positions when stages are replicated)
-    devices: tuple[str, ...]  # rank -> device (the first device of a replicated stage)
-    stages: tuple[tuple[int, int], ...]  # stage -> (start, stop)
-    replicas: tuple[tuple[str, ...], ...] = ()  # stage -> its devices, when a stage is replicated
-
-
-def _pipelines(plan: Plan) -> list[_Pipeline]:
-    out = []
-    v = plan.chunks
-    for w, vw in enumerate(plan.virtual_workers):
-        where = f"virtual_workers[{w}]"
-        replicated = any(st.replicas for st in vw.stages)
-        if replicated:
-            if v != 1:
-                raise FormatError(f"{where}.stages", [s.device for s in vw.stages],
-                                  f"replicated stages run one chunk per device; chunks={v} is not supported with them")
-            out.append(_Pipeline(w, len(vw.stages), tuple(st.device for st in vw.stages),
-                                 tuple(st.layers for st in vw.stages), tuple(st.devices for st in vw.stages)))
-            continue
-        n = len(vw.stages)
-        if n % v != 0:
-            raise FormatError(f"{where}.stages", n, f"with chunks={v} the stage count must be a multiple "
-                              f"of {v} (p devices x {v} chunks); nearest valid: {max(v, n - n % v)} or "
-                              f"{n - n % v + v}")
-        p = n // v
-        devs = tuple(vw.stages[d].device for d in range(p))
-        if len(set(devs)) != p:
-            raise FormatError(f"{where}.stages", [s.device for s in vw.stages],
-                              f"the first {p} stages must be on {p} distinct devices (chunks={v})")
-        for s, st in enumerate(vw.stages):
-            if st.device != devs[s % p]:
-                raise FormatError(f"{where}.stages[{s}].device", st.device,
-                                  f"with chunks={v}, stage {s} (chunk {s // p}) must be on {devs[s % p]}: "
-                                  f"stage c*p + d runs on the device of stage d")
-        out.append(_Pipeline(w, p, devs, tuple(st.layers for st in vw.stages)))
-    return out
-
-
-def _share(times_s: list[float], micro_batches: int) -> np.ndarray:
-    """Replica of each micro-batch for replicas taking ``times_s`` per micro-batch: each next one
-    goes to the replica that would finish it first, so shares follow the replicas' speeds."""
-    count = [0] * len(times_s)
-    out = np.empty(micro_batches, dtype=np.int64)
-    for j in range(micro_batches):
-        i = min(range(len(times_s)), key=lambda r: ((count[r] + 1) * times_s[r], r))
-        out[j] = i
-        count[i] += 1
-    return out
-
-
-def _replicated_ranks(pipe: _Pipeline, cols: list[Columns], assign: list[np.ndarray], m_run: int
+def _replicated_ranks(pipe: PipelinePlacement, cols: list[Columns], assign: list[np.ndarray], m_run: int
                       ) -> list[tuple[str, int, Columns]]:
     """Every replica's program: its stage's actions on the micro-batches it is given, sends and
     receives addressed to the replica of the neighbouring stage that has that micro-batch (peer =
@@ -159,7 +105,7 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     n_slices = plan.first_slices
     m_run = m - 1 + n_slices
     n_iter = iterations if iterations is not None else default_iterations(sched, plan.staleness)
-    pipes = _pipelines(plan)
+    pipes = place(plan)
     notes: list[str] = []
     groups = cost.sync_groups(plan)
     group_s = [cost.sync_s(g) for g in groups]
@@ -197,7 +143,7 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
         cols = schedule_columns(sched, pipe.ranks, m_run, plan.chunks, n_iter, plan.staleness)
         p, n_st, w = pipe.ranks, len(pipe.stages), pipe.worker
         if pipe.replicas:
-            assign = [_share([cost.compute_s(cluster.device(d).gpu_type, a, b) for d in devs], m_run)
+            assign = [replica_shares([cost.compute_s(cluster.device(d).gpu_type, a, b) for d in devs], m_run)
                       for devs, (a, b) in zip(pipe.replicas, pipe.stages, strict=True)]
             ranks = _replicated_ranks(pipe, cols, assign, m_run)
         else:

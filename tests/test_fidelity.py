@@ -293,3 +293,22 @@ def test_micro_batch_choice_tries_only_measured_ranges():
     choice = choose_micro_batches(prof, cl, 32, plan_cluster, virtual_workers=1)
     assert choice is not None
     assert {b for b, _, _ in choice.tried} == {1, 2, 4, 8}  # 16 and 32 divide 32 but were never measured
+
+
+def test_placement_says_what_each_target_runs():
+    from partitioner.placement import place, supports
+
+    cl = cluster(1, 4)
+    plain = Plan("u", (VirtualWorker((Stage((0, 1), "n0:0"), Stage((1, 2), "n0:1"))),), "1f1b", 1, 4)
+    assert [p.devices for p in place(plain)] == [("n0:0", "n0:1")]
+    assert supports(plain, "simulator") is None and supports(plain, "runtime") is None
+    rep = Plan("u", (VirtualWorker((Stage((0, 1), "n0:0", replicas=("n0:2",)), Stage((1, 2), "n0:1"))),),
+               "1f1b", 1, 4)
+    assert supports(rep, "simulator") is None and "does not replicate stages" in supports(rep, "runtime")
+    assert "double-buffered" in supports(replace(plain, schedule="2bw"), "runtime")
+    bad = Plan("u", (VirtualWorker((Stage((0, 1), "n0:0"), Stage((1, 2), "n0:1"), Stage((2, 3), "n0:1"),
+                                    Stage((3, 4), "n0:0"))),), "interleaved", 1, 2, chunks=2)
+    assert "must be on n0:0" in supports(bad, "simulator")
+    simulate_plan(rep, uniform(2), cl)  # what the simulator supports it runs
+    with pytest.raises(FormatError, match="target = 'gpu': must be one of simulator, runtime"):
+        supports(plain, "gpu")

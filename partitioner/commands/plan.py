@@ -118,6 +118,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.output:
         result.plan.save(args.output)
         print(f"\nwrote {args.output}")
+    from ..placement import supports
+
+    cannot = supports(result.plan, "runtime")
+    if cannot:
+        print(f"note: `partitioner train` cannot run this plan: {cannot}")
     return 0
 
 

@@ -1,0 +1,113 @@
+"""Where a plan's stages run: pipelines, devices, the rank of every stage, said once.
+
+A virtual worker of ``S`` stages over ``p`` devices runs stage ``s`` on pipeline rank ``s % p``
+(chunk ``s // p``): with ``chunks = v`` the stage count is ``p * v`` and stage ``c*p + d`` is
+on the device of stage ``d``. A replicated stage (``Stage.replicas``) is one pipeline position
+held by several devices, one chunk per device; its micro-batches are shared among the replicas
+in proportion to their speed (:func:`replica_shares`). :func:`place` applies and checks these
+rules for the simulator and the runtime alike, and :func:`supports` says before any run what
+a target cannot execute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import FormatError
+from .plan import Plan
+from .schedule import spec
+
+__all__ = ["TARGETS", "PipelinePlacement", "place", "replica_shares", "supports"]
+
+
+@dataclass(frozen=True)
+class PipelinePlacement:
+    """One virtual worker's pipeline: ``ranks`` positions, the device of each (the first of a
+    replicated stage), the layer range of each stage, and each position's devices when a stage
+    is replicated."""
+
+    worker: int
+    ranks: int
+    devices: tuple[str, ...]
+    stages: tuple[tuple[int, int], ...]
+    replicas: tuple[tuple[str, ...], ...] = ()
+
+
+def place(plan: Plan) -> list[PipelinePlacement]:
+    """Every virtual worker's pipeline, or a one-line error naming the broken rule."""
+    out = []
+    v = plan.chunks
+    for w, vw in enumerate(plan.virtual_workers):
+        where = f"virtual_workers[{w}]"
+        if any(st.replicas for st in vw.stages):
+            if v != 1:
+                raise FormatError(f"{where}.stages", [s.device for s in vw.stages],
+                                  f"replicated stages run one chunk per device; chunks={v} is not supported with them")
+            out.append(PipelinePlacement(w, len(vw.stages), tuple(st.device for st in vw.stages),
+                                         tuple(st.layers for st in vw.stages), tuple(st.devices for st in vw.stages)))
+            continue
+        n = len(vw.stages)
+        if n % v != 0:
+            raise FormatError(f"{where}.stages", n, f"with chunks={v} the stage count must be a multiple "
+                              f"of {v} (p devices x {v} chunks); nearest valid: {max(v, n - n % v)} or "
+                              f"{n - n % v + v}")
+        p = n // v
+        devs = tuple(vw.stages[d].device for d in range(p))
+        if len(set(devs)) != p:
+            raise FormatError(f"{where}.stages", [s.device for s in vw.stages],
+                              f"the first {p} stages must be on {p} distinct devices (chunks={v})")
+        for s, st in enumerate(vw.stages):
+            if st.device != devs[s % p]:
+                raise FormatError(f"{where}.stages[{s}].device", st.device,
+                                  f"with chunks={v}, stage {s} (chunk {s // p}) must be on {devs[s % p]}: "
+                                  f"stage c*p + d runs on the device of stage d")
+        out.append(PipelinePlacement(w, p, devs, tuple(st.layers for st in vw.stages)))
+    return out
+
+
+def replica_shares(times_s: Sequence[float], micro_batches: int) -> np.ndarray:
+    """The replica of each micro-batch for replicas taking ``times_s`` per micro-batch: each next
+    one goes to the replica that would finish it first, so shares follow the replicas' speeds."""
+    count = [0] * len(times_s)
+    out = np.empty(micro_batches, dtype=np.int64)
+    for j in range(micro_batches):
+        i = min(range(len(times_s)), key=lambda r: ((count[r] + 1) * times_s[r], r))
+        out[j] = i
+        count[i] += 1
+    return out
+
+
+# What each target executes: the simulator every plan the planner makes; the runtime
+# everything but double-buffered weights, replicated stages and a sliced first micro-batch.
+TARGETS = ("simulator", "runtime")
+
+
+def supports(plan: Plan, target: str) -> str | None:
+    """None when ``target`` can run ``plan``, else the reason it cannot (one line)."""
+    if target not in TARGETS:
+        raise FormatError("target", target, f"must be one of {', '.join(TARGETS)}")
+    try:
+        place(plan)
+    except FormatError as err:
+        return str(err)
+    if target == "simulator":
+        return None
+    sp = spec(plan.schedule)
+    if sp.weight_versions > 1:
+        return (f"schedule '{plan.schedule}' is not executed by the runtime: double-buffered weight updates "
+                f"are not implemented; re-plan with gpipe, 1f1b, interleaved, bfs or wsp")
+    if plan.staleness != 0 and sp.sync != "wave":
+        return (f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
+                f"a flushing schedule exactly synchronous; bounded staleness needs schedule wsp")
+    if plan.first_slices != 1:
+        return (f"first_slices = {plan.first_slices}: the runtime runs micro-batches of one size "
+                f"({plan.micro_batch_size}); re-plan without slicing the first micro-batch (first_slices 1)")
+    for w, vw in enumerate(plan.virtual_workers):
+        for k, st in enumerate(vw.stages):
+            if st.replicas:
+                return (f"virtual_workers[{w}].stages[{k}] has replicas {list(st.replicas)}: the runtime does not "
+                        f"replicate stages; express data parallelism as virtual workers")
+    return None
