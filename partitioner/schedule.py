@@ -253,12 +253,13 @@ def _gpipe(r: int, m: int, iterations: int) -> _Order:
     return out
 
 
-def _one_f_one_b(r: int, p: int, m: int, iterations: int) -> _Order:
-    """PipeDream-Flush: warm up with ``min(p - r - 1, m)`` forwards, alternate, drain."""
+def _one_f_one_b(r: int, p: int, m: int, iterations: int, depth: int | None = None) -> _Order:
+    """PipeDream-Flush: warm up with ``min(depth, m)`` forwards (``depth`` = ``p - r - 1``,
+    the ranks downstream), alternate, drain."""
     out: _Order = []
     for it in range(iterations):
         base = it * m
-        warm = min(p - r - 1, m)
+        warm = min(p - r - 1 if depth is None else depth, m)
         out += [(_F, base + j, r, -1) for j in range(warm)]
         for i in range(m - warm):
             out.append((_F, base + warm + i, r, -1))
@@ -268,7 +269,8 @@ def _one_f_one_b(r: int, p: int, m: int, iterations: int) -> _Order:
     return out
 
 
-def _no_flush(r: int, p: int, m: int, iterations: int, wsp: bool, staleness: int) -> _Order:
+def _no_flush(r: int, p: int, m: int, iterations: int, wsp: bool, staleness: int,
+              depth: int | None = None) -> _Order:
     """1F1B steady state across iteration (wave) boundaries; at most ``min(p - r, m)`` in flight.
 
     Capping what is in flight at ``m`` keeps the micro-batches in flight within two
@@ -279,7 +281,7 @@ def _no_flush(r: int, p: int, m: int, iterations: int, wsp: bool, staleness: int
     waits until the other virtual workers have pushed wave ``c - staleness``.
     """
     total = m * iterations
-    cap = min(p - r, m)
+    cap = min((p - r - 1 if depth is None else depth) + 1, m)
     out: _Order = []
 
     def forward(j: int) -> None:
@@ -391,18 +393,32 @@ def to_actions(columns: Columns) -> list[Action]:
 
 
 def schedule_columns(schedule: str, ranks: int, micro_batches: int, chunks: int = 1,
-                     iterations: int = 1, staleness: int = 0) -> list[Columns]:
+                     iterations: int = 1, staleness: int = 0, depths: Sequence[int] | None = None
+                     ) -> list[Columns]:
     """:func:`build_schedule` as numpy columns ``(kind, micro_batch, stage, peer, version)`` per
-    rank, ``kind`` indexing :data:`ACTION_KINDS` (the simulator's fast path; same lists)."""
+    rank, ``kind`` indexing :data:`ACTION_KINDS` (the simulator's fast path; same lists).
+
+    ``depths[r]`` (1F1B-style schedules) replaces ``p - r - 1``, the forwards rank ``r`` runs
+    ahead of its first backward: a pipeline whose positions are replicated keeps more micro-batches
+    in flight (one per replica downstream). Deadlock-free when ``depths[r] >= depths[r + 1] + 1``
+    and ``depths[p - 1] >= 0``, as for the default.
+    """
     check_schedule(schedule, ranks, micro_batches, chunks, iterations, staleness)
     p, m, v = ranks, micro_batches, chunks
+    if depths is not None:
+        ok = (len(depths) == p and depths[-1] >= 0
+              and all(a >= b + 1 for a, b in itertools.pairwise(depths)))
+        if not ok:
+            raise FormatError("depths", list(depths), f"must give {p} values, each at least one more than the "
+                              f"next, the last >= 0")
+    depth = list(depths) if depths is not None else [None] * p
     orders: list[_Order]
     if schedule == "gpipe":
         orders = [_gpipe(r, m, iterations) for r in range(p)]
     elif schedule == "1f1b":
-        orders = [_one_f_one_b(r, p, m, iterations) for r in range(p)]
+        orders = [_one_f_one_b(r, p, m, iterations, depth[r]) for r in range(p)]
     elif schedule in NO_FLUSH:
-        orders = [_no_flush(r, p, m, iterations, schedule == "wsp", staleness) for r in range(p)]
+        orders = [_no_flush(r, p, m, iterations, schedule == "wsp", staleness, depth[r]) for r in range(p)]
     elif schedule == "interleaved":
         orders = [_interleaved(r, p, m, v, iterations) for r in range(p)]
     else:

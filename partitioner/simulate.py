@@ -140,7 +140,10 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     is_sync = np.isin(np.arange(n_kinds), [KIND_CODE[k] for k in (STEP, PUSH, PULL)])
     ar_code = KIND_CODE[ALLREDUCE]
     for pipe in pipes:
-        cols = schedule_columns(sched, pipe.ranks, m_run, plan.chunks, n_iter, plan.staleness)
+        # a replicated position keeps one micro-batch in flight per replica downstream of it
+        depths = ([sum(len(r) for r in pipe.replicas[k + 1:]) for k in range(pipe.ranks)]
+                  if pipe.replicas else None)
+        cols = schedule_columns(sched, pipe.ranks, m_run, plan.chunks, n_iter, plan.staleness, depths)
         p, n_st, w = pipe.ranks, len(pipe.stages), pipe.worker
         if pipe.replicas:
             assign = [replica_shares([cost.compute_s(cluster.device(d).gpu_type, a, b) for d in devs], m_run)

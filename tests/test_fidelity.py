@@ -312,3 +312,34 @@ def test_placement_says_what_each_target_runs():
     simulate_plan(rep, uniform(2), cl)  # what the simulator supports it runs
     with pytest.raises(FormatError, match="target = 'gpu': must be one of simulator, runtime"):
         supports(plain, "gpu")
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=st.lists(st.integers(1, 3), min_size=1, max_size=4), m=st.integers(1, 9),
+       schedule=st.sampled_from(["1f1b", "gpipe", "2bw"]))
+def test_replicated_pipelines_run_every_micro_batch_once_without_deadlock(counts, m, schedule):
+    n = sum(counts)
+    cl = cluster(1, n)
+    prof = uniform(len(counts), params=1e6)
+    names = iter(f"n0:{i}" for i in range(n))
+    stages = []
+    for k, c in enumerate(counts):
+        devs = [next(names) for _ in range(c)]
+        stages.append(Stage((k, k + 1), devs[0], replicas=tuple(devs[1:])))
+    plan = Plan("u", (VirtualWorker(tuple(stages)),), schedule, 1, m)
+    tl = simulate_plan(plan, prof, cl, iterations=2 if schedule == "2bw" else 1)
+    for k in range(len(counts)):
+        forwards = sorted(e[2] for e in tl.events() if e[1] == "F" and e[3] == k)
+        assert forwards == sorted(range(m * (2 if schedule == "2bw" else 1)))
+
+
+def test_schedule_depths_are_checked():
+    from partitioner.schedule import schedule_columns
+
+    assert len(schedule_columns("1f1b", 3, 4, depths=[4, 1, 0])) == 3
+    with pytest.raises(FormatError, match="each at least one more than the next"):
+        schedule_columns("1f1b", 3, 4, depths=[1, 1, 0])

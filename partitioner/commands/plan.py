@@ -160,8 +160,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="what opt maximises: K x the slowest virtual worker (sync, default: the long-run "
                              "rate under data parallelism, and under WSP's staleness bound) or the sum of the "
                              "workers' own rates (wsp: reached only while fast workers may run ahead)")
-    parser.add_argument("--simulate-top", type=int, default=0, metavar="N",
-                        help="opt: simulate the N best groupings (any K) and keep the fastest simulated one")
+    parser.add_argument("--simulate-top", type=int, default=4, metavar="N",
+                        help="opt: simulate the N best groupings by the closed form (any K) and keep the fastest "
+                             "simulated one (default 4; 0: trust the closed form)")
     parser.add_argument("--replication", action=argparse.BooleanOptionalAction, default=False,
                         help="let a stage run data-parallel on several GPUs of one type")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
