@@ -343,3 +343,31 @@ def test_schedule_depths_are_checked():
     assert len(schedule_columns("1f1b", 3, 4, depths=[4, 1, 0])) == 3
     with pytest.raises(FormatError, match="each at least one more than the next"):
         schedule_columns("1f1b", 3, 4, depths=[1, 1, 0])
+
+
+def _mixed_config(tmp_path, dp):
+    def rep(gpu):
+        return [[[gpu, 4, "zone"]], 1]
+
+    cfg = {"pipeline_list": [{"num_stages": 2, "layers_per_stage": [list(range(0, 12)), list(range(12, 26))],
+                              "tmp_per_stage": [[rep("A100-40")] * dp[0], [rep("V100-16")] * dp[1]], "dp": dp}],
+           "mbs": 1, "gbs": 8, "real": 1.0, "max_mem": 8e9, "N": 2}
+    path = tmp_path / "plan_config_mixed.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("dp", [[2, 2], [3, 1]])
+def test_heterogeneous_runs_import_and_simulate(tmp_path, dp):
+    run = import_sailor_run(_mixed_config(tmp_path, dp), DATA / "sailor_opt350", NETWORK)
+    types = {d.gpu_type for d in run.cluster.devices}
+    assert types == {"A100-SXM4-40GB", "V100-SXM2-16GB"} and len(run.cluster.devices) == sum(dp)
+    # tensor parallelism 1 on 4-GPU nodes: the replicas of a type share a node
+    assert len(run.cluster.nodes) == 2
+    if dp[0] == dp[1]:
+        assert len(run.plan.virtual_workers) == 2 and run.plan.micro_batches == 4
+    else:  # replica counts differ: one pipeline with replicated stages
+        assert [len(s.devices) for s in run.plan.virtual_workers[0].stages] == dp and run.plan.micro_batches == 8
+    run.plan.validate(run.profile, run.cluster, run.options, check_memory=False)
+    tl = simulate_plan(run.plan, run.profile, run.cluster, run.options)
+    assert tl.iteration_s > 0 and any(e[1] == "ALLREDUCE" for e in tl.events())

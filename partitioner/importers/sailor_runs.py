@@ -8,12 +8,16 @@
 **Runs** (``plan_config_*.json`` of Sailor's validation): the layers of each pipeline stage,
 per stage one entry per data-parallel replica ``[[[gpu, gpus_per_node, zone]], tp]``, ``dp``,
 ``mbs``, ``gbs`` and the measured ``real`` seconds per iteration and ``max_mem`` bytes. Each
-replica of a stage is a tensor-parallel group of ``tp`` GPUs filling one node (the ``N`` of
-a run counts nodes: the timings match Sailor's ``tp = 4`` profiles, docs/fidelity.md). Such a
-group is one device here, with the profile of one shard; the plan has ``dp`` virtual workers
-with the run's layer cuts under 1F1B (what Megatron-DeepSpeed runs), ``gbs / (mbs * dp)``
-micro-batches each, priced in fp16 mixed precision with Adam, and the nodes' links carry the
-measured inter-node curve for ``tp`` GPUs per node.
+replica of a stage is a tensor-parallel group of ``tp`` GPUs (on Clariden ``tp = 4`` fills a
+node; the ``N`` of a run counts nodes: the timings match Sailor's ``tp = 4`` profiles,
+docs/fidelity.md). Such a group is one device here, with the profile of one shard; groups of a
+GPU type fill nodes of that type, ``gpus_per_node // tp`` to a node. Replicas may be of
+different GPU types. When every stage has ``dp`` replicas, replica ``d`` of every stage forms
+virtual worker ``d`` (as Megatron-DeepSpeed runs them), with ``gbs / (mbs * dp)`` micro-batches;
+when the counts differ, one pipeline of replicated stages takes all ``gbs / mbs``. The plan runs
+1F1B in fp16 mixed precision with Adam; links between nodes carry the measured inter-node
+curve of their GPU type for ``gpus_per_node`` GPUs (between two types, the slower one's), links
+inside a node the intra-node curve where the file has one.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 from .._io import load_mapping
 from ..bandwidth import Bandwidth
-from ..cluster import GIB, Cluster, DeviceType, Node
+from ..cluster import GIB, Cluster, DeviceType, Link, Node
 from ..cost import CostOptions
 from ..errors import FormatError, check
 from ..plan import Plan, Stage, VirtualWorker
@@ -108,37 +112,102 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
             and len(stages) == len(replicas) == len(dp) >= 1):
         raise FormatError("pipeline_list[0]", "layers_per_stage/tmp_per_stage/dp",
                           "must be lists with one entry per stage", file=file)
-    check(len(set(dp)) == 1, "pipeline_list[0].dp", dp, "every stage must have the same replica count")
-    n_dp = int(dp[0])
-    try:
-        gpu, gpus_per_node = str(replicas[0][0][0][0][0]), int(replicas[0][0][0][0][1])
-        tp = int(replicas[0][0][1])
-    except (IndexError, TypeError, ValueError):
-        raise FormatError("pipeline_list[0].tmp_per_stage[0][0]", replicas[0] if replicas else None,
-                          "must be [[[gpu, gpus_per_node, zone]], tensor_parallel]", file=file) from None
+    where = "pipeline_list[0]"
+    groups: list[list[tuple[str, int, int]]] = []  # per stage, per replica: (gpu, gpus_per_node, tp)
+    for k, reps in enumerate(replicas):
+        count = dp[k]
+        check(isinstance(count, int) and not isinstance(count, bool) and count >= 1 and isinstance(reps, list)
+              and len(reps) == count, f"{where}.dp[{k}]", count,
+              f"must be the number of replicas listed in tmp_per_stage[{k}]")
+        row = []
+        for i, rep in enumerate(reps):
+            try:
+                row.append((str(rep[0][0][0]), int(rep[0][0][1]), int(rep[1])))
+            except (IndexError, TypeError, ValueError):
+                raise FormatError(f"{where}.tmp_per_stage[{k}][{i}]", rep,
+                                  "must be [[[gpu, gpus_per_node, zone]], tensor_parallel]", file=file) from None
+        groups.append(row)
+    tps = sorted({tp for row in groups for _, _, tp in row})
+    check(len(tps) == 1, f"{where}.tmp_per_stage", f"tensor-parallel degrees {tps}",
+          "one degree per run is supported (the profile describes one shard)")
+    tp = tps[0]
+    types = list(dict.fromkeys(g for row in groups for g, _, _ in row))
     mbs = int(_field(cfg, "mbs", int, file))
     gbs = int(_field(cfg, "gbs", int, file))
+    same_dp = len(set(dp)) == 1
+    n_dp = int(dp[0]) if same_dp else 1
     check(gbs % (mbs * n_dp) == 0, "gbs", gbs, f"must be a multiple of mbs x dp = {mbs * n_dp}")
-    profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=tp, gpu_types=(gpu,),
+    profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=tp, gpu_types=tuple(types),
                             activations=activations, clip_noise=clip_noise)
-    gpu_name = sailor_gpu_name(gpu)
-    extra = {gpu_name: _EXTRA_TYPES[gpu]} if gpu in _EXTRA_TYPES else {}
-    n_stages = len(stages)
-    nodes = tuple(Node(f"n{k * n_dp + w}", (gpu_name,), 1000.0) for k in range(n_stages) for w in range(n_dp))
-    inter = sailor_bandwidth(network, "inter", gpu, min(tp, gpus_per_node))
-    cluster = Cluster(f"sailor-{gpu}-{len(nodes)}x{tp}", nodes, inter.gbps, extra, inter_curve=inter)
-    workers = []
-    for w in range(n_dp):
-        out = []
-        for k, layers in enumerate(stages):
-            check(isinstance(layers, list) and layers == list(range(layers[0], layers[0] + len(layers))),
-                  f"pipeline_list[0].layers_per_stage[{k}]", layers, "must be consecutive layer indices")
-            out.append(Stage((layers[0], layers[-1] + 1), f"n{k * n_dp + w}:0", gpu_name))
-        workers.append(VirtualWorker(tuple(out)))
+    # Tensor-parallel groups fill nodes of their GPU type in order: gpus_per_node // tp per node.
+    node_types: list[str] = []
+    node_gpus: list[int] = []
+    slots: list[int] = []
+    open_node: dict[str, int] = {}
+    device: dict[tuple[int, int], str] = {}
+    for k, row in enumerate(groups):
+        for i, (gpu, gpn, _) in enumerate(row):
+            n = open_node.get(gpu)
+            if n is None or slots[n] >= max(1, gpn // tp):
+                n = open_node[gpu] = len(node_types)
+                node_types.append(gpu)
+                node_gpus.append(gpn)
+                slots.append(0)
+            device[(k, i)] = f"n{n}:{slots[n]}"
+            slots[n] += 1
+    extra = {sailor_gpu_name(g): _EXTRA_TYPES[g] for g in types if g in _EXTRA_TYPES}
+
+    def curve(kind: str, gpu: str, gpn: int) -> Bandwidth | None:
+        try:
+            return sailor_bandwidth(network, kind, gpu, gpn)
+        except FormatError:
+            return None
+
+    inter_of = {g: curve("inter", g, node_gpus[node_types.index(g)]) or curve("inter", g, 1) for g in types}
+    missing = [g for g, c in inter_of.items() if c is None]
+    check(not missing, "network", missing, f"{Path(network).name} has no inter-node curve for these GPU types")
+    nodes = []
+    for n, (gpu, gpn) in enumerate(zip(node_types, node_gpus, strict=True)):
+        intra = curve("intra", gpu, gpn) or inter_of[gpu]
+        assert intra is not None
+        nodes.append(Node(f"n{n}", (sailor_gpu_name(gpu),) * slots[n], intra.gbps, intra_curve=intra))
+
+    def speed(c: Bandwidth | None) -> float:
+        return c.gbps_at(1e8) if c is not None else 0.0
+
+    slowest = min(types, key=lambda g: speed(inter_of[g]))
+    links: list[Link] = []
+    if len(types) > 1:  # between nodes of two types, the slower type's curve
+        for x in range(len(nodes)):
+            for y in range(x + 1, len(nodes)):
+                tx, ty = node_types[x], node_types[y]
+                if tx != ty:
+                    c = min(inter_of[tx], inter_of[ty], key=speed)
+                    assert c is not None
+                    links.append(Link(f"n{x}", f"n{y}", c.gbps, c))
+    inter = inter_of[slowest]
+    assert inter is not None
+    cluster = Cluster(f"sailor-{'+'.join(types)}-{len(nodes)}n-tp{tp}", tuple(nodes), inter.gbps, extra,
+                      tuple(links), inter_curve=inter)
+    ranges = []
+    for k, layers in enumerate(stages):
+        check(isinstance(layers, list) and len(layers) >= 1 and all(isinstance(x, int) for x in layers)
+              and layers == list(range(layers[0], layers[0] + len(layers))),
+              f"{where}.layers_per_stage[{k}]", layers, "must be consecutive layer indices")
+        ranges.append((layers[0], layers[-1] + 1))
+    if same_dp:  # replica d of every stage forms pipeline d (as Megatron-DeepSpeed runs them)
+        workers = [VirtualWorker(tuple(Stage(r, device[(k, w)], sailor_gpu_name(groups[k][w][0]))
+                                       for k, r in enumerate(ranges))) for w in range(n_dp)]
+    else:  # replica counts differ by stage: one pipeline whose stages are replicated
+        workers = [VirtualWorker(tuple(Stage(r, device[(k, 0)], sailor_gpu_name(groups[k][0][0]),
+                                             tuple(device[(k, i)] for i in range(1, len(groups[k]))))
+                                       for k, r in enumerate(ranges)))]
     opts = options or CostOptions(precision="fp16", reserved_bytes=MEGATRON_DEEPSPEED_RESERVED_GIB * GIB)
     real = float(_field(cfg, "real", (int, float), file))  # type: ignore[arg-type]
     peak = float(_field(cfg, "max_mem", (int, float), file))  # type: ignore[arg-type]
     check(math.isfinite(real) and real > 0, "real", real, "must be > 0 seconds")
     plan = Plan(profile.model, tuple(workers), "1f1b", mbs, gbs // (mbs * n_dp),
                 meta={"source": f"sailor:{Path(file).name}", "tensor_parallel": tp})
-    return SailorRun(Path(file).stem, plan, profile, cluster, opts, real, peak, int(cfg.get("N", len(nodes))))
+    n_field = cfg.get("N")
+    return SailorRun(Path(file).stem, plan, profile, cluster, opts, real, peak,
+                     n_field if isinstance(n_field, int) and not isinstance(n_field, bool) else len(nodes))
