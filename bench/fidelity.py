@@ -32,6 +32,7 @@ from bench._machine import machine_line  # noqa: E402
 from partitioner._io import atomic_write_text  # noqa: E402
 from partitioner.cluster import GIB  # noqa: E402
 from partitioner.cost import CostModel  # noqa: E402
+from partitioner.errors import PartitionerError  # noqa: E402
 from partitioner.importers.sailor_runs import MEGATRON_DEEPSPEED_RESERVED_GIB, import_sailor_run  # noqa: E402
 from partitioner.simulate import simulate_plan  # noqa: E402
 
@@ -52,7 +53,11 @@ def evaluate(runs_dir: Path, profiles: Path, network: Path, reserved_gib: float,
              activations: str = "megatron", clip_noise: bool = True) -> list[dict]:
     rows = []
     for path in sorted(runs_dir.glob("*.json")):
-        run = import_sailor_run(path, profiles, network, activations=activations, clip_noise=clip_noise)
+        try:
+            run = import_sailor_run(path, profiles, network, activations=activations, clip_noise=clip_noise)
+        except PartitionerError as err:  # a run the profiles or curves cannot price: say so, go on
+            print(f"skipped {path.name}: {err}")
+            continue
         opts = replace(run.options, reserved_bytes=reserved_gib * GIB, sync=sync)
         tl = simulate_plan(run.plan, run.profile, run.cluster, opts)
         closed = CostModel(run.profile, run.cluster, opts).plan_iteration_s(run.plan)
