@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cluster import GIB, Cluster
+from .._io import check_outputs
+from ..cluster import GIB, MAX_GPUS, Cluster
 from ..cost import CostOptions
 from ..errors import FormatError
-from ..plan import SCHEDULES
-from ..profile import Profile
+from ..plan import MAX_MICRO_BATCHES, SCHEDULES
+from ..profile import MAX_MICRO_BATCH_SIZE, Profile
+from ._args import bounded_float, bounded_int
 
 __all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
 
@@ -19,9 +21,9 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cost model")
     group.add_argument("--overlap-comm", action="store_true",
                        help="price a stage as max(compute, transfer in, transfer out) instead of compute + transfer out")
-    group.add_argument("--optimizer-state-factor", type=float, default=2.0,
+    group.add_argument("--optimizer-state-factor", type=bounded_float(0.0, 1000.0), default=2.0,
                        help="optimizer state bytes per parameter byte (Adam 2, SGD+momentum 1, SGD 0; default 2)")
-    group.add_argument("--reserved-gb", type=float, default=0.5,
+    group.add_argument("--reserved-gb", type=bounded_float(0.0, 1e6), default=0.5,
                        help="GiB kept free on every GPU for context and workspace (default 0.5)")
 
 
@@ -35,6 +37,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..report import format_plan
 
+    check_outputs({"-o": args.output}, (args.profile, args.cluster))
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
     options = cost_options_from_args(args)
@@ -51,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
                               "plan with the hetero planner; leave --solver out or use --solver hetero")
         solver = "hetero"
         vw = args.virtual_workers or "auto"
-        kwargs.update(virtual_workers=vw if vw == "auto" else _positive(vw, "--virtual-workers"),
+        kwargs.update(virtual_workers=vw if vw == "auto" else _positive(vw, "--virtual-workers", MAX_GPUS),
                       policy=args.policy or "opt", replication=bool(args.replication), objective=args.objective)
         if args.simulate_top:
             kwargs["simulate_top"] = args.simulate_top
@@ -83,15 +86,17 @@ def _run(args: argparse.Namespace) -> int:
         result = choice.result
     else:
         if args.micro_batches is not None:
-            kwargs["micro_batches"] = _positive(args.micro_batches, "--microbatches")
+            kwargs["micro_batches"] = _positive(args.micro_batches, "--microbatches", MAX_MICRO_BATCHES)
         result = solve(profile, cluster, solver=solver, **kwargs)
     if not result.ok or result.plan is None:
         print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
         return 1
     result.plan.validate(profile, cluster, options)
-    print(format_plan(result.plan, profile, cluster, options))
-    if args.output:
+    table = format_plan(result.plan, profile, cluster, options)
+    if args.output:  # written before anything is printed: a closed pipe on stdout does not lose it
         result.plan.save(args.output)
+    print(table)
+    if args.output:
         print(f"\nwrote {args.output}")
     return 0
 
@@ -99,13 +104,13 @@ def _run(args: argparse.Namespace) -> int:
 _TIME_LIMITED = ("cpsat", "milp", "hetero")
 
 
-def _positive(text: str, flag: str) -> int:
+def _positive(text: str, flag: str, most: int) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise FormatError(flag, text, "must be an integer >= 1 or 'auto'")
+    if not 1 <= value <= most:
+        raise FormatError(flag, text, f"must be an integer in [1, {most:,}] or 'auto'")
     return value
 
 
@@ -120,7 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--microbatches", "--micro-batches", dest="micro_batches", default=None, metavar="auto|N",
                         help="micro-batches per iteration (default: the solver's); auto chooses size and "
                              "count for --global-batch")
-    parser.add_argument("--global-batch", type=int, default=None,
+    parser.add_argument("--global-batch", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=None,
                         help="samples per virtual worker per iteration (for --microbatches auto)")
     parser.add_argument("--virtual-workers", default=None, metavar="K|auto",
                         help="split the cluster into K data-parallel pipelines (hetero planner)")
@@ -130,11 +135,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="what opt maximises: K x the slowest virtual worker (sync, default: the long-run "
                              "rate under data parallelism, and under WSP's staleness bound) or the sum of the "
                              "workers' own rates (wsp: reached only while fast workers may run ahead)")
-    parser.add_argument("--simulate-top", type=int, default=0, metavar="N",
+    parser.add_argument("--simulate-top", type=bounded_int(0, 1000), default=0, metavar="N",
                         help="opt: simulate the N best groupings (any K) and keep the fastest simulated one")
     parser.add_argument("--replication", action=argparse.BooleanOptionalAction, default=False,
                         help="let a stage run data-parallel on several GPUs of one type")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--time-limit", type=bounded_float(0.001, 7 * 86400.0), default=None, metavar="SECONDS",
                         help="stop cpsat / milp / the hetero search after this long and report the gap")
     parser.add_argument("--devices", default=None,
                         help="comma-separated device names in pipeline order (default: all, in file order)")

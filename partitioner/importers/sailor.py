@@ -30,7 +30,7 @@ from typing import Any
 from .._io import load_mapping
 from ..cluster import resolve_gpu_type
 from ..errors import FormatError, PartitionerError
-from ..profile import LayerProfile, LayerTime, Profile
+from ..profile import MAX_BYTES, MAX_LAYER_S, MAX_LAYERS, LayerProfile, LayerTime, Profile
 
 __all__ = ["SAILOR_SKIP", "import_sailor", "sailor_gpu_name"]
 
@@ -52,10 +52,16 @@ def _one(directory: Path, prefix: str) -> Path:
     return found[0]
 
 
-def _num(d: Any, key: str, where: str) -> float:
-    if not isinstance(d, dict) or key not in d or not isinstance(d[key], (int, float)):
-        raise FormatError(f"{where}{key}", d.get(key) if isinstance(d, dict) else d, "must be a number")
-    return float(d[key])
+def _num(d: Any, key: str, where: str, most: float = MAX_BYTES) -> float:
+    """A number in ``[0, most]``."""
+    value = d.get(key) if isinstance(d, dict) else d
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= most):
+        raise FormatError(f"{where}{key}", value, f"must be a number >= 0 and <= {most:g}")
+    return float(value)
+
+
+def _int_key(k: str) -> tuple[int, str]:
+    return (int(k), "") if k.isdigit() and len(k) < 19 else (2**63, k)
 
 
 def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 1, tensor_parallel: int = 1,
@@ -67,8 +73,8 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
     cfg_path = _one(root, "training_config")
     cfg = load_mapping(cfg_path)
     try:
-        h, s = int(_num(cfg, "hidden_size", "")), int(_num(cfg, "sequence_length", ""))
-        vocab, n_all = int(_num(cfg, "vocab_size", "")), int(_num(cfg, "num_all_layers", ""))
+        h, s = int(_num(cfg, "hidden_size", "", 2**20)), int(_num(cfg, "sequence_length", "", 2**24))
+        vocab, n_all = int(_num(cfg, "vocab_size", "", 2**24)), int(_num(cfg, "num_all_layers", "", MAX_LAYERS))
     except FormatError as err:
         raise err.in_file(str(cfg_path)) from None
     name = model or str(cfg.get("model", root.name))
@@ -81,6 +87,8 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
         raise FormatError("tensor parallel degree", tensor_parallel,
                           f"not in {info_path.name} (has {', '.join(have)})", file=str(info_path))
     info = info_model[tp]
+    if not isinstance(info, dict):
+        raise FormatError(tp, info, "must be an object {layer: {params_bytes, ...}}", file=str(info_path))
     b = micro_batch_size
     gpu_files = sorted(p for p in root.glob("*.json") if not p.name.startswith(SAILOR_SKIP))
     if not gpu_files:
@@ -95,16 +103,21 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
         data = load_mapping(path)
         by_tp = data.get(str(b))
         if not isinstance(by_tp, dict) or tp not in by_tp:
-            have = sorted((k for k, v in data.items() if isinstance(v, dict) and tp in v), key=int)
+            have = sorted((k for k, v in data.items() if isinstance(v, dict) and tp in v), key=_int_key)
             raise FormatError(f"{b}.{tp}", None, f"no times for micro-batch {b} at tensor-parallel degree {tp}; "
                               f"micro-batch sizes with that degree: {', '.join(have) or 'none'}", file=str(path))
         per_layer = by_tp[tp]
+        if not isinstance(per_layer, dict):
+            raise FormatError(f"{b}.{tp}", per_layer, "must be an object {layer: [fwd_s, bwd_s, update_s]}",
+                              file=str(path))
         rows = []
         ups = []
         for i in range(n_all):
             row = per_layer.get(str(i))
-            if not (isinstance(row, list) and len(row) >= 2 and all(isinstance(v, (int, float)) for v in row)):
-                raise FormatError(f"{b}.{tp}.{i}", row, "must be [fwd_s, bwd_s, update_s]", file=str(path))
+            if not (isinstance(row, list) and len(row) >= 2 and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_LAYER_S for v in row)):
+                raise FormatError(f"{b}.{tp}.{i}", row, f"must be [fwd_s, bwd_s, update_s], seconds in "
+                                  f"[0, {MAX_LAYER_S:g}]", file=str(path))
             rows.append(LayerTime(float(row[0]), float(row[1]), projected=False, measured_on=sailor_name))
             ups.append(float(row[2]) if len(row) > 2 else 0.0)
         times[gpu] = rows
