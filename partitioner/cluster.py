@@ -39,7 +39,7 @@ GB = 1e9
 # What a cluster file may hold (docs/formats.md): ranges far beyond real hardware that keep
 # every transfer time and memory sum of the cost model finite, and a GPU count the solvers
 # handle in seconds.
-MAX_GPUS = 10_000  # GPUs in one cluster, all nodes together
+MAX_GPUS = 1_024  # GPUs in one cluster, all nodes together (the solvers run in seconds up to here)
 BANDWIDTH_GBPS_RANGE = (1e-6, 1e6)  # GB/s of a link: 1 kB/s .. 1 PB/s
 _DEVICE_RANGES = {  # field: (least, most), the least excluded
     "memory_GB": (0.0, 1e6), "fp32_tflops": (0.0, 1e6), "mem_GBps": (0.0, 1e7), "fp16_tensor_tflops": (0.0, 1e6),

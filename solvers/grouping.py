@@ -153,7 +153,9 @@ def set_partitions(n: int, k: int) -> Iterator[list[int]]:
             a[i] = b
             yield from rec(i + 1, used + (b == used))
 
-    if 1 <= k <= n:
+    if k == 1 or k == n:  # one partition each; the recursion would be n deep
+        yield [0] * n if k == 1 else list(range(n))
+    elif 1 < k < n:  # at most 20,000 partitions are asked for: n stays small (k = n - 1: n <= 200)
         yield from rec(0, 0)
 
 

@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 __all__ = ["MAX_SIMULATED_PASSES", "bounded_float", "bounded_int", "check_simulation_size"]
 
-# The most (stage, micro-batch, iteration) passes one simulation may take: about 4 s of the
+# The most (stage, micro-batch, iteration) passes one simulation may take: at most about 5 s of the
 # discrete-event simulator on one core (docs/formats.md).
-MAX_SIMULATED_PASSES = 250_000
+MAX_SIMULATED_PASSES = 100_000
 
 
 def bounded_int(least: int, most: int) -> Callable[[str], int]:
