@@ -142,3 +142,41 @@ def test_cases_the_issue_lists(tmp_path: Path, corpus: Corpus) -> None:
                     " - {name: n1, intra_node_GBps: 16, gpus: {V100: 2}}\nlinks:\n - {between: [n0, 'n1:0'], GBps: 3}\n")
     rc, _, err, _ = run_in_process(["plan", str(base.profile), "--cluster", str(link)])
     assert rc == 2 and "not a node and a device" in err
+
+
+def test_train_metrics_with_a_diverged_loss_are_written_as_strict_json(tmp_path: Path, corpus: Corpus,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import runtime.launch as launch
+
+    def diverged(plan, config, start_method="spawn"):  # type: ignore[no-untyped-def]
+        return {"world_size": len(plan.devices), "measured_iteration_s": 0.01, "loss": [1.0, float("nan")]}
+
+    monkeypatch.setattr(launch, "train_local", diverged)
+    base = next(b for b in corpus.bases if b.model)
+    out = tmp_path / "m.json"
+    rc, stdout, err, _ = run_in_process(["train", str(base.plan), "--profile", str(base.profile), "--cluster",
+                                         str(base.cluster), "--model", base.model, "--local", "-o", str(out)])
+    assert rc == 0, err
+    assert "not finite" in stdout
+    assert check_outputs_finite([out]) == ""
+    assert json.loads(out.read_text())["loss"] == [1.0, None]
+
+
+def test_a_plan_at_another_micro_batch_size_is_priced_by_rescaling_with_a_note(tmp_path: Path,
+                                                                                 corpus: Corpus) -> None:
+    from partitioner.profile import Profile
+
+    base = corpus.bases[0]
+    half = tmp_path / "half.json"
+    prof = Profile.load(base.profile)
+    prof.rescaled(prof.micro_batch_size // 2).save(half)
+    same = ["simulate", str(base.plan), "--cluster", str(base.cluster), "--profile"]
+    rc0, out0, err0, _ = run_in_process([*same, str(base.profile)])
+    rc1, out1, err1, _ = run_in_process([*same, str(half)])
+    assert rc0 == rc1 == 0, err0 + err1
+    assert "note:" not in out0
+    assert "note: the plan's micro-batch size is" in out1
+    iteration = [line for line in out0.splitlines() if line.startswith("iteration")]
+    assert iteration and iteration == [line for line in out1.splitlines() if line.startswith("iteration")]

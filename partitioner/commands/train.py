@@ -8,7 +8,9 @@ against the simulator's prediction.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from typing import Any
 
 from .._io import check_outputs
 from ..cluster import Cluster
@@ -67,9 +69,25 @@ def _run(args: argparse.Namespace) -> int:
     if args.output:
         from .._io import write_json
 
-        write_json(args.output, metrics)
+        clean, lost = _finite_or_null(metrics)
+        if lost:  # a diverged loss: the figures are still worth keeping, as strict JSON
+            print(f"note: {lost} value(s) were not finite (a diverged loss?) and are written as null")
+        write_json(args.output, clean)
         print(f"wrote {args.output}")
     return 0
+
+
+def _finite_or_null(x: Any) -> tuple[Any, int]:
+    """``x`` with every NaN or infinite float replaced by ``None``, and how many were."""
+    if isinstance(x, float):
+        return (x, 0) if math.isfinite(x) else (None, 1)
+    if isinstance(x, dict):
+        pairs = {k: _finite_or_null(v) for k, v in x.items()}
+        return {k: v for k, (v, _) in pairs.items()}, sum(n for _, n in pairs.values())
+    if isinstance(x, (list, tuple)):
+        items = [_finite_or_null(v) for v in x]
+        return [v for v, _ in items], sum(n for _, n in items)
+    return x, 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
