@@ -107,9 +107,19 @@ def finite_json(data: Any, path: str = "") -> None:
 
 
 def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Atomically write ``data`` as indented, strict JSON (no NaN or Infinity: see :func:`finite_json`)."""
-    finite_json(data, str(path))
-    atomic_write_text(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
+    """Atomically write ``data`` as strict JSON (no NaN or Infinity: see :func:`finite_json`),
+    indented when it is small (plans, profiles), compact when large (traces)."""
+    try:
+        text = json.dumps(data, allow_nan=False)  # the C encoder: fast, and refuses NaN / Infinity
+    except ValueError:
+        finite_json(data, str(path))  # names the field
+        raise
+    if len(text) < _INDENT_BELOW_CHARS:
+        text = json.dumps(data, indent=1, allow_nan=False)
+    atomic_write_text(path, text + "\n")
+
+
+_INDENT_BELOW_CHARS = 4 * 2**20
 
 
 def check_outputs(outputs: Mapping[str, str | os.PathLike[str] | None],

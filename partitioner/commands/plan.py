@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._io import check_outputs
+from .._io import check_outputs, finite_json
 from ..cluster import GIB, MAX_GPUS, Cluster
 from ..cost import CostOptions
 from ..errors import FormatError
@@ -92,6 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
         return 1
     result.plan.validate(profile, cluster, options)
+    finite_json(result.plan.to_dict(), "the plan")  # e.g. a profile of zero times: an infinite rate
     table = format_plan(result.plan, profile, cluster, options)
     if args.output:  # written before anything is printed: a closed pipe on stdout does not lose it
         result.plan.save(args.output)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from .._io import check_outputs
 from ..cluster import GIB, Cluster
 from ..cost import CostOptions
-from ..errors import FormatError
+from ..errors import FormatError, PartitionerError
 from ..plan import Plan
 from ..profile import Profile
 from ._args import bounded_float, bounded_int, check_simulation_size
@@ -23,7 +24,7 @@ def _run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
-    check_simulation_size(plan, args.iterations, args.plan)
+    check_simulation_size(plan, args.iterations, args.plan, traced=bool(args.trace or args.png))
     profile = profile_for_plan(plan, profile, args.profile)
     options = CostOptions(overlap_comm=args.overlap_comm, optimizer_state_factor=args.optimizer_state_factor,
                           reserved_bytes=args.reserved_gb * GIB)
@@ -32,6 +33,9 @@ def _run(args: argparse.Namespace) -> int:
     except FormatError as err:
         raise err.in_file(args.plan) from None
     tl = simulate_plan(plan, profile, cluster, options, iterations=args.iterations)
+    if not (math.isfinite(tl.iteration_s) and tl.iteration_s > 0 and math.isfinite(tl.samples_per_s)):
+        raise PartitionerError(f"{args.profile}: the plan's iteration takes {tl.iteration_s:g} s: every layer it "
+                               "runs has zero time and nothing crosses a cut, so there is no rate to report")
     print(summary_text(tl))
     over = [f"{d} needs {tl.peak_memory_bytes[d] / GIB:.2f} GiB of {cluster.device(d).memory_bytes / GIB:.2f}"
             for d in tl.devices if tl.peak_memory_bytes[d] > cluster.device(d).memory_bytes]
