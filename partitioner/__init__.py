@@ -4,11 +4,17 @@ The torch-free core: profiles, clusters, plans and the cost model. ``partitioner
 and ``partitioner.models`` import torch and are loaded only when used.
 """
 
-from .cluster import Cluster, Device, DeviceType, Node, catalog, resolve_gpu_type
-from .cost import CostModel, CostOptions
-from .errors import FormatError, PartitionerError
-from .plan import Plan, SolverInfo, Stage, VirtualWorker
-from .profile import LayerProfile, LayerTime, Profile
+try:
+    from .cluster import Cluster, Device, DeviceType, Node, catalog, resolve_gpu_type
+    from .cost import CostModel, CostOptions
+    from .errors import FormatError, PartitionerError
+    from .plan import Plan, SolverInfo, Stage, VirtualWorker
+    from .profile import LayerProfile, LayerTime, Profile
+except KeyboardInterrupt:  # Ctrl-C while numpy and the modules load: one line, as the command reports it
+    import sys as _sys
+
+    print("partitioner: interrupted", file=_sys.stderr)
+    raise SystemExit(130) from None
 
 __version__ = "0.1.0"
 

@@ -105,8 +105,22 @@ class Bandwidth:
         return d
 
 
-def parse_bandwidth(d: Mapping[str, Any], key: str, where: str = "", name: str = "") -> Bandwidth:
-    """Read ``d[key]``: a number (GB/s) or ``{GBps, latency_us, points | log2_MB_poly}``."""
+def parse_bandwidth(d: Mapping[str, Any], key: str, where: str = "", name: str = "",
+                    minimum: float = 0.0, maximum: float | None = None) -> Bandwidth:
+    """Read ``d[key]``: a number (GB/s) or ``{GBps, latency_us, points | log2_MB_poly}``; every
+    GB/s figure must lie in ``(minimum, maximum]``."""
+    field = f"{where}{key}"
+    raw = d.get(key)
+    bw = _parse(d, key, where, name, minimum, maximum)
+    for k, (_, gbps) in enumerate(bw.points):
+        check(minimum < gbps and (maximum is None or gbps <= maximum), f"{field}.points[{k}]", gbps,
+              f"GB/s must lie in ({minimum:g}, {maximum:g}]" if maximum is not None else f"GB/s must be > {minimum:g}")
+    del raw
+    return bw
+
+
+def _parse(d: Mapping[str, Any], key: str, where: str, name: str, minimum: float,
+           maximum: float | None) -> Bandwidth:
     field = f"{where}{key}"
     raw = d.get(key)
     if isinstance(raw, Mapping):
@@ -122,7 +136,9 @@ def parse_bandwidth(d: Mapping[str, Any], key: str, where: str = "", name: str =
         for c in poly:
             check(isinstance(c, (int, float)) and not isinstance(c, bool), f"{inner}log2_MB_poly", poly,
                   "must be a list of numbers")
-        cap = req_number(raw, "GBps", inner, strict=True) if "GBps" in raw or not pts else max(b for _, b in pts)
-        return Bandwidth(cap, req_number(raw, "latency_us", inner, default=0.0) * 1e-6, tuple(pts),
+        cap = (req_number(raw, "GBps", inner, minimum=minimum, strict=minimum <= 0, maximum=maximum)
+               if "GBps" in raw or not pts else max(b for _, b in pts))
+        return Bandwidth(cap, req_number(raw, "latency_us", inner, default=0.0, maximum=1e9) * 1e-6, tuple(pts),
                          tuple(float(c) for c in poly), name or field)
-    return Bandwidth(req_number(d, key, where, strict=True), name=name or field)
+    return Bandwidth(req_number(d, key, where, minimum=minimum, strict=minimum <= 0, maximum=maximum),
+                     name=name or field)

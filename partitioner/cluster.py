@@ -20,8 +20,10 @@ from .bandwidth import Bandwidth, parse_bandwidth
 from .errors import FormatError, check
 
 __all__ = [
+    "BANDWIDTH_GBPS_RANGE",
     "CLUSTER_FORMAT",
     "GIB",
+    "MAX_GPUS",
     "Cluster",
     "Device",
     "DeviceType",
@@ -34,6 +36,15 @@ __all__ = [
 CLUSTER_FORMAT = "partitioner.cluster/1"
 GIB = 2**30
 GB = 1e9
+
+# What a cluster file may hold (docs/formats.md): ranges far beyond real hardware that keep
+# every transfer time and memory sum of the cost model finite, and a GPU count the solvers
+# handle in seconds.
+MAX_GPUS = 16_384  # GPUs in one cluster, all nodes together (bench/scale.py plans 4,096 in about 30 s)
+BANDWIDTH_GBPS_RANGE = (1e-6, 1e6)  # GB/s of a link: 1 kB/s .. 1 PB/s
+_DEVICE_RANGES = {  # field: (least, most), the least excluded
+    "memory_GB": (0.0, 1e6), "fp32_tflops": (0.0, 1e6), "mem_GBps": (0.0, 1e7), "fp16_tensor_tflops": (0.0, 1e6),
+}
 
 
 @dataclass(frozen=True)
@@ -67,12 +78,16 @@ class DeviceType:
     def from_dict(cls, name: str, d: Any, where: str = "") -> DeviceType:
         if not isinstance(d, Mapping):
             raise FormatError(where.rstrip("."), d, "must be an object {memory_GB, fp32_tflops, mem_GBps}")
+        def num(key: str, **kw: Any) -> float:
+            least, most = _DEVICE_RANGES[key]
+            return req_number(d, key, where, minimum=least, maximum=most, **kw)
+
         return cls(
             name=name,
-            memory_bytes=req_number(d, "memory_GB", where, strict=True) * GIB,
-            peak_flops=req_number(d, "fp32_tflops", where, strict=True) * 1e12,
-            mem_bandwidth_bps=req_number(d, "mem_GBps", where, strict=True) * GB,
-            tensor_flops=req_number(d, "fp16_tensor_tflops", where, default=0.0) * 1e12,
+            memory_bytes=num("memory_GB", strict=True) * GIB,
+            peak_flops=num("fp32_tflops", strict=True) * 1e12,
+            mem_bandwidth_bps=num("mem_GBps", strict=True) * GB,
+            tensor_flops=num("fp16_tensor_tflops", default=0.0) * 1e12,
             source=opt_field(d, "source", str, "", where),
         )
 
@@ -217,11 +232,16 @@ class Cluster:
                     resolve_gpu_type(t, self.device_types)
                 except FormatError as err:
                     raise FormatError(f"nodes[{i}].gpus[{k}]", t, err.expected) from None
+        total = sum(len(n.gpus) for n in self.nodes)
+        check(total <= MAX_GPUS, "nodes", f"{total:,} GPUs", f"at most {MAX_GPUS:,} GPUs in a cluster are supported")
         devs = {d.name for d in self.devices}
         for k, link in enumerate(self.links):
             for end in (link.a, link.b):
                 check(end in devs or end in names, f"links[{k}].between", [link.a, link.b],
                       f"'{end}' is neither a node nor a device of this cluster")
+            check((link.a in devs) == (link.b in devs), f"links[{k}].between", [link.a, link.b],
+                  "must be two node names or two device names, not a node and a device")
+            check(link.a != link.b, f"links[{k}].between", [link.a, link.b], "must name two different ends")
 
     # -- derived views -------------------------------------------------------------------
 
@@ -347,7 +367,12 @@ class Cluster:
         types_raw = opt_field(d, "device_types", Mapping, {})
         types = {str(k): DeviceType.from_dict(str(k), v, f"device_types.{k}.") for k, v in types_raw.items()}
         nodes = []
-        for i, raw in enumerate(req_field(d, "nodes", list)):
+        total_gpus = 0
+        lo, hi = BANDWIDTH_GBPS_RANGE
+        nodes_raw = req_field(d, "nodes", list)
+        check(len(nodes_raw) <= MAX_GPUS, "nodes", f"{len(nodes_raw):,} nodes",
+              f"at most {MAX_GPUS:,} GPUs in a cluster are supported")
+        for i, raw in enumerate(nodes_raw):
             where = f"nodes[{i}]."
             if not isinstance(raw, Mapping):
                 raise FormatError(f"nodes[{i}]", raw, "must be an object {name, intra_node_GBps, gpus}")
@@ -355,14 +380,19 @@ class Cluster:
             gpus: list[str] = []
             if isinstance(gpus_raw, Mapping):
                 for t, c in gpus_raw.items():
-                    check(isinstance(c, int) and not isinstance(c, bool) and c >= 1, f"{where}gpus.{t}", c,
-                          "must be a GPU count >= 1")
+                    check(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= MAX_GPUS - total_gpus,
+                          f"{where}gpus.{t}", c, f"must be a GPU count >= 1; at most {MAX_GPUS:,} GPUs in a "
+                          f"cluster are supported ({total_gpus:,} listed before)")
                     gpus += [str(t)] * c
+                    total_gpus += c
             else:
                 for k, t in enumerate(gpus_raw):
                     check(isinstance(t, str), f"{where}gpus[{k}]", t, "must be a GPU type name")
                 gpus = list(gpus_raw)
-            intra = parse_bandwidth(raw, "intra_node_GBps", where)
+                total_gpus += len(gpus)
+                check(total_gpus <= MAX_GPUS, f"{where}gpus", f"{len(gpus):,} GPUs",
+                      f"at most {MAX_GPUS:,} GPUs in a cluster are supported")
+            intra = parse_bandwidth(raw, "intra_node_GBps", where, minimum=lo, maximum=hi)
             nodes.append(Node(
                 name=str(opt_field(raw, "name", (str, int), f"n{i}", where)),
                 gpus=tuple(gpus),
@@ -370,16 +400,19 @@ class Cluster:
                 intra_curve=None if intra.is_flat else intra,
             ))
         links = []
-        for k, raw in enumerate(opt_field(d, "links", list, [])):
+        links_raw = opt_field(d, "links", list, [])
+        check(len(links_raw) <= 10 * MAX_GPUS, "links", f"{len(links_raw):,} links",
+              f"at most {10 * MAX_GPUS:,} are supported")
+        for k, raw in enumerate(links_raw):
             where = f"links[{k}]."
             if not isinstance(raw, Mapping):
                 raise FormatError(f"links[{k}]", raw, "must be an object {between: [a, b], GBps}")
             ends = req_field(raw, "between", list, where)
             check(len(ends) == 2 and all(isinstance(e, str) for e in ends), f"{where}between", ends,
                   "must be two node or device names")
-            bw = parse_bandwidth(raw, "GBps", where)
+            bw = parse_bandwidth(raw, "GBps", where, minimum=lo, maximum=hi)
             links.append(Link(ends[0], ends[1], bw.gbps, None if bw.is_flat else bw))
-        inter = parse_bandwidth(d, "inter_node_GBps")
+        inter = parse_bandwidth(d, "inter_node_GBps", minimum=lo, maximum=hi)
         return cls(
             name=str(opt_field(d, "name", (str, int), "cluster")),
             nodes=tuple(nodes),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 __all__ = ["FormatError", "PartitionerError", "check"]
@@ -34,9 +35,7 @@ class FormatError(PartitionerError, ValueError):
         if self.value is FormatError._MISSING:
             what = f"{self.field} is missing"
         else:
-            shown = repr(self.value)
-            if len(shown) > 80:
-                shown = shown[:77] + "..."
+            shown = _short_repr(self.value)
             what = f"{self.field} = {shown}"
         tail = f": {self.expected}" if self.expected else ""
         return f"{where}{what}{tail}"
@@ -50,6 +49,22 @@ class FormatError(PartitionerError, ValueError):
     def under(self, prefix: str) -> FormatError:
         """The same error with ``prefix`` prepended to the field path (``layers[3].`` ...)."""
         return FormatError(f"{prefix}{self.field}", self.value, self.expected, file=self.file)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 6, 6, 4, 60, 60
+
+
+def _short_repr(value: Any) -> str:
+    """At most 80 characters of ``repr(value)``, in bounded time whatever its size or nesting."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        shown = f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    else:
+        try:
+            shown = _REPR.repr(value)
+        except Exception:  # a value whose repr fails (an integer past Python's digit limit inside a list)
+            shown = f"<{type(value).__name__}>"
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def check(condition: bool, field: str, value: Any, expected: str) -> None:

@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._io import load_mapping, opt_field, req_field, req_number, write_json
+from ._io import load_mapping, opt_field, req_field, req_int, req_number, write_json
 from .errors import FormatError, check
+from .profile import MAX_MICRO_BATCH_SIZE
 from .schedule import MULTI_CHUNK, SCHEDULE_NAMES, spec
 
 if TYPE_CHECKING:
@@ -18,12 +19,18 @@ if TYPE_CHECKING:
     from .cost import CostOptions
     from .profile import Profile
 
-__all__ = ["PLAN_FORMAT", "SCHEDULES", "Plan", "SolveStatus", "SolverInfo", "Stage", "VirtualWorker"]
+__all__ = ["MAX_CHUNKS", "MAX_MICRO_BATCHES", "MAX_STALENESS", "PLAN_FORMAT", "SCHEDULES", "Plan", "SolveStatus",
+           "SolverInfo", "Stage", "VirtualWorker"]
 
 PLAN_FORMAT = "partitioner.plan/1"
 SCHEDULES = SCHEDULE_NAMES
 # Schedules under which one device may hold several (non-adjacent) stages of a pipeline.
 MULTI_CHUNK_SCHEDULES = MULTI_CHUNK
+# What a plan file may ask for (docs/formats.md): the simulator and the runtime keep every
+# micro-batch of an iteration (and, under WSP, of staleness + 1 waves) in their schedules.
+MAX_MICRO_BATCHES = 4096
+MAX_STALENESS = 64
+MAX_CHUNKS = 64
 
 
 def _pricing(raw: Any) -> dict[str, Any]:
@@ -51,7 +58,11 @@ class Stage:
               and 0 <= self.layers[0] < self.layers[1])
         check(ok, "layers", list(self.layers), "must be [start, stop) with 0 <= start < stop")
         check(isinstance(self.device, str) and self.device != "", "device", self.device, "must name a device (NODE:INDEX)")
+        for k, r in enumerate(self.replicas):
+            check(isinstance(r, str) and r != "", f"replicas[{k}]", r, "must name a device (NODE:INDEX)")
         check(self.device not in self.replicas, "replicas", list(self.replicas), "must not repeat the stage's device")
+        check(len(set(self.replicas)) == len(self.replicas), "replicas", list(self.replicas),
+              "must not name a device twice")
 
     @property
     def start(self) -> int:
@@ -290,17 +301,18 @@ class Plan:
         vws = req_field(d, "virtual_workers", list)
         predicted = opt_field(d, "predicted", Mapping, {})
         for k, v in predicted.items():
-            check(isinstance(v, (int, float)) and not isinstance(v, bool), f"predicted.{k}", v, "must be a number")
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), f"predicted.{k}", v,
+                  "must be a finite number")
         solver = d.get("solver")
         return cls(
             model=req_field(d, "model", str),
             virtual_workers=tuple(VirtualWorker.from_dict(v, f"virtual_workers[{w}].") for w, v in enumerate(vws)),
             schedule=opt_field(d, "schedule", str, "1f1b"),
-            micro_batch_size=req_field(d, "micro_batch_size", int),
-            micro_batches=opt_field(d, "micro_batches", int, 1),
-            staleness=opt_field(d, "staleness", int, 0),
-            chunks=opt_field(d, "chunks", int, 1),
-            first_slices=opt_field(d, "first_slices", int, 1),
+            micro_batch_size=req_int(d, "micro_batch_size", minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
+            micro_batches=req_int(d, "micro_batches", minimum=1, maximum=MAX_MICRO_BATCHES, default=1),
+            staleness=req_int(d, "staleness", minimum=0, maximum=MAX_STALENESS, default=0),
+            chunks=req_int(d, "chunks", minimum=1, maximum=MAX_CHUNKS, default=1),
+            first_slices=req_int(d, "first_slices", minimum=1, maximum=MAX_MICRO_BATCH_SIZE, default=1),
             predicted=predicted,
             solver=None if solver is None else SolverInfo.from_dict(solver),
             meta=opt_field(d, "meta", Mapping, {}),

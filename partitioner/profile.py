@@ -14,12 +14,30 @@ from typing import Any
 
 import numpy as np
 
-from ._io import load_mapping, opt_field, req_field, req_number, write_json
+from ._io import load_mapping, opt_field, req_field, req_int, req_number, write_json
 from .errors import FormatError, check
 
-__all__ = ["PROFILE_FORMAT", "LayerProfile", "LayerTime", "Profile"]
+__all__ = [
+    "MAX_BYTES",
+    "MAX_FLOPS",
+    "MAX_LAYERS",
+    "MAX_LAYER_S",
+    "MAX_MICRO_BATCH_SIZE",
+    "PROFILE_FORMAT",
+    "LayerProfile",
+    "LayerTime",
+    "Profile",
+]
 
 PROFILE_FORMAT = "partitioner.profile/1"
+
+# What a profile file may hold (docs/formats.md). The bounds are far beyond any real model and
+# keep every sum and product of the cost model finite.
+MAX_LAYER_S = 1e6  # seconds per layer and micro-batch (11.6 days)
+MAX_FLOPS = 1e21  # forward FLOPs per layer and micro-batch
+MAX_BYTES = float(2**60)  # bytes of one layer's parameters or tensors (1 EiB)
+MAX_MICRO_BATCH_SIZE = 2**20
+MAX_LAYERS = 10_000
 
 
 @dataclass(frozen=True)
@@ -59,8 +77,8 @@ class LayerTime:
         if not isinstance(d, Mapping):
             raise FormatError(where.rstrip("."), d, "must be an object {fwd_s, bwd_s, projected}")
         return cls(
-            fwd_s=req_number(d, "fwd_s", where),
-            bwd_s=req_number(d, "bwd_s", where),
+            fwd_s=req_number(d, "fwd_s", where, maximum=MAX_LAYER_S),
+            bwd_s=req_number(d, "bwd_s", where, maximum=MAX_LAYER_S),
             projected=opt_field(d, "projected", bool, False, where),
             measured_on=opt_field(d, "measured_on", str, "", where),
             update_s=req_number(d, "update_s", where, default=0.0),
@@ -135,12 +153,12 @@ class LayerProfile:
         try:
             return cls(
                 name=req_field(d, "name", str, where),
-                flops=req_number(d, "flops", where, default=0.0),
-                param_bytes=req_number(d, "param_bytes", where, default=0.0),
-                saved_bytes=req_number(d, "saved_bytes", where, default=0.0),
-                output_bytes=req_number(d, "output_bytes", where, default=0.0),
+                flops=req_number(d, "flops", where, default=0.0, maximum=MAX_FLOPS),
+                param_bytes=req_number(d, "param_bytes", where, default=0.0, maximum=MAX_BYTES),
+                saved_bytes=req_number(d, "saved_bytes", where, default=0.0, maximum=MAX_BYTES),
+                output_bytes=req_number(d, "output_bytes", where, default=0.0, maximum=MAX_BYTES),
                 times=times,
-                shared_saved_bytes=req_number(d, "shared_saved_bytes", where, default=0.0),
+                shared_saved_bytes=req_number(d, "shared_saved_bytes", where, default=0.0, maximum=MAX_BYTES),
                 times_at=times_at,
             )
         except FormatError as err:
@@ -178,6 +196,11 @@ class Profile:
         for k, (a, b) in enumerate(self.edges):
             check(0 <= a < n and 0 <= b < n and a != b, f"edges[{k}]", [a, b],
                   f"must name two different layer indices in [0, {n})")
+            # the layers are in execution order, a topological order of the graph: an edge that
+            # goes back would close a cycle
+            check(a < b, f"edges[{k}]", [a, b], f"goes back from layer {a} ({self.layers[a].name}) to layer {b} "
+                  f"({self.layers[b].name}); edges must follow the layer order (from < to), so the graph "
+                  "is acyclic")
 
     # -- views -------------------------------------------------------------------------
 
@@ -320,8 +343,11 @@ class Profile:
         if fmt != PROFILE_FORMAT:
             raise FormatError("format", fmt, f"expected '{PROFILE_FORMAT}'")
         layers_raw = req_field(d, "layers", list)
+        check(len(layers_raw) <= MAX_LAYERS, "layers", f"{len(layers_raw)} layers", f"at most {MAX_LAYERS:,} are supported")
         layers = tuple(LayerProfile.from_dict(x, f"layers[{i}].") for i, x in enumerate(layers_raw))
         edges_raw = opt_field(d, "edges", list, [])
+        check(len(edges_raw) <= 100 * len(layers_raw), "edges", f"{len(edges_raw)} edges",
+              f"at most 100 per layer ({100 * len(layers_raw):,}) are supported")
         edges: list[tuple[int, int]] = []
         for k, e in enumerate(edges_raw):
             ok = isinstance(e, (list, tuple)) and len(e) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
@@ -329,7 +355,7 @@ class Profile:
             edges.append((e[0], e[1]))
         return cls(
             model=req_field(d, "model", str),
-            micro_batch_size=req_field(d, "micro_batch_size", int),
+            micro_batch_size=req_int(d, "micro_batch_size", minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
             layers=layers,
             dtype=opt_field(d, "dtype", str, "float32"),
             source=opt_field(d, "source", str, ""),

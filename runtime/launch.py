@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
 import logging
 import os
 import socket
@@ -40,8 +41,8 @@ from .layout import Layout, plan_layout
 from .stage import LayerChain, boundary_shapes, build_stage, zoo_chain
 from .wsp import WspExecutor
 
-__all__ = ["TrainConfig", "check_world_size", "free_port", "run_rank", "spawn_local", "train_distributed",
-           "train_local"]
+__all__ = ["TrainConfig", "check_world_size", "free_port", "gather_json", "run_rank", "spawn_local",
+           "train_distributed", "train_local"]
 
 log = logging.getLogger(__name__)
 
@@ -213,20 +214,73 @@ def train_distributed(plan: Plan, config: TrainConfig) -> dict[str, Any] | None:
                             timeout=datetime.timedelta(seconds=config.timeout_s))
     try:
         mine = run_rank(plan, config, rank, local_rank)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
+        gathered = gather_json(mine, world, _collective_device(config, local_rank))
     finally:
         dist.destroy_process_group()
     return _summary(plan, config, gathered, backend) if rank == 0 else None
+
+
+def _collective_device(config: TrainConfig, local_rank: int) -> torch.device:
+    return torch.device(f"cuda:{local_rank}" if config.device == "cuda" else "cpu")
+
+
+def gather_json(obj: Any, world: int, device: torch.device) -> list[Any]:
+    """Every rank's ``obj`` (JSON-serialisable), on every rank, as JSON bytes in tensors.
+
+    No rank unpickles what another process sent: each receives UTF-8 JSON text and parses
+    it. Two all-gathers: the lengths, then the bytes padded to the longest.
+    """
+    data = json.dumps(obj, allow_nan=True).encode("utf-8")
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(x.item()) for x in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    bufs = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    return [json.loads(b[:int(n.item())].cpu().numpy().tobytes().decode("utf-8")) for b, n in zip(bufs, sizes)]
 
 
 # -- local processes ------------------------------------------------------------------------
 
 
 def free_port() -> int:
+    """A port that was free a moment ago (for tests that start torchrun). The runtime itself does
+    not use it: a port released and bound again later can be taken in between."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _loopback_store(timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store of a local run, served by this (the parent) process on 127.0.0.1 only.
+
+    The listening socket is bound here, to loopback and an ephemeral port, and handed to the
+    store; the port is then passed to the children, so no port is released and re-bound (no
+    race) and nothing listens beyond this machine.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        store = dist.TCPStore("127.0.0.1", int(sock.getsockname()[1]), None, True,
+                              datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns (and closes) the descriptor now
+    return store
+
+
+def _loopback_interface() -> str:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    for _, name in socket.if_nameindex() if hasattr(socket, "if_nameindex") else []:
+        if name.startswith("lo"):
+            return name
+    return "lo"
 
 
 def _pin(local_rank: int) -> None:
@@ -243,9 +297,13 @@ def _bootstrap(local_rank: int, fn: Callable[..., Any], world: int, port: int, b
         _pin(local_rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    # gloo's and NCCL's own sockets on the loopback interface too (the default follows the hostname)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", _loopback_interface())
     torch.set_num_threads(threads)
-    dist.init_process_group(backend, rank=local_rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout)
+    dist.init_process_group(backend, store=store, rank=local_rank, world_size=world, timeout=timeout)
     try:
         fn(local_rank, world, *args)
     finally:
@@ -255,36 +313,36 @@ def _bootstrap(local_rank: int, fn: Callable[..., Any], world: int, port: int, b
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, backend: str = "gloo",
                 threads: int = 1, timeout_s: float = 300.0, start_method: str = "spawn", pin_cpu: bool = False) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``nprocs`` processes on this machine, in one
-    process group (MASTER_ADDR 127.0.0.1, a free port). Raises :class:`PartitionerError` if they
-    have not finished after ``timeout_s`` (the processes are terminated). ``pin_cpu`` keeps
-    process ``r`` on the ``r``-th available core (modulo the cores)."""
-    ctx = mp.start_processes(_bootstrap, args=(fn, nprocs, free_port(), backend, threads, timeout_s, pin_cpu, args),
-                             nprocs=nprocs, join=False, start_method=start_method)
-    deadline = time.monotonic() + timeout_s + 30.0
-    while not ctx.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.terminate()
-            raise PartitionerError(f"the {nprocs} training processes did not finish within {timeout_s:.0f} s")
+    process group whose store this process serves on 127.0.0.1 (see :func:`_loopback_store`).
+    Raises :class:`PartitionerError` if they have not finished after ``timeout_s`` (the
+    processes are terminated). ``pin_cpu`` keeps process ``r`` on the ``r``-th available core
+    (modulo the cores)."""
+    store = _loopback_store(timeout_s + 30.0)
+    try:
+        ctx = mp.start_processes(_bootstrap, args=(fn, nprocs, store.port, backend, threads, timeout_s, pin_cpu, args),
+                                 nprocs=nprocs, join=False, start_method=start_method)
+        deadline = time.monotonic() + timeout_s + 30.0
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.terminate()
+                raise PartitionerError(f"the {nprocs} training processes did not finish within {timeout_s:.0f} s")
+    finally:
+        del store  # stops serving
 
 
 def _local_worker(rank: int, world: int, plan_dict: dict[str, Any], config: TrainConfig, out_dir: str) -> None:
     plan = Plan.from_dict(plan_dict)
     mine = run_rank(plan, config, rank, rank)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+    gathered = gather_json(mine, world, _collective_device(config, rank))
     if rank == 0:
-        import json
-
         with open(os.path.join(out_dir, "metrics.json"), "w", encoding="utf-8") as f:
             json.dump(_summary(plan, config, gathered, dist.get_backend()), f)
 
 
 def train_local(plan: Plan, config: TrainConfig, start_method: str = "spawn") -> dict[str, Any]:
     """Train ``plan`` with one process per plan device on this machine; returns the metrics."""
-    import json
-
     layout = plan_layout(plan, chain_for(plan, config).num_layers)
     n = layout.world_size
     if config.device == "cuda" and torch.cuda.device_count() < n:

@@ -60,7 +60,7 @@ def test_overrides_and_custom_types():
         ({"inter_node_GBps": 7, "nodes": [{"intra_node_GBps": 16, "gpus": {"V1000": 1}}]},
          r"nodes\[0\]\.gpus\[0\] = 'V1000': unknown; did you mean"),
         ({"nodes": [{"intra_node_GBps": 16, "gpus": {"T4": 1}}]}, "inter_node_GBps is missing"),
-        ({"inter_node_GBps": -1, "nodes": [{"intra_node_GBps": 16, "gpus": {"T4": 1}}]}, "inter_node_GBps = -1: must be > 0"),
+        ({"inter_node_GBps": -1, "nodes": [{"intra_node_GBps": 16, "gpus": {"T4": 1}}]}, "inter_node_GBps = -1: must be >= 1e-06"),
         ({"inter_node_GBps": 7, "nodes": [{"intra_node_GBps": 16, "gpus": {"T4": 0}}]}, r"nodes\[0\]\.gpus\.T4 = 0"),
         ({"inter_node_GBps": 7, "nodes": [{"name": "x", "intra_node_GBps": 1, "gpus": {"T4": 1}},
                                           {"name": "x", "intra_node_GBps": 1, "gpus": {"T4": 1}}]},

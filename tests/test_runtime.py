@@ -214,12 +214,10 @@ def test_torchrun_and_local_train_the_same(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from runtime.launch import free_port
-
     plan = Plan("gpt2-tiny", (worker([0, 3, 4], ["n0:0", "n0:1"]),), micro_batch_size=2, micro_batches=3)
     args = _paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4))
     out = tmp_path / "torchrun.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "partitioner", "train", *args, "--model", "gpt2-tiny", "--steps", "3", "--warmup", "1",
            "--threads", "1", "-o", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

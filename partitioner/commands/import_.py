@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+from ..profile import MAX_MICRO_BATCH_SIZE
+from ._args import bounded_int
+
 __all__ = ["register"]
 
 
 def _pipedream(args: argparse.Namespace) -> int:
+    from .._io import check_outputs
     from ..importers.pipedream import import_pipedream
 
+    check_outputs({"-o": args.output}, (args.graph,))
     profile = import_pipedream(args.graph, gpu_type=args.gpu_type, micro_batch_size=args.micro_batch_size,
                                model=args.model)
     profile.save(args.output)
@@ -20,8 +25,12 @@ def _pipedream(args: argparse.Namespace) -> int:
 
 
 def _sailor(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .._io import check_outputs
     from ..importers.sailor import import_sailor
 
+    check_outputs({"-o": args.output}, sorted(Path(args.directory).glob("*.json")))
     profile = import_sailor(args.directory, micro_batch_size=args.micro_batch_size,
                             tensor_parallel=args.tensor_parallel, model=args.model, all_sizes=args.all_sizes)
     profile.save(args.output)
@@ -84,15 +93,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     pd.add_argument("graph", help="PipeDream graph.txt")
     pd.add_argument("-o", "--output", required=True, help="profile JSON to write")
     pd.add_argument("--gpu-type", default="V100", help="GPU type the profile was measured on (default: V100)")
-    pd.add_argument("--micro-batch-size", type=int, default=None,
+    pd.add_argument("--micro-batch-size", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=None,
                     help="samples per profiled batch (default: derived from an ImageNet-sized input)")
     pd.add_argument("--model", default=None, help="model name (default: the file's name)")
     pd.set_defaults(func=_pipedream)
     sl = formats.add_parser("sailor", help="Sailor per-layer LLM profiles (a directory of <GPU>.json)")
     sl.add_argument("directory", help="Sailor profile directory (<GPU>.json, llm_info_*.json, training_config*.json)")
     sl.add_argument("-o", "--output", required=True, help="profile JSON to write")
-    sl.add_argument("--micro-batch-size", type=int, default=1, help="micro-batch size to import (default 1)")
-    sl.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel degree to import (default 1)")
+    sl.add_argument("--micro-batch-size", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=1, help="micro-batch size to import (default 1)")
+    sl.add_argument("--tensor-parallel", type=bounded_int(1, 4096), default=1, help="tensor-parallel degree to import (default 1)")
     sl.add_argument("--model", default=None, help="model name (default: the training config's)")
     sl.add_argument("--all-sizes", action="store_true",
                     help="also keep the times of every other measured micro-batch size (for --microbatches auto)")

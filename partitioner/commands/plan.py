@@ -6,11 +6,13 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..cluster import GIB, Cluster
+from .._io import check_outputs, finite_json
+from ..cluster import GIB, MAX_GPUS, Cluster
 from ..cost import PRECISIONS, CostOptions
 from ..errors import FormatError
-from ..plan import SCHEDULES
-from ..profile import Profile
+from ..plan import MAX_MICRO_BATCHES, SCHEDULES
+from ..profile import MAX_MICRO_BATCH_SIZE, Profile
+from ._args import bounded_float, bounded_int
 
 __all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
 
@@ -24,9 +26,9 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--precision", choices=PRECISIONS, default=None,
                        help="training precision: fp32, or fp16/bf16 mixed precision with fp32 master weights "
                             "(default fp32)")
-    group.add_argument("--optimizer-state-factor", type=float, default=None,
+    group.add_argument("--optimizer-state-factor", type=bounded_float(0.0, 1000.0), default=None,
                        help="optimizer state per parameter in 4-byte words (Adam 2, SGD+momentum 1, SGD 0; default 2)")
-    group.add_argument("--reserved-gb", type=float, default=None,
+    group.add_argument("--reserved-gb", type=bounded_float(0.0, 1e6), default=None,
                        help="GiB the framework itself uses on every GPU: context, buffers, workspace (default 0.5)")
     group.add_argument("--no-sync", action="store_true", default=None,
                        help="do not price the data-parallel gradient all-reduce and optimizer step")
@@ -54,6 +56,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..report import format_plan
 
+    check_outputs({"-o": args.output}, (args.profile, args.cluster))
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
     options = cost_options_from_args(args)
@@ -70,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
                               "plan with the hetero planner; leave --solver out or use --solver hetero")
         solver = "hetero"
         vw = args.virtual_workers or "auto"
-        kwargs.update(virtual_workers=vw if vw == "auto" else _positive(vw, "--virtual-workers"),
+        kwargs.update(virtual_workers=vw if vw == "auto" else _positive(vw, "--virtual-workers", MAX_GPUS),
                       policy=args.policy or "opt", replication=bool(args.replication), objective=args.objective)
         if args.simulate_top:
             kwargs["simulate_top"] = args.simulate_top
@@ -108,15 +111,18 @@ def _run(args: argparse.Namespace) -> int:
         result = choice.result
     else:
         if args.micro_batches is not None:
-            kwargs["micro_batches"] = _positive(args.micro_batches, "--microbatches")
+            kwargs["micro_batches"] = _positive(args.micro_batches, "--microbatches", MAX_MICRO_BATCHES)
         result = solve(profile, cluster, solver=solver, **kwargs)
     if not result.ok or result.plan is None:
         print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
         return 1
     result.plan.validate(profile, cluster, options)
-    print(format_plan(result.plan, profile, cluster, options))
-    if args.output:
+    finite_json(result.plan.to_dict(), "the plan")  # e.g. a profile of zero times: an infinite rate
+    table = format_plan(result.plan, profile, cluster, options)
+    if args.output:  # written before anything is printed: a closed pipe on stdout does not lose it
         result.plan.save(args.output)
+    print(table)
+    if args.output:
         print(f"\nwrote {args.output}")
     from ..placement import supports
 
@@ -129,13 +135,13 @@ def _run(args: argparse.Namespace) -> int:
 _TIME_LIMITED = ("cpsat", "milp", "hetero")
 
 
-def _positive(text: str, flag: str) -> int:
+def _positive(text: str, flag: str, most: int) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise FormatError(flag, text, "must be an integer >= 1 or 'auto'")
+    if not 1 <= value <= most:
+        raise FormatError(flag, text, f"must be an integer in [1, {most:,}] or 'auto'")
     return value
 
 
@@ -150,7 +156,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--microbatches", "--micro-batches", dest="micro_batches", default=None, metavar="auto|N",
                         help="micro-batches per iteration (default: the solver's); auto chooses size and "
                              "count for --global-batch")
-    parser.add_argument("--global-batch", type=int, default=None,
+    parser.add_argument("--global-batch", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=None,
                         help="samples per virtual worker per iteration (for --microbatches auto)")
     parser.add_argument("--virtual-workers", default=None, metavar="K|auto",
                         help="split the cluster into K data-parallel pipelines (hetero planner)")
@@ -160,12 +166,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="what opt maximises: K x the slowest virtual worker (sync, default: the long-run "
                              "rate under data parallelism, and under WSP's staleness bound) or the sum of the "
                              "workers' own rates (wsp: reached only while fast workers may run ahead)")
-    parser.add_argument("--simulate-top", type=int, default=4, metavar="N",
+    parser.add_argument("--simulate-top", type=bounded_int(0, 1000), default=4, metavar="N",
                         help="opt: simulate the N best groupings by the closed form (any K) and keep the fastest "
                              "simulated one (default 4; 0: trust the closed form)")
     parser.add_argument("--replication", action=argparse.BooleanOptionalAction, default=False,
                         help="let a stage run data-parallel on several GPUs of one type")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--time-limit", type=bounded_float(0.001, 7 * 86400.0), default=None, metavar="SECONDS",
                         help="stop cpsat / milp / the hetero search after this long and report the gap")
     parser.add_argument("--devices", default=None,
                         help="comma-separated device names in pipeline order (default: all, in file order)")

@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 from ..errors import PartitionerError
-from ..profile import LayerProfile, Profile
+from ..profile import MAX_MICRO_BATCH_SIZE, LayerProfile, Profile
+from ._args import bounded_float, bounded_int
 
 __all__ = ["register"]
 
@@ -73,9 +74,11 @@ def _memory_check(args: argparse.Namespace, device: str) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    from .._io import check_outputs
     from ..cluster import resolve_gpu_type
     from ..projection import project_profile
 
+    check_outputs({"-o": args.output}, ())
     targets = [resolve_gpu_type(g).name for g in args.gpu_type or []]
     t0 = time.perf_counter()
     if args.analytic:
@@ -114,8 +117,10 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
+    from .._io import check_outputs
     from ..merge import merge_profiles
 
+    check_outputs({"-o": args.output}, args.inputs)
     profiles = [Profile.load(p) for p in args.inputs]
     try:
         merged = merge_profiles(profiles)
@@ -128,8 +133,10 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _project(args: argparse.Namespace) -> int:
+    from .._io import check_outputs
     from ..projection import project_profile
 
+    check_outputs({"-o": args.output}, (args.input,))
     profile = Profile.load(args.input)
     out = project_profile(profile, args.gpu_type, source=args.source, efficiency=args.efficiency)
     out.save(args.output)
@@ -144,23 +151,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="target", required=True, metavar="MODEL|merge|project")
 
     eff = argparse.ArgumentParser(add_help=False)
-    eff.add_argument("--efficiency", type=float, default=0.5,
+    eff.add_argument("--efficiency", type=bounded_float(1e-3, 1.0), default=0.5,
                      help="fraction of the roofline a GPU reaches, for analytic times and CPU-calibrated "
                           "projections (default 0.5)")
 
     common = argparse.ArgumentParser(add_help=False, parents=[eff])
-    common.add_argument("--batch-size", type=int, required=True, help="micro-batch size to profile")
-    common.add_argument("--seq-len", type=int, default=None, help="sequence length (transformers)")
-    common.add_argument("--image-size", type=int, default=None, help="image side in pixels (CNNs)")
+    common.add_argument("--batch-size", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), required=True, help="micro-batch size to profile")
+    common.add_argument("--seq-len", type=bounded_int(1, 2**20), default=None, help="sequence length (transformers)")
+    common.add_argument("--image-size", type=bounded_int(1, 2**16), default=None, help="image side in pixels (CNNs)")
     common.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to measure (default cpu)")
     common.add_argument("--gpu-type", action="append", default=None, metavar="NAME",
                         help="catalog GPU type: with --device cuda the first one names the GPU measured; other "
                              "types get projected times; with --analytic, the types to compute times for")
     common.add_argument("--analytic", action="store_true",
                         help="no timing: FLOPs and bytes only, times from the roofline (marked projected)")
-    common.add_argument("--warmup", type=int, default=2, help="untimed runs per layer (default 2)")
-    common.add_argument("--repeats", type=int, default=7, help="timed runs per layer, median kept (default 7)")
-    common.add_argument("--threads", type=int, default=None,
+    common.add_argument("--warmup", type=bounded_int(0, 10_000), default=2, help="untimed runs per layer (default 2)")
+    common.add_argument("--repeats", type=bounded_int(1, 10_000), default=7, help="timed runs per layer, median kept (default 7)")
+    common.add_argument("--threads", type=bounded_int(1, 4096), default=None,
                         help="torch CPU threads while measuring (default: torch's); match what each training "
                              "process will get, e.g. 1 when one process per core trains")
     common.add_argument("-o", "--output", required=True, help="profile JSON to write")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
+import math
 
+from .._io import check_outputs
 from ..cluster import GIB, Cluster
 from ..errors import FormatError, PartitionerError
 from ..plan import Plan
 from ..profile import Profile
+from ._args import bounded_int, check_simulation_size
 from .plan import add_cost_arguments, cost_options_from_args
 
 __all__ = ["register"]
@@ -18,13 +20,12 @@ def _run(args: argparse.Namespace) -> int:
     from ..simulate import simulate_plan
     from ..trace import render_png, summary_text, write_trace
 
-    inputs = {os.path.realpath(p) for p in (args.plan, args.profile, args.cluster)}
-    for flag, out in (("--trace", args.trace), ("--png", args.png)):
-        if out and os.path.realpath(out) in inputs:
-            raise PartitionerError(f"{flag} {out} is one of the input files; name a new output file")
+    check_outputs({"--trace": args.trace, "--png": args.png}, (args.plan, args.profile, args.cluster))
     plan = Plan.load(args.plan)
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
+    check_simulation_size(plan, args.iterations, args.plan, traced=bool(args.trace or args.png))
+    profile = profile_for_plan(plan, profile, args.profile)
     saved = plan.cost_options()
     options = cost_options_from_args(args, saved)
     if saved is None:
@@ -37,6 +38,9 @@ def _run(args: argparse.Namespace) -> int:
     except FormatError as err:
         raise err.in_file(args.plan) from None
     tl = simulate_plan(plan, profile, cluster, options, iterations=args.iterations)
+    if not (math.isfinite(tl.iteration_s) and tl.iteration_s > 0 and math.isfinite(tl.samples_per_s)):
+        raise PartitionerError(f"{args.profile}: the plan's iteration takes {tl.iteration_s:g} s: every layer it "
+                               "runs has zero time and nothing crosses a cut, so there is no rate to report")
     print(summary_text(tl))
     measured = plan.meta.get("measured")
     if isinstance(measured, dict) and isinstance(measured.get("iteration_s"), (int, float)):
@@ -60,6 +64,23 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if over else 0
 
 
+def profile_for_plan(plan: Plan, profile: Profile, profile_path: str) -> Profile:
+    """``profile`` at the plan's micro-batch size: rescaled linearly, with a note, when they differ."""
+    if plan.micro_batch_size == profile.micro_batch_size:
+        return profile
+    sizes = profile.measured_sizes
+    if len(sizes) > 1 and sizes[0] <= plan.micro_batch_size <= sizes[-1]:
+        if plan.micro_batch_size not in sizes:
+            print(f"note: {profile_path} has times at micro-batch sizes {', '.join(map(str, sizes))}; the plan's "
+                  f"{plan.micro_batch_size} is priced by interpolating between them")
+        return profile.at_size(plan.micro_batch_size)
+    print(f"note: the plan's micro-batch size is {plan.micro_batch_size} but {profile_path} was measured at "
+          f"{profile.micro_batch_size}; its times and activation sizes are scaled linearly by "
+          f"{plan.micro_batch_size}/{profile.micro_batch_size} (an approximation: profile at "
+          f"{plan.micro_batch_size} for measured numbers)")
+    return profile.rescaled(plan.micro_batch_size)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="time a plan with the discrete-event simulator",
                        description="Simulate PLAN's schedule with the cost model: iteration time, throughput, "
@@ -70,7 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace here")
     p.add_argument("--png", metavar="OUT.png", help="write a timeline image here")
     p.add_argument("--waits", action="store_true", help="show receive waits in the trace")
-    p.add_argument("--iterations", type=int, default=None,
+    p.add_argument("--iterations", type=bounded_int(1, 1000), default=None,
                    help="iterations to simulate (default: 1; 2bw 4; wsp staleness + 4)")
     add_cost_arguments(p)
     p.set_defaults(func=_run)

@@ -8,12 +8,17 @@ against the simulator's prediction.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from typing import Any
 
+from .._io import check_outputs
 from ..cluster import Cluster
 from ..errors import FormatError, PartitionerError
 from ..plan import Plan
 from ..profile import Profile
+from ._args import bounded_float, bounded_int, check_simulation_size
+from .simulate import profile_for_plan
 
 __all__ = ["register"]
 
@@ -23,14 +28,14 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..simulate import simulate_plan
 
-    if args.output and os.path.realpath(args.output) in {os.path.realpath(p) for p in (args.plan, args.profile,
-                                                                                       args.cluster)}:
-        raise PartitionerError(f"-o {args.output} is one of the input files; name a new output file")
+    check_outputs({"-o": args.output}, (args.plan, args.profile, args.cluster))
     plan = Plan.load(args.plan)
     if plan.model != args.model:
         raise PartitionerError(f"{args.plan}: the plan is for model '{plan.model}', not '{args.model}'")
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
+    check_simulation_size(plan, None, args.plan)
+    profile = profile_for_plan(plan, profile, args.profile)
     try:
         plan.validate(profile, cluster, check_memory=False)
     except FormatError as err:
@@ -64,9 +69,25 @@ def _run(args: argparse.Namespace) -> int:
     if args.output:
         from .._io import write_json
 
-        write_json(args.output, metrics)
+        clean, lost = _finite_or_null(metrics)
+        if lost:  # a diverged loss: the figures are still worth keeping, as strict JSON
+            print(f"note: {lost} value(s) were not finite (a diverged loss?) and are written as null")
+        write_json(args.output, clean)
         print(f"wrote {args.output}")
     return 0
+
+
+def _finite_or_null(x: Any) -> tuple[Any, int]:
+    """``x`` with every NaN or infinite float replaced by ``None``, and how many were."""
+    if isinstance(x, float):
+        return (x, 0) if math.isfinite(x) else (None, 1)
+    if isinstance(x, dict):
+        pairs = {k: _finite_or_null(v) for k, v in x.items()}
+        return {k: v for k, (v, _) in pairs.items()}, sum(n for _, n in pairs.values())
+    if isinstance(x, (list, tuple)):
+        items = [_finite_or_null(v) for v in x]
+        return [v for v, _ in items], sum(n for _, n in items)
+    return x, 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -79,14 +100,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", required=True, help="the profile the plan was made for")
     p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
     p.add_argument("--model", required=True, help="zoo model to train (must be the plan's model)")
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (default 2)")
-    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data (default 0)")
+    p.add_argument("--steps", type=bounded_int(1, 1_000_000), default=10, help="training steps (default 10)")
+    p.add_argument("--warmup", type=bounded_int(0, 1_000_000), default=2, help="steps left out of the timing (default 2)")
+    p.add_argument("--lr", type=bounded_float(1e-12, 1e6), default=0.01, help="SGD learning rate (default 0.01)")
+    p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0, help="seed of the initial weights and the data (default 0)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=bounded_int(0, 4096), default=0,
                    help="torch threads per process (default: this machine's cores / processes)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck run is stopped")
+    p.add_argument("--timeout", type=bounded_float(1.0, 7 * 86400.0), default=300.0, help="seconds before a stuck run is stopped")
     p.add_argument("--local", action="store_true", help="start one process per plan device on this machine")
     p.add_argument("-o", "--output", metavar="METRICS.json", help="write the metrics here")
     p.set_defaults(func=_run)

@@ -26,14 +26,24 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._io import read_text
 from ..errors import FormatError
-from ..profile import LayerProfile, LayerTime, Profile
+from ..profile import (
+    MAX_BYTES,
+    MAX_LAYER_S,
+    MAX_LAYERS,
+    MAX_MICRO_BATCH_SIZE,
+    LayerProfile,
+    LayerTime,
+    Profile,
+)
 
 __all__ = ["PipeDreamNode", "import_pipedream", "parse_graph"]
 
-_NODE_ID = re.compile(r"^node(\d+)$")
+_NODE_ID = re.compile(r"^node(\d{1,18})$")
 _METRIC = re.compile(r"(forward_compute_time|backward_compute_time|activation_size|parameter_size)=(\[[^\]]*\]|[^,\s]+)")
 _IMAGE_SAMPLE_BYTES = 3 * 224 * 224 * 4  # one fp32 ImageNet image
+_MAX_MS = MAX_LAYER_S * 1e3
 
 
 @dataclass(frozen=True)
@@ -56,16 +66,17 @@ class PipeDreamNode:
         return re.split(r"[(\s]", self.description, maxsplit=1)[0] or "op"
 
 
-def _number(text: str, field: str, line_no: int) -> float:
-    """A metric value: a number, or a list ``[a; b; c]`` of tensor sizes (summed)."""
+def _number(text: str, field: str, line_no: int, most: float) -> float:
+    """A metric value: a number, or a list ``[a; b; c]`` of tensor sizes (summed), in ``[0, most]``."""
     parts = text.strip("[]").split(";") if text.startswith("[") else [text]
     try:
         values = [float(p) for p in parts if p.strip()]
     except ValueError:
         raise FormatError(f"line {line_no}: {field}", text, "must be a number or a list [a; b; ...]") from None
-    if any(v < 0 or v != v for v in values):
-        raise FormatError(f"line {line_no}: {field}", text, "must be >= 0")
-    return sum(values)
+    total = sum(values)
+    if any(not 0 <= v <= most for v in values) or not total <= most:
+        raise FormatError(f"line {line_no}: {field}", text, f"must be >= 0 and <= {most:g} (finite)")
+    return total
 
 
 def parse_graph(text: str) -> tuple[dict[str, PipeDreamNode], list[tuple[str, str]]]:
@@ -91,14 +102,17 @@ def parse_graph(text: str) -> tuple[dict[str, PipeDreamNode], list[tuple[str, st
         node = PipeDreamNode(
             node_id=parts[0],
             description=" -- ".join(parts[1:-1]),
-            fwd_s=_number(metrics["forward_compute_time"], "forward_compute_time", line_no) / 1e3,
-            bwd_s=_number(metrics["backward_compute_time"], "backward_compute_time", line_no) / 1e3,
-            activation_bytes=_number(metrics["activation_size"], "activation_size", line_no),
-            param_bytes=_number(metrics["parameter_size"], "parameter_size", line_no),
+            fwd_s=_number(metrics["forward_compute_time"], "forward_compute_time", line_no, _MAX_MS) / 1e3,
+            bwd_s=_number(metrics["backward_compute_time"], "backward_compute_time", line_no, _MAX_MS) / 1e3,
+            activation_bytes=_number(metrics["activation_size"], "activation_size", line_no, MAX_BYTES),
+            param_bytes=_number(metrics["parameter_size"], "parameter_size", line_no, MAX_BYTES),
         )
         if node.node_id in nodes:
             raise FormatError(f"line {line_no}", node.node_id, "node listed twice")
         nodes[node.node_id] = node
+        if len(nodes) > MAX_LAYERS:
+            raise FormatError(f"line {line_no}", node.node_id, f"more than {MAX_LAYERS:,} nodes; that many "
+                              "layers are not supported")
     if not nodes:
         raise FormatError("nodes", 0, "the file lists no 'nodeN -- ...' lines")
     for a, b in edges:
@@ -141,17 +155,14 @@ def import_pipedream(path: str | os.PathLike[str], gpu_type: str = "V100",
     (3x224x224 fp32 per sample); other models must pass it.
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise FormatError("", expected=f"cannot be read ({exc.strerror})", file=str(p)) from None
+    text = read_text(p)
     try:
         nodes, edges = parse_graph(text)
         order = _topological_order(nodes, edges)
         if micro_batch_size is None:
             inputs = [nodes[n] for n in order if nodes[n].is_input and nodes[n].activation_bytes > 0]
             size = inputs[0].activation_bytes / _IMAGE_SAMPLE_BYTES if inputs else 0.0
-            if not inputs or size < 1 or size != int(size):
+            if not inputs or not 1 <= size <= MAX_MICRO_BATCH_SIZE or size != int(size):
                 raise FormatError("micro_batch_size", None, "cannot be derived from the input node (not a "
                                   "3x224x224 fp32 image batch); pass it explicitly (--micro-batch-size)")
             micro_batch_size = int(size)

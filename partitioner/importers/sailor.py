@@ -36,7 +36,7 @@ from typing import Any
 from .._io import load_mapping
 from ..cluster import resolve_gpu_type
 from ..errors import FormatError, PartitionerError
-from ..profile import LayerProfile, LayerTime, Profile
+from ..profile import MAX_BYTES, MAX_LAYER_S, MAX_LAYERS, LayerProfile, LayerTime, Profile
 
 __all__ = ["SAILOR_SKIP", "import_sailor", "sailor_gpu_name"]
 
@@ -58,10 +58,16 @@ def _one(directory: Path, prefix: str) -> Path:
     return found[0]
 
 
-def _num(d: Any, key: str, where: str) -> float:
-    if not isinstance(d, dict) or key not in d or not isinstance(d[key], (int, float)):
-        raise FormatError(f"{where}{key}", d.get(key) if isinstance(d, dict) else d, "must be a number")
-    return float(d[key])
+def _num(d: Any, key: str, where: str, most: float = MAX_BYTES) -> float:
+    """A number in ``[0, most]``."""
+    value = d.get(key) if isinstance(d, dict) else d
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= most):
+        raise FormatError(f"{where}{key}", value, f"must be a number >= 0 and <= {most:g}")
+    return float(value)
+
+
+def _int_key(k: str) -> tuple[int, str]:
+    return (int(k), "") if k.isdigit() and len(k) < 19 else (2**63, k)
 
 
 def _monotone(fwd: float, bwd: float, larger: list[Any], layer: str) -> tuple[float, float]:
@@ -87,7 +93,8 @@ def _megatron_block_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int
 def _other_sizes(data: dict[str, Any], tp: str, own: int, n_all: int, clip_noise: bool, sailor_name: str
                  ) -> dict[int, list[LayerTime]]:
     """Times of every other micro-batch size measured at degree ``tp`` on all ``n_all`` layers."""
-    sizes = sorted(int(k) for k in data if str(k).isdigit() and isinstance(data[k], dict) and tp in data[k])
+    sizes = sorted(int(k) for k in data if str(k).isdigit() and len(str(k)) < 19 and isinstance(data[k], dict)
+                   and isinstance(data[k].get(tp), dict))
     out: dict[int, list[LayerTime]] = {}
     for size in sizes:
         if size == own:
@@ -127,9 +134,9 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
     cfg_path = _one(root, "training_config")
     cfg = load_mapping(cfg_path)
     try:
-        h, s = int(_num(cfg, "hidden_size", "")), int(_num(cfg, "sequence_length", ""))
-        vocab, n_all = int(_num(cfg, "vocab_size", "")), int(_num(cfg, "num_all_layers", ""))
-        heads = int(_num(cfg, "heads", "")) if activations == "megatron" else 0
+        h, s = int(_num(cfg, "hidden_size", "", 2**20)), int(_num(cfg, "sequence_length", "", 2**24))
+        vocab, n_all = int(_num(cfg, "vocab_size", "", 2**24)), int(_num(cfg, "num_all_layers", "", MAX_LAYERS))
+        heads = int(_num(cfg, "heads", "", 2**20)) if activations == "megatron" else 0
     except FormatError as err:
         raise err.in_file(str(cfg_path)) from None
     name = model or str(cfg.get("model", root.name))
@@ -142,6 +149,8 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
         raise FormatError("tensor parallel degree", tensor_parallel,
                           f"not in {info_path.name} (has {', '.join(have)})", file=str(info_path))
     info = info_model[tp]
+    if not isinstance(info, dict):
+        raise FormatError(tp, info, "must be an object {layer: {params_bytes, ...}}", file=str(info_path))
     b = micro_batch_size
     elem = 2 if dtype in ("float16", "bfloat16") else 4
     gpu_files = sorted(p for p in root.glob("*.json") if not p.name.startswith(SAILOR_SKIP)
@@ -160,19 +169,25 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
         data = load_mapping(path)
         by_tp = data.get(str(b))
         if not isinstance(by_tp, dict) or tp not in by_tp:
-            have = sorted((k for k, v in data.items() if isinstance(v, dict) and tp in v), key=int)
+            have = sorted((k for k, v in data.items() if isinstance(v, dict) and tp in v), key=_int_key)
             raise FormatError(f"{b}.{tp}", None, f"no times for micro-batch {b} at tensor-parallel degree {tp}; "
                               f"micro-batch sizes with that degree: {', '.join(have) or 'none'}", file=str(path))
         per_layer = by_tp[tp]
-        larger = [data[k][tp] for k in sorted(data, key=lambda x: int(x) if str(x).isdigit() else 0)
-                  if str(k).isdigit() and int(k) > b and isinstance(data[k], dict) and tp in data[k]]
+        if not isinstance(per_layer, dict):
+            raise FormatError(f"{b}.{tp}", per_layer, "must be an object {layer: [fwd_s, bwd_s, update_s]}",
+                              file=str(path))
+        larger = [data[k][tp] for k in sorted(data, key=_int_key)
+                  if str(k).isdigit() and b < _int_key(str(k))[0] < 2**63 and isinstance(data[k], dict) and tp in data[k]
+                  and isinstance(data[k][tp], dict)]
         rows = []
         ups = []
         clipped = 0
         for i in range(n_all):
             row = per_layer.get(str(i))
-            if not (isinstance(row, list) and len(row) >= 2 and all(isinstance(v, (int, float)) for v in row)):
-                raise FormatError(f"{b}.{tp}.{i}", row, "must be [fwd_s, bwd_s, update_s]", file=str(path))
+            if not (isinstance(row, list) and len(row) >= 2 and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_LAYER_S for v in row)):
+                raise FormatError(f"{b}.{tp}.{i}", row, f"must be [fwd_s, bwd_s, update_s], seconds in "
+                                  f"[0, {MAX_LAYER_S:g}]", file=str(path))
             ups.append(float(row[2]) if len(row) > 2 else 0.0)
             fwd, bwd = _monotone(float(row[0]), float(row[1]), larger if clip_noise else [], str(i))
             clipped += (fwd, bwd) != (float(row[0]), float(row[1]))
