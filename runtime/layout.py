@@ -71,8 +71,10 @@ class Layout:
         return [(ranks, tuple(layers)) for ranks, layers in holders.items()]
 
 
-def plan_layout(plan: Plan, num_layers: int) -> Layout:
-    """Map ``plan`` onto ranks, refusing what the runtime does not execute (one line each)."""
+def plan_layout(plan: Plan, num_layers: int, model: str = "") -> Layout:
+    """Map ``plan`` onto ranks, refusing what the runtime does not execute (one line each).
+    ``model`` names the model of ``num_layers`` layers in the messages."""
+    the_model = f"model {model}" if model else "the model"
     if plan.schedule not in SUPPORTED_SCHEDULES:
         raise PartitionerError(
             f"schedule '{plan.schedule}' is not executed by the runtime: it runs {', '.join(SUPPORTED_SCHEDULES)} "
@@ -98,9 +100,15 @@ def plan_layout(plan: Plan, num_layers: int) -> Layout:
                                        f"replicate stages; express data parallelism as virtual workers")
             if st.start != expect:
                 raise FormatError(f"{where}.stages[{k}].layers", list(st.layers), f"must start at layer {expect}")
+            if st.stop > num_layers:
+                raise FormatError(f"{where}.stages[{k}].layers", list(st.layers),
+                                  f"layer {num_layers} does not exist: {the_model} has {num_layers} layers "
+                                  f"(0..{num_layers - 1})")
             expect = st.stop
         if expect != num_layers:
-            raise FormatError(f"{where}.stages", f"ends at layer {expect}", f"the model has {num_layers} layers")
+            raise FormatError(f"{where}.stages[{len(vw.stages) - 1}].layers", list(vw.stages[-1].layers),
+                              f"the last stage ends before layer {expect}, but {the_model} has {num_layers} layers: "
+                              f"layers {expect}..{num_layers - 1} are in no stage")
         n = len(vw.stages)
         if n % v != 0:
             raise FormatError(f"{where}.stages", n, f"with chunks={v} the stage count must be a multiple of {v}")
