@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import tempfile
 from typing import Any
@@ -119,7 +120,7 @@ def load_rank(root: str, step: int, rank: int, plan_hash: str) -> dict[str, Any]
     path = os.path.join(step_dir(root, step), f"rank{rank}.pt")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as err:
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
         raise PartitionerError(f"{path}: cannot be read ({type(err).__name__}: {str(err).splitlines()[0]})") from None
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise PartitionerError(f"{path}: format = {state.get('format') if isinstance(state, dict) else None!r}: "

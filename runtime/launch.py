@@ -209,8 +209,9 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                                     device, averager)
         actions = build_schedule(plan.schedule, p, m, plan.chunks)[me.pipe_rank]
         show = (config.progress and sys.stderr.isatty() and me.worker == 0 and n_stages - 1 in me.stages)
-        bar = tqdm(total=config.steps, initial=first, desc=f"train {chain.name}", unit="step", disable=not show,
-                   dynamic_ncols=True)
+        # (made only when shown: tqdm creates a multiprocessing lock, which a killed rank would leak)
+        bar = tqdm(total=config.steps, initial=first, desc=f"train {chain.name}", unit="step",
+                   dynamic_ncols=True) if show else None
         for step in range(first, config.steps):
             _fault(rank, step)
             if step - first == config.warmup:
@@ -225,9 +226,10 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                 torch.cuda.synchronize(device)
             dist.barrier()
             step_s.append(time.perf_counter() - t0)
-            if executor.losses:
-                bar.set_postfix(loss=f"{executor.losses[-1]:.4f}", refresh=False)
-            bar.update(1)
+            if bar is not None:
+                if executor.losses:
+                    bar.set_postfix(loss=f"{executor.losses[-1]:.4f}", refresh=False)
+                bar.update(1)
             done = step + 1
             every = config.checkpoint_every
             if config.checkpoint_dir and ((every and done % every == 0) or done == config.steps):
@@ -237,7 +239,8 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                 dist.barrier()
                 if rank == 0:
                     write_manifest(config.checkpoint_dir, done, plan_hash, layout.world_size)
-        bar.close()
+        if bar is not None:
+            bar.close()
     # seconds are summed after the warm-up steps (flushing schedules) or over the whole run (wsp)
     ran = config.steps - first
     timed_steps = ran - config.warmup if ran > config.warmup and not extra else ran
@@ -353,9 +356,11 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),
     ctx = mp.start_processes(_bootstrap, args=(fn, nprocs, free_port(), backend, threads, timeout_s, pin_cpu, args),
                              nprocs=nprocs, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout_s + 30.0
+    # torch logs a warning per process it stops after a failure; the failure is reported in one line below
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     while True:
         try:
-            if ctx.join(timeout=0.5, grace_period=5.0):
+            if ctx.join(timeout=0.5, grace_period=1.0):
                 break
         except mp.ProcessExitedException as err:
             how = (f"was killed by signal {err.signal_name}" if err.signal_name
