@@ -192,7 +192,7 @@ class PipelineExecutor:
                 self._out_grads[(j, s)] = self._recv(out.shape, out.dtype, a.peer, message_tag("grad", j, s + 1, S))
                 seconds["recv"] += clock() - t0
             elif k == STEP:
-                self.step()
+                self.step(a.version)
                 seconds["step"] += clock() - t0
             elif k == PUSH:
                 self.push(a.version)
@@ -209,7 +209,7 @@ class PipelineExecutor:
     def pull(self, wave: int) -> None:
         raise ValueError("PULL needs the WSP executor (runtime.wsp.WspExecutor)")
 
-    def step(self) -> None:
+    def step(self, version: int = -1) -> None:
         self.wait_sends()
         if self.sync is not None:
             self.sync()

@@ -44,6 +44,7 @@ from .executor import PipelineExecutor
 from .layout import Layout, plan_layout
 from .model import is_model_ref, spec_chain
 from .stage import LayerChain, boundary_shapes, build_stage, zoo_chain
+from .twobw import TwoBwExecutor
 from .wsp import WspExecutor
 
 __all__ = ["FAULT_ENV", "TrainConfig", "check_checkpoints", "check_world_size", "free_port", "run_rank",
@@ -112,9 +113,10 @@ def check_checkpoints(plan: Plan, config: TrainConfig, world_size: int) -> int:
     """Refuse what cannot be checkpointed or resumed (before any step); returns the step to start at."""
     if not config.checkpoint_dir:
         return 0
-    if plan.schedule == "wsp":
-        raise PartitionerError("checkpoints need a flushing schedule (gpipe, 1f1b, interleaved, bfs): wsp runs its "
-                               "waves as one action list without a point where all ranks agree on the weights")
+    if plan.schedule in ("wsp", "2bw"):
+        raise PartitionerError(f"checkpoints need a flushing schedule (gpipe, 1f1b, interleaved, bfs): "
+                               f"{plan.schedule} runs its iterations as one action list without a point where all "
+                               f"ranks agree on the weights")
     start = resume_step(config.checkpoint_dir, plan, world_size) if config.resume else 0
     if start >= config.steps:
         raise PartitionerError(f"{config.checkpoint_dir}: the last complete checkpoint is of step {start}, "
@@ -188,6 +190,20 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         dist.barrier()
         extra["wave_end_s"] = [wsp.push_times[c] - t0 for c in range(config.steps)]
         wsp.load_into_modules()
+    elif plan.schedule == "2bw":
+        two = TwoBwExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
+                            layout=layout, rank=rank, lr=config.lr)
+        executor = two
+        actions = build_schedule("2bw", p, m, plan.chunks, iterations=config.steps)[me.pipe_rank]
+        dist.barrier()
+        t0 = time.perf_counter()
+        two.run(actions)
+        two.drain(config.steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        extra["wave_end_s"] = [two.push_times[c] - t0 for c in range(config.steps)]
+        two.load_into_modules(config.steps)
     else:
         params = [q for mod in modules.values() for q in mod.parameters()]
         optimizer = torch.optim.SGD(params, lr=config.lr) if params else None

@@ -22,8 +22,9 @@ from partitioner.schedule import check_schedule
 __all__ = ["SUPPORTED_SCHEDULES", "Layout", "RankInfo", "plan_layout"]
 
 # Flushing schedules: every iteration ends with all gradients in, so synchronous data
-# parallelism is exact; wsp runs Wave Synchronous Parallel (runtime/wsp.py). 2bw is not executed.
-SUPPORTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "wsp")
+# parallelism is exact; wsp runs Wave Synchronous Parallel (runtime/wsp.py), 2bw PipeDream-2BW's
+# double-buffered weight updates (runtime/twobw.py).
+SUPPORTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "2bw", "wsp")
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def plan_layout(plan: Plan, num_layers: int, model: str = "") -> Layout:
     the_model = f"model {model}" if model else "the model"
     if plan.schedule not in SUPPORTED_SCHEDULES:
         raise PartitionerError(
-            f"schedule '{plan.schedule}' is not executed by the runtime: it runs {', '.join(SUPPORTED_SCHEDULES)} "
-            f"(2bw's double-buffered weight updates are not implemented); re-plan with one of those")
+            f"schedule '{plan.schedule}' is not executed by the runtime: it runs {', '.join(SUPPORTED_SCHEDULES)}; "
+            f"re-plan with one of those")
     if plan.staleness != 0 and plan.schedule != "wsp":
         raise PartitionerError(
             f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "

@@ -92,8 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a zoo model (or your own) with a plan (torch.distributed)",
                        description="Execute PLAN's schedule on torch.distributed (gloo on CPU, NCCL on GPU): "
                                    "one process per plan device; synchronous data parallelism between virtual "
-                                   "workers (gpipe, 1f1b, interleaved, bfs) or WSP with the plan's staleness "
-                                   "(wsp). Reports the measured iteration time against the simulator's.")
+                                   "workers (gpipe, 1f1b, interleaved, bfs), PipeDream-2BW (2bw) or WSP with the "
+                                   "plan's staleness (wsp). Reports the measured iteration time against the simulator's.")
     p.add_argument("plan", help="plan JSON")
     p.add_argument("--profile", required=True, help="the profile the plan was made for")
     p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
