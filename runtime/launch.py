@@ -18,6 +18,7 @@ import datetime
 import itertools
 import logging
 import os
+import re
 import signal
 import socket
 import statistics
@@ -356,6 +357,17 @@ def _bootstrap(local_rank: int, fn: Callable[..., Any], world: int, port: int, b
         dist.destroy_process_group()
 
 
+def _exception_line(trace: str) -> str:
+    """The line of a formatted traceback that names the exception (``Type: message``), with
+    this library's own errors shown by their message alone."""
+    lines = [ln for ln in trace.splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: |$)", ln)]
+    line = (named or lines or ["no message"])[-1].strip()
+    for prefix in ("partitioner.errors.PartitionerError: ", "partitioner.errors.FormatError: "):
+        line = line.removeprefix(prefix)
+    return line
+
+
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, backend: str = "gloo",
                 threads: int = 1, timeout_s: float = 300.0, start_method: str = "spawn", pin_cpu: bool = False,
                 rank_names: list[str] | None = None) -> None:
@@ -384,9 +396,8 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),
             raise PartitionerError(f"rank {err.error_index}{names(err.error_index)} {how}; "
                                    f"the other processes were stopped") from None
         except mp.ProcessRaisedException as err:
-            lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
             raise PartitionerError(f"rank {err.error_index}{names(err.error_index)} failed: "
-                                   f"{lines[-1].strip() if lines else 'no message'}") from None
+                                   f"{_exception_line(str(err))}") from None
         if time.monotonic() > deadline:
             for proc in ctx.processes:
                 if proc.is_alive():

@@ -121,3 +121,23 @@ def test_checkpoint_options_are_checked() -> None:
     wsp = Plan("gpt2-tiny", PLAN.virtual_workers, schedule="wsp", micro_batch_size=2, micro_batches=2)
     with pytest.raises(PartitionerError, match="checkpoints need a flushing schedule"):
         train_local(wsp, TrainConfig("gpt2-tiny", checkpoint_dir="d"))
+
+
+def _fails_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise PartitionerError("stage 1 cannot be built\nsecond line")
+
+
+def _exits_on_rank_0(rank: int, world: int) -> None:
+    if rank == 0:
+        os._exit(3)
+
+
+def test_a_failing_or_exiting_rank_is_one_line() -> None:
+    from runtime.launch import spawn_local
+
+    with pytest.raises(PartitionerError) as err:
+        spawn_local(_fails_on_rank_1, 2, timeout_s=60, start_method="fork", rank_names=["device a", "device b"])
+    assert str(err.value) == "rank 1 (device b) failed: stage 1 cannot be built"
+    with pytest.raises(PartitionerError, match=r"^rank 0 exited with code 3; the other processes were stopped$"):
+        spawn_local(_exits_on_rank_0, 2, timeout_s=60, start_method="fork")
