@@ -129,9 +129,10 @@ FAULT_ENV = "PARTITIONER_FAULT_KILL"  # "RANK:STEP": rank RANK kills itself (SIG
 
 
 def _fault(rank: int, step: int) -> None:
-    """A test hook: the failure of a rank in the middle of a run (see :data:`FAULT_ENV`)."""
+    """A test hook: the failure of a rank in the middle of a run (see :data:`FAULT_ENV`); under
+    torchrun only in the first attempt, so that a restarted group can go on."""
     spec = os.environ.get(FAULT_ENV, "")
-    if spec and spec == f"{rank}:{step}":
+    if spec and spec == f"{rank}:{step}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -141,3 +141,28 @@ def test_a_failing_or_exiting_rank_is_one_line() -> None:
     assert str(err.value) == "rank 1 (device b) failed: stage 1 cannot be built"
     with pytest.raises(PartitionerError, match=r"^rank 0 exited with code 3; the other processes were stopped$"):
         spawn_local(_exits_on_rank_0, 2, timeout_s=60, start_method="fork")
+
+
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from runtime.launch import free_port
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "metrics.json"
+    # the same command line for the first attempt and the restart: --resume starts fresh without a checkpoint
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--master-port", str(free_port()), "-m", "partitioner", *(a for a in _cli_args(tmp_path) if a != "--local"),
+           "--steps", "5", "--lr", "0.3", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+           "--resume", "-o", str(out)]
+    assert "--local" not in cmd
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, FAULT_ENV: "1:3"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exitcode: -9" in proc.stderr  # rank 1 was killed once, then the group was restarted
+    m = json.loads(out.read_text())
+    assert m["first_step"] == 2 and len(m["loss"]) == 3  # lost the steps after the last checkpoint only
+    straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120),
+                           start_method="fork")
+    assert m["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
+    assert latest_complete(str(ckpt))["step"] == 5  # type: ignore[index]
