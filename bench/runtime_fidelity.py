@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = make_plan(args.model, args.batch, cost, schedule, stages, workers, m)
             predicted = simulate_plan(plan, profile, cluster).iteration_s
             metrics = train_local(plan, TrainConfig(args.model, steps=args.steps, warmup=args.warmup, threads=1,
-                                                          pin_cpu=args.pin),
+                                                          pin_cpu=args.pin, data="synthetic"),
                                   start_method="fork")
             measured = metrics["measured_iteration_s"]
             # per rank: measured F+B seconds per step against the profile's sum for its layers

@@ -49,18 +49,38 @@ class ZooModel:
 # -- CNNs ------------------------------------------------------------------------------
 
 
+class _HeConv2d(nn.Conv2d):
+    """A convolution initialised for a ReLU after it (He, fan-out; zero bias), as VGG is
+    usually initialised: with PyTorch's default the 16 convolutions of VGG-19, which has no
+    normalisation, pass almost no signal and SGD does not start learning."""
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_normal_(self.weight, mode="fan_out", nonlinearity="relu")
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class _HeLinear(nn.Linear):
+    """A linear layer initialised for a ReLU after it (He, fan-in; zero bias)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_normal_(self.weight, nonlinearity="relu")
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
 class _ConvReLU(nn.Sequential):
     def __init__(self, cin: int, cout: int):
-        super().__init__(nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(inplace=False))
+        super().__init__(_HeConv2d(cin, cout, 3, padding=1), nn.ReLU(inplace=False))
 
 
 class _Classifier(nn.Module):
     def __init__(self, fin: int, hidden: int, classes: int, pool: int):
         super().__init__()
         self.pool = nn.AdaptiveAvgPool2d(pool)
-        self.fc1 = nn.Linear(fin, hidden)
-        self.fc2 = nn.Linear(hidden, hidden)
-        self.fc3 = nn.Linear(hidden, classes)
+        self.fc1 = _HeLinear(fin, hidden)
+        self.fc2 = _HeLinear(hidden, hidden)
+        self.fc3 = _HeLinear(hidden, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.flatten(self.pool(x), 1)

@@ -6,7 +6,8 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
     forward of micro-batch ``j`` through stage ``s``, keeping the autograd graph. Stage 0
     reads the micro-batch from the data source; a later stage reads the activation its
     ``RECV_ACT`` received (or, when the previous stage is on this rank, that stage's output).
-    The last stage computes the micro-batch's loss, divided by the micro-batch count.
+    The last stage computes the micro-batch's loss against its targets, divided by the
+    micro-batch count.
 ``B(j, s)``
     backward of ``j`` through ``s``: from the loss on the last stage, otherwise with the
     gradient its ``RECV_GRAD`` received. Parameter gradients accumulate over the iteration.
@@ -64,12 +65,13 @@ class PipelineExecutor:
     ``stages`` maps the global stage indices this rank holds to their modules; ``peers``
     maps a pipeline rank to its ``torch.distributed`` rank; ``input_shapes[s]`` is the
     shape and dtype of stage ``s``'s input; ``data(j)`` gives micro-batch ``j``'s input on
-    the device; ``loss_fn`` turns the last stage's output into a scalar loss.
+    the device; ``loss_fn(y, j)`` turns the last stage's output ``y`` for micro-batch ``j``
+    into the micro-batch's scalar loss (against its targets).
     """
 
     def __init__(self, stages: Mapping[int, nn.Module], num_stages: int, peers: Sequence[int],
                  input_shapes: Mapping[int, tuple[torch.Size, torch.dtype]], micro_batches: int,
-                 data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                 data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, device: torch.device,
                  sync: Callable[[], None] | None = None):
         self.stages = dict(stages)
@@ -136,7 +138,7 @@ class PipelineExecutor:
         """Keep stage output ``y`` of (micro-batch, stage) ``key`` for its backward; the last
         stage keeps the micro-batch's share of the loss instead (and adds it to the tally)."""
         if key[1] == self.num_stages - 1:
-            loss = self.loss_fn(y) / self.m
+            loss = self.loss_fn(y, key[0]) / self.m
             self._loss_sum += float(loss.detach())
             self._outputs[key] = loss
         else:
@@ -190,7 +192,7 @@ class PipelineExecutor:
                 self._out_grads[(j, s)] = self._recv(out.shape, out.dtype, a.peer, message_tag("grad", j, s + 1, S))
                 seconds["recv"] += clock() - t0
             elif k == STEP:
-                self.step()
+                self.step(a.version)
                 seconds["step"] += clock() - t0
             elif k == PUSH:
                 self.push(a.version)
@@ -207,7 +209,7 @@ class PipelineExecutor:
     def pull(self, wave: int) -> None:
         raise ValueError("PULL needs the WSP executor (runtime.wsp.WspExecutor)")
 
-    def step(self) -> None:
+    def step(self, version: int = -1) -> None:
         self.wait_sends()
         if self.sync is not None:
             self.sync()

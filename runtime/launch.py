@@ -4,8 +4,9 @@ Rank ``r`` runs plan device ``Plan.devices[r]`` (see :mod:`runtime.layout`). Eac
 builds its stages (:mod:`runtime.stage`), executes its rank's action list of
 ``partitioner.schedule.build_schedule`` once per step (:mod:`runtime.executor`) and
 averages gradients over the virtual workers before each optimizer step
-(:mod:`runtime.dataparallel`). The loss is the mean of the model's output over the global
-batch (the zoo defines no loss; any scalar works for measuring and for the numerics check).
+(:mod:`runtime.dataparallel`). The data and the loss come from :mod:`runtime.data` (the
+model's real task by default, cross-entropy on the last stage); checkpoints and resuming from
+:mod:`runtime.checkpoint`.
 
 A step is timed between two barriers of all ranks; the reported iteration time is the median
 over the steps after ``warmup``.
@@ -18,8 +19,11 @@ import itertools
 import json
 import logging
 import os
+import re
+import signal
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,27 +33,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
 from partitioner.schedule import build_schedule
 
-from .data import SyntheticData
+from .checkpoint import load_rank, plan_sha256, resume_step, save_rank, write_manifest
+from .data import DATA_KINDS, make_data
 from .dataparallel import GradientAverager
 from .executor import PipelineExecutor
 from .layout import Layout, plan_layout
+from .model import is_model_ref, spec_chain
 from .stage import LayerChain, boundary_shapes, build_stage, zoo_chain
+from .twobw import TwoBwExecutor
 from .wsp import WspExecutor
 
-__all__ = ["TrainConfig", "check_world_size", "free_port", "gather_json", "run_rank", "spawn_local",
-           "train_distributed", "train_local"]
+__all__ = ["FAULT_ENV", "TrainConfig", "check_checkpoints", "check_world_size", "free_port", "gather_json",
+           "run_rank", "spawn_local", "train_distributed", "train_local"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """What to train and how: zoo model, steps, SGD learning rate, seed, device, threads."""
+    """What to train and how: model (a zoo name or a user's ``module:function``, see
+    :mod:`runtime.model`), data (:data:`runtime.data.DATA_KINDS`), steps, SGD learning rate,
+    seed, device, threads, checkpoints (:mod:`runtime.checkpoint`)."""
 
     model: str
     steps: int = 10
@@ -62,6 +72,11 @@ class TrainConfig:
     model_options: dict[str, Any] = field(default_factory=dict)
     state_dir: str = ""  # when set, every rank saves its stages' weights there (rank{r}.pt)
     pin_cpu: bool = False  # local processes: pin process r to the r-th available core (mod cores)
+    data: str = "auto"  # auto: the model's real task (text, classes or the user's make_batch)
+    checkpoint_dir: str = ""  # when set, checkpoints go there (every checkpoint_every steps and at the end)
+    checkpoint_every: int = 0  # 0: only at the end of the run
+    resume: bool = False  # start from the last complete checkpoint in checkpoint_dir (if any)
+    progress: bool = True  # a progress bar with the loss, when stderr is a terminal
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps >= 1):
@@ -72,9 +87,17 @@ class TrainConfig:
             raise PartitionerError(f"device = {self.device!r}: must be cpu or cuda")
         if not self.lr > 0:
             raise PartitionerError(f"lr = {self.lr!r}: must be > 0")
+        if self.data not in DATA_KINDS:
+            raise PartitionerError(f"data = {self.data!r}: must be one of {', '.join(DATA_KINDS)}")
+        if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
+            raise PartitionerError(f"checkpoint_every = {self.checkpoint_every!r}: must be an integer >= 0")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise PartitionerError("checkpoint_every / resume need a checkpoint directory (--checkpoint-dir)")
 
 
 def chain_for(plan: Plan, config: TrainConfig) -> LayerChain:
+    if is_model_ref(config.model):
+        return spec_chain(config.model)
     if plan.model != config.model:
         raise PartitionerError(f"the plan is for model '{plan.model}', not '{config.model}'; "
                                f"train the plan's model or plan for {config.model}")
@@ -88,10 +111,36 @@ def check_world_size(layout: Layout, world_size: int) -> None:
             f"one process each, but WORLD_SIZE = {world_size}; start {layout.world_size} processes")
 
 
+def check_checkpoints(plan: Plan, config: TrainConfig, world_size: int) -> int:
+    """Refuse what cannot be checkpointed or resumed (before any step); returns the step to start at."""
+    if not config.checkpoint_dir:
+        return 0
+    if plan.schedule in ("wsp", "2bw"):
+        raise PartitionerError(f"checkpoints need a flushing schedule (gpipe, 1f1b, interleaved, bfs): "
+                               f"{plan.schedule} runs its iterations as one action list without a point where all "
+                               f"ranks agree on the weights")
+    start = resume_step(config.checkpoint_dir, plan, world_size) if config.resume else 0
+    if start >= config.steps:
+        raise PartitionerError(f"{config.checkpoint_dir}: the last complete checkpoint is of step {start}, "
+                               f"not before --steps {config.steps}; ask for more steps")
+    return start
+
+
+FAULT_ENV = "PARTITIONER_FAULT_KILL"  # "RANK:STEP": rank RANK kills itself (SIGKILL) as step STEP begins
+
+
+def _fault(rank: int, step: int) -> None:
+    """A test hook: the failure of a rank in the middle of a run (see :data:`FAULT_ENV`); under
+    torchrun only in the first attempt, so that a restarted group can go on."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec and spec == f"{rank}:{step}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) -> dict[str, Any]:
     """Train on this rank (the process group is initialised); returns this rank's figures."""
     chain = chain_for(plan, config)
-    layout = plan_layout(plan, chain.num_layers)
+    layout = plan_layout(plan, chain.num_layers, model=chain.name)
     me = layout.ranks[rank]
     device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else "cpu")
     if device.type == "cuda":
@@ -102,27 +151,33 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                 for a in [stages_layers[s][0]]}
     shapes = boundary_shapes(chain, plan.micro_batch_size)
     input_shapes = {s: shapes[stages_layers[s][0] - 1] for s in me.stages if stages_layers[s][0] > 0}
-    data = SyntheticData(chain.make_input, plan.micro_batch_size, plan.micro_batches, layout.workers, config.seed)
-    m = plan.micro_batches
+    data = make_data(chain, config.data, plan.micro_batch_size, plan.micro_batches, layout.workers, config.seed)
+    m, b = plan.micro_batches, plan.micro_batch_size
     current = {"step": 0}
-    cache: dict[int, torch.Tensor] = {}
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def micro_batch(j: int) -> torch.Tensor:
+    def rows(j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         step = current["step"] + j // m  # flushing lists number j within the step; wsp across waves
         if step not in cache:
             cache.clear()
             cache[step] = data.global_batch(step)
-        start = (me.worker * m + j % m) * plan.micro_batch_size
-        return cache[step][start:start + plan.micro_batch_size].to(device)
+        x, y = cache[step]
+        start = (me.worker * m + j % m) * b
+        return x[start:start + b], (y[start:start + b] if y is not None else None)
 
-    def loss_fn(y: torch.Tensor) -> torch.Tensor:
-        return y.float().mean()
+    def micro_batch(j: int) -> torch.Tensor:
+        return rows(j)[0].to(device)
+
+    def loss_fn(y: torch.Tensor, j: int) -> torch.Tensor:
+        target = rows(j)[1]
+        return data.loss(y, target.to(device) if target is not None else None)
 
     p = len(layout.pipelines[me.worker])
     peers, n_stages = layout.pipelines[me.worker], len(stages_layers)
     executor: PipelineExecutor
     step_s: list[float] = []
     extra: dict[str, Any] = {}
+    first = 0
     if plan.schedule == "wsp":
         wsp = WspExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
                           layout=layout, rank=rank, lr=config.lr)
@@ -138,19 +193,51 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         dist.barrier()
         extra["wave_end_s"] = [wsp.push_times[c] - t0 for c in range(config.steps)]
         wsp.load_into_modules()
+    elif plan.schedule == "2bw":
+        two = TwoBwExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
+                            layout=layout, rank=rank, lr=config.lr)
+        executor = two
+        actions = build_schedule("2bw", p, m, plan.chunks, iterations=config.steps)[me.pipe_rank]
+        dist.barrier()
+        t0 = time.perf_counter()
+        two.run(actions)
+        two.drain(config.steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        extra["wave_end_s"] = [two.push_times[c] - t0 for c in range(config.steps)]
+        two.load_into_modules(config.steps)
     else:
         params = [q for mod in modules.values() for q in mod.parameters()]
         optimizer = torch.optim.SGD(params, lr=config.lr) if params else None
+        plan_hash = plan_sha256(plan)
+        if config.checkpoint_dir and config.resume:
+            agreed = torch.tensor([resume_step(config.checkpoint_dir, plan, layout.world_size) if rank == 0 else 0],
+                                  device=device)
+            dist.broadcast(agreed, 0)
+            first = int(agreed.item())
+            if first:
+                state = load_rank(config.checkpoint_dir, first, rank, plan_hash)
+                for s, mod in modules.items():
+                    mod.load_state_dict(state["stages"][s])
+                if optimizer is not None:
+                    optimizer.load_state_dict(state["optimizer"])
+                log.info("rank %d resumes from step %d", rank, first)
         averager = GradientAverager(layout, rank, by_layer)
         executor = PipelineExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, optimizer,
                                     device, averager)
         actions = build_schedule(plan.schedule, p, m, plan.chunks)[me.pipe_rank]
-        for step in range(config.steps):
-            if step == config.warmup:
+        show = (config.progress and sys.stderr.isatty() and me.worker == 0 and n_stages - 1 in me.stages)
+        # (made only when shown: tqdm creates a multiprocessing lock, which a killed rank would leak)
+        bar = tqdm(total=config.steps, initial=first, desc=f"train {chain.name}", unit="step",
+                   dynamic_ncols=True) if show else None
+        for step in range(first, config.steps):
+            _fault(rank, step)
+            if step - first == config.warmup:
                 executor.seconds = dict.fromkeys(executor.seconds, 0.0)
             current["step"] = step
             cache.clear()
-            cache[step] = data.global_batch(step)
+            cache[step] = data.global_batch(step)  # made before the timed window
             dist.barrier()
             t0 = time.perf_counter()
             executor.run(actions)
@@ -158,15 +245,31 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                 torch.cuda.synchronize(device)
             dist.barrier()
             step_s.append(time.perf_counter() - t0)
+            if bar is not None:
+                if executor.losses:
+                    bar.set_postfix(loss=f"{executor.losses[-1]:.4f}", refresh=False)
+                bar.update(1)
+            done = step + 1
+            every = config.checkpoint_every
+            if config.checkpoint_dir and ((every and done % every == 0) or done == config.steps):
+                save_rank(config.checkpoint_dir, done, rank, plan_hash,
+                          {s: mod.state_dict() for s, mod in modules.items()},
+                          optimizer.state_dict() if optimizer is not None else None)
+                dist.barrier()
+                if rank == 0:
+                    write_manifest(config.checkpoint_dir, done, plan_hash, layout.world_size)
+        if bar is not None:
+            bar.close()
     # seconds are summed after the warm-up steps (flushing schedules) or over the whole run (wsp)
-    timed_steps = config.steps - config.warmup if config.steps > config.warmup and not extra else config.steps
+    ran = config.steps - first
+    timed_steps = ran - config.warmup if ran > config.warmup and not extra else ran
     if config.state_dir:
         torch.save({s: {k: v.cpu() for k, v in m.state_dict().items()} for s, m in modules.items()},
                    os.path.join(config.state_dir, f"rank{rank}.pt"))
     return {"rank": rank, "device": me.device, "worker": me.worker, "pipe_rank": me.pipe_rank,
             "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
-            "step_s": step_s, "losses": executor.losses, "threads": torch.get_num_threads(),
-            "seconds_per_step": {k: v / timed_steps for k, v in executor.seconds.items()}, **extra}
+            "step_s": step_s, "losses": executor.losses, "threads": torch.get_num_threads(), "first_step": first,
+            "data": data.kind, "seconds_per_step": {k: v / timed_steps for k, v in executor.seconds.items()}, **extra}
 
 
 def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], backend: str) -> dict[str, Any]:
@@ -174,17 +277,18 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         ends = [max(r["wave_end_s"][c] for r in per_rank) for c in range(config.steps)]
         steps = [ends[0], *(b - a for a, b in itertools.pairwise(ends))]
     else:
-        steps = [max(r["step_s"][k] for r in per_rank) for k in range(config.steps)]
+        steps = [max(r["step_s"][k] for r in per_rank) for k in range(len(per_rank[0]["step_s"]))]
     timed = steps[config.warmup:] or steps
     iteration = statistics.median(timed)
     workers = len(plan.virtual_workers)
     losses = [r["losses"] for r in per_rank if r["losses"]]
-    mean_loss = [sum(ls[k] for ls in losses) / len(losses) for k in range(config.steps)] if losses else []
+    mean_loss = [sum(ls[k] for ls in losses) / len(losses) for k in range(len(losses[0]))] if losses else []
     return {
         "format": "partitioner.train-metrics/1",
         "model": plan.model, "schedule": plan.schedule, "micro_batch_size": plan.micro_batch_size,
         "micro_batches": plan.micro_batches, "virtual_workers": workers, "world_size": len(per_rank),
         "backend": backend, "config": {k: v for k, v in asdict(config).items() if k != "state_dir"},
+        "data": per_rank[0]["data"], "first_step": per_rank[0]["first_step"],
         "measured_iteration_s": iteration,
         "samples_per_s": workers * plan.micro_batches * plan.micro_batch_size / iteration,
         "step_s": steps, "loss": mean_loss,
@@ -204,9 +308,11 @@ def _threads(config: TrainConfig, nprocs: int) -> int:
 def train_distributed(plan: Plan, config: TrainConfig) -> dict[str, Any] | None:
     """Train under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set).
     Returns the metrics on rank 0 and ``None`` on the other ranks."""
-    layout = plan_layout(plan, chain_for(plan, config).num_layers)
+    chain = chain_for(plan, config)
+    layout = plan_layout(plan, chain.num_layers, model=chain.name)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_world_size(layout, world)
+    check_checkpoints(plan, config, world)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     backend = "nccl" if config.device == "cuda" else "gloo"
     torch.set_num_threads(_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
@@ -310,19 +416,50 @@ def _bootstrap(local_rank: int, fn: Callable[..., Any], world: int, port: int, b
         dist.destroy_process_group()
 
 
+def _exception_line(trace: str) -> str:
+    """The line of a formatted traceback that names the exception (``Type: message``), with
+    this library's own errors shown by their message alone."""
+    lines = [ln for ln in trace.splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: |$)", ln)]
+    line = (named or lines or ["no message"])[-1].strip()
+    for prefix in ("partitioner.errors.PartitionerError: ", "partitioner.errors.FormatError: "):
+        line = line.removeprefix(prefix)
+    return line
+
+
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, backend: str = "gloo",
-                threads: int = 1, timeout_s: float = 300.0, start_method: str = "spawn", pin_cpu: bool = False) -> None:
+                threads: int = 1, timeout_s: float = 300.0, start_method: str = "spawn", pin_cpu: bool = False,
+                rank_names: list[str] | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``nprocs`` processes on this machine, in one
     process group whose store this process serves on 127.0.0.1 (see :func:`_loopback_store`).
     Raises :class:`PartitionerError` if they have not finished after ``timeout_s`` (the
-    processes are terminated). ``pin_cpu`` keeps process ``r`` on the ``r``-th available core
+    processes are terminated), or, in one line naming the rank (and ``rank_names[rank]``), if a
+    process dies (its signal or exit code) or raises (the exception's last line); the other
+    processes are then stopped. ``pin_cpu`` keeps process ``r`` on the ``r``-th available core
     (modulo the cores)."""
+
+    def names(r: int) -> str:
+        return f" ({rank_names[r]})" if rank_names and 0 <= r < len(rank_names) else ""
+
     store = _loopback_store(timeout_s + 30.0)
+    # torch logs a warning per process it stops after a failure; the failure is reported in one line below
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         ctx = mp.start_processes(_bootstrap, args=(fn, nprocs, store.port, backend, threads, timeout_s, pin_cpu, args),
                                  nprocs=nprocs, join=False, start_method=start_method)
         deadline = time.monotonic() + timeout_s + 30.0
-        while not ctx.join(timeout=0.5):
+        while True:
+            try:
+                if ctx.join(timeout=0.5, grace_period=1.0):
+                    break
+            except mp.ProcessExitedException as err:
+                how = (f"was killed by signal {err.signal_name}" if err.signal_name
+                       else f"exited with code {err.exit_code}")
+                raise PartitionerError(f"rank {err.error_index}{names(err.error_index)} {how}; "
+                                       f"the other processes were stopped") from None
+            except mp.ProcessRaisedException as err:
+                raise PartitionerError(f"rank {err.error_index}{names(err.error_index)} failed: "
+                                       f"{_exception_line(str(err))}") from None
             if time.monotonic() > deadline:
                 for proc in ctx.processes:
                     if proc.is_alive():
@@ -343,13 +480,19 @@ def _local_worker(rank: int, world: int, plan_dict: dict[str, Any], config: Trai
 
 def train_local(plan: Plan, config: TrainConfig, start_method: str = "spawn") -> dict[str, Any]:
     """Train ``plan`` with one process per plan device on this machine; returns the metrics."""
-    layout = plan_layout(plan, chain_for(plan, config).num_layers)
+    import json
+
+    chain = chain_for(plan, config)
+    layout = plan_layout(plan, chain.num_layers, model=chain.name)
     n = layout.world_size
     if config.device == "cuda" and torch.cuda.device_count() < n:
         raise PartitionerError(f"the plan needs {n} GPUs on this machine; torch sees {torch.cuda.device_count()}")
+    check_checkpoints(plan, config, n)
+    make_data(chain, config.data, plan.micro_batch_size, plan.micro_batches, layout.workers, config.seed)
     with tempfile.TemporaryDirectory(prefix="partitioner-train-") as tmp:
         spawn_local(_local_worker, n, (plan.to_dict(), config, tmp),
                     backend="nccl" if config.device == "cuda" else "gloo", threads=_threads(config, n),
-                    timeout_s=config.timeout_s, start_method=start_method, pin_cpu=config.pin_cpu)
+                    timeout_s=config.timeout_s, start_method=start_method, pin_cpu=config.pin_cpu,
+                    rank_names=[f"device {r.device}" for r in layout.ranks])
         with open(os.path.join(tmp, "metrics.json"), encoding="utf-8") as f:
             return dict(json.load(f))

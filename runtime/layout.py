@@ -22,8 +22,9 @@ from partitioner.schedule import check_schedule
 __all__ = ["SUPPORTED_SCHEDULES", "Layout", "RankInfo", "plan_layout"]
 
 # Flushing schedules: every iteration ends with all gradients in, so synchronous data
-# parallelism is exact; wsp runs Wave Synchronous Parallel (runtime/wsp.py). 2bw is not executed.
-SUPPORTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "wsp")
+# parallelism is exact; wsp runs Wave Synchronous Parallel (runtime/wsp.py), 2bw PipeDream-2BW's
+# double-buffered weight updates (runtime/twobw.py).
+SUPPORTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "2bw", "wsp")
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,14 @@ class Layout:
         return [(ranks, tuple(layers)) for ranks, layers in holders.items()]
 
 
-def plan_layout(plan: Plan, num_layers: int) -> Layout:
-    """Map ``plan`` onto ranks, refusing what the runtime does not execute (one line each)."""
+def plan_layout(plan: Plan, num_layers: int, model: str = "") -> Layout:
+    """Map ``plan`` onto ranks, refusing what the runtime does not execute (one line each).
+    ``model`` names the model of ``num_layers`` layers in the messages."""
+    the_model = f"model {model}" if model else "the model"
     if plan.schedule not in SUPPORTED_SCHEDULES:
         raise PartitionerError(
-            f"schedule '{plan.schedule}' is not executed by the runtime: it runs {', '.join(SUPPORTED_SCHEDULES)} "
-            f"(2bw's double-buffered weight updates are not implemented); re-plan with one of those")
+            f"schedule '{plan.schedule}' is not executed by the runtime: it runs {', '.join(SUPPORTED_SCHEDULES)}; "
+            f"re-plan with one of those")
     if plan.staleness != 0 and plan.schedule != "wsp":
         raise PartitionerError(
             f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
@@ -98,9 +101,15 @@ def plan_layout(plan: Plan, num_layers: int) -> Layout:
                                        f"replicate stages; express data parallelism as virtual workers")
             if st.start != expect:
                 raise FormatError(f"{where}.stages[{k}].layers", list(st.layers), f"must start at layer {expect}")
+            if st.stop > num_layers:
+                raise FormatError(f"{where}.stages[{k}].layers", list(st.layers),
+                                  f"layer {num_layers} does not exist: {the_model} has {num_layers} layers "
+                                  f"(0..{num_layers - 1})")
             expect = st.stop
         if expect != num_layers:
-            raise FormatError(f"{where}.stages", f"ends at layer {expect}", f"the model has {num_layers} layers")
+            raise FormatError(f"{where}.stages[{len(vw.stages) - 1}].layers", list(vw.stages[-1].layers),
+                              f"the last stage ends before layer {expect}, but {the_model} has {num_layers} layers: "
+                              f"layers {expect}..{num_layers - 1} are in no stage")
         n = len(vw.stages)
         if n % v != 0:
             raise FormatError(f"{where}.stages", n, f"with chunks={v} the stage count must be a multiple of {v}")

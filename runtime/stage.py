@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,11 +28,18 @@ __all__ = ["LayerChain", "boundary_shapes", "build_stage", "init_layer", "layer_
 
 @dataclass
 class LayerChain:
-    """A chain of layers (possibly on the meta device) and a maker of real input batches."""
+    """A chain of layers (possibly on the meta device) and a maker of real input batches.
+
+    ``config`` is the zoo model's configuration (``vocab``/``seq_len`` for transformers,
+    ``classes``/``image_size`` for CNNs; see :func:`partitioner.models.build_model`), which
+    :mod:`runtime.data` reads to make the model's training task; ``spec`` is the user's
+    :class:`runtime.model.ModelSpec` when the chain is not from the zoo."""
 
     name: str
     layers: list[tuple[str, nn.Module]]
     make_input: Any  # Callable[[int, device], Tensor]
+    config: dict[str, Any] = field(default_factory=dict)
+    spec: Any = None  # runtime.model.ModelSpec | None
 
     @property
     def num_layers(self) -> int:
@@ -44,7 +51,7 @@ def zoo_chain(model: str, micro_batch_size: int = 1, **options: Any) -> LayerCha
     from partitioner.models import build_model
 
     zoo = build_model(model, micro_batch_size, device="meta", **options)
-    return LayerChain(model, list(zoo.layers), zoo.make_input)
+    return LayerChain(model, list(zoo.layers), zoo.make_input, dict(zoo.config))
 
 
 def layer_seed(seed: int, layer: int) -> int:

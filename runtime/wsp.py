@@ -44,7 +44,7 @@ class WspExecutor(PipelineExecutor):
 
     def __init__(self, stages: Mapping[int, nn.Module], num_stages: int, peers: Sequence[int],
                  input_shapes: Mapping[int, tuple[torch.Size, torch.dtype]], micro_batches: int,
-                 data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                 data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
                  device: torch.device, *, layout: Layout, rank: int, lr: float):
         super().__init__(stages, num_stages, peers, input_shapes, micro_batches, data, loss_fn, None, device)
         self.lr = lr

@@ -13,7 +13,7 @@ import torch
 from partitioner import cli
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
-from runtime.data import SyntheticData
+from runtime.data import make_data
 from runtime.launch import TrainConfig, check_world_size, train_local
 from runtime.layout import plan_layout
 from runtime.stage import build_stage, zoo_chain
@@ -28,25 +28,27 @@ def worker(cuts: list[int], devices: list[str]) -> VirtualWorker:
                                for k, (a, b) in enumerate(itertools.pairwise(cuts))))
 
 
-def reference_weights(plan: Plan, steps: int, lr: float, seed: int) -> dict[str, torch.Tensor]:
-    """Single-process SGD on the whole model and the same global batches."""
+def reference_weights(plan: Plan, steps: int, lr: float, seed: int, data: str = "auto") -> dict[str, torch.Tensor]:
+    """Single-process SGD on the whole model, the same global batches and the same loss."""
     chain = zoo_chain(plan.model, plan.micro_batch_size)
     model = build_stage(chain, 0, chain.num_layers, seed=seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    data = SyntheticData(chain.make_input, plan.micro_batch_size, plan.micro_batches, len(plan.virtual_workers), seed)
+    source = make_data(chain, data, plan.micro_batch_size, plan.micro_batches, len(plan.virtual_workers), seed)
     for step in range(steps):
         opt.zero_grad()
-        model(data.global_batch(step)).float().mean().backward()
+        x, y = source.global_batch(step)
+        source.loss(model(x), y).backward()
         opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def trained_weights(plan: Plan, tmp_path: Path, steps: int, lr: float, seed: int) -> list[dict[str, torch.Tensor]]:
+def trained_weights(plan: Plan, tmp_path: Path, steps: int, lr: float, seed: int, data: str = "auto",
+                    **options: object) -> list[dict[str, torch.Tensor]]:
     """Train with the runtime; returns each virtual worker's full set of weights."""
     cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=60,
-                      state_dir=str(tmp_path))
+                      state_dir=str(tmp_path), data=data, **options)  # type: ignore[arg-type]
     metrics = train_local(plan, cfg, start_method="fork")
-    assert len(metrics["step_s"]) == steps
+    assert len(metrics["step_s"]) == steps - metrics["first_step"]
     layout = plan_layout(plan, zoo_chain(plan.model).num_layers)
     out: list[dict[str, torch.Tensor]] = [{} for _ in plan.virtual_workers]
     for r in layout.ranks:
@@ -55,10 +57,11 @@ def trained_weights(plan: Plan, tmp_path: Path, steps: int, lr: float, seed: int
     return out
 
 
-def assert_same(plan: Plan, tmp_path: Path, steps: int = 3, lr: float = 0.05, seed: int = 1) -> None:
-    ref = reference_weights(plan, steps, lr, seed)
+def assert_same(plan: Plan, tmp_path: Path, steps: int = 3, lr: float = 0.05, seed: int = 1,
+                data: str = "auto") -> None:
+    ref = reference_weights(plan, steps, lr, seed, data)
     init = build_stage(zoo_chain(plan.model), 0, len(zoo_chain(plan.model).layers), seed=seed).state_dict()
-    for got in trained_weights(plan, tmp_path, steps, lr, seed):
+    for got in trained_weights(plan, tmp_path, steps, lr, seed, data):
         assert set(got) == set(ref)
         for k, v in ref.items():
             torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=f"{plan.schedule}: {k}")
@@ -69,12 +72,14 @@ def assert_same(plan: Plan, tmp_path: Path, steps: int = 3, lr: float = 0.05, se
 # -- (a) numerics -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_two_stages_two_heterogeneous_workers_match_one_process(schedule: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("schedule", "model", "data"), [("1f1b", "gpt2-tiny", "text"),
+                                                         ("gpipe", "bert-tiny", "text")])
+def test_two_stages_two_heterogeneous_workers_match_one_process(schedule: str, model: str, data: str,
+                                                                tmp_path: Path) -> None:
     # the two virtual workers cut the 4 layers differently: gradients are averaged per layer
-    plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]), worker([0, 1, 4], ["n0:2", "n0:3"])),
+    plan = Plan(model, (worker([0, 2, 4], ["n0:0", "n0:1"]), worker([0, 1, 4], ["n0:2", "n0:3"])),
                 schedule=schedule, micro_batch_size=2, micro_batches=3)
-    assert_same(plan, tmp_path)
+    assert_same(plan, tmp_path, data=data)
 
 
 @pytest.mark.parametrize("m", [1, 2, 5])
@@ -148,7 +153,6 @@ def test_more_processes_needed_than_given(tmp_path: Path, capsys: pytest.Capture
 
 
 @pytest.mark.parametrize(("schedule", "staleness", "expect"), [
-    ("2bw", 0, "schedule '2bw' is not executed by the runtime: it runs gpipe, 1f1b, interleaved, bfs, wsp"),
     ("1f1b", 1, "staleness = 1 with schedule '1f1b': the runtime keeps virtual workers of a flushing schedule "
                 "exactly synchronous; bounded staleness needs schedule wsp"),
     ("interleaved", 0, "micro_batches = 3: the interleaved schedule sends micro-batches in groups of one per "
@@ -241,11 +245,11 @@ def wsp_reference(plan: Plan, steps: int, lr: float, seed: int) -> dict[str, tor
     model = build_stage(chain, 0, chain.num_layers, seed=seed)
     w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     n_w, m, b, d = len(plan.virtual_workers), plan.micro_batches, plan.micro_batch_size, plan.staleness
-    data = SyntheticData(chain.make_input, b, m, n_w, seed)
+    data = make_data(chain, "synthetic", b, m, n_w, seed)
     avg: list[dict[str, torch.Tensor]] = []
     own: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(n_w)]
     for c in range(steps):
-        batch = data.global_batch(c)
+        batch = data.global_batch(c)[0]
         for w in range(n_w):
             weights = {}
             for k, v in w0.items():
@@ -279,17 +283,17 @@ def test_wsp_follows_its_update_rule(staleness: int, tmp_path: Path) -> None:
     plan = Plan("gpt2-tiny", (worker([0, 4], ["n0:0"]), worker([0, 4], ["n0:1"])), schedule="wsp",
                 micro_batch_size=2, micro_batches=3, staleness=staleness)
     ref = wsp_reference(plan, 4, LR, 1)
-    for got in trained_weights(plan, tmp_path, 4, LR, 1):
+    for got in trained_weights(plan, tmp_path, 4, LR, 1, "synthetic"):
         for k, v in ref.items():
             torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=k)
     # (a large step, so that the mean-of-output loss's nearly constant gradients still differ
     # measurably between stale and fresh weights)
     if staleness == 0:  # one device per worker and D = 0: synchronous SGD on the global batch
-        sync = reference_weights(plan, 4, LR, 1)
+        sync = reference_weights(plan, 4, LR, 1, "synthetic")
         for k, v in sync.items():
             torch.testing.assert_close(ref[k], v, rtol=1e-4, atol=1e-6)
     else:  # staleness changes the result
-        sync = reference_weights(plan, 4, LR, 1)
+        sync = reference_weights(plan, 4, LR, 1, "synthetic")
         assert any(not torch.allclose(ref[k], sync[k], rtol=1e-4, atol=1e-6) for k in ref)
 
 
@@ -315,3 +319,51 @@ def test_wsp_pipelines_cut_differently_end_equal(tmp_path: Path) -> None:
     for k in init:
         torch.testing.assert_close(first[k], second[k], rtol=1e-5, atol=1e-7)
     assert any(not torch.equal(init[k], first[k]) for k in init)
+
+
+# -- PipeDream-2BW ----------------------------------------------------------------------------------
+
+
+def twobw_reference(plan: Plan, steps: int, lr: float, seed: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The 2BW rule of runtime/twobw.py in one process: iteration c's gradient is computed on
+    W(c - 1) (W(-1) = W(0)) and W(c + 1) = W(c) - lr * that gradient. Returns W(steps) and the
+    loss of every iteration."""
+    from torch.func import functional_call
+
+    chain = zoo_chain(plan.model, plan.micro_batch_size)
+    model = build_stage(chain, 0, chain.num_layers, seed=seed)
+    source = make_data(chain, "auto", plan.micro_batch_size, plan.micro_batches, len(plan.virtual_workers), seed)
+    versions = [{k: v.detach().clone() for k, v in model.named_parameters()}]
+    losses = []
+    for c in range(steps):
+        used = {k: v.clone().requires_grad_(True) for k, v in versions[max(c - 1, 0)].items()}
+        x, y = source.global_batch(c)
+        loss = source.loss(functional_call(model, used, (x,)), y)
+        grads = dict(zip(used, torch.autograd.grad(loss, list(used.values())), strict=True))
+        versions.append({k: versions[-1][k] - lr * grads[k] for k in used})
+        losses.append(float(loss))
+    return versions[-1], losses
+
+
+@pytest.mark.parametrize(("cuts", "m"), [([[0, 1, 3, 4]], 2),  # 3 stages, m < p: at most m in flight
+                                         ([[0, 2, 4], [0, 1, 4]], 3)])  # 2 virtual workers cut differently
+def test_2bw_follows_its_update_rule(cuts: list[list[int]], m: int, tmp_path: Path) -> None:
+    workers = tuple(worker(c, [f"n0:{w * (len(c) - 1) + k}" for k in range(len(c) - 1)]) for w, c in enumerate(cuts))
+    plan = Plan("gpt2-tiny", workers, schedule="2bw", micro_batch_size=2, micro_batches=m)
+    steps, lr = 4, 0.5
+    ref, ref_losses = twobw_reference(plan, steps, lr, 1)
+    cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=1, threads=1, timeout_s=60,
+                      state_dir=str(tmp_path))
+    metrics = train_local(plan, cfg, start_method="fork")
+    assert metrics["loss"] == pytest.approx(ref_losses, rel=1e-4)
+    layout = plan_layout(plan, 4)
+    got: list[dict[str, torch.Tensor]] = [{} for _ in plan.virtual_workers]
+    for r in layout.ranks:
+        for state in torch.load(tmp_path / f"rank{r.rank}.pt").values():
+            got[r.worker].update(state)
+    for weights in got:
+        for k, v in ref.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=1e-6, msg=k)
+    # the one-step delay is real: synchronous SGD on the same batches ends elsewhere
+    sync = reference_weights(plan, steps, lr, 1)
+    assert any(not torch.allclose(ref[k], sync[k], rtol=1e-4, atol=1e-6) for k in ref)

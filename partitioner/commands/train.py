@@ -2,6 +2,7 @@
 against the simulator's prediction.
 
     partitioner train plan.json --profile p.json --cluster c.yaml --model gpt2-tiny --local
+    partitioner train plan.json ... --model mymodels:mlp --local        (a user's model, runtime.model)
     torchrun --nnodes 2 --nproc-per-node 4 ... -m partitioner train plan.json ...   (one rank per device)
 """
 
@@ -24,13 +25,15 @@ __all__ = ["register"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from runtime.launch import TrainConfig, train_distributed, train_local
+    from runtime.launch import TrainConfig, chain_for, train_distributed, train_local
+    from runtime.layout import plan_layout
+    from runtime.model import is_model_ref
 
     from ..simulate import simulate_plan
 
     check_outputs({"-o": args.output}, (args.plan, args.profile, args.cluster))
     plan = Plan.load(args.plan)
-    if plan.model != args.model:
+    if plan.model != args.model and not is_model_ref(args.model):
         raise PartitionerError(f"{args.plan}: the plan is for model '{plan.model}', not '{args.model}'")
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
@@ -41,13 +44,24 @@ def _run(args: argparse.Namespace) -> int:
     except FormatError as err:
         raise err.in_file(args.plan) from None
     config = TrainConfig(args.model, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
-                         device=args.device, threads=args.threads, timeout_s=args.timeout)
-    from runtime.stage import zoo_chain
-
-    n_layers = zoo_chain(args.model, plan.micro_batch_size).num_layers
-    if n_layers != profile.num_layers:
+                         device=args.device, threads=args.threads, timeout_s=args.timeout, data=args.data,
+                         checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
+                         resume=args.resume)
+    chain = chain_for(plan, config)
+    n_layers = chain.num_layers
+    if n_layers != profile.num_layers:  # the plan was validated against the profile: name where it differs
+        if n_layers < profile.num_layers:
+            w, k = next((w, k) for w, vw in enumerate(plan.virtual_workers) for k, st in enumerate(vw.stages)
+                        if st.stop > n_layers)
+            where = f"virtual_workers[{w}].stages[{k}] holds layer {n_layers}, which the model does not have"
+        else:
+            where = f"no stage of the plan holds layers {profile.num_layers}..{n_layers - 1}"
         raise PartitionerError(f"model '{args.model}' has {n_layers} layers but the profile has "
-                               f"{profile.num_layers}; profile the same model")
+                               f"{profile.num_layers}: {where}; profile the same model and plan again")
+    try:
+        plan_layout(plan, n_layers, model=chain.name)
+    except FormatError as err:
+        raise err.in_file(args.plan) from None
     predicted = simulate_plan(plan, profile, cluster).iteration_s
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.local and under_torchrun:
@@ -60,12 +74,17 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     metrics["predicted_iteration_s"] = predicted
     metrics["measured_over_predicted"] = metrics["measured_iteration_s"] / predicted if predicted > 0 else None
-    print(f"{plan.model} {plan.schedule}: {metrics['world_size']} processes, {config.steps} steps "
-          f"(median of the last {max(1, config.steps - config.warmup)})")
+    ran = len(metrics["step_s"])
+    resumed = f", resumed at step {metrics['first_step']}" if metrics.get("first_step") else ""
+    print(f"{config.model} {plan.schedule}: {metrics['world_size']} processes, {ran} steps{resumed} "
+          f"(median of the last {max(1, ran - config.warmup)}), data {metrics['data']}")
     print(f"  measured iteration  {metrics['measured_iteration_s'] * 1e3:9.2f} ms")
     print(f"  predicted iteration {predicted * 1e3:9.2f} ms  (simulator)")
     if metrics["loss"]:
-        print(f"  loss {metrics['loss'][0]:.5g} -> {metrics['loss'][-1]:.5g}")
+        what = "mean of the output" if metrics["data"] == "synthetic" else "training loss"
+        print(f"  loss {metrics['loss'][0]:.5g} -> {metrics['loss'][-1]:.5g}  ({what})")
+    if config.checkpoint_dir:
+        print(f"  checkpoints in {config.checkpoint_dir}")
     if args.output:
         from .._io import write_json
 
@@ -91,15 +110,22 @@ def _finite_or_null(x: Any) -> tuple[Any, int]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a zoo model with a plan (torch.distributed)",
+    p = sub.add_parser("train", help="train a zoo model (or your own) with a plan (torch.distributed)",
                        description="Execute PLAN's schedule on torch.distributed (gloo on CPU, NCCL on GPU): "
                                    "one process per plan device; synchronous data parallelism between virtual "
-                                   "workers (gpipe, 1f1b, interleaved, bfs) or WSP with the plan's staleness "
-                                   "(wsp). Reports the measured iteration time against the simulator's.")
+                                   "workers (gpipe, 1f1b, interleaved, bfs), PipeDream-2BW (2bw) or WSP with the "
+                                   "plan's staleness (wsp). Reports the measured iteration time against the simulator's.")
     p.add_argument("plan", help="plan JSON")
     p.add_argument("--profile", required=True, help="the profile the plan was made for")
     p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
-    p.add_argument("--model", required=True, help="zoo model to train (must be the plan's model)")
+    p.add_argument("--model", required=True,
+                   help="zoo model to train (must be the plan's model), or module:function returning a "
+                        "runtime.model.ModelSpec (docs/runtime.md)")
+    p.add_argument("--data", choices=("auto", "text", "classes", "synthetic"), default="auto",
+                   help="training data: auto (default) is the model's real task -- text (the Python standard "
+                        "library's sources, bytes) for gpt2/bert, classes (a generated image classification "
+                        "task) for CNNs, make_batch for a user's model; synthetic: random inputs, loss = mean "
+                        "of the output (throughput only)")
     p.add_argument("--steps", type=bounded_int(1, 1_000_000), default=10, help="training steps (default 10)")
     p.add_argument("--warmup", type=bounded_int(0, 1_000_000), default=2, help="steps left out of the timing (default 2)")
     p.add_argument("--lr", type=bounded_float(1e-12, 1e6), default=0.01, help="SGD learning rate (default 0.01)")
@@ -109,5 +135,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="torch threads per process (default: this machine's cores / processes)")
     p.add_argument("--timeout", type=bounded_float(1.0, 7 * 86400.0), default=300.0, help="seconds before a stuck run is stopped")
     p.add_argument("--local", action="store_true", help="start one process per plan device on this machine")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (per rank, atomic; at the end "
+                                                          "and every --checkpoint-every steps)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="checkpoint every N steps (default 0: only at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the last complete checkpoint in --checkpoint-dir (a fresh start if none)")
     p.add_argument("-o", "--output", metavar="METRICS.json", help="write the metrics here")
     p.set_defaults(func=_run)

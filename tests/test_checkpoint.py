@@ -1,0 +1,168 @@
+"""Checkpoints and resume (runtime/checkpoint.py), and a dead rank under --local."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from partitioner import cli
+from partitioner.errors import PartitionerError
+from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner.profile import LayerProfile, LayerTime, Profile
+from runtime.checkpoint import latest_complete, load_rank, plan_sha256, save_rank, step_dir
+from runtime.launch import FAULT_ENV, TrainConfig, train_local
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_CLUSTER = ROOT / "examples" / "clusters" / "cpu4.yaml"
+
+
+def worker(cuts: list[int], devices: list[str]) -> VirtualWorker:
+    return VirtualWorker(tuple(Stage((a, b), devices[k % len(devices)])
+                               for k, (a, b) in enumerate(itertools.pairwise(cuts))))
+
+
+PLAN = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), micro_batch_size=2, micro_batches=2)
+
+
+def _weights(state_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for r in (0, 1):
+        for state in torch.load(state_dir / f"rank{r}.pt", weights_only=True).values():
+            out.update(state)
+    return out
+
+
+def _cli_args(tmp_path: Path) -> list[str]:
+    PLAN.save(tmp_path / "plan.json")
+    layers = tuple(LayerProfile(f"l{i}", 1.0, 4.0, 4.0, 4.0, {"cpu": LayerTime(1e-3, 2e-3)}) for i in range(4))
+    Profile("gpt2-tiny", 2, layers).save(tmp_path / "profile.json")
+    return ["train", str(tmp_path / "plan.json"), "--profile", str(tmp_path / "profile.json"), "--cluster",
+            str(CPU_CLUSTER), "--model", "gpt2-tiny", "--local", "--threads", "1", "--warmup", "0"]
+
+
+def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.launch as launch
+
+    real = launch.train_local
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
+    ckpt = tmp_path / "ckpt"
+    # 5 steps, a checkpoint every 2; rank 1 dies as step 3 begins (after the checkpoint of step 2)
+    monkeypatch.setenv(FAULT_ENV, "1:3")
+    rc = cli.main([*_cli_args(tmp_path), "--steps", "5", "--lr", "0.3", "--checkpoint-dir", str(ckpt),
+                   "--checkpoint-every", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    assert len(err.splitlines()) == 1, err
+    assert "rank 1 (device n0:1) was killed by signal SIGKILL" in err
+    manifest = latest_complete(str(ckpt))
+    assert manifest is not None and manifest["step"] == 2 and manifest["plan_sha256"] == plan_sha256(PLAN)
+    monkeypatch.delenv(FAULT_ENV)
+
+    # an incomplete later checkpoint (rank 1's file missing, no manifest) is not resumed from
+    save_rank(str(ckpt), 4, 0, plan_sha256(PLAN), {0: {"w": torch.zeros(1)}}, None)
+    assert latest_complete(str(ckpt))["step"] == 2  # type: ignore[index]
+
+    resumed_dir, straight_dir = tmp_path / "resumed", tmp_path / "straight"
+    resumed_dir.mkdir()
+    straight_dir.mkdir()
+    cfg = dict(steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120)
+    resumed = train_local(PLAN, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=str(ckpt), resume=True,  # type: ignore[arg-type]
+                                            state_dir=str(resumed_dir)), start_method="fork")
+    straight = train_local(PLAN, TrainConfig("gpt2-tiny", **cfg, state_dir=str(straight_dir)),  # type: ignore[arg-type]
+                           start_method="fork")
+    assert resumed["first_step"] == 2 and len(resumed["loss"]) == 3 and len(straight["loss"]) == 5
+    assert resumed["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
+    a, b = _weights(resumed_dir), _weights(straight_dir)
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=k)
+    # the end of the resumed run is a complete checkpoint too, readable with weights_only
+    assert latest_complete(str(ckpt))["step"] == 5  # type: ignore[index]
+    state = load_rank(str(ckpt), 5, 1, plan_sha256(PLAN))
+    assert state["step"] == 5 and set(state["stages"]) == {1}
+
+    # a checkpoint of another plan is refused before any process starts
+    other = Plan("gpt2-tiny", PLAN.virtual_workers, micro_batch_size=2, micro_batches=4)
+    with pytest.raises(PartitionerError, match=r"manifest.json: plan_sha256 = .*the checkpoint is of another plan"):
+        train_local(other, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=str(ckpt), resume=True),  # type: ignore[arg-type]
+                    start_method="fork")
+    # and one that already reached --steps
+    with pytest.raises(PartitionerError, match="the last complete checkpoint is of step 5, not before --steps 5"):
+        train_local(PLAN, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=str(ckpt), resume=True),  # type: ignore[arg-type]
+                    start_method="fork")
+
+
+def test_checkpoint_files_are_atomic_and_checked(tmp_path: Path) -> None:
+    h = plan_sha256(PLAN)
+    path = save_rank(str(tmp_path), 3, 1, h, {1: {"w": torch.ones(2)}}, {"state": {}, "param_groups": []})
+    assert os.listdir(step_dir(str(tmp_path), 3)) == ["rank1.pt"]  # no temporary left behind
+    assert latest_complete(str(tmp_path)) is None  # no manifest yet
+    torch.testing.assert_close(load_rank(str(tmp_path), 3, 1, h)["stages"][1]["w"], torch.ones(2))
+    with pytest.raises(PartitionerError, match=r"rank1\.pt: plan_sha256/step/rank"):
+        load_rank(str(tmp_path), 3, 1, "0" * 64)
+    Path(path).write_bytes(b"not a checkpoint")
+    with pytest.raises(PartitionerError, match=r"rank1\.pt: cannot be read"):
+        load_rank(str(tmp_path), 3, 1, h)
+    # the plan hash is that of the canonical JSON: key order and spacing do not matter
+    assert plan_sha256(Plan.from_dict(json.loads(json.dumps(PLAN.to_dict(), indent=3)))) == h
+
+
+def test_checkpoint_options_are_checked() -> None:
+    with pytest.raises(PartitionerError, match="need a checkpoint directory"):
+        TrainConfig("gpt2-tiny", resume=True)
+    with pytest.raises(PartitionerError, match="checkpoint_every = -1"):
+        TrainConfig("gpt2-tiny", checkpoint_dir="d", checkpoint_every=-1)
+    wsp = Plan("gpt2-tiny", PLAN.virtual_workers, schedule="wsp", micro_batch_size=2, micro_batches=2)
+    with pytest.raises(PartitionerError, match="checkpoints need a flushing schedule"):
+        train_local(wsp, TrainConfig("gpt2-tiny", checkpoint_dir="d"))
+
+
+def _fails_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise PartitionerError("stage 1 cannot be built\nsecond line")
+
+
+def _exits_on_rank_0(rank: int, world: int) -> None:
+    if rank == 0:
+        os._exit(3)
+
+
+def test_a_failing_or_exiting_rank_is_one_line() -> None:
+    from runtime.launch import spawn_local
+
+    with pytest.raises(PartitionerError) as err:
+        spawn_local(_fails_on_rank_1, 2, timeout_s=60, start_method="fork", rank_names=["device a", "device b"])
+    assert str(err.value) == "rank 1 (device b) failed: stage 1 cannot be built"
+    with pytest.raises(PartitionerError, match=r"^rank 0 exited with code 3; the other processes were stopped$"):
+        spawn_local(_exits_on_rank_0, 2, timeout_s=60, start_method="fork")
+
+
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from runtime.launch import free_port
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "metrics.json"
+    # the same command line for the first attempt and the restart: --resume starts fresh without a checkpoint
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--master-port", str(free_port()), "-m", "partitioner", *(a for a in _cli_args(tmp_path) if a != "--local"),
+           "--steps", "5", "--lr", "0.3", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+           "--resume", "-o", str(out)]
+    assert "--local" not in cmd
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, FAULT_ENV: "1:3"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exitcode: -9" in proc.stderr  # rank 1 was killed once, then the group was restarted
+    m = json.loads(out.read_text())
+    assert m["first_step"] == 2 and len(m["loss"]) == 3  # lost the steps after the last checkpoint only
+    straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120),
+                           start_method="fork")
+    assert m["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
+    assert latest_complete(str(ckpt))["step"] == 5  # type: ignore[index]
