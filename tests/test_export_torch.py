@@ -37,7 +37,7 @@ def _torch_rank(rank: int, world: int, export: dict[str, Any], steps: int, lr: f
     data = SyntheticData(chain.make_input, export["micro_batch_size"], export["n_microbatches"], workers, seed)
     losses = []
     for step in range(steps):
-        got = me.step(data.global_batch(step))
+        got = me.step(data.global_batch(step)[0])
         me.sync_gradients()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -65,7 +65,7 @@ def _run_torch(plan: Plan, tmp: Path, steps: int, lr: float, seed: int) -> tuple
 
 def _run_runtime(plan: Plan, tmp: Path, steps: int, lr: float, seed: int) -> tuple[list[dict], list[float]]:
     cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=90,
-                      state_dir=str(tmp))
+                      state_dir=str(tmp), data="synthetic")  # torch's side: the same inputs, loss = mean output
     metrics = train_local(plan, cfg, start_method="fork")
     layout = plan_layout(plan, zoo_chain(plan.model).num_layers)
     weights: list[dict] = [{} for _ in plan.virtual_workers]

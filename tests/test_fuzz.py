@@ -34,7 +34,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
 
     def fake_train_local(plan, config, start_method="spawn"):  # type: ignore[no-untyped-def]
         return {"format": "partitioner.train-metrics/1", "world_size": len(plan.devices),
-                "measured_iteration_s": 0.01, "loss": [1.0]}
+                "measured_iteration_s": 0.01, "loss": [1.0], "step_s": [0.01], "data": "synthetic", "first_step": 0}
 
     launch.train_local = fake_train_local  # nothing trains: train's validation is what is fuzzed
     yield corpus
@@ -151,7 +151,8 @@ def test_train_metrics_with_a_diverged_loss_are_written_as_strict_json(tmp_path:
     import runtime.launch as launch
 
     def diverged(plan, config, start_method="spawn"):  # type: ignore[no-untyped-def]
-        return {"world_size": len(plan.devices), "measured_iteration_s": 0.01, "loss": [1.0, float("nan")]}
+        return {"world_size": len(plan.devices), "measured_iteration_s": 0.01, "loss": [1.0, float("nan")],
+                "step_s": [0.01, 0.01], "data": "synthetic", "first_step": 0}
 
     monkeypatch.setattr(launch, "train_local", diverged)
     base = next(b for b in corpus.bases if b.model)
