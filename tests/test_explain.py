@@ -10,9 +10,9 @@ import pytest
 
 from partitioner.cli import main
 from partitioner.cost import CostModel, CostOptions
-from partitioner.explain import add_gpu, explain_plan, format_explanation
 from partitioner.simulate import simulate_plan
 from solvers import solve
+from solvers.explain import add_gpu, explain_plan, format_explanation
 from solvers.hetero import plan_cluster
 
 from .conftest import flat_cluster, make_profile

@@ -15,8 +15,9 @@ __all__ = ["register"]
 
 
 def _run(args: argparse.Namespace) -> int:
+    from solvers.explain import explain_plan, format_explanation
+
     from .._io import write_json
-    from ..explain import explain_plan, format_explanation
 
     if args.json and os.path.realpath(args.json) in {os.path.realpath(p) for p in (args.plan, args.profile,
                                                                                       args.cluster)}:

@@ -3,7 +3,8 @@ the gap to the best bound known, and what one more GPU of each type would give.
 
 Everything is priced with the cost model (:class:`partitioner.cost.CostModel`) and the
 discrete-event simulator (:func:`partitioner.simulate.simulate_plan`) under the options the
-plan was priced with, so the figures are the ones ``partitioner simulate`` prints. Torch-free.
+plan was priced with, so the figures are the ones ``partitioner simulate`` prints; the
+what-if re-plans use the same solver path as ``partitioner plan``. Torch-free.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .cluster import GIB, Cluster, Node, catalog
-from .cost import CostModel, CostOptions
-from .errors import FormatError, PartitionerError
-from .plan import Plan
-from .profile import Profile
-from .schedule import spec
+from partitioner.cluster import GIB, Cluster, Node, catalog
+from partitioner.cost import CostModel, CostOptions
+from partitioner.errors import FormatError, PartitionerError
+from partitioner.plan import Plan
+from partitioner.profile import Profile
+from partitioner.schedule import spec
 
 __all__ = ["AddedGpu", "Explanation", "StageCost", "add_gpu", "explain_plan", "format_explanation"]
 
@@ -183,11 +184,11 @@ def _replan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions
     the chain DP over them in order (allowing a prefix) for one virtual worker, the cluster planner
     (policy opt, the plan's number of virtual workers) for several."""
     if len(plan.virtual_workers) == 1:
-        from solvers.dp import solve
+        from .dp import solve
         result = solve(profile, cluster, list(devices), schedule=plan.schedule, micro_batches=plan.micro_batches,
                        options=options, allow_fewer=True)
     else:
-        from solvers.hetero import plan_cluster
+        from .hetero import plan_cluster
         result = plan_cluster(profile, cluster, len(plan.virtual_workers), "opt", schedule=plan.schedule,
                               micro_batches=plan.micro_batches, options=options, devices=list(devices),
                               time_limit_s=time_limit_s)
@@ -234,7 +235,7 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
     """Explain ``plan`` (see the module docstring). ``options`` default to the plan's own
     (:meth:`Plan.cost_options`). ``what_if`` re-plans with one more GPU of each timed type,
     each cluster-planner run limited to ``time_limit_s``."""
-    from .simulate import simulate_plan
+    from partitioner.simulate import simulate_plan
 
     if not time_limit_s > 0:
         raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
@@ -261,7 +262,7 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
         devs = cluster.subset(plan.virtual_workers[0].devices)
         bounds["lower_bound_s"] = cost.lower_bound_s(devs)
         if plan.chunks == 1 and not any(st.replicas for st in plan.virtual_workers[0].stages):
-            from solvers.dp import chain_dp
+            from .dp import chain_dp
 
             try:
                 sol = chain_dp(cost, devs, plan.schedule, plan.micro_batches)
@@ -320,7 +321,8 @@ def format_explanation(e: Explanation, max_untimed: int = 8) -> str:
         obj, lb = e.solver.get("objective"), e.solver.get("lower_bound")
         txt = f"solver {e.solver.get('name')} {e.solver.get('status')}"
         if isinstance(obj, (int, float)) and isinstance(lb, (int, float)):
-            txt += f", objective {obj:.6g}, bound {lb:.6g}"
+            unit = "s per sample" if str(e.solver.get("name", "")).startswith("hetero") else "s bottleneck"
+            txt += f", objective {obj:.6g}, bound {lb:.6g} ({unit})"
         gap.append(txt)
     if "dp_same_order_s" in bnd and not math.isnan(bnd["dp_same_order_s"]):
         gap.append(f"exact DP on the same device order {_ms(bnd['dp_same_order_s'])} "
