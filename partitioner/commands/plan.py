@@ -11,6 +11,7 @@ from ..cost import PRECISIONS, CostOptions
 from ..errors import FormatError
 from ..plan import SCHEDULES
 from ..profile import Profile
+from ..schedule import spec
 
 __all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
 
@@ -62,6 +63,17 @@ def _run(args: argparse.Namespace) -> int:
         kwargs["devices"] = [d.strip() for d in args.devices.split(",") if d.strip()]
     if args.allow_fewer:
         kwargs["allow_fewer"] = True
+    if args.chunks is not None or spec(args.schedule).multi_chunk:
+        from solvers.chunked import parse_chunks
+
+        parse_chunks(args.chunks or "auto", args.schedule, "--chunks")
+        if args.solver != "dp" or args.virtual_workers is not None or args.policy is not None or args.replication:
+            raise FormatError("--schedule", args.schedule, "multi-chunk plans are made by the dp solver for one "
+                              "virtual worker; leave --solver, --virtual-workers, --policy and --replication out")
+        if args.micro_batches == "auto" or args.allow_fewer:
+            raise FormatError("--microbatches auto" if args.micro_batches == "auto" else "--allow-fewer",
+                              args.schedule, "not supported with multi-chunk schedules; give a count and the devices")
+        kwargs["chunks"] = args.chunks or "auto"
     solver = args.solver
     hetero = args.virtual_workers is not None or args.policy is not None or args.replication
     if hetero or args.micro_batches == "auto":
@@ -142,6 +154,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--cluster", required=True, help="cluster file (YAML or JSON)")
     parser.add_argument("--solver", default="dp", choices=sorted(SOLVERS), help="solver (default: dp)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default: 1f1b)")
+    parser.add_argument("--chunks", default=None, metavar="V|auto",
+                        help="model chunks per device for --schedule interleaved|bfs (p devices, p*V stages; "
+                             "default and auto: the best of 2, 3, 4 by simulated samples/s)")
     parser.add_argument("--microbatches", "--micro-batches", dest="micro_batches", default=None, metavar="auto|N",
                         help="micro-batches per iteration (default: the solver's); auto chooses size and "
                              "count for --global-batch")
