@@ -41,12 +41,14 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
           schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
           prune: bool = True, resolution: int = DEFAULT_RESOLUTION, max_arcs: int = DEFAULT_MAX_ARCS,
-          tie_break: bool = True, **unused: object) -> SolveResult:
+          tie_break: bool = True, seed: int = 0, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` by CP-SAT, with a lower bound.
 
     ``hint`` runs the DP first and gives its split to CP-SAT as a solution hint; with
     ``prune`` as well, stages slower than that split's bottleneck are left out of the model
-    (they cannot be in an optimal split). ``threads`` is CP-SAT's number of workers.
+    (they cannot be in an optimal split). ``threads`` is CP-SAT's number of workers and
+    ``seed`` its random seed: a fixed pair gives the same plan (several workers are interleaved
+    deterministically), unless the time limit cuts the search.
     ``tie_break``: once the bottleneck is proven optimal, a second solve within the time left
     picks among the optimal splits the shortest pipeline, then the least total stage time, as
     the DP does (``details["tie_break"]`` is its CP-SAT status).
@@ -56,7 +58,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
 
     if unused:
         raise FormatError("solver option", sorted(unused), "not understood by the cpsat solver")
-    check_limits(time_limit_s, threads)
+    check_limits(time_limit_s, threads, seed)
     if not (isinstance(resolution, int) and 10 <= resolution <= 10**12):
         raise FormatError("resolution", resolution, "must be an integer tick count in [10, 1e12]")
     t0 = time.perf_counter()
@@ -116,7 +118,10 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = threads
-    solver.parameters.random_seed = 0
+    solver.parameters.random_seed = seed
+    # Several workers in a fixed interleaved order: the same seed and workers give the same
+    # search, so the same plan (for a run that ends before its time limit).
+    solver.parameters.interleave_search = threads > 1
     code = solver.solve(model)
     details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time,
                    branches=solver.num_branches)

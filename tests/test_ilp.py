@@ -286,3 +286,31 @@ def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
         assert q_r == q_best, (r.method, q_r, q_best)
         assert total_best - 1e-12 <= total_r + 1e-15 and total_r <= total_best + q_r * per_stage + 1e-12, \
             (r.method, total_r, total_best)
+
+
+@pytest.mark.parametrize("module", [cpsat, milp])
+def test_fixed_seed_and_workers_give_the_same_plan(module):
+    profile, cluster = _chain(24, ["gA", "gB", "gA", "gB"], seed=5)
+    runs = [module.solve(profile, cluster, hint=False, threads=2, seed=11, time_limit_s=30.0) for _ in range(2)]
+    assert all(r.status is SolveStatus.OPTIMAL for r in runs)
+    assert runs[0].plan.virtual_workers == runs[1].plan.virtual_workers
+    assert runs[0].objective == runs[1].objective
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--seed", "3"], "--seed = 3: applies to the cpsat, milp solvers"),
+    (["--solver", "cpsat", "--workers", "0"], "--workers = 0: must be an integer >= 1"),
+    (["--solver", "milp", "--seed", "-1"], "--seed = -1: must be an integer >= 0"),
+])
+def test_workers_and_seed_bad_input_is_one_line(capsys, argv, needle):
+    from partitioner.cli import main
+
+    rc = main(["plan", "examples/profiles/vgg16_v100.json", "--cluster", "examples/clusters/v100x8.yaml", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_seed_out_of_range_is_refused():
+    profile, cluster = _chain(4, ["gA", "gB"])
+    with pytest.raises(FormatError, match="seed"):
+        cpsat.solve(profile, cluster, seed=-2)

@@ -93,6 +93,15 @@ def _run(args: argparse.Namespace) -> int:
             raise FormatError("--time-limit", args.time_limit, f"applies to the {', '.join(_TIME_LIMITED)} "
                               f"solvers; {solver} needs none")
         kwargs["time_limit_s"] = args.time_limit
+    for flag, value, key in (("--workers", args.workers, "threads"), ("--seed", args.seed, "seed")):
+        if value is None:
+            continue
+        if solver not in _SEARCHED:
+            raise FormatError(flag, value, f"applies to the {', '.join(_SEARCHED)} solvers, not {solver}")
+        if value < (1 if flag == "--workers" else 0):
+            raise FormatError(flag, value, "must be an integer >= 1" if flag == "--workers" else
+                              "must be an integer >= 0")
+        kwargs[key] = value
     if args.micro_batches == "auto":
         from solvers.hetero import plan_cluster
         from solvers.microbatch import choose_micro_batches
@@ -134,6 +143,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 _TIME_LIMITED = ("cpsat", "milp", "hetero")
+_SEARCHED = ("cpsat", "milp")  # solvers with search workers and a random seed
 
 
 def _positive(text: str, flag: str) -> int:
@@ -176,6 +186,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="let a stage run data-parallel on several GPUs of one type")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                         help="stop cpsat / milp / the hetero search after this long and report the gap")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="cpsat / milp: search workers (CP-SAT workers, CBC threads; default 1)")
+    parser.add_argument("--seed", type=int, default=None, metavar="K",
+                        help="cpsat / milp: random seed; a fixed seed and --workers give the same plan "
+                             "unless the time limit cuts the search (default 0)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated device names in pipeline order (default: all, in file order)")
     parser.add_argument("--allow-fewer", action="store_true", help="let the solver use fewer devices than given")
