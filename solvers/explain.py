@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StageCost:
     """One stage's per-micro-batch time (:meth:`CostModel.plan_stage_times_s`) and its parts:
-    compute on its (fastest) device, the activation it sends forward, the gradient it sends back."""
+    compute on its (fastest) device, the activation it sends forward, the gradient it sends back
+    (a replicated stage's at its replicas' combined pace), and the synchronisation spread over the
+    micro-batches (a replicated stage's all-reduce, WSP's wave sync)."""
 
     worker: int
     stage: int
@@ -41,11 +43,12 @@ class StageCost:
     compute_s: float
     activation_send_s: float
     gradient_send_s: float
+    sync_share_s: float = 0.0  # a replicated stage's all-reduce, or WSP's wave sync, per micro-batch
     next_device: str | None = None
     prev_device: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("time_s", "compute_s", "activation_send_s", "gradient_send_s"):
+        for name in ("time_s", "compute_s", "activation_send_s", "gradient_send_s", "sync_share_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise FormatError(name, v, "must be a finite number >= 0")
@@ -63,6 +66,7 @@ class StageCost:
         return {"worker": self.worker, "stage": self.stage, "devices": list(self.devices),
                 "layers": list(self.layers), "time_s": self.time_s, "compute_s": self.compute_s,
                 "activation_send_s": self.activation_send_s, "gradient_send_s": self.gradient_send_s,
+                "sync_share_s": self.sync_share_s,
                 "next_device": self.next_device, "prev_device": self.prev_device, "link_bound": self.link_bound}
 
 
@@ -154,10 +158,15 @@ def _stage_costs(cost: CostModel, plan: Plan) -> list[StageCost]:
             nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
             speed = {d: cost.compute_s(cost.cluster.device(d).gpu_type, st.start, st.stop) for d in st.devices}
             best = min(st.devices, key=speed.__getitem__)
-            out.append(StageCost(
-                w, k, st.devices, st.layers, times[k],
-                cost.compute_s(cost.cluster.device(best).gpu_type, st.start, st.stop),
-                cost.boundary_s(st.stop, best, nxt), cost.boundary_s(st.start, best, prev), nxt, prev))
+            c, a, g = speed[best], cost.boundary_s(st.stop, best, nxt), cost.boundary_s(st.start, best, prev)
+            # replicas share the micro-batches: each part at the replicas' combined pace
+            single = cost.stage_time_s(st.start, st.stop, best, prev, nxt)
+            share = (cost.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches,
+                                                  include_allreduce=False) / single
+                     if st.replicas and single > 0 else 1.0)
+            rest = max(0.0, times[k] - share * cost.combine(c, g, a))
+            out.append(StageCost(w, k, st.devices, st.layers, times[k], share * c, share * a, share * g, rest,
+                                 nxt, prev))
     return out
 
 
@@ -298,7 +307,8 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
     solver = plan.solver.to_dict() if plan.solver is not None else None
     added = _what_if(plan, profile, cluster, options, cost, time_limit_s) if what_if else ()
     return Explanation(plan.model, plan.schedule, tuple(stages), bottleneck, tl.iteration_s, tl.samples_per_s,
-                       dict(tl.bubble_fraction), sync, update, peak, capacity, bounds, solver, added, tuple(notes))
+                       dict(tl.bubble_fraction), sync, update, peak, capacity, bounds, solver, added, tuple(notes),
+                       {"overlap_comm": options.overlap_comm})
 
 
 def _ms(x: float) -> str:
@@ -308,11 +318,15 @@ def _ms(x: float) -> str:
 def format_explanation(e: Explanation, max_untimed: int = 8) -> str:
     """The text ``partitioner explain`` prints."""
     b = e.bottleneck
+    overlap = bool(e.extra.get("overlap_comm"))
     lines = [f"{e.model} under {e.schedule}"]
     where = "+".join(b.devices)
     lines.append(f"bottleneck: worker {b.worker} stage {b.stage} on {where}, layers [{b.layers[0]}, "
                  f"{b.layers[1]}): {_ms(b.time_s)} per micro-batch = compute {_ms(b.compute_s)} + activation "
-                 f"send {_ms(b.activation_send_s)} + gradient send {_ms(b.gradient_send_s)}")
+                 f"send {_ms(b.activation_send_s)} + gradient send {_ms(b.gradient_send_s)}"
+                 + (f" + synchronisation {_ms(b.sync_share_s)}" if b.sync_share_s > 0 else "")
+                 + (f" ({len(b.devices)} replicas sharing the micro-batches)" if len(b.devices) > 1 else "")
+                 + (" (overlapped: the stage takes the largest part)" if overlap else ""))
     if b.link_bound:
         link = (f"{b.devices[0]} -> {b.next_device}" if b.activation_send_s >= b.gradient_send_s
                 else f"{b.devices[0]} -> {b.prev_device}")

@@ -43,9 +43,20 @@ def test_bottleneck_is_the_slowest_stage_of_the_cost_model(workers):
     worst = max(max(t) for t in per_worker)
     assert e.bottleneck.time_s == pytest.approx(worst)
     assert per_worker[e.bottleneck.worker][e.bottleneck.stage] == pytest.approx(worst)
-    # the split adds up under the additive model
+    # the split adds up under the additive model; no replica, no synchronisation share
     b = e.bottleneck
+    assert b.sync_share_s == 0.0
     assert b.compute_s + b.activation_send_s + b.gradient_send_s == pytest.approx(b.time_s)
+
+
+def test_replicated_stage_parts_at_the_replicas_pace():
+    profile, cluster = _inputs()
+    plan = plan_cluster(profile, cluster, 1, replication=True, micro_batches=4, time_limit_s=5).plan
+    e = explain_plan(plan, profile, cluster, what_if=False)
+    for s in e.stages:
+        assert s.compute_s + s.activation_send_s + s.gradient_send_s + s.sync_share_s == pytest.approx(s.time_s)
+        if len(s.devices) == 1:
+            assert s.sync_share_s == pytest.approx(0.0, abs=1e-15)
 
 
 def test_headroom_is_capacity_minus_simulated_peak():
