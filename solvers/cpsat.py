@@ -8,7 +8,8 @@ relaxation in time: its bound, converted back to seconds, is a valid lower bound
 optimum (less a hundredth of a tick for floating-point safety). The plan's objective is not
 taken from the integer model: it is recomputed exactly from the chosen cuts with the cost
 model. When CP-SAT proves the integer model optimal, the plan is optimal to within one tick
-(``details["tick_s"]``); the status is then ``OPTIMAL``.
+(``details["tick_s"]``); the status is then ``OPTIMAL``, and a second solve breaks ties among
+the optimal splits as the DP's second pass does (shortest pipeline, least total stage time).
 """
 
 from __future__ import annotations
@@ -40,19 +41,24 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
           schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
           prune: bool = True, resolution: int = DEFAULT_RESOLUTION, max_arcs: int = DEFAULT_MAX_ARCS,
-          **unused: object) -> SolveResult:
+          tie_break: bool = True, seed: int = 0, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` by CP-SAT, with a lower bound.
 
     ``hint`` runs the DP first and gives its split to CP-SAT as a solution hint; with
     ``prune`` as well, stages slower than that split's bottleneck are left out of the model
-    (they cannot be in an optimal split). ``threads`` is CP-SAT's number of workers.
+    (they cannot be in an optimal split). ``threads`` is CP-SAT's number of workers and
+    ``seed`` its random seed: a fixed pair gives the same plan (several workers are interleaved
+    deterministically), unless the time limit cuts the search.
+    ``tie_break``: once the bottleneck is proven optimal, a second solve within the time left
+    picks among the optimal splits the shortest pipeline, then the least total stage time, as
+    the DP does (``details["tie_break"]`` is its CP-SAT status).
     Other arguments as :func:`solvers.dp.solve`.
     """
     from ortools.sat.python import cp_model
 
     if unused:
         raise FormatError("solver option", sorted(unused), "not understood by the cpsat solver")
-    check_limits(time_limit_s, threads)
+    check_limits(time_limit_s, threads, seed)
     if not (isinstance(resolution, int) and 10 <= resolution <= 10**12):
         raise FormatError("resolution", resolution, "must be an integer tick count in [10, 1e12]")
     t0 = time.perf_counter()
@@ -112,7 +118,10 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = threads
-    solver.parameters.random_seed = 0
+    solver.parameters.random_seed = seed
+    # Several workers in a fixed interleaved order: the same seed and workers give the same
+    # search, so the same plan (for a run that ends before its time limit).
+    solver.parameters.interleave_search = threads > 1
     code = solver.solve(model)
     details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time,
                    branches=solver.num_branches)
@@ -131,6 +140,25 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
                              f"({len(arcs)} candidate stages)")
     picked = [a for a in range(len(arcs)) if solver.boolean_value(x[a])]
     sol = arcs.solution(picked, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
+    remaining = time_limit_s - (time.perf_counter() - t0)
+    if code == cp_model.OPTIMAL and tie_break and remaining > 0:
+        # Second solve, as the DP's second pass: only stages within the optimum found (exact
+        # seconds, as the DP compares), the shortest pipeline, then the least total stage time
+        # (in ticks: within q ticks of the exact least total).
+        for a in np.flatnonzero(arcs.time_s > sol.bottleneck_s).tolist():
+            model.add(x[a] == 0)
+        weight = max(arcs.lengths) * (max(ticks, default=0) + 1) + 1
+        model.minimize(weight * cp_model.LinearExpr.weighted_sum(list(y.values()), list(y))
+                       + cp_model.LinearExpr.weighted_sum(x, ticks))
+        model.clear_hints()
+        for a in range(len(arcs)):
+            model.add_hint(x[a], a in set(picked))
+        solver.parameters.max_time_in_seconds = float(remaining)
+        code2 = solver.solve(model)
+        details["tie_break"] = solver.status_name(code2)
+        if code2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            picked = [a for a in range(len(arcs)) if solver.boolean_value(x[a])]
+            sol = arcs.solution(picked, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
     status = SolveStatus.OPTIMAL if code == cp_model.OPTIMAL else SolveStatus.FEASIBLE
     log.debug("cpsat: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)
     return finish(problem, "cpsat", status, sol, bound, time.perf_counter() - t0, details)

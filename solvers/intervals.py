@@ -195,12 +195,14 @@ def prepare(profile: Profile, cluster: Cluster, devices: Sequence[str] | None, s
     return ChainProblem(profile, cost, devs, schedule, m, allow_fewer)
 
 
-def check_limits(time_limit_s: float, threads: int) -> None:
+def check_limits(time_limit_s: float, threads: int, seed: int = 0) -> None:
     """Refuse a non-positive time limit or thread count (CP-SAT and CBC take both)."""
     if not (time_limit_s > 0):
         raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
     if not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
         raise FormatError("threads", threads, "must be an integer >= 1")
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**31):
+        raise FormatError("seed", seed, "must be an integer in [0, 2^31)")
 
 
 def dp_split(problem: ChainProblem) -> ChainSolution | None:

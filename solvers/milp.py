@@ -12,7 +12,9 @@ read from CBC's own log (``logPath``): ``Objective value`` on a proof of optimal
 ``Lower bound`` on a stopped run. If the log has no bound, the lower bound is NaN and the
 status FEASIBLE. The bound is CBC's, in floating point with CBC's tolerances, so it is
 reported less a slack of ``1e-6`` of the largest stage time; the plan's objective is
-recomputed exactly from the chosen cuts with the cost model.
+recomputed exactly from the chosen cuts with the cost model. Once optimality is proven, a
+second solve breaks ties among the optimal splits as the DP's second pass does (shortest
+pipeline, least total stage time).
 """
 
 from __future__ import annotations
@@ -25,13 +27,25 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from partitioner.cluster import Cluster
 from partitioner.cost import CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
 
-from .intervals import DEFAULT_MAX_ARCS, check_limits, finish, model_arcs, prepare
+from .dp import ChainSolution
+from .intervals import (
+    DEFAULT_MAX_ARCS,
+    Arcs,
+    ChainProblem,
+    check_limits,
+    finish,
+    model_arcs,
+    prepare,
+)
 from .result import SolveResult, SolveStatus
 
 __all__ = ["cbc_bound", "solve"]
@@ -59,18 +73,22 @@ def cbc_bound(log_text: str) -> float:
 def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
           schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
-          prune: bool = True, max_arcs: int = DEFAULT_MAX_ARCS, **unused: object) -> SolveResult:
+          prune: bool = True, max_arcs: int = DEFAULT_MAX_ARCS, tie_break: bool = True, seed: int = 0,
+          **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` by CBC, with a lower bound where CBC gives one.
 
     ``hint`` runs the DP first and passes its split to CBC as a warm start; with ``prune`` as
-    well, stages slower than that split's bottleneck are left out of the model. Other
-    arguments as :func:`solvers.dp.solve` and :func:`solvers.cpsat.solve`.
+    well, stages slower than that split's bottleneck are left out of the model. ``tie_break``:
+    once the bottleneck is proven optimal, a second solve within the time left picks among the
+    optimal splits the shortest pipeline, then the least total stage time, as the DP does. Other
+    arguments as :func:`solvers.dp.solve` and :func:`solvers.cpsat.solve`; ``seed`` sets CBC's
+    random seeds (0: CBC's defaults).
     """
     import pulp
 
     if unused:
         raise FormatError("solver option", sorted(unused), "not understood by the milp solver")
-    check_limits(time_limit_s, threads)
+    check_limits(time_limit_s, threads, seed)
     t0 = time.perf_counter()
     problem = prepare(profile, cluster, devices, schedule, micro_batches, options, allow_fewer)
     start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
@@ -129,7 +147,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
         with warnings.catch_warnings():  # PuLP 3 flags the CBC it bundles as going away in PuLP 4
             warnings.simplefilter("ignore", DeprecationWarning)
             cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=threads,
-                                    warmStart=start is not None, logPath=log_path)
+                                    warmStart=start is not None, logPath=log_path, options=_seed_options(seed))
         prob.solve(cmd)
         with open(log_path, encoding="utf-8", errors="replace") as f:
             cbc_log = f.read()
@@ -155,6 +173,41 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     picked = [a for a, var in enumerate(x) if (var.varValue or 0.0) > 0.5]
     sol = arcs.solution(picked, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
     proven = prob.sol_status == pulp.LpSolutionOptimal and math.isfinite(bound)
+    remaining = time_limit_s - (time.perf_counter() - t0)
+    if proven and tie_break and remaining > 0:
+        sol = _tie_break(prob, x, y, coef, arcs, picked, sol, problem, remaining, threads, seed, details)
     status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
     log.debug("milp: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)
     return finish(problem, "milp", status, sol, bound, time.perf_counter() - t0, details)
+
+
+def _seed_options(seed: int) -> list[str]:
+    """CBC's seeds (its own and the LP solver's) from one number."""
+    return [f"randomCbcSeed {seed}", f"randomSeed {seed}"] if seed else []
+
+
+def _tie_break(prob: Any, x: list[Any], y: dict[int, Any], coef: list[float], arcs: Arcs, picked: list[int],
+               sol: ChainSolution, problem: ChainProblem, time_limit_s: float, threads: int, seed: int,
+               details: dict[str, object]) -> ChainSolution:
+    """The DP's second pass on CBC: stages within the optimum found (exact seconds, as the DP
+    compares), the shortest pipeline, then the least total stage time. ``sol`` if CBC finds nothing."""
+    import pulp
+
+    for a in np.flatnonzero(arcs.time_s > sol.bottleneck_s).tolist():
+        x[a].upBound = 0
+    weight = max(arcs.lengths) * (SCALE_MAX + 1.0) + 1.0
+    prob.setObjective(weight * pulp.lpSum(q * var for q, var in y.items()) + pulp.lpSum(c * v for c, v in zip(coef, x,
+                                                                                                            strict=True)))
+    chosen = set(picked)
+    for a, var in enumerate(x):
+        var.setInitialValue(1 if a in chosen else 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=threads, warmStart=True,
+                                options=_seed_options(seed))
+    prob.solve(cmd)
+    details["tie_break"] = pulp.LpStatus[prob.status]
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return sol
+    again = [a for a, var in enumerate(x) if (var.varValue or 0.0) > 0.5]
+    return arcs.solution(again, problem.cost, problem.devices, problem.schedule, problem.micro_batches)

@@ -110,13 +110,15 @@ assert main(["plan", out + "/p.json", "--cluster", "examples/clusters/v100x8.yam
              "--micro-batches", "8"]) == 0
 assert main(["simulate", out + "/plan.json", "--profile", out + "/p.json", "--cluster",
              "examples/clusters/v100x8.yaml", "--trace", out + "/trace.json"]) == 0
+assert main(["explain", out + "/plan.json", "--profile", out + "/p.json", "--cluster",
+             "examples/clusters/v100x8.yaml", "--json", out + "/explain.json"]) == 0
 heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "matplotlib", "ortools", "pulp", "scipy", "fvcore"})
 print("HEAVY", heavy)
 """
 
 
 def test_planning_commands_do_not_import_torch(tmp_path):
-    """--help, import, plan and simulate never load torch (nor the plotting and MILP packages they do not use)."""
+    """--help, import, plan, simulate and explain never load torch (nor the plotting and MILP packages they do not use)."""
     import subprocess
     import sys
     from pathlib import Path

@@ -168,8 +168,11 @@ def test_unknown_solver_and_schedule():
     cluster = flat_cluster(["A"])
     with pytest.raises(ValueError, match="solver = 'magic': must be one of"):
         solve(prof, cluster, solver="magic")
-    with pytest.raises(ValueError, match="interleaved and bfs are priced by the simulator"):
-        solve(prof, cluster, schedule="interleaved")
+    with pytest.raises(ValueError, match="schedule = 'magic'"):
+        solve(prof, cluster, schedule="magic")
+    # multi-chunk schedules go to the chunked DP: one layer cannot make two chunks on a device
+    res = solve(prof, cluster, schedule="interleaved")
+    assert res.status is SolveStatus.INFEASIBLE and "more than the 1 layers" in res.reason
 
 
 @st.composite

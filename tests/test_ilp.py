@@ -207,3 +207,110 @@ def test_cbc_bound_from_log():
     assert cbc_bound(stopped) == 11.25
     assert cbc_bound("Result - Optimal solution found\n\nObjective value:                3.25000000\n") == 3.25
     assert math.isnan(cbc_bound("Result - Stopped on time limit\n\nNo feasible solution found\n"))
+
+
+def brute_force_tie_break(profile, cluster, devices, schedule, m, options, allow_fewer):
+    """The DP's choice by enumeration: least bottleneck, then the fewest stages, then the least
+    total stage time; (bottleneck, stages, total), or None when nothing fits."""
+    cost = CostModel(profile, cluster, options)
+    n_layers = profile.num_layers
+    lengths = range(1, min(len(devices), n_layers) + 1) if allow_fewer else [len(devices)]
+    found = []
+    for q in lengths:
+        if q > n_layers:
+            continue
+        devs = devices[:q]
+        for inner in itertools.combinations(range(1, n_layers), q - 1):
+            cuts = (0, *inner, n_layers)
+            times = []
+            for k in range(q):
+                a, b = cuts[k], cuts[k + 1]
+                need = cost.stage_memory_bytes(a, b, activations_in_flight(schedule, q - k, m), schedule)
+                if need > devs[k].memory_bytes:
+                    break
+                times.append(cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k else None,
+                                                        devs[k + 1] if k + 1 < q else None, schedule, m))
+            else:
+                found.append((max(times), q, sum(times)))
+    if not found:
+        return None
+    best = min(b for b, _, _ in found)
+    return min(((b, q, total) for b, q, total in found if b == best), key=lambda r: (r[1], r[2]))
+
+
+@st.composite
+def tied_instances(draw):
+    """Chains where many splits reach the optimal bottleneck: one heavy layer, small integer times
+    that differ by GPU type, no transfers, ample memory; sometimes a shorter pipeline allowed."""
+    n_layers = draw(st.integers(3, 8))
+    n_dev = draw(st.integers(2, 4))
+    heavy = draw(st.integers(0, n_layers - 1))
+    types = {t: DeviceType(t, 100 * GIB, 1e13, 1e11) for t in TYPES}
+    layers = []
+    for i in range(n_layers):
+        times = {t: LayerTime(1e-3 * (20 if i == heavy else draw(st.integers(1, 4))), 0.0) for t in TYPES}
+        layers.append(LayerProfile(f"l{i}", 0.0, 0.0, 0.0, 0.0, times))
+    gpus = [draw(st.sampled_from(TYPES)) for _ in range(n_dev)]
+    cluster = Cluster("c", (Node("n0", tuple(gpus), 16.0),), 1.0, types)
+    return (Profile("m", 1, tuple(layers)), cluster, list(cluster.devices), "1f1b", 2,
+            CostOptions(reserved_bytes=0.0), draw(st.booleans()), cpsat.DEFAULT_RESOLUTION)
+
+
+def _stage_total(result, profile, cluster, options):
+    return len(result.plan.virtual_workers[0].stages), sum(
+        CostModel(profile, cluster, options).plan_stage_times_s(result.plan))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(instances(), tied_instances()), st.booleans())
+def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
+    """Among bottleneck-optimal splits CP-SAT and CBC return the DP's: fewest stages, then the
+    least total stage time (CP-SAT within a tick per stage, CBC within its tolerance)."""
+    profile, cluster, devices, schedule, m, options, allow_fewer, _ = inst
+    names = [d.name for d in devices]
+    kw = dict(schedule=schedule, micro_batches=m, options=options, allow_fewer=allow_fewer)
+    truth = brute_force_tie_break(profile, cluster, devices, schedule, m, options, allow_fewer)
+    if truth is None:
+        return
+    best, q_best, total_best = truth
+    r_dp = dp.solve(profile, cluster, names, **kw)
+    assert r_dp.objective == pytest.approx(best, rel=1e-12, abs=1e-15)
+    q_dp, total_dp = _stage_total(r_dp, profile, cluster, options)
+    assert q_dp == q_best and total_dp == pytest.approx(total_best, rel=1e-9, abs=1e-15)
+    for r, slack in ((cpsat.solve(profile, cluster, names, time_limit_s=20.0, hint=hint, **kw), None),
+                     (milp.solve(profile, cluster, names, time_limit_s=20.0, hint=hint, **kw), 2e-6)):
+        assert r.status is SolveStatus.OPTIMAL, (r.method, r.details)
+        per_stage = r.details["tick_s"] if slack is None else slack * r.details["unit_s"] * milp.SCALE_MAX
+        q_r, total_r = _stage_total(r, profile, cluster, options)
+        assert r.objective == pytest.approx(best, rel=1e-9, abs=per_stage + 1e-15), r.method
+        assert q_r == q_best, (r.method, q_r, q_best)
+        assert total_best - 1e-12 <= total_r + 1e-15 and total_r <= total_best + q_r * per_stage + 1e-12, \
+            (r.method, total_r, total_best)
+
+
+@pytest.mark.parametrize("module", [cpsat, milp])
+def test_fixed_seed_and_workers_give_the_same_plan(module):
+    profile, cluster = _chain(24, ["gA", "gB", "gA", "gB"], seed=5)
+    runs = [module.solve(profile, cluster, hint=False, threads=2, seed=11, time_limit_s=30.0) for _ in range(2)]
+    assert all(r.status is SolveStatus.OPTIMAL for r in runs)
+    assert runs[0].plan.virtual_workers == runs[1].plan.virtual_workers
+    assert runs[0].objective == runs[1].objective
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--seed", "3"], "--seed = 3: applies to the cpsat, milp solvers"),
+    (["--solver", "cpsat", "--workers", "0"], "--workers = 0: must be an integer >= 1"),
+    (["--solver", "milp", "--seed", "-1"], "--seed = -1: must be an integer >= 0"),
+])
+def test_workers_and_seed_bad_input_is_one_line(capsys, argv, needle):
+    from partitioner.cli import main
+
+    rc = main(["plan", "examples/profiles/vgg16_v100.json", "--cluster", "examples/clusters/v100x8.yaml", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_seed_out_of_range_is_refused():
+    profile, cluster = _chain(4, ["gA", "gB"])
+    with pytest.raises(FormatError, match="seed"):
+        cpsat.solve(profile, cluster, seed=-2)

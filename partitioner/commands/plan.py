@@ -12,6 +12,7 @@ from ..cost import PRECISIONS, CostOptions
 from ..errors import FormatError
 from ..plan import MAX_MICRO_BATCHES, SCHEDULES
 from ..profile import MAX_MICRO_BATCH_SIZE, Profile
+from ..schedule import spec
 from ._args import bounded_float, bounded_int
 
 __all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
@@ -65,6 +66,17 @@ def _run(args: argparse.Namespace) -> int:
         kwargs["devices"] = [d.strip() for d in args.devices.split(",") if d.strip()]
     if args.allow_fewer:
         kwargs["allow_fewer"] = True
+    if args.chunks is not None or spec(args.schedule).multi_chunk:
+        from solvers.chunked import parse_chunks
+
+        parse_chunks(args.chunks or "auto", args.schedule, "--chunks")
+        if args.solver != "dp" or args.virtual_workers is not None or args.policy is not None or args.replication:
+            raise FormatError("--schedule", args.schedule, "multi-chunk plans are made by the dp solver for one "
+                              "virtual worker; leave --solver, --virtual-workers, --policy and --replication out")
+        if args.micro_batches == "auto" or args.allow_fewer:
+            raise FormatError("--microbatches auto" if args.micro_batches == "auto" else "--allow-fewer",
+                              args.schedule, "not supported with multi-chunk schedules; give a count and the devices")
+        kwargs["chunks"] = args.chunks or "auto"
     solver = args.solver
     hetero = args.virtual_workers is not None or args.policy is not None or args.replication
     if hetero or args.micro_batches == "auto":
@@ -84,6 +96,15 @@ def _run(args: argparse.Namespace) -> int:
             raise FormatError("--time-limit", args.time_limit, f"applies to the {', '.join(_TIME_LIMITED)} "
                               f"solvers; {solver} needs none")
         kwargs["time_limit_s"] = args.time_limit
+    for flag, value, key in (("--workers", args.workers, "threads"), ("--seed", args.seed, "seed")):
+        if value is None:
+            continue
+        if solver not in _SEARCHED:
+            raise FormatError(flag, value, f"applies to the {', '.join(_SEARCHED)} solvers, not {solver}")
+        if value < (1 if flag == "--workers" else 0):
+            raise FormatError(flag, value, "must be an integer >= 1" if flag == "--workers" else
+                              "must be an integer >= 0")
+        kwargs[key] = value
     if args.micro_batches == "auto":
         from solvers.hetero import plan_cluster
         from solvers.microbatch import choose_micro_batches
@@ -133,6 +154,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 _TIME_LIMITED = ("cpsat", "milp", "hetero")
+_SEARCHED = ("cpsat", "milp")  # solvers with search workers and a random seed
 
 
 def _positive(text: str, flag: str, most: int) -> int:
@@ -153,6 +175,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--cluster", required=True, help="cluster file (YAML or JSON)")
     parser.add_argument("--solver", default="dp", choices=sorted(SOLVERS), help="solver (default: dp)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default: 1f1b)")
+    parser.add_argument("--chunks", default=None, metavar="V|auto",
+                        help="model chunks per device for --schedule interleaved|bfs (p devices, p*V stages; "
+                             "default and auto: the best of 2, 3, 4 by simulated samples/s)")
     parser.add_argument("--microbatches", "--micro-batches", dest="micro_batches", default=None, metavar="auto|N",
                         help="micro-batches per iteration (default: the solver's); auto chooses size and "
                              "count for --global-batch")
@@ -173,6 +198,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="let a stage run data-parallel on several GPUs of one type")
     parser.add_argument("--time-limit", type=bounded_float(0.001, 7 * 86400.0), default=None, metavar="SECONDS",
                         help="stop cpsat / milp / the hetero search after this long and report the gap")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="cpsat / milp: search workers (CP-SAT workers, CBC threads; default 1)")
+    parser.add_argument("--seed", type=int, default=None, metavar="K",
+                        help="cpsat / milp: random seed; a fixed seed and --workers give the same plan "
+                             "unless the time limit cuts the search (default 0)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated device names in pipeline order (default: all, in file order)")
     parser.add_argument("--allow-fewer", action="store_true", help="let the solver use fewer devices than given")
