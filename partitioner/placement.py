@@ -80,8 +80,8 @@ def replica_shares(times_s: Sequence[float], micro_batches: int) -> np.ndarray:
     return out
 
 
-# What each target executes: the simulator every plan the planner makes; the runtime
-# everything but double-buffered weights, replicated stages and a sliced first micro-batch.
+# What each target executes: the simulator every plan the planner makes; the runtime every
+# schedule, but not replicated stages or a sliced first micro-batch (runtime/layout.py).
 TARGETS = ("simulator", "runtime")
 
 
@@ -96,9 +96,6 @@ def supports(plan: Plan, target: str) -> str | None:
     if target == "simulator":
         return None
     sp = spec(plan.schedule)
-    if sp.weight_versions > 1:
-        return (f"schedule '{plan.schedule}' is not executed by the runtime: double-buffered weight updates "
-                f"are not implemented; re-plan with gpipe, 1f1b, interleaved, bfs or wsp")
     if plan.staleness != 0 and sp.sync != "wave":
         return (f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
                 f"a flushing schedule exactly synchronous; bounded staleness needs schedule wsp")
