@@ -10,6 +10,7 @@ each other in a cycle. With one virtual worker nothing is exchanged.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ class GradientAverager:
     def __init__(self, layout: Layout, rank: int, layers: Mapping[int, nn.Module]):
         self.workers = layout.workers
         self.groups: list[tuple[Any, list[nn.Parameter]]] = []
+        self.seconds = 0.0  # in the all-reduces (waiting for the other holders included), as the simulator counts
         if self.workers == 1:
             return
         for ranks, held in layout.holder_sets():
@@ -43,7 +45,9 @@ class GradientAverager:
         for group, params in self.groups:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
+            t0 = time.perf_counter()
             dist.all_reduce(flat, group=group)
+            self.seconds += time.perf_counter() - t0
             flat /= self.workers
             offset = 0
             for p in params:

@@ -175,6 +175,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
     p = len(layout.pipelines[me.worker])
     peers, n_stages = layout.pipelines[me.worker], len(stages_layers)
     executor: PipelineExecutor
+    averager: GradientAverager | None = None
     step_s: list[float] = []
     extra: dict[str, Any] = {}
     first = 0
@@ -235,6 +236,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
             _fault(rank, step)
             if step - first == config.warmup:
                 executor.seconds = dict.fromkeys(executor.seconds, 0.0)
+                averager.seconds = 0.0
             current["step"] = step
             cache.clear()
             cache[step] = data.global_batch(step)  # made before the timed window
@@ -260,7 +262,11 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                     write_manifest(config.checkpoint_dir, done, plan_hash, layout.world_size)
         if bar is not None:
             bar.close()
-    # seconds are summed after the warm-up steps (flushing schedules) or over the whole run (wsp)
+    # seconds are summed after the warm-up steps (flushing schedules) or over the whole run (wsp);
+    # "allreduce" (part of "step") is the time in the gradient all-reduces between virtual workers
+    seconds = dict(executor.seconds)
+    if averager is not None:
+        seconds["allreduce"] = averager.seconds
     ran = config.steps - first
     timed_steps = ran - config.warmup if ran > config.warmup and not extra else ran
     if config.state_dir:
@@ -269,7 +275,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
     return {"rank": rank, "device": me.device, "worker": me.worker, "pipe_rank": me.pipe_rank,
             "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
             "step_s": step_s, "losses": executor.losses, "threads": torch.get_num_threads(), "first_step": first,
-            "data": data.kind, "seconds_per_step": {k: v / timed_steps for k, v in executor.seconds.items()}, **extra}
+            "data": data.kind, "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()}, **extra}
 
 
 def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], backend: str) -> dict[str, Any]:
