@@ -46,3 +46,20 @@ def flat_cluster(types: Sequence[str], memory_gb: Mapping[str, float] | None = N
 @pytest.fixture
 def pipedream_dir() -> Path:
     return DATA / "pipedream"
+
+
+# Tests that start training processes talk over loopback sockets through gloo. On a shared
+# 2-core machine a process occasionally misses gloo's 60 s rendezvous window (a store key that
+# never arrives); such a test is run again, at most twice, when it fails with one of these
+# messages, and only then (a wrong number still fails at once).
+_PROCESS_MODULES = ("test_runtime.py", "test_runtime_data.py", "test_checkpoint.py", "test_export_torch.py")
+_TRANSIENT = ["wait timeout", "timed out", "Connection reset", "Connection refused", "did not finish within",
+              "DistStoreError", "TimeoutExpired"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("rerunfailures"):
+        return
+    for item in items:
+        if item.path.name in _PROCESS_MODULES:
+            item.add_marker(pytest.mark.flaky(reruns=2, only_rerun=_TRANSIENT))
