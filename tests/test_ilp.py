@@ -235,7 +235,11 @@ def brute_force_tie_break(profile, cluster, devices, schedule, m, options, allow
     if not found:
         return None
     best = min(b for b, _, _ in found)
-    return min(((b, q, total) for b, q, total in found if b == best), key=lambda r: (r[1], r[2]))
+    exact = min(((b, q, total) for b, q, total in found if b == best), key=lambda r: (r[1], r[2]))
+    # optima tied up to float rounding (one sum of layer times in another order), which a solver
+    # working in ticks or with a tolerance cannot tell apart: the least total among them
+    loose = min(total for b, q, total in found if q == exact[1] and b <= best + 1e-12 * best + 1e-15)
+    return (*exact, loose)
 
 
 @st.composite
@@ -272,7 +276,7 @@ def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
     truth = brute_force_tie_break(profile, cluster, devices, schedule, m, options, allow_fewer)
     if truth is None:
         return
-    best, q_best, total_best = truth
+    best, q_best, total_best, total_loose = truth
     r_dp = dp.solve(profile, cluster, names, **kw)
     assert r_dp.objective == pytest.approx(best, rel=1e-12, abs=1e-15)
     q_dp, total_dp = _stage_total(r_dp, profile, cluster, options)
@@ -284,7 +288,7 @@ def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
         q_r, total_r = _stage_total(r, profile, cluster, options)
         assert r.objective == pytest.approx(best, rel=1e-9, abs=per_stage + 1e-15), r.method
         assert q_r == q_best, (r.method, q_r, q_best)
-        assert total_best - 1e-12 <= total_r + 1e-15 and total_r <= total_best + q_r * per_stage + 1e-12, \
+        assert total_loose - 1e-12 <= total_r + 1e-15 and total_r <= total_best + q_r * per_stage + 1e-12, \
             (r.method, total_r, total_best)
 
 
