@@ -211,6 +211,17 @@ def analyze_layers(layers: nn.Sequential | Iterable[Any], sample_input: torch.Te
     return out
 
 
+def _input_in(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``x`` converted to ``dtype`` for a half-precision profile, unless it carries integers that
+    ``dtype`` cannot hold exactly (token ids as floats: float16 is exact only up to 2,048)."""
+    if dtype is None or not x.is_floating_point():
+        return x
+    y = x.to(dtype)
+    if torch.equal(x, x.round()) and not torch.equal(y.to(x.dtype), x):
+        return x
+    return y
+
+
 def _is_oom(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text or "can't allocate" in text
@@ -278,7 +289,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
                   device: torch.device | str = "cpu", *, model_name: str = "model", gpu_type: str | None = None,
                   warmup: int = 2, repeats: int = 7, layer_budget_s: float = 2.0, min_layer_time_s: float = 0.05,
                   progress: bool | None = None, seed: int = 0, threads: int | None = None,
-                  meta: dict[str, Any] | None = None) -> Profile:
+                  meta: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> Profile:
     """Measure every layer of a chain on ``device`` and return a :class:`Profile`.
 
     The micro-batch size is ``sample_input.shape[0]``. Times are stored under
@@ -287,8 +298,10 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
     passes, then ``repeats`` timed ones (more for a fast layer, until they add up to
     ``min_layer_time_s``), keeping the median; a slow layer stops early after about
     ``layer_budget_s`` seconds (see ``_time_layer``; the fewest and most timed runs any
-    layer got are ``meta.repeats_min_used`` and ``meta.repeats_max_used``). Running out of memory raises
-    :class:`PartitionerError` naming the batch size.
+    layer got are ``meta.repeats_min_used`` and ``meta.repeats_max_used``). ``dtype`` (e.g.
+    ``torch.bfloat16``) converts the parameters and a floating-point input first, so the profile
+    holds half-precision times and bytes (``Profile.dtype`` records it). Running out of memory
+    raises :class:`PartitionerError` naming the batch size.
     """
     chain = _as_layer_list(layers)
     dev = torch.device(device)
@@ -305,9 +318,9 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
     timer = _Timer(dev)
     try:
         for _, layer in chain:
-            layer.to(dev)
+            layer.to(device=dev, dtype=dtype)
             layer.train()
-        x = sample_input.to(dev)
+        x = _input_in(sample_input.to(dev), dtype)
         flops, unsupported = _flops_by_layer(chain, x)
         out: list[LayerProfile] = []
         runs: list[int] = []
@@ -353,8 +366,9 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
         "unsupported_ops": bad,
         **(meta or {}),
     }
-    dtype = str(sample_input.dtype).replace("torch.", "") if sample_input.is_floating_point() else "float32"
+    first = dtype or (sample_input.dtype if sample_input.is_floating_point() else torch.float32)
+    kind = str(first).replace("torch.", "")
     params = [p for _, layer in chain for p in layer.parameters()]
     if params:
-        dtype = str(params[0].dtype).replace("torch.", "")
-    return Profile(model_name, batch, tuple(out), dtype=dtype, source=f"partitioner.profiler on {label}", meta=info)
+        kind = str(params[0].dtype).replace("torch.", "")
+    return Profile(model_name, batch, tuple(out), dtype=kind, source=f"partitioner.profiler on {label}", meta=info)

@@ -96,7 +96,7 @@ class PipelineExecutor:
         self._out_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._in_grads: dict[tuple[int, int], torch.Tensor | None] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
-        self._loss_sum = 0.0
+        self._loss_sum: torch.Tensor | float = 0.0  # a device tensor: read back once per iteration
 
     # -- communication -------------------------------------------------------------------
 
@@ -139,7 +139,7 @@ class PipelineExecutor:
         stage keeps the micro-batch's share of the loss instead (and adds it to the tally)."""
         if key[1] == self.num_stages - 1:
             loss = self.loss_fn(y, key[0]) / self.m
-            self._loss_sum += float(loss.detach())
+            self._loss_sum = self._loss_sum + loss.detach()  # no host sync per micro-batch
             self._outputs[key] = loss
         else:
             self._outputs[key] = y
@@ -217,5 +217,5 @@ class PipelineExecutor:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if any(s == self.num_stages - 1 for s in self.stages):
-            self.losses.append(self._loss_sum)
+            self.losses.append(float(self._loss_sum))
         self._reset()

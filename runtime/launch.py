@@ -272,8 +272,12 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
     if config.state_dir:
         torch.save({s: {k: v.cpu() for k, v in m.state_dict().items()} for s, m in modules.items()},
                    os.path.join(config.state_dir, f"rank{rank}.pt"))
+    # CUDA: the most memory the caching allocator handed out over the run (tensors alive at
+    # once: weights, gradients, optimizer state, activations in flight, buffers); the CUDA
+    # context and the allocator's cached-but-free blocks are not in it. CPU: not measured.
+    peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     return {"rank": rank, "device": me.device, "worker": me.worker, "pipe_rank": me.pipe_rank,
-            "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
+            "peak_memory_bytes": peak, "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
             "step_s": step_s, "losses": executor.losses, "threads": torch.get_num_threads(), "first_step": first,
             "data": data.kind, "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()}, **extra}
 
@@ -299,7 +303,7 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "samples_per_s": workers * plan.micro_batches * plan.micro_batch_size / iteration,
         "step_s": steps, "loss": mean_loss,
         "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads",
-                                          "seconds_per_step")}
+                                          "seconds_per_step", "peak_memory_bytes")}
                   for r in per_rank],
     }
 

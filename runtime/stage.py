@@ -61,9 +61,12 @@ def layer_seed(seed: int, layer: int) -> int:
 
 def init_layer(module: nn.Module, index: int, seed: int, device: torch.device | str = "cpu") -> nn.Module:
     """A copy of ``module`` on ``device`` with every parameter and buffer re-initialised from
-    :func:`layer_seed` ``(seed, index)`` (each submodule's ``reset_parameters``, in module order)."""
+    :func:`layer_seed` ``(seed, index)`` (each submodule's ``reset_parameters``, in module order).
+
+    The values are drawn on the CPU and then moved, so a seed gives the same weights on every
+    device (CUDA's generator draws other numbers than the CPU's for the same seed)."""
     layer = copy.deepcopy(module)
-    layer = layer.to_empty(device=device)
+    layer = layer.to_empty(device="cpu")
     torch.manual_seed(layer_seed(seed, index))
     covered: set[int] = set()
     for sub in layer.modules():
@@ -83,7 +86,7 @@ def init_layer(module: nn.Module, index: int, seed: int, device: torch.device | 
                 raise PartitionerError(f"layer {index} buffer {name} has no values on the meta device")
             buf.copy_(src)
     layer.train()
-    return layer
+    return layer.to(device)
 
 
 def _layers_of(chain: LayerChain | nn.Sequential | Iterable[Any]) -> list[tuple[str, nn.Module]]:

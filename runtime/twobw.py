@@ -145,7 +145,7 @@ class TwoBwExecutor(PipelineExecutor):
             updates.append((work, flat))
         self._updates[version] = updates
         if any(s == self.num_stages - 1 for s in self.stages):
-            self.losses.append(self._loss_sum)
+            self.losses.append(float(self._loss_sum))
         self._loss_sum = 0.0
 
     def drain(self, steps: int) -> None:

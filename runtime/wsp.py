@@ -138,7 +138,7 @@ class WspExecutor(PipelineExecutor):
         self._own[wave] = own
         self._works[wave] = works
         if any(s == self.num_stages - 1 for s in self.stages):
-            self.losses.append(self._loss_sum)
+            self.losses.append(float(self._loss_sum))
         self._loss_sum = 0.0
 
     def pull(self, wave: int) -> None:

@@ -65,5 +65,14 @@ def test_unknown_name_lists_the_zoo():
 
 
 def test_bad_sequence_length():
-    with pytest.raises(PartitionerError, match="seq_len"):
-        build_model("gpt2-tiny", seq_len=5000, device="meta")
+    for bad in (0, 2**20 + 1):
+        with pytest.raises(PartitionerError, match="seq_len"):
+            build_model("gpt2-tiny", seq_len=bad, device="meta")
+
+
+def test_a_longer_sequence_grows_the_position_table():
+    # OPT-350M's shape: gpt2-medium with 2,048 positions and a vocabulary of 50,272
+    m = build_model("gpt2-medium", seq_len=2048, vocab=50272, device="meta")
+    embed = m.layers[0][1]
+    assert embed.pos.num_embeddings == 2048 and embed.tok.num_embeddings == 50272
+    assert build_model("gpt2-medium", seq_len=512, device="meta").layers[0][1].pos.num_embeddings == 1024

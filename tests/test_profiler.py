@@ -165,3 +165,15 @@ def test_shared_saved_bytes_make_stage_sums_exact(name):
     assert stats[0].shared_saved_bytes == 0
     if name.startswith("vgg"):
         assert any(s.shared_saved_bytes > 0 for s in stats)  # ReLU output = next conv's input
+
+
+def test_half_precision_input_keeps_token_ids_that_half_types_cannot_hold() -> None:
+    from partitioner.profiler import _input_in
+
+    ids = torch.tensor([[0.0, 2049.0, 50271.0]])  # token ids carried as floats
+    assert _input_in(ids, torch.float16).dtype == torch.float32  # 2049 and 50271 are not exact in fp16
+    small = torch.tensor([[0.0, 7.0, 255.0]])  # integers fp16 holds exactly: converted
+    assert _input_in(small, torch.float16).dtype == torch.float16
+    image = torch.randn(2, 3, 4, 4)
+    assert _input_in(image, torch.bfloat16).dtype == torch.bfloat16
+    assert _input_in(image, None) is image

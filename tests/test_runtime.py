@@ -367,3 +367,23 @@ def test_2bw_follows_its_update_rule(cuts: list[list[int]], m: int, tmp_path: Pa
     # the one-step delay is real: synchronous SGD on the same batches ends elsewhere
     sync = reference_weights(plan, steps, lr, 1)
     assert any(not torch.allclose(ref[k], sync[k], rtol=1e-4, atol=1e-6) for k in ref)
+
+
+def test_train_builds_the_zoo_model_with_the_profiled_shape() -> None:
+    from partitioner.commands.train import zoo_options
+
+    profile = _cpu_profile("gpt2-tiny", 4)
+    assert zoo_options(profile) == {}
+    shaped = Profile("gpt2-tiny", 2, profile.layers,
+                     meta={"config": {"blocks": 2, "hidden": 64, "heads": 4, "vocab": 300, "seq_len": 16}})
+    assert zoo_options(shaped) == {"num_blocks": 2, "vocab": 300, "seq_len": 16}
+    chain = zoo_chain("gpt2-tiny", 2, **zoo_options(shaped))
+    assert tuple(chain.make_input(2, "cpu").shape) == (2, 16)
+
+
+def test_a_seed_gives_the_same_weights_on_every_device() -> None:
+    # drawn on the CPU, then moved: the meta device (no values) must not change what is drawn
+    chain = zoo_chain("gpt2-tiny")
+    a = build_stage(chain, 0, 2, seed=3).state_dict()
+    b = build_stage(chain, 0, 2, seed=3, device="cpu").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -31,7 +31,8 @@ def _zoo_names() -> tuple[str, ...]:
 def _build(args: argparse.Namespace, batch: int, device: str) -> Any:
     from ..models import build_model
 
-    return build_model(args.model, batch, seq_len=args.seq_len, image_size=args.image_size, device=device)
+    return build_model(args.model, batch, seq_len=args.seq_len, image_size=args.image_size, vocab=args.vocab,
+                       device=device)
 
 
 def _stats(args: argparse.Namespace) -> list[Any]:
@@ -55,12 +56,24 @@ def _stats(args: argparse.Namespace) -> list[Any]:
             for s in analyze_layers(m.layers, m.sample_input("cpu"))]
 
 
+def _in_dtype(stats: list[Any], dtype: str) -> list[Any]:
+    """Byte counts analysed in float32 (the zoo's type) converted to ``dtype``."""
+    from dataclasses import replace
+
+    scale = {"float32": 1.0, "float16": 0.5, "bfloat16": 0.5}[dtype]
+    return [replace(s, param_bytes=s.param_bytes * scale, saved_bytes=s.saved_bytes * scale,
+                    output_bytes=s.output_bytes * scale, shared_saved_bytes=s.shared_saved_bytes * scale)
+            for s in stats]
+
+
 def _memory_check(args: argparse.Namespace, device: str) -> None:
     from ..models import build_model
     from ..profiler import analyze_layers, available_memory_bytes
 
-    m = build_model(args.model, args.batch_size, seq_len=args.seq_len, image_size=args.image_size, device="meta")
+    m = build_model(args.model, args.batch_size, seq_len=args.seq_len, image_size=args.image_size, vocab=args.vocab,
+                    device="meta")
     stats = analyze_layers(m.layers, m.sample_input("meta"), count_flops=False)
+    stats = _in_dtype(stats, args.dtype)
     params = sum(s.param_bytes for s in stats)
     inputs = [stats[0].output_bytes, *(s.output_bytes for s in stats[:-1])]
     work = max(i + 2 * s.saved_bytes + 3 * s.output_bytes for i, s in zip(inputs, stats, strict=False))
@@ -84,11 +97,11 @@ def _profile(args: argparse.Namespace) -> int:
     if args.analytic:
         if not targets:
             raise PartitionerError("--analytic needs at least one --gpu-type to compute roofline times for")
-        stats = _stats(args)
+        stats = _in_dtype(_stats(args), args.dtype)
         base = Profile(args.model, args.batch_size,
                        tuple(LayerProfile(s.name, s.flops, s.param_bytes, s.saved_bytes, s.output_bytes,
                                           shared_saved_bytes=s.shared_saved_bytes) for s in stats),
-                       source="partitioner analytic (FLOPs and bytes, no timing)",
+                       dtype=args.dtype, source="partitioner analytic (FLOPs and bytes, no timing)",
                        meta={"unsupported_ops": {s.name: s.unsupported_ops for s in stats if s.unsupported_ops},
                              "measured_on": {}})
         profile = project_profile(base, targets, efficiency=args.efficiency, analytic=True)
@@ -106,7 +119,8 @@ def _profile(args: argparse.Namespace) -> int:
             key, targets = targets[0], targets[1:]  # the first --gpu-type names the measured GPU
         profile = profile_model(m.layers, m.sample_input("cpu"), args.device, model_name=args.model,
                                 gpu_type=key, warmup=args.warmup, repeats=args.repeats,
-                                threads=args.threads, meta={"config": m.config})
+                                threads=args.threads, meta={"config": m.config},
+                                dtype=getattr(torch, args.dtype))
         if targets:
             profile = project_profile(profile, targets, efficiency=args.efficiency)
     profile.save(args.output)
@@ -160,6 +174,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--seq-len", type=bounded_int(1, 2**20), default=None, help="sequence length (transformers)")
     common.add_argument("--image-size", type=bounded_int(1, 2**16), default=None, help="image side in pixels (CNNs)")
     common.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to measure (default cpu)")
+    common.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                        help="parameter and activation type while measuring (default float32); half types "
+                             "are what mixed-precision training runs")
+    common.add_argument("--vocab", type=bounded_int(2, 2**24), default=None,
+                        help="vocabulary size (transformers; e.g. 50272 for OPT)")
     common.add_argument("--gpu-type", action="append", default=None, metavar="NAME",
                         help="catalog GPU type: with --device cuda the first one names the GPU measured; other "
                              "types get projected times; with --analytic, the types to compute times for")

@@ -18,6 +18,7 @@ from ..cluster import Cluster
 from ..errors import FormatError, PartitionerError
 from ..plan import Plan
 from ..profile import Profile
+from ..schedule import spec
 from ._args import bounded_float, bounded_int, check_simulation_size
 from .simulate import profile_for_plan
 
@@ -43,8 +44,10 @@ def _run(args: argparse.Namespace) -> int:
         plan.validate(profile, cluster, check_memory=False)
     except FormatError as err:
         raise err.in_file(args.plan) from None
+    options = {} if is_model_ref(args.model) else zoo_options(profile)
     config = TrainConfig(args.model, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                          device=args.device, threads=args.threads, timeout_s=args.timeout, data=args.data,
+                         model_options=options,
                          checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
                          resume=args.resume)
     chain = chain_for(plan, config)
@@ -80,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
           f"(median of the last {max(1, ran - config.warmup)}), data {metrics['data']}")
     print(f"  measured iteration  {metrics['measured_iteration_s'] * 1e3:9.2f} ms")
     print(f"  predicted iteration {predicted * 1e3:9.2f} ms  (simulator)")
+    _report_memory(metrics, plan, profile, cluster)
     if metrics["loss"]:
         what = "mean of the output" if metrics["data"] == "synthetic" else "training loss"
         print(f"  loss {metrics['loss'][0]:.5g} -> {metrics['loss'][-1]:.5g}  ({what})")
@@ -94,6 +98,39 @@ def _run(args: argparse.Namespace) -> int:
         write_json(args.output, clean)
         print(f"wrote {args.output}")
     return 0
+
+
+# build_model's keyword for each field of a zoo profile's ``meta.config``
+_ZOO_OPTIONS = {"seq_len": "seq_len", "image_size": "image_size", "width": "width", "vocab": "vocab",
+                "blocks": "num_blocks"}
+
+
+def zoo_options(profile: Profile) -> dict[str, Any]:
+    """The shape a zoo model was profiled with (sequence length, image size, width, vocabulary,
+    blocks), so that training builds the model that was measured and planned, not the zoo's
+    default (a profile at ``--seq-len 512`` trained at GPT-2's default 1,024 would run a
+    different model from the one the plan was priced for)."""
+    config = profile.meta.get("config") or {}
+    return {_ZOO_OPTIONS[k]: v for k, v in config.items() if k in _ZOO_OPTIONS}
+
+
+def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluster: Cluster) -> None:
+    """On CUDA: each rank's measured peak beside the cost model's, priced as the runtime trains
+    (fp32 weights, plain SGD: no optimizer state, nothing reserved), into ``metrics`` and printed."""
+    measured = {r["device"]: r["peak_memory_bytes"] for r in metrics["ranks"] if r.get("peak_memory_bytes")}
+    if not measured or spec(plan.schedule).multi_chunk:
+        return
+    from dataclasses import replace
+
+    from ..cost import CostModel, CostOptions
+
+    options = replace(plan.cost_options() or CostOptions(), precision="fp32", optimizer_state_factor=0.0,
+                      reserved_bytes=0.0)
+    predicted = CostModel(profile, cluster, options).plan_memory_bytes(plan)
+    metrics["predicted_peak_memory_bytes"] = {d: predicted.get(d) for d in measured}
+    worst = max(measured, key=lambda d: measured[d])
+    print(f"  peak memory         {measured[worst] / 2**30:9.2f} GiB measured on {worst} "
+          f"(torch.cuda.max_memory_allocated), {predicted.get(worst, 0.0) / 2**30:.2f} GiB predicted")
 
 
 def _finite_or_null(x: Any) -> tuple[Any, int]:
