@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from .._io import check_outputs, finite_json
 from ..cluster import GIB, MAX_GPUS, Cluster
-from ..cost import PRECISIONS, CostOptions
+from ..cost import PRECISIONS, CostModel, CostOptions
 from ..errors import FormatError
 from ..plan import MAX_MICRO_BATCHES, SCHEDULES
 from ..profile import MAX_MICRO_BATCH_SIZE, Profile
@@ -137,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
     if not result.ok or result.plan is None:
         print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
         return 1
-    result.plan.validate(profile, cluster, options)
+    CostModel(profile, cluster, options).validate_plan(result.plan)
     finite_json(result.plan.to_dict(), "the plan")  # e.g. a profile of zero times: an infinite rate
     table = format_plan(result.plan, profile, cluster, options)
     if args.output:  # written before anything is printed: a closed pipe on stdout does not lose it

@@ -40,7 +40,7 @@ def _run(args: argparse.Namespace) -> int:
     check_simulation_size(plan, None, args.plan)
     profile = profile_for_plan(plan, profile, args.profile)
     try:
-        plan.validate(profile, cluster, check_memory=False)
+        plan.validate(profile, cluster)
     except FormatError as err:
         raise err.in_file(args.plan) from None
     config = TrainConfig(args.model, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
