@@ -349,7 +349,7 @@ def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedu
         "samples_per_s": micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
     }
     return with_predictions(plan, profile, cost.cluster, cost.options, closed, simulate,
-                            extra_meta={"stage_times_s": times})
+                            extra_meta={"stage_times_s": times}, cost=cost)
 
 
 def _with_plan(result: SolveResult, plan: Plan) -> SolveResult:

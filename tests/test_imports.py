@@ -183,6 +183,11 @@ def test_the_runtime_never_imports_solvers_or_the_cli(module):
     assert up == [], f"{module} imports {up}"
 
 
+def test_the_plan_command_plans_through_one_front_door():
+    # solvers.planning.plan; ``solvers`` itself for the --solver choices
+    assert {t for t in GRAPH["partitioner.commands.plan"] if _in(t, ("solvers",))} == {"solvers", "solvers.planning"}
+
+
 def test_only_the_cli_imports_the_cli():
     for module, targets in GRAPH.items():
         if _in(module, CLI):
