@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._machine import machine_line  # noqa: E402
 from partitioner.cluster import Cluster, Node  # noqa: E402
+from partitioner.cost import CostModel  # noqa: E402
 from partitioner.importers.sailor import import_sailor  # noqa: E402
 from partitioner.profile import Profile  # noqa: E402
 from solvers import solve  # noqa: E402
@@ -56,7 +57,7 @@ def figures(result, profile: Profile, cluster: Cluster) -> tuple[float, float] |
     """(model objective, simulated) samples/s of a result's plan, or None if it has none."""
     if not result.ok:
         return None
-    result.plan.validate(profile, cluster)
+    CostModel(profile, cluster).validate_plan(result.plan)
     return result.plan.meta["closed_form"]["samples_per_s"], result.plan.predicted["samples_per_s"]
 
 
@@ -87,7 +88,7 @@ def timing(profile: Profile, cluster: Cluster, runs: int) -> float:
         r = plan_cluster(profile, cluster, "auto", "opt", micro_batches=8)
         ts.append(time.perf_counter() - t0)
         assert r.ok, r.reason
-        r.plan.validate(profile, cluster)
+        CostModel(profile, cluster).validate_plan(r.plan)
     return statistics.median(ts)
 
 

@@ -37,11 +37,19 @@ class PipelinePlacement:
 
 
 def place(plan: Plan) -> list[PipelinePlacement]:
-    """Every virtual worker's pipeline, or a one-line error naming the broken rule."""
+    """Every virtual worker's pipeline, or a one-line error naming the broken rule: a device in
+    two virtual workers, a stage count that is not a multiple of ``chunks``, the first ``p``
+    stages not on ``p`` distinct devices, or stage ``c*p + d`` off the device of stage ``d``."""
     out = []
     v = plan.chunks
+    owner: dict[str, int] = {}
     for w, vw in enumerate(plan.virtual_workers):
         where = f"virtual_workers[{w}]"
+        for k, st in enumerate(vw.stages):
+            for dev in st.devices:
+                if owner.setdefault(dev, w) != w:
+                    raise FormatError(f"{where}.stages[{k}].device", dev,
+                                      f"already used by virtual_workers[{owner[dev]}]: a device runs one virtual worker")
         if any(st.replicas for st in vw.stages):
             if v != 1:
                 raise FormatError(f"{where}.stages", [s.device for s in vw.stages],

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from ._io import load_mapping, opt_field, req_field, req_int, req_number, write_json
 from .errors import FormatError, check
+from .pricing import CostOptions
 from .profile import MAX_MICRO_BATCH_SIZE
 from .schedule import MULTI_CHUNK, SCHEDULE_NAMES, spec
 
 if TYPE_CHECKING:
     from .cluster import Cluster
-    from .cost import CostOptions
     from .profile import Profile
 
 __all__ = ["MAX_CHUNKS", "MAX_MICRO_BATCHES", "MAX_STALENESS", "PLAN_FORMAT", "SCHEDULES", "Plan", "SolveStatus",
@@ -37,8 +37,6 @@ def _pricing(raw: Any) -> dict[str, Any]:
     """Validated ``pricing`` of a plan file (the cost options it was priced with)."""
     if raw is None:
         return {}
-    from .cost import CostOptions
-
     return CostOptions.from_dict(raw).to_dict()
 
 
@@ -221,14 +219,15 @@ class Plan:
 
     # -- validation against a profile and a cluster ----------------------------------------
 
-    def validate(self, profile: Profile, cluster: Cluster, options: CostOptions | None = None,
-                 check_memory: bool = True) -> None:
-        """Raise :class:`FormatError` unless the plan is executable on ``cluster``.
+    def validate(self, profile: Profile, cluster: Cluster, options: object = None) -> None:
+        """Raise :class:`FormatError` unless the plan's structure fits ``profile`` and ``cluster``.
 
         Checks: every virtual worker's stages cover the profile's layers contiguously, without
         overlap or gap; devices exist, carry the stated GPU type and belong to one virtual
-        worker; a device holds several stages only under an interleaved schedule; and (with
-        ``check_memory``) every device's stages fit in its memory under the cost model.
+        worker; a device holds several stages only under a multi-chunk schedule. Whether the
+        stages fit in memory is a question for the cost model
+        (:meth:`partitioner.cost.CostModel.check_plan_memory`); ``options`` is accepted for
+        callers that pass their cost options here and is not used.
         """
         if self.model != profile.model:
             raise FormatError("model", self.model, f"the profile is of model '{profile.model}'")
@@ -263,10 +262,6 @@ class Plan:
             if expect != n_layers:
                 raise FormatError(f"virtual_workers[{w}].stages", f"ends at layer {expect}",
                                   f"must cover all {n_layers} layers of the profile")
-        if check_memory:
-            from .cost import CostModel
-
-            CostModel(profile, cluster, options).check_plan_memory(self)
 
     # -- JSON ------------------------------------------------------------------------------
 
@@ -326,8 +321,6 @@ class Plan:
         """The :class:`CostOptions` the plan was priced with, or None for a plan that does not say."""
         if not self.pricing:
             return None
-        from .cost import CostOptions
-
         return CostOptions.from_dict(self.pricing)
 
     @classmethod

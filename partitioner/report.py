@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 from .cluster import Cluster
-from .cost import CostModel, CostOptions, activations_in_flight
+from .cost import CostModel, activations_in_flight
 from .plan import Plan
-from .profile import Profile
 from .schedule import spec
 
 __all__ = ["format_plan"]
@@ -41,9 +40,10 @@ def _alike_workers(plan: Plan, cluster: Cluster) -> list[list[int]]:
     return list(groups.values())
 
 
-def format_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None = None) -> str:
-    """The plan as a stage table (per virtual worker) under a header with its certificate."""
-    cost = CostModel(profile, cluster, options)
+def format_plan(plan: Plan, cost: CostModel) -> str:
+    """The plan as a stage table (per virtual worker) under a header with its certificate, priced
+    by ``cost`` (the profile, cluster and options the plan was made with)."""
+    cluster = cost.cluster
     out = [f"plan for {plan.model} on {cluster.name}: {len(plan.virtual_workers)} virtual worker(s), "
            f"{len(plan.devices)} of {len(cluster.devices)} devices, schedule {plan.schedule}, "
            f"{plan.micro_batches} micro-batches of {plan.micro_batch_size}"]

@@ -97,9 +97,10 @@ def _replicated_ranks(pipe: PipelinePlacement, cols: list[Columns], assign: list
 
 
 def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None = None,
-                  iterations: int | None = None) -> Timeline:
-    """Simulate ``plan`` under its schedule with the cost model; see :class:`Timeline`."""
-    cost = CostModel(profile, cluster, options)
+                  iterations: int | None = None, *, cost: CostModel | None = None) -> Timeline:
+    """Simulate ``plan`` under its schedule with the cost model; see :class:`Timeline`. ``cost``:
+    the :class:`CostModel` of ``profile``, ``cluster`` and ``options`` when the caller has one."""
+    cost = cost or CostModel(profile, cluster, options)
     sched, m = plan.schedule, plan.micro_batches
     # A first micro-batch in s slices runs as s micro-batches of 1/s the work, then m - 1 whole ones.
     n_slices = plan.first_slices
@@ -330,7 +331,7 @@ def _clock_gaps(columns: list[Columns], ends: list[np.ndarray], rank_worker: lis
 
 
 def predict(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None = None,
-            timeline: Timeline | None = None) -> dict[str, float]:
+            timeline: Timeline | None = None, *, cost: CostModel | None = None) -> dict[str, float]:
     """The ``Plan.predicted`` figures, from the simulator.
 
     ``bottleneck_s`` is the largest per-micro-batch work of one device (its stages' times
@@ -338,8 +339,8 @@ def predict(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions
     mean over devices and ``peak_memory_bytes`` the largest device's (per-device figures are
     on the :class:`Timeline`).
     """
-    cost = CostModel(profile, cluster, options)
-    tl = timeline if timeline is not None else simulate_plan(plan, profile, cluster, options)
+    cost = cost or CostModel(profile, cluster, options)
+    tl = timeline if timeline is not None else simulate_plan(plan, profile, cluster, options, cost=cost)
     per_device: dict[str, float] = {}
     for vw in plan.virtual_workers:
         st = vw.stages

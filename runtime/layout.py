@@ -16,15 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partitioner.errors import FormatError, PartitionerError
+from partitioner.placement import place, supports
 from partitioner.plan import Plan
 from partitioner.schedule import check_schedule
 
-__all__ = ["SUPPORTED_SCHEDULES", "Layout", "RankInfo", "plan_layout"]
-
-# Flushing schedules: every iteration ends with all gradients in, so synchronous data
-# parallelism is exact; wsp runs Wave Synchronous Parallel (runtime/wsp.py), 2bw PipeDream-2BW's
-# double-buffered weight updates (runtime/twobw.py).
-SUPPORTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "2bw", "wsp")
+__all__ = ["Layout", "RankInfo", "plan_layout"]
 
 
 @dataclass(frozen=True)
@@ -74,56 +70,39 @@ class Layout:
 
 def plan_layout(plan: Plan, num_layers: int, model: str = "") -> Layout:
     """Map ``plan`` onto ranks, refusing what the runtime does not execute (one line each).
-    ``model`` names the model of ``num_layers`` layers in the messages."""
+    ``model`` names the model of ``num_layers`` layers in the messages.
+
+    The pipelines come from :func:`partitioner.placement.place` (stage count a multiple of the
+    chunks, distinct devices, stage ``c*p + d`` on the device of stage ``d``); what the runtime
+    cannot run is what :func:`partitioner.placement.supports` says for ``"runtime"``."""
     the_model = f"model {model}" if model else "the model"
-    if plan.schedule not in SUPPORTED_SCHEDULES:
-        raise PartitionerError(
-            f"schedule '{plan.schedule}' is not executed by the runtime: it runs {', '.join(SUPPORTED_SCHEDULES)}; "
-            f"re-plan with one of those")
-    if plan.staleness != 0 and plan.schedule != "wsp":
-        raise PartitionerError(
-            f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
-            f"a flushing schedule exactly synchronous; bounded staleness needs schedule wsp")
-    if plan.first_slices != 1:
-        raise PartitionerError(
-            f"first_slices = {plan.first_slices}: the runtime runs micro-batches of one size "
-            f"({plan.micro_batch_size}); re-plan without slicing the first micro-batch (first_slices 1)")
+    pipelines_placed = place(plan)  # FormatError naming the broken placement rule
+    cannot = supports(plan, "runtime")
+    if cannot:
+        raise PartitionerError(cannot)
     ranks: list[RankInfo] = []
     pipelines: list[tuple[int, ...]] = []
     stage_layers: list[tuple[tuple[int, int], ...]] = []
-    v = plan.chunks
-    for w, vw in enumerate(plan.virtual_workers):
+    for w, pipe in enumerate(pipelines_placed):
         where = f"virtual_workers[{w}]"
         expect = 0
-        for k, st in enumerate(vw.stages):
-            if st.replicas:
-                raise PartitionerError(f"{where}.stages[{k}] has replicas {list(st.replicas)}: the runtime does not "
-                                       f"replicate stages; express data parallelism as virtual workers")
-            if st.start != expect:
-                raise FormatError(f"{where}.stages[{k}].layers", list(st.layers), f"must start at layer {expect}")
-            if st.stop > num_layers:
-                raise FormatError(f"{where}.stages[{k}].layers", list(st.layers),
+        for k, (start, stop) in enumerate(pipe.stages):
+            if start != expect:
+                raise FormatError(f"{where}.stages[{k}].layers", [start, stop], f"must start at layer {expect}")
+            if stop > num_layers:
+                raise FormatError(f"{where}.stages[{k}].layers", [start, stop],
                                   f"layer {num_layers} does not exist: {the_model} has {num_layers} layers "
                                   f"(0..{num_layers - 1})")
-            expect = st.stop
+            expect = stop
         if expect != num_layers:
-            raise FormatError(f"{where}.stages[{len(vw.stages) - 1}].layers", list(vw.stages[-1].layers),
+            raise FormatError(f"{where}.stages[{len(pipe.stages) - 1}].layers", list(pipe.stages[-1]),
                               f"the last stage ends before layer {expect}, but {the_model} has {num_layers} layers: "
                               f"layers {expect}..{num_layers - 1} are in no stage")
-        n = len(vw.stages)
-        if n % v != 0:
-            raise FormatError(f"{where}.stages", n, f"with chunks={v} the stage count must be a multiple of {v}")
-        p = n // v
-        devs = [vw.stages[d].device for d in range(p)]
-        if len(set(devs)) != p or any(st.device != devs[s % p] for s, st in enumerate(vw.stages)):
-            raise FormatError(f"{where}.stages", [s.device for s in vw.stages],
-                              f"stage c*p + d must run on the device of stage d ({p} distinct devices, chunks={v})")
-        check_schedule(plan.schedule, p, plan.micro_batches, v, staleness=plan.staleness)
+        p, n = pipe.ranks, len(pipe.stages)
+        check_schedule(plan.schedule, p, plan.micro_batches, plan.chunks, staleness=plan.staleness)
         base = len(ranks)
         for d in range(p):
-            if any(r.device == devs[d] for r in ranks):
-                raise FormatError(f"{where}.stages[{d}].device", devs[d], "already used by another virtual worker")
-            ranks.append(RankInfo(base + d, devs[d], w, d, tuple(range(d, n, p))))
+            ranks.append(RankInfo(base + d, pipe.devices[d], w, d, tuple(range(d, n, p))))
         pipelines.append(tuple(range(base, base + p)))
-        stage_layers.append(tuple(st.layers for st in vw.stages))
+        stage_layers.append(pipe.stages)
     return Layout(plan, tuple(ranks), tuple(pipelines), tuple(stage_layers), num_layers)

@@ -18,7 +18,7 @@ __all__ = ["SOLVERS", "SolveResult", "SolveStatus", "solve"]
 
 # name the user types -> "module:function"; every function takes (profile, cluster, **options)
 SOLVERS: dict[str, str] = {
-    "dp": "solvers.dp:solve",
+    "dp": "solvers.chain:solve",
     "hetero": "solvers.hetero:solve",
     "uniform": "solvers.baselines:solve_uniform",
     "parameters": "solvers.baselines:solve_parameters",

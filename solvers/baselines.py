@@ -160,7 +160,7 @@ def solve(profile: Profile, cluster: Cluster, *, rule: str, virtual_workers: int
                          time.perf_counter() - t0, rule, details={"virtual_workers": len(groups)})
     plan = with_predictions(replace(plan, solver=result.solver_info()), profile, cluster, options, predicted,
                             extra_meta={"baseline": rule, "objective": objective})
-    plan.validate(profile, cluster, options)
+    plan.validate(profile, cluster)  # memory: checked above
     if not math.isfinite(predicted["samples_per_s"]):
         raise FormatError("profile", profile.model, "has zero time on every layer; nothing to balance")
     return replace(result, plan=plan)

@@ -29,7 +29,6 @@ from partitioner.cost import CostModel, CostOptions, activations_in_flight
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
-from partitioner.schedule import spec
 
 from .predictions import with_predictions
 from .result import SolveResult, SolveStatus
@@ -304,39 +303,18 @@ def chain_arguments(profile: Profile, cluster: Cluster, devices: Sequence[str] |
 
 
 def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
-          schedule: str = "1f1b", micro_batches: int | Sequence[int] | None = None, options: CostOptions | None = None,
-          allow_fewer: bool = False, chunks: int | str | None = None, **unused: object) -> SolveResult:
+          schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
+          allow_fewer: bool = False, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` (default: every device of the cluster, in order).
 
     ``micro_batches`` defaults to the number of devices. With ``allow_fewer``, the first ``q``
     devices for every ``q <= len(devices)`` are tried and the best pipeline wins (the shortest
-    one on ties). ``schedule="auto"`` (gpipe, 1f1b, 2bw) and/or a list of ``micro_batches``
-    solve every combination and keep the plan with the most simulated samples/s
-    (:func:`solvers.ranking.solve_ranked`; the candidates are in ``details["ranking"]``).
-    A multi-chunk schedule (interleaved, bfs) or ``chunks`` (an integer or ``"auto"``) plans
-    ``chunks`` model chunks per device (:func:`solvers.chunked.solve_chunked`).
+    one on ties). One one-chunk schedule and one micro-batch count; the solver named ``dp``
+    (:func:`solvers.chain.solve`) adds ``schedule="auto"``, lists of counts and multi-chunk
+    schedules around this one.
     """
     if unused:
         raise FormatError("solver option", sorted(unused), "not understood by the dp solver")
-    if chunks is not None or (schedule != "auto" and spec(schedule).multi_chunk):
-        from .chunked import solve_chunked
-
-        if allow_fewer:
-            raise FormatError("allow_fewer", True, f"not supported with the multi-chunk schedule {schedule}; "
-                              f"name the devices to use instead")
-        if not (micro_batches is None or isinstance(micro_batches, int)):
-            raise FormatError("micro_batches", micro_batches, f"one count under {schedule}")
-        return solve_chunked(profile, cluster, devices, schedule=schedule, chunks=chunks or "auto",
-                             micro_batches=micro_batches, options=options)
-    if schedule == "auto" or not (micro_batches is None or isinstance(micro_batches, int)):
-        from .ranking import AUTO_SCHEDULES, solve_ranked
-
-        n_devs = len(devices) if devices is not None else len(cluster.devices)
-        counts = [micro_batches or n_devs] if micro_batches is None or isinstance(micro_batches, int) \
-            else list(micro_batches)
-        return solve_ranked(
-            solve, profile, cluster, AUTO_SCHEDULES if schedule == "auto" else (schedule,), counts,
-            devices=devices, options=options, allow_fewer=allow_fewer)
     t0 = time.perf_counter()
     cost, devs, m = chain_arguments(profile, cluster, devices, schedule, micro_batches, options)
     best = best_prefix_dp(cost, devs, schedule, m) if allow_fewer else chain_dp(cost, devs, schedule, m)
@@ -371,7 +349,7 @@ def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedu
         "samples_per_s": micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
     }
     return with_predictions(plan, profile, cost.cluster, cost.options, closed, simulate,
-                            extra_meta={"stage_times_s": times})
+                            extra_meta={"stage_times_s": times}, cost=cost)
 
 
 def _with_plan(result: SolveResult, plan: Plan) -> SolveResult:

@@ -195,7 +195,8 @@ def _replan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions
     where the schedule needs one) for one virtual worker, the cluster planner
     (policy opt, the plan's number of virtual workers) for several."""
     if len(plan.virtual_workers) == 1:
-        from .dp import solve
+        from .chain import solve
+
         if spec(plan.schedule).multi_chunk:  # the chunked DP over all of them, the plan's chunk count
             m = plan.micro_batches
             try:
@@ -263,7 +264,7 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
     if not time_limit_s > 0:
         raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
     options = options or plan.cost_options() or CostOptions()
-    plan.validate(profile, cluster, options, check_memory=False)
+    plan.validate(profile, cluster)
     cost = CostModel(profile, cluster, options)
     stages = _stage_costs(cost, plan)
     bottleneck = max(stages, key=lambda s: s.time_s)

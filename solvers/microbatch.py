@@ -29,7 +29,7 @@ from partitioner.plan import Plan
 from partitioner.profile import Profile
 from partitioner.schedule import spec
 
-from .result import SolveResult
+from .result import SolveResult, SolveStatus
 
 __all__ = ["MicroBatchChoice", "choose_micro_batches"]
 
@@ -53,23 +53,46 @@ def _priced(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions
 
 @dataclass(frozen=True)
 class MicroBatchChoice:
-    micro_batch_size: int
-    micro_batches: int
-    first_slices: int
-    iteration_s: float
-    samples_per_s: float
+    """The best candidate (``result``, with its plan at the chosen size, count and first-slice
+    count) and every candidate tried as ``(size, slices, samples/s)``. When no size fits,
+    ``result`` is ``INFEASIBLE`` with the reason and ``details["refused"]`` says why per size."""
+
     result: SolveResult
-    tried: tuple[tuple[int, int, float], ...]  # (size, slices, samples/s) of every candidate
+    iteration_s: float = math.inf
+    samples_per_s: float = 0.0
+    tried: tuple[tuple[int, int, float], ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.result.ok
+
+    def _plan(self) -> Plan:
+        if self.result.plan is None:
+            raise PartitionerError(f"no micro-batch choice: {self.result.reason}")
+        return self.result.plan
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self._plan().micro_batch_size
+
+    @property
+    def micro_batches(self) -> int:
+        return self._plan().micro_batches
+
+    @property
+    def first_slices(self) -> int:
+        return self._plan().first_slices
 
 
 def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
                          planner: Callable[..., SolveResult], *, profiles: Mapping[int, Profile] | None = None,
                          sizes: Sequence[int] | None = None, slices: Sequence[int] = (1, 2, 4),
-                         schedule: str = "1f1b", **planner_options: Any) -> MicroBatchChoice | None:
+                         schedule: str = "1f1b", **planner_options: Any) -> MicroBatchChoice:
     """Best (size, count, first slices) for ``global_batch`` samples per virtual worker.
 
     ``planner(profile, cluster, schedule=..., micro_batches=m, **planner_options)`` returns a
-    :class:`SolveResult` (e.g. :func:`solvers.hetero.plan_cluster`). None: nothing fits.
+    :class:`SolveResult` (e.g. :func:`solvers.hetero.plan_cluster`). When no size fits, the
+    choice's ``result`` is ``INFEASIBLE`` with the reason.
     """
     if not (isinstance(global_batch, int) and global_batch >= 1):
         raise FormatError("global_batch", global_batch, "must be an integer >= 1")
@@ -85,11 +108,15 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
                               f"sizes {', '.join(map(str, measured))}")
     best: MicroBatchChoice | None = None
     tried = []
+    refused = []
+    runtime_s = 0.0
     for b in cands:
         prof = (profiles or {}).get(b) or profile.at_size(b)
         m = global_batch // b
         res = planner(prof, cluster, schedule=schedule, micro_batches=m, **planner_options)
+        runtime_s += res.runtime_s
         if not res.ok or res.plan is None:
+            refused.append(f"size {b} ({m} micro-batches): {res.status}: {res.reason}")
             continue
         options = planner_options.get("options")
         for s in slices:
@@ -99,8 +126,9 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
             worst, total = _priced(plan, prof, cluster, options, global_batch)
             tried.append((b, s, total))
             if best is None or total > best.samples_per_s:
-                best = MicroBatchChoice(b, m, s, worst, total, replace(res, plan=plan), ())
+                best = MicroBatchChoice(replace(res, plan=plan), worst, total)
     if best is None:
-        return None
-    return MicroBatchChoice(best.micro_batch_size, best.micro_batches, best.first_slices, best.iteration_s,
-                            best.samples_per_s, best.result, tuple(tried))
+        return MicroBatchChoice(SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=runtime_s, method="microbatch",
+                                            reason=f"no micro-batch size dividing {global_batch} fits",
+                                            details={"refused": refused}))
+    return replace(best, tried=tuple(tried))

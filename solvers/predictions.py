@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from partitioner.cluster import Cluster
-from partitioner.cost import CostOptions
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
@@ -28,21 +28,23 @@ log = logging.getLogger(__name__)
 
 def with_predictions(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None,
                      closed_form: Mapping[str, float], simulate: bool = True,
-                     extra_meta: Mapping[str, Any] | None = None) -> Plan:
-    """``plan`` with ``predicted`` from the simulator (or ``closed_form`` where it cannot apply)."""
+                     extra_meta: Mapping[str, Any] | None = None, *, cost: CostModel | None = None) -> Plan:
+    """``plan`` with ``predicted`` from the simulator (or ``closed_form`` where it cannot apply).
+    ``cost``: the caller's :class:`CostModel` of ``profile``, ``cluster`` and ``options``, shared."""
     meta: dict[str, Any] = {**plan.meta, **(extra_meta or {}), "closed_form": dict(closed_form)}
     predicted: dict[str, float] = dict(closed_form)
     meta["predicted_by"] = "closed form"
     if simulate:
         from partitioner.simulate import predict, simulate_plan
 
+        cost = cost or CostModel(profile, cluster, options)
         try:
-            tl = simulate_plan(plan, profile, cluster, options)
+            tl = simulate_plan(plan, profile, cluster, options, cost=cost)
         except PartitionerError as err:
             meta["predicted_by"] = f"closed form ({err})"
             log.info("plan priced by the closed form: %s", err)
         else:
-            predicted = predict(plan, profile, cluster, options, timeline=tl)
+            predicted = predict(plan, profile, cluster, options, timeline=tl, cost=cost)
             if "bottleneck_s" in closed_form:  # the per-stage figure the solver optimised
                 predicted["bottleneck_s"] = closed_form["bottleneck_s"]
             meta.update(predicted_by="simulator", bubble_fraction=dict(tl.bubble_fraction),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from partitioner.cluster import Cluster
-from partitioner.cost import CostOptions
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
@@ -57,9 +57,10 @@ def rank_plans(candidates: Iterable[Plan], profile: Profile, cluster: Cluster,
     """Candidates sorted best first (fitting, then most samples/s, then shortest iteration),
     each with its ``predicted`` figures replaced by the simulator's."""
     out = []
+    cost = CostModel(profile, cluster, options)  # one for every candidate
     for plan in candidates:
-        tl = simulate_plan(plan, profile, cluster, options)
-        pred = {**plan.predicted, **predict(plan, profile, cluster, options, timeline=tl)}
+        tl = simulate_plan(plan, profile, cluster, options, cost=cost)
+        pred = {**plan.predicted, **predict(plan, profile, cluster, options, timeline=tl, cost=cost)}
         fits = all(tl.peak_memory_bytes[d] <= cluster.device(d).memory_bytes for d in tl.devices)
         out.append(RankedPlan(replace(plan, predicted=pred), tl, fits))
     out.sort(key=lambda c: (not c.fits, -c.samples_per_s, c.timeline.iteration_s))

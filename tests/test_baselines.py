@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
+from partitioner.cost import CostModel
 from solvers import solve
 from solvers.baselines import blockpartition_cuts, minmax_cuts, uniform_cuts
 from solvers.hetero import plan_cluster
@@ -48,7 +49,7 @@ def test_baselines_validate_and_opt_is_no_worse(name):
     opt = plan_cluster(prof, cl, 1, "opt", schedule="wsp", micro_batches=4)
     assert opt.ok
     if base.ok:
-        base.plan.validate(prof, cl)
+        CostModel(prof, cl).validate_plan(base.plan)
         assert opt.plan.meta["closed_form"]["samples_per_s"] >= base.plan.meta["closed_form"]["samples_per_s"] * (1 - 1e-12)
     else:
         assert base.reason
@@ -61,4 +62,4 @@ def test_baseline_that_overflows_memory_is_infeasible_not_a_plan():
     if not res.ok:
         assert "memory" in res.reason and "GB" in res.reason
     else:
-        res.plan.validate(prof, cl)
+        CostModel(prof, cl).validate_plan(res.plan)

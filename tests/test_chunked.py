@@ -39,7 +39,7 @@ def test_chunked_plan_is_the_dp_over_the_repeated_devices(schedule, chunks):
     devs = [d.name for d in cluster.devices]
     for s, st in enumerate(plan.virtual_workers[0].stages):
         assert st.device == devs[s % p]  # stage c*p + d on device d
-    plan.validate(profile, cluster, plan.cost_options())
+    CostModel(profile, cluster, plan.cost_options()).validate_plan(plan)
     cost = CostModel(profile, cluster, plan.cost_options())
     dp = chain_dp(cost, tuple(cluster.devices) * chunks, "1f1b", 1)
     assert dp is not None

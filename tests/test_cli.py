@@ -3,6 +3,8 @@ import json
 import pytest
 
 from partitioner.cli import main
+from partitioner.cluster import Cluster
+from partitioner.cost import CostModel
 from partitioner.plan import Plan
 from partitioner.profile import Profile
 
@@ -22,7 +24,7 @@ def test_import_then_plan(tmp_path, capsys):
     assert "solver dp: optimal" in out and "share of bottleneck" in out
     plan = Plan.load(plan_path)
     assert plan.solver is not None and plan.solver.status == "optimal"
-    plan.validate(prof, __import__("partitioner").Cluster.load("examples/clusters/v100x8.yaml"))
+    CostModel(prof, Cluster.load("examples/clusters/v100x8.yaml")).validate_plan(plan)
 
 
 def test_infeasible_exits_nonzero_with_the_reason(tmp_path, capsys):

@@ -99,7 +99,7 @@ def _check_dp_equals_brute_force(inst):
     assert result.objective == expected  # same prices, same max: exactly equal
     assert result.lower_bound == result.objective and result.gap == 0.0
     plan = result.plan
-    plan.validate(prof, cluster, options)  # covers the layers, fits memory
+    CostModel(prof, cluster, options).validate_plan(plan)  # covers the layers, fits memory
     times = cost.plan_stage_times_s(plan)
     assert max(times) == result.objective
     # among the splits that reach the optimum, the one with the least total stage time

@@ -203,7 +203,7 @@ def test_measured_runs_become_plans_of_tensor_parallel_groups():
     assert plan.micro_batch_size == 8 and plan.micro_batches == 1024 // (8 * 4) and plan.schedule == "1f1b"
     assert run.profile.meta["tensor_parallel"] == 4 and len(run.cluster.devices) == 16
     assert run.options.precision == "fp16"
-    plan.validate(run.profile, run.cluster, run.options)
+    CostModel(run.profile, run.cluster, run.options).validate_plan(plan)
 
 
 def test_measured_runs_are_predicted_in_their_measured_order_and_memory():
@@ -369,6 +369,6 @@ def test_heterogeneous_runs_import_and_simulate(tmp_path, dp):
         assert len(run.plan.virtual_workers) == 2 and run.plan.micro_batches == 4
     else:  # replica counts differ: one pipeline with replicated stages
         assert [len(s.devices) for s in run.plan.virtual_workers[0].stages] == dp and run.plan.micro_batches == 8
-    run.plan.validate(run.profile, run.cluster, run.options, check_memory=False)
+    run.plan.validate(run.profile, run.cluster)
     tl = simulate_plan(run.plan, run.profile, run.cluster, run.options)
     assert tl.iteration_s > 0 and any(e[1] == "ALLREDUCE" for e in tl.events())

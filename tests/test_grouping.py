@@ -46,7 +46,7 @@ def test_opt_equals_exhaustive_grouping(objective, k):
     want = brute_grouping(CostModel(prof, cl), list(cl.devices), k, 4, objective)
     assert res.status is SolveStatus.OPTIMAL
     assert res.plan.meta["closed_form"]["samples_per_s"] == pytest.approx(want, rel=1e-9)
-    res.plan.validate(prof, cl)
+    CostModel(prof, cl).validate_plan(res.plan)
 
 
 def test_opt_auto_is_at_least_every_policy_and_fits_memory():
@@ -157,7 +157,7 @@ def test_equivalent_workers_share_one_mapping_relabelled_onto_their_own_gpus():
     cl = small_cluster([["TITAN-V", "RTX-2060", "TITAN-V"]] * 4 + [["RTX-2060", "Quadro-P4000"]] * 2)
     res = plan_cluster(prof, cl, "auto", "np")
     assert res.ok and len(res.plan.virtual_workers) == 6
-    res.plan.validate(prof, cl)
+    CostModel(prof, cl).validate_plan(res.plan)
     cost = CostModel(prof, cl)
     for node, vw in zip(cl.nodes, res.plan.virtual_workers, strict=True):
         assert {st.device for st in vw.stages} == {d.name for d in cl.devices if d.node == node.name}

@@ -105,7 +105,7 @@ def _check_agreement(inst, hint):
     if not math.isnan(r_mi.details["bound_s"]):
         assert r_mi.details["bound_s"] <= truth * (1 + 1e-12)
     for r in (r_cp, r_mi):
-        r.plan.validate(profile, cluster, options)
+        CostModel(profile, cluster, options).validate_plan(r.plan)
         assert r.plan.solver.name == r.method
         times = CostModel(profile, cluster, options).plan_stage_times_s(r.plan)
         assert max(times) == r.objective  # the reported objective is the cost model's figure

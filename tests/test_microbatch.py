@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.cost import pipeline_iteration_s
+from partitioner.cost import CostModel, pipeline_iteration_s
 from partitioner.errors import FormatError
 from solvers.hetero import plan_cluster
 from solvers.microbatch import choose_micro_batches
@@ -48,7 +48,7 @@ def test_choice_is_the_best_candidate_and_covers_the_batch():
     assert choice is not None
     assert choice.micro_batch_size * choice.micro_batches == 32
     assert choice.samples_per_s == pytest.approx(max(s for _, _, s in choice.tried))
-    choice.result.plan.validate(prof.rescaled(choice.micro_batch_size), cl)
+    CostModel(prof.rescaled(choice.micro_batch_size), cl).validate_plan(choice.result.plan)
     with pytest.raises(FormatError, match="divide"):
         choose_micro_batches(prof, cl, 32, plan_cluster, sizes=[3])
 

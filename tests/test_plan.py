@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from partitioner.cost import CostOptions
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, SolverInfo, Stage, VirtualWorker
 
@@ -65,9 +65,9 @@ def test_wrong_gpu_type_and_memory(setting):
     small = flat_cluster(["A", "B"], memory_gb={"A": 3, "B": 100})
     # 6 layers of 1 GiB params x (1 weights + 1 grads + 2 Adam) = 24 GiB on a 3 GiB GPU
     with pytest.raises(FormatError, match=r"needs 2\d\.\d\d GB .* device n0:0 has 3\.22 GB"):
-        plan_of(((0, 6), "n0:0")).validate(prof, small)
-    plan_of(((0, 6), "n0:0")).validate(prof, small, check_memory=False)
-    plan_of(((0, 6), "n1:0")).validate(prof, small, CostOptions(optimizer_state_factor=0))
+        CostModel(prof, small).validate_plan(plan_of(((0, 6), "n0:0")))
+    plan_of(((0, 6), "n0:0")).validate(prof, small)  # the structure alone: memory is the cost model's
+    CostModel(prof, small, CostOptions(optimizer_state_factor=0)).validate_plan(plan_of(((0, 6), "n1:0")))
 
 
 @pytest.mark.parametrize(

@@ -76,4 +76,4 @@ def test_cluster_planner_ranks_groupings_of_several_k_by_simulation():
     rates = [r["samples_per_s"] for r in ranking]
     assert rates == sorted(rates, reverse=True)
     assert res.plan.predicted["samples_per_s"] == pytest.approx(rates[0])  # the simulated best wins
-    res.plan.validate(prof, cl)
+    CostModel(prof, cl).validate_plan(res.plan)

@@ -70,5 +70,5 @@ def test_planner_with_replication_validates_and_is_no_worse():
     cl = small_cluster([["TITAN-V", "TITAN-V"], ["RTX-2060", "RTX-2060"]], inter=0.5)
     pure = plan_cluster(prof, cl, 1, "opt", schedule="wsp", micro_batches=8)
     rep = plan_cluster(prof, cl, 1, "opt", schedule="wsp", micro_batches=8, replication=True)
-    rep.plan.validate(prof, cl)
+    CostModel(prof, cl).validate_plan(rep.plan)
     assert rep.plan.meta["closed_form"]["samples_per_s"] >= pure.plan.meta["closed_form"]["samples_per_s"] * (1 - 1e-12)

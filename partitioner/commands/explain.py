@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
     elif options != saved:
         print("note: the flags given override the options the plan was priced with")
     try:
-        plan.validate(profile, cluster, options, check_memory=False)
+        plan.validate(profile, cluster)
     except FormatError as err:
         raise err.in_file(args.plan) from None
     e = explain_plan(plan, profile, cluster, options, what_if=not args.no_what_if, time_limit_s=args.time_limit)

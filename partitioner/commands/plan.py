@@ -8,11 +8,11 @@ from dataclasses import replace
 
 from .._io import check_outputs, finite_json
 from ..cluster import GIB, MAX_GPUS, Cluster
-from ..cost import PRECISIONS, CostOptions
+from ..cost import PRECISIONS, CostModel, CostOptions
 from ..errors import FormatError
+from ..placement import supports
 from ..plan import MAX_MICRO_BATCHES, SCHEDULES
 from ..profile import MAX_MICRO_BATCH_SIZE, Profile
-from ..schedule import spec
 from ._args import bounded_float, bounded_int
 
 __all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
@@ -53,7 +53,7 @@ def cost_options_from_args(args: argparse.Namespace, base: CostOptions | None = 
 
 
 def _run(args: argparse.Namespace) -> int:
-    from solvers import solve
+    from solvers.planning import PlanRequest, plan
 
     from ..report import format_plan
 
@@ -61,103 +61,40 @@ def _run(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
     options = cost_options_from_args(args)
-    kwargs: dict[str, object] = {"schedule": args.schedule, "options": options}
-    if args.devices:
-        kwargs["devices"] = [d.strip() for d in args.devices.split(",") if d.strip()]
-    if args.allow_fewer:
-        kwargs["allow_fewer"] = True
-    if args.chunks is not None or spec(args.schedule).multi_chunk:
-        from solvers.chunked import parse_chunks
-
-        parse_chunks(args.chunks or "auto", args.schedule, "--chunks")
-        if args.solver != "dp" or args.virtual_workers is not None or args.policy is not None or args.replication:
-            raise FormatError("--schedule", args.schedule, "multi-chunk plans are made by the dp solver for one "
-                              "virtual worker; leave --solver, --virtual-workers, --policy and --replication out")
-        if args.micro_batches == "auto" or args.allow_fewer:
-            raise FormatError("--microbatches auto" if args.micro_batches == "auto" else "--allow-fewer",
-                              args.schedule, "not supported with multi-chunk schedules; give a count and the devices")
-        kwargs["chunks"] = args.chunks or "auto"
-    solver = args.solver
-    hetero = args.virtual_workers is not None or args.policy is not None or args.replication
-    if hetero or args.micro_batches == "auto":
-        if solver not in ("dp", "hetero"):
-            raise FormatError("--solver", solver, "--virtual-workers/--policy/--replication/--microbatches auto "
-                              "plan with the hetero planner; leave --solver out or use --solver hetero")
-        solver = "hetero"
-        vw = args.virtual_workers or "auto"
-        kwargs.update(virtual_workers=vw if vw == "auto" else _positive(vw, "--virtual-workers", MAX_GPUS),
-                      policy=args.policy or "opt", replication=bool(args.replication), objective=args.objective)
-        if args.simulate_top:
-            kwargs["simulate_top"] = args.simulate_top
-    if args.time_limit is not None:
-        if not args.time_limit > 0:
-            raise FormatError("--time-limit", args.time_limit, "must be > 0 seconds")
-        if solver not in _TIME_LIMITED:
-            raise FormatError("--time-limit", args.time_limit, f"applies to the {', '.join(_TIME_LIMITED)} "
-                              f"solvers; {solver} needs none")
-        kwargs["time_limit_s"] = args.time_limit
-    for flag, value, key in (("--workers", args.workers, "threads"), ("--seed", args.seed, "seed")):
-        if value is None:
-            continue
-        if solver not in _SEARCHED:
-            raise FormatError(flag, value, f"applies to the {', '.join(_SEARCHED)} solvers, not {solver}")
-        if value < (1 if flag == "--workers" else 0):
-            raise FormatError(flag, value, "must be an integer >= 1" if flag == "--workers" else
-                              "must be an integer >= 0")
-        kwargs[key] = value
-    if args.micro_batches == "auto":
-        from solvers.hetero import plan_cluster
-        from solvers.microbatch import choose_micro_batches
-
-        if args.global_batch is None:
-            raise FormatError("--microbatches", "auto", "needs --global-batch (samples per virtual worker "
-                              "per iteration) to choose the micro-batch size and count")
-        choice = choose_micro_batches(profile, cluster, args.global_batch, plan_cluster, **kwargs)  # type: ignore[arg-type]
-        if choice is None:
-            print(f"partitioner plan: infeasible: no micro-batch size dividing {args.global_batch} fits",
-                  file=sys.stderr)
-            return 1
-        print(f"micro-batch size {choice.micro_batch_size} x {choice.micro_batches} micro-batches "
-              f"(first micro-batch in {choice.first_slices} slice(s)): {choice.samples_per_s:.2f} samples/s")
-        measured = profile.measured_sizes
-        if choice.micro_batch_size != profile.micro_batch_size and len(measured) == 1:
-            print(f"note: size {choice.micro_batch_size} is priced by scaling the profile measured at "
-                  f"{profile.micro_batch_size} linearly, which ignores the fixed costs of a small batch "
-                  f"(kernel launches, reading the weights) and favours small sizes; profile the model at "
-                  f"the sizes you consider to choose among measured numbers")
-        elif choice.micro_batch_size not in measured:
-            print(f"note: size {choice.micro_batch_size} is priced by interpolating between the measured "
-                  f"sizes {', '.join(map(str, measured))}")
-        profile = profile.at_size(choice.micro_batch_size)
-        result = choice.result
-    else:
-        if args.micro_batches is not None:
-            kwargs["micro_batches"] = _positive(args.micro_batches, "--microbatches", MAX_MICRO_BATCHES)
-        result = solve(profile, cluster, solver=solver, **kwargs)
+    request = PlanRequest(
+        solver=args.solver, schedule=args.schedule, options=options,
+        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) if args.devices else None,
+        allow_fewer=bool(args.allow_fewer), chunks=args.chunks,
+        micro_batches=_count(args.micro_batches, "--microbatches", MAX_MICRO_BATCHES),
+        global_batch=args.global_batch,
+        virtual_workers=_count(args.virtual_workers, "--virtual-workers", MAX_GPUS),
+        policy=args.policy, replication=bool(args.replication), objective=args.objective,
+        simulate_top=args.simulate_top, time_limit_s=args.time_limit, threads=args.workers, seed=args.seed)
+    result = plan(profile, cluster, request)
     if not result.ok or result.plan is None:
         print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
         return 1
-    result.plan.validate(profile, cluster, options)
+    for line in result.details.get("messages", ()):
+        print(line)
+    cost = CostModel(profile.at_size(result.plan.micro_batch_size), cluster, options)
+    cost.validate_plan(result.plan)
     finite_json(result.plan.to_dict(), "the plan")  # e.g. a profile of zero times: an infinite rate
-    table = format_plan(result.plan, profile, cluster, options)
+    table = format_plan(result.plan, cost)
     if args.output:  # written before anything is printed: a closed pipe on stdout does not lose it
         result.plan.save(args.output)
     print(table)
     if args.output:
         print(f"\nwrote {args.output}")
-    from ..placement import supports
-
     cannot = supports(result.plan, "runtime")
     if cannot:
         print(f"note: `partitioner train` cannot run this plan: {cannot}")
     return 0
 
 
-_TIME_LIMITED = ("cpsat", "milp", "hetero")
-_SEARCHED = ("cpsat", "milp")  # solvers with search workers and a random seed
-
-
-def _positive(text: str, flag: str, most: int) -> int:
+def _count(text: str | None, flag: str, most: int) -> int | str | None:
+    """``None``, ``"auto"`` or an integer in ``[1, most]`` from the option's text."""
+    if text is None or text == "auto":
+        return text
     try:
         value = int(text)
     except ValueError:

@@ -34,7 +34,7 @@ def _run(args: argparse.Namespace) -> int:
     elif options != saved:
         print("note: the flags given override the options the plan was priced with")
     try:
-        plan.validate(profile, cluster, options, check_memory=False)
+        plan.validate(profile, cluster)
     except FormatError as err:
         raise err.in_file(args.plan) from None
     tl = simulate_plan(plan, profile, cluster, options, iterations=args.iterations)

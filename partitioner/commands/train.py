@@ -41,7 +41,7 @@ def _run(args: argparse.Namespace) -> int:
     check_simulation_size(plan, None, args.plan)
     profile = profile_for_plan(plan, profile, args.profile)
     try:
-        plan.validate(profile, cluster, check_memory=False)
+        plan.validate(profile, cluster)
     except FormatError as err:
         raise err.in_file(args.plan) from None
     options = {} if is_model_ref(args.model) else zoo_options(profile)

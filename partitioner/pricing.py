@@ -1,0 +1,81 @@
+"""How plans are priced: :class:`CostOptions` (precision, optimizer state, the framework's reserved
+memory, communication overlap, gradient sync).
+
+The options are data, saved in every plan (``Plan.pricing``) so that a plan is re-priced as it
+was planned; :mod:`partitioner.cost` applies them. They live apart from the cost model so that
+``partitioner.plan`` can read and validate them without importing the cost model (which imports
+plans): the import graph stays a tree (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._io import opt_field, req_number
+from .errors import FormatError, check
+
+__all__ = ["GIB", "PRECISIONS", "CostOptions"]
+
+GIB = 2**30
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Knobs of the cost model; saved in every plan (``Plan.pricing``) so it is re-priced alike.
+
+    ``precision`` is how the model trains: ``fp32``, or ``fp16``/``bf16`` mixed precision (2-byte
+    weights and gradients, a 4-byte fp32 master copy). ``optimizer_state_factor`` is optimizer
+    state per parameter in 4-byte words: 2 for Adam (two moments), 1 for SGD with momentum, 0
+    for plain SGD. ``reserved_bytes`` is the framework's own memory on every GPU (CUDA context,
+    communication buffers, workspaces, allocator slack). ``sync`` prices the gradient all-reduce
+    between data-parallel holders of the same layers and the optimizer step.
+    """
+
+    overlap_comm: bool = False
+    optimizer_state_factor: float = 2.0
+    reserved_bytes: float = 0.5 * GIB
+    precision: str = "fp32"
+    sync: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("optimizer_state_factor", "reserved_bytes"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise FormatError(name, v, "must be a finite number >= 0")
+        if self.precision not in PRECISIONS:
+            raise FormatError("precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one weight or gradient element in training."""
+        return 4 if self.precision == "fp32" else 2
+
+    def bytes_per_parameter(self, weight_versions: int = 1) -> float:
+        """Weights (``weight_versions`` copies), gradient, fp32 master copy and optimizer state."""
+        e = self.element_bytes
+        master = 0 if self.precision == "fp32" else 4
+        return weight_versions * e + e + master + 4.0 * self.optimizer_state_factor
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"overlap_comm": self.overlap_comm, "optimizer_state_factor": self.optimizer_state_factor,
+                "reserved_GiB": self.reserved_bytes / GIB, "precision": self.precision, "sync": self.sync}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "pricing.") -> CostOptions:
+        if not isinstance(d, Mapping):
+            raise FormatError(where.rstrip("."), d, "must be an object {precision, reserved_GiB, ...}")
+        known = {"overlap_comm", "optimizer_state_factor", "reserved_GiB", "precision", "sync"}
+        for k in d:
+            check(k in known, f"{where}{k}", d[k], f"unknown option; known: {', '.join(sorted(known))}")
+        try:
+            return cls(overlap_comm=opt_field(d, "overlap_comm", bool, False, where),
+                       optimizer_state_factor=req_number(d, "optimizer_state_factor", where, default=2.0),
+                       reserved_bytes=req_number(d, "reserved_GiB", where, default=0.5) * GIB,
+                       precision=opt_field(d, "precision", str, "fp32", where),
+                       sync=opt_field(d, "sync", bool, True, where))
+        except FormatError as err:
+            raise err if err.field.startswith(where) else err.under(where) from None

@@ -1,0 +1,96 @@
+"""The planning front door: one request, one SolveResult, INFEASIBLE with a reason (never None)."""
+
+from __future__ import annotations
+
+import pytest
+
+from partitioner.errors import FormatError
+from solvers import SolveStatus, solve
+from solvers.hetero import plan_cluster
+from solvers.microbatch import choose_micro_batches
+from solvers.planning import PlanRequest, plan
+from tests._hetero_fixtures import small_cluster, synthetic_profile
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return synthetic_profile(8, micro_batch_size=8, param_mb=5, act_mb=50), \
+        small_cluster([["TITAN-V", "RTX-2060"], ["TITAN-V"]])
+
+
+def _stages(result):
+    return [[(s.layers, s.device) for s in vw.stages] for vw in result.plan.virtual_workers]
+
+
+@pytest.mark.parametrize(("request_", "planner"), [
+    (PlanRequest(), "dp"),
+    (PlanRequest(solver="cpsat"), "cpsat"),
+    (PlanRequest(schedule="interleaved", micro_batches=4), "dp"),
+    (PlanRequest(virtual_workers=2), "hetero"),
+    (PlanRequest(policy="np"), "hetero"),
+    (PlanRequest(replication=True), "hetero"),
+    (PlanRequest(micro_batches="auto", global_batch=8), "hetero"),
+    (PlanRequest(solver="hetero"), "hetero"),
+])
+def test_each_request_has_one_planner(request_, planner):
+    assert request_.planner == planner
+
+
+def test_the_front_door_gives_what_each_path_gives(inputs):
+    prof, cl = inputs
+    for request, direct in [
+        (PlanRequest(micro_batches=4), solve(prof, cl, solver="dp", schedule="1f1b", micro_batches=4)),
+        (PlanRequest(virtual_workers=2, micro_batches=4, simulate_top=0),
+         plan_cluster(prof, cl, 2, "opt", micro_batches=4)),
+    ]:
+        got = plan(prof, cl, request)
+        assert got.status is direct.status and _stages(got) == _stages(direct)
+        assert got.objective == direct.objective
+
+
+def test_micro_batch_choice_through_the_front_door(inputs):
+    prof, cl = inputs
+    got = plan(prof, cl, PlanRequest(micro_batches="auto", global_batch=32, virtual_workers=1))
+    direct = choose_micro_batches(prof, cl, 32, plan_cluster, virtual_workers=1, policy="opt", simulate_top=4)
+    assert got.ok and direct.result.plan is not None
+
+    def shape(p):
+        return p.virtual_workers, p.micro_batch_size, p.micro_batches, p.first_slices, p.predicted
+
+    assert shape(got.plan) == shape(direct.result.plan)
+    chosen = got.details["micro_batch_choice"]
+    assert (chosen["micro_batch_size"], chosen["micro_batches"]) == (direct.micro_batch_size, direct.micro_batches)
+    assert chosen["micro_batch_size"] * chosen["micro_batches"] == 32
+    assert got.details["messages"][0].startswith(f"micro-batch size {direct.micro_batch_size} x ")
+
+
+def test_nothing_fits_is_infeasible_with_a_reason_not_none():
+    prof = synthetic_profile(4, micro_batch_size=4, param_mb=4000)  # GBs of weights per layer
+    cl = small_cluster([["RTX-2060"]])
+    choice = choose_micro_batches(prof, cl, 4, plan_cluster, virtual_workers=1)
+    assert not choice.ok and choice.result.status is SolveStatus.INFEASIBLE
+    assert choice.result.reason == "no micro-batch size dividing 4 fits"
+    assert [r.split(":")[0] for r in choice.result.details["refused"]] == ["size 1 (4 micro-batches)",
+                                                                         "size 2 (2 micro-batches)",
+                                                                         "size 4 (1 micro-batches)"]
+    got = plan(prof, cl, PlanRequest(micro_batches="auto", global_batch=4))
+    assert got.status is SolveStatus.INFEASIBLE and got.plan is None and "dividing 4" in got.reason
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), [
+    ({"schedule": "bfs", "solver": "cpsat"}, "--schedule"),
+    ({"schedule": "interleaved", "allow_fewer": True}, "--allow-fewer"),
+    ({"chunks": "2"}, "--chunks"),
+    ({"virtual_workers": 2, "solver": "milp"}, "--solver"),
+    ({"virtual_workers": 2, "allow_fewer": True}, "--allow-fewer"),
+    ({"time_limit_s": 5.0}, "--time-limit"),
+    ({"seed": 3}, "--seed"),
+    ({"solver": "cpsat", "threads": 0}, "--workers"),
+    ({"micro_batches": "auto"}, "--microbatches"),
+    ({"micro_batches": 0}, "--microbatches"),
+    ({"virtual_workers": "two"}, "--virtual-workers"),
+])
+def test_a_contradictory_request_is_one_line_naming_the_option(kwargs, flag):
+    with pytest.raises(FormatError) as err:
+        PlanRequest(**kwargs)
+    assert str(err.value).startswith(flag) and "\n" not in str(err.value)
