@@ -303,7 +303,7 @@ def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, i
             positions = 512 if bert else 1024
             seq = seq_len if seq_len is not None else (32 if tiny else (512 if bert else 1024))
             if not 1 <= seq <= positions:
-                raise PartitionerError(f"seq_len {seq} out of range for {name}: must be 1..{positions}")
+                raise PartitionerError(f"seq_len {seq} out of range for {name}: must be in [1, {positions}]")
             cfg = {"blocks": n, "hidden": hidden, "heads": heads, "vocab": v, "seq_len": seq}
             layers = _transformer(n, hidden, heads, v, positions, bert)
             make = _token_input(v, seq)

@@ -104,12 +104,12 @@ def plan_layout(plan: Plan, num_layers: int, model: str = "") -> Layout:
             if st.stop > num_layers:
                 raise FormatError(f"{where}.stages[{k}].layers", list(st.layers),
                                   f"layer {num_layers} does not exist: {the_model} has {num_layers} layers "
-                                  f"(0..{num_layers - 1})")
+                                  f"[0, {num_layers}))")
             expect = st.stop
         if expect != num_layers:
             raise FormatError(f"{where}.stages[{len(vw.stages) - 1}].layers", list(vw.stages[-1].layers),
                               f"the last stage ends before layer {expect}, but {the_model} has {num_layers} layers: "
-                              f"layers {expect}..{num_layers - 1} are in no stage")
+                              f"layers [{expect}, {num_layers}) are in no stage")
         n = len(vw.stages)
         if n % v != 0:
             raise FormatError(f"{where}.stages", n, f"with chunks={v} the stage count must be a multiple of {v}")
