@@ -19,6 +19,7 @@ __all__ = ["build_parser", "main", "verbosity"]
 
 # One module per subcommand, in the order ``--help`` lists them.
 COMMAND_MODULES = (
+    "partitioner.commands.bench",
     "partitioner.commands.compare",
     "partitioner.commands.explain",
     "partitioner.commands.export",
