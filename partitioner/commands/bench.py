@@ -75,10 +75,10 @@ _HETPIPE = ("examples/profiles/vgg19_hetpipe.json", "--cluster", "examples/clust
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("compare", "plan quality per solver: every solver, policy and baseline on VGG-19, HetPipe cluster",
               ("-m", "partitioner", "compare", *_HETPIPE, "--virtual-workers", "auto", "--time-limit", "5",
-               "-o", "{tmp}/compare.json", "--png", "{img}/compare_vgg19_hetpipe.png"),
+               "-o", "{tmp}/compare.json", "--png", "{img}/compare.png"),
               ("-m", "partitioner", "compare", *_HETPIPE, "--virtual-workers", "auto",
-               "-o", "{tmp}/compare.json", "--png", "{img}/compare_vgg19_hetpipe.png"),
-              figures=("compare_vgg19_hetpipe.png",)),
+               "-o", "{tmp}/compare.json", "--png", "{img}/compare.png"),
+              figures=("compare.png",)),
     Benchmark("solver_agreement", "DP, CP-SAT and CBC on the same chain problems: objectives, bounds, times",
               _script("solver_agreement", "--quick", "--time-limit", "5", "--no-write"),
               _script("solver_agreement", "--no-write"), seeds={"random_chains": 0}),
