@@ -26,5 +26,7 @@ test-slow: install
 lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m mypy partitioner solvers runtime
 
+# The quick set of benchmarks; `make bench BENCH="dp_scaling fidelity --write"` picks and writes.
+BENCH ?=
 bench: install
-	$(PYTHON) bench/dp_scaling.py
+	$(PYTHON) -m partitioner bench $(BENCH)

@@ -1,6 +1,6 @@
 """How fast the exact chain DP is: L layers x D devices of 4 GPU types with memory limits.
 
-    python bench/dp_scaling.py [--repeats 5]
+    python bench/dp_scaling.py [--repeats 5] [--sizes 100x8,300x16,...]
 
 Prints a table of median solve times (and the spread) over repeated solves of the same
 instance, and the median with ``allow_fewer`` (every prefix of the device list a candidate)
@@ -21,6 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._machine import machine_line
+from bench._results import emit
 from partitioner.cluster import Cluster, Node
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from solvers import solve
@@ -58,32 +59,39 @@ def instance(num_layers: int, num_devices: int, seed: int = 0) -> tuple[Profile,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sizes", default=",".join(f"{n}x{d}" for n in (100, 300, 1000) for d in (8, 16, 64)),
+                    help="LAYERSxDEVICES, comma-separated (default: 100, 300, 1000 layers x 8, 16, 64 devices)")
     args = ap.parse_args()
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     print(f"machine: {machine_line()}")
     print(f"median of {args.repeats} solves; schedule 1f1b, micro-batches = devices, 4 GPU types, memory limits\n")
     header = (f"{'layers':>7} {'devices':>8} {'median_s':>10} {'min_s':>8} {'max_s':>8}  status     bottleneck_s"
               f" {'fewer_s':>9} {'x plain':>7}  fewer_bottleneck_s")
     print(header)
     print("-" * len(header))
-    for num_layers in (100, 300, 1000):
-        for num_devices in (8, 16, 64):
-            profile, cluster = instance(num_layers, num_devices)
-            medians, results = [], []
-            for allow_fewer in (False, True):
-                times, result = [], None
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    result = solve(profile, cluster, allow_fewer=allow_fewer)
-                    times.append(time.perf_counter() - t0)
-                assert result is not None
-                medians.append(statistics.median(times))
-                results.append(result)
-                if not allow_fewer:
-                    spread = (min(times), max(times))
-            plain, fewer = results
-            print(f"{num_layers:>7} {num_devices:>8} {medians[0]:>10.4f} {spread[0]:>8.4f} {spread[1]:>8.4f}  "
-                  f"{plain.status!s:<10} {plain.objective:.6f}     {medians[1]:>9.4f} {medians[1] / medians[0]:>7.2f}"
-                  f"  {fewer.objective:.6f}")
+    rows = []
+    for num_layers, num_devices in sizes:
+        profile, cluster = instance(num_layers, num_devices)
+        medians, results = [], []
+        for allow_fewer in (False, True):
+            times, result = [], None
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                result = solve(profile, cluster, allow_fewer=allow_fewer)
+                times.append(time.perf_counter() - t0)
+            assert result is not None
+            medians.append(statistics.median(times))
+            results.append(result)
+            if not allow_fewer:
+                spread = (min(times), max(times))
+        plain, fewer = results
+        print(f"{num_layers:>7} {num_devices:>8} {medians[0]:>10.4f} {spread[0]:>8.4f} {spread[1]:>8.4f}  "
+              f"{plain.status!s:<10} {plain.objective:.6f}     {medians[1]:>9.4f} {medians[1] / medians[0]:>7.2f}"
+              f"  {fewer.objective:.6f}")
+        rows.append({"layers": num_layers, "devices": num_devices, "median_s": medians[0], "min_s": spread[0],
+                     "max_s": spread[1], "status": str(plain.status), "bottleneck_s": plain.objective,
+                     "fewer_median_s": medians[1], "fewer_bottleneck_s": fewer.objective})
+    emit(rows, seeds={"instance": 0}, repeats=args.repeats)
 
 
 if __name__ == "__main__":

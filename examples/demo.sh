@@ -21,7 +21,7 @@ run simulate "$OUT/vgg16_plan.json" --profile "$OUT/vgg16.json" --cluster exampl
     --trace "$OUT/vgg16_trace.json" --png "$OUT/vgg16_timeline.png"
 
 echo "== 4. profile a model of the zoo on this machine (a tiny VGG-19, CPU) and project it to GPU types"
-run profile vgg19-tiny --batch-size 8 --device cpu --repeats 3 -o "$OUT/vgg19_tiny_cpu.json"
+run profile vgg19-tiny --micro-batch-size 8 --device cpu --repeats 3 -o "$OUT/vgg19_tiny_cpu.json"
 run profile project "$OUT/vgg19_tiny_cpu.json" --gpu-type TITAN-V --gpu-type RTX-2060 -o "$OUT/vgg19_tiny.json"
 
 echo "== 5. the HetPipe cluster (16 GPUs of 4 types on 4 nodes): VGG-19 at micro-batch 32, measured on a CPU"
@@ -35,8 +35,8 @@ run plan examples/profiles/vgg19_hetpipe.json --cluster examples/clusters/hetpip
 echo "== 6. train with a plan: a tiny VGG-19 profiled here at micro-batch 32 (one thread, as each training"
 echo "      process will have), planned over two CPU devices,"
 echo "      trained by the runtime (one process per device, gloo) and measured against the simulator"
-run profile vgg19-tiny --batch-size 32 --device cpu --threads 1 -o "$OUT/vgg19_tiny32.json"
-run plan "$OUT/vgg19_tiny32.json" --cluster examples/clusters/cpu4.yaml --devices n0:0,n0:1 --microbatches 4 \
+run profile vgg19-tiny --micro-batch-size 32 --device cpu --threads 1 -o "$OUT/vgg19_tiny32.json"
+run plan "$OUT/vgg19_tiny32.json" --cluster examples/clusters/cpu4.yaml --devices n0:0,n0:1 --micro-batches 4 \
     -o "$OUT/vgg19_tiny_plan.json"
 run train "$OUT/vgg19_tiny_plan.json" --profile "$OUT/vgg19_tiny32.json" --cluster examples/clusters/cpu4.yaml \
     --model vgg19-tiny --local --steps 10 -o "$OUT/vgg19_tiny_metrics.json"

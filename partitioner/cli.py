@@ -12,12 +12,14 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
+from .commands._args import HelpFormatter, canonical_names
 from .errors import PartitionerError
 
 __all__ = ["build_parser", "main", "verbosity"]
 
 # One module per subcommand, in the order ``--help`` lists them.
 COMMAND_MODULES = (
+    "partitioner.commands.bench",
     "partitioner.commands.compare",
     "partitioner.commands.explain",
     "partitioner.commands.export",
@@ -31,6 +33,10 @@ COMMAND_MODULES = (
 
 class _OneLineParser(argparse.ArgumentParser):
     """A bad option is one line (``PROG: error: ...``, exit 2), not the usage block."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise PartitionerError(f"{message} (see {self.prog} --help)")
@@ -82,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
     except PartitionerError as err:
         # Bad input and infeasible problems: one clear line, no traceback.
-        print(f"{_prog(command)}: error: {err}", file=sys.stderr)
+        print(f"{_prog(command)}: error: {canonical_names(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{_prog(command)}: interrupted", file=sys.stderr)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cluster import Cluster, Device, resolve_gpu_type
+from .cluster import GIB, Cluster, Device, resolve_gpu_type
 from .errors import FormatError, PartitionerError
 from .pricing import PRECISIONS, CostOptions
 from .profile import Profile
@@ -615,9 +615,9 @@ class CostModel:
                     cap = self.cluster.device(d).memory_bytes
                     if need > cap:
                         raise FormatError(
-                            f"virtual_workers[{w}].stages[{k}]", f"{st.device} layers {list(st.layers)}",
-                            f"needs {need / 1e9:.2f} GB ({in_flight} micro-batches in flight under "
-                            f"{plan.schedule}); device {d} has {cap / 1e9:.2f} GB")
+                            f"virtual_workers[{w}].stages[{k}]", f"{st.device} layers [{st.start}, {st.stop})",
+                            f"needs {need / GIB:.2f} GiB ({in_flight} micro-batches in flight under "
+                            f"{plan.schedule}); device {d} has {cap / GIB:.2f} GiB")
 
     def validate_plan(self, plan: Plan) -> None:
         """Raise :class:`FormatError` unless ``plan`` is executable on this model's cluster: its

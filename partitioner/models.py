@@ -302,7 +302,7 @@ def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, i
             v = vocab if vocab is not None else (512 if tiny else (30522 if bert else 50257))
             seq = seq_len if seq_len is not None else (32 if tiny else (512 if bert else 1024))
             if not 1 <= seq <= 2**20:
-                raise PartitionerError(f"seq_len {seq} out of range for {name}: must be 1..{2**20}")
+                raise PartitionerError(f"seq_len {seq} out of range for {name}: must be in [1, {2**20}]")
             # the published position tables (BERT 512, GPT-2 1,024), grown for longer sequences
             # (OPT-350M's shape is gpt2-medium with 2,048 positions and a vocabulary of 50,272)
             positions = max(seq, 512 if bert else 1024)

@@ -240,7 +240,7 @@ class Plan:
                 where = f"virtual_workers[{w}].stages[{k}]"
                 if st.start != expect:
                     what = (f"overlaps the previous stage, which ends at layer {expect}" if st.start < expect
-                            else f"skips layers {expect}..{st.start - 1}")
+                            else f"skips layers [{expect}, {st.start})")
                     raise FormatError(f"{where}.layers", list(st.layers), what)
                 if st.stop > n_layers:
                     raise FormatError(f"{where}.layers", list(st.layers),

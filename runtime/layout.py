@@ -92,12 +92,12 @@ def plan_layout(plan: Plan, num_layers: int, model: str = "") -> Layout:
             if stop > num_layers:
                 raise FormatError(f"{where}.stages[{k}].layers", [start, stop],
                                   f"layer {num_layers} does not exist: {the_model} has {num_layers} layers "
-                                  f"(0..{num_layers - 1})")
+                                  f"[0, {num_layers}))")
             expect = stop
         if expect != num_layers:
             raise FormatError(f"{where}.stages[{len(pipe.stages) - 1}].layers", list(pipe.stages[-1]),
                               f"the last stage ends before layer {expect}, but {the_model} has {num_layers} layers: "
-                              f"layers {expect}..{num_layers - 1} are in no stage")
+                              f"layers [{expect}, {num_layers}) are in no stage")
         p, n = pipe.ranks, len(pipe.stages)
         check_schedule(plan.schedule, p, plan.micro_batches, plan.chunks, staleness=plan.staleness)
         base = len(ranks)

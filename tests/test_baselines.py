@@ -60,6 +60,6 @@ def test_baseline_that_overflows_memory_is_infeasible_not_a_plan():
     cl = small_cluster([["RTX-2060", "TITAN-RTX", "TITAN-RTX"]])
     res = solve(prof, cl, "uniform", schedule="1f1b", micro_batches=3)
     if not res.ok:
-        assert "memory" in res.reason and "GB" in res.reason
+        assert "memory" in res.reason and "GiB" in res.reason
     else:
         CostModel(prof, cl).validate_plan(res.plan)

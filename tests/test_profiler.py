@@ -80,7 +80,7 @@ def test_bad_layer_lists():
 
 def test_cli_profile_then_project(tmp_path, run_cli, capsys):
     out = tmp_path / "p.json"
-    rc = run_cli(["profile", "bert-tiny", "--batch-size", "2", "--seq-len", "8", "--repeats", "3",
+    rc = run_cli(["profile", "bert-tiny", "--micro-batch-size", "2", "--seq-len", "8", "--repeats", "3",
                   "--warmup", "1", "--gpu-type", "T4", "-o", str(out)])
     assert rc == 0
     p = Profile.load(out)
@@ -93,7 +93,7 @@ def test_cli_profile_then_project(tmp_path, run_cli, capsys):
 
 def test_cli_analytic(tmp_path, run_cli):
     out = tmp_path / "a.json"
-    assert run_cli(["profile", "vgg19-tiny", "--batch-size", "4", "--analytic", "--gpu-type", "RTX-2060",
+    assert run_cli(["profile", "vgg19-tiny", "--micro-batch-size", "4", "--analytic", "--gpu-type", "RTX-2060",
                     "-o", str(out)]) == 0
     p = Profile.load(out)
     assert p.gpu_types == ("RTX-2060",) and p.is_projected("RTX-2060")
@@ -106,14 +106,14 @@ def test_cli_analytic(tmp_path, run_cli):
 
 def test_cli_errors(tmp_path, run_cli, capsys):
     out = tmp_path / "big.json"
-    assert run_cli(["profile", "gpt2-xl", "--batch-size", "100000", "-o", str(out)]) == 2
+    assert run_cli(["profile", "gpt2-xl", "--micro-batch-size", "100000", "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "100000" in err and len(err.strip().splitlines()) == 1
     assert not out.exists() and list(tmp_path.iterdir()) == []
-    assert run_cli(["profile", "no-such-model", "--batch-size", "1", "-o", str(out)]) == 2
+    assert run_cli(["profile", "no-such-model", "--micro-batch-size", "1", "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert "vgg19" in err and len(err.strip().splitlines()) == 1
-    assert run_cli(["profile", "gpt2-tiny", "--batch-size", "1", "--analytic", "-o", str(out)]) == 2
+    assert run_cli(["profile", "gpt2-tiny", "--micro-batch-size", "1", "--analytic", "-o", str(out)]) == 2
 
 
 def test_profile_json_round_trip(tmp_path):
@@ -147,7 +147,7 @@ def test_interrupted_profile_keeps_the_old_file(tmp_path, run_cli, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(profiler_mod, "profile_model", boom)
-    assert run_cli(["profile", "gpt2-tiny", "--batch-size", "1", "-o", str(out)]) == 130
+    assert run_cli(["profile", "gpt2-tiny", "--micro-batch-size", "1", "-o", str(out)]) == 130
     assert out.read_text() == "old contents\n" and [p.name for p in tmp_path.iterdir()] == ["p.json"]
 
 

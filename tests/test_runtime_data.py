@@ -171,7 +171,7 @@ def test_user_model_trains_from_the_cli(user_module: str, tmp_path: Path, capsys
     ("nosuchmodule_xyz:mlp", "module 'nosuchmodule_xyz' not found"),
     ("{mod}:missing", "has no function 'missing'"),
     ("{mod}:bare", "bare() returned Sequential; it must return runtime.model.ModelSpec(layers, make_batch, loss)"),
-    ("{mod}:five", "model '{mod}:five' has 5 layers but the profile has 3: no stage of the plan holds layers 3..4"),
+    ("{mod}:five", "model '{mod}:five' has 5 layers but the profile has 3: no stage of the plan holds layers [3, 5)"),
 ])
 def test_user_model_errors_are_one_line(which: str, expect: str, user_module: str, tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -195,8 +195,8 @@ def test_plan_with_fewer_layers_than_the_model_names_the_stage(user_module: str)
 
     plan = Plan("x", (worker([0, 2, 4], ["n0:0", "n0:1"]),), micro_batch_size=4, micro_batches=2)
     with pytest.raises(PartitionerError, match=r"virtual_workers\[0\].stages\[1\].layers = \[2, 4\]: the last stage "
-                                               r"ends before layer 4, but model m has 5 layers: layers 4..4"):
+                                               r"ends before layer 4, but model m has 5 layers: layers \[4, 5\) are in no stage"):
         plan_layout(plan, 5, model="m")
     with pytest.raises(PartitionerError, match=r"stages\[1\].layers = \[2, 4\]: layer 3 does not exist: model m has "
-                                               r"3 layers \(0..2\)"):
+                                               r"3 layers \[0, 3\)"):
         plan_layout(plan, 3, model="m")

@@ -1,13 +1,18 @@
 """Argument types shared by the subcommands: numbers with a stated range, so a flag's bad
-value is refused by argparse in one line (exit 2) before any work."""
+value is refused by argparse in one line (exit 2) before any work; and renamed options, whose
+old spellings still work (:class:`Renamed`)."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["MAX_SIMULATED_PASSES", "MAX_TRACED_PASSES", "bounded_float", "bounded_int", "check_simulation_size"]
+__all__ = ["MAX_SIMULATED_PASSES", "MAX_TRACED_PASSES", "HelpFormatter", "Renamed", "bounded_float", "bounded_int",
+           "canonical_names", "check_simulation_size"]
 
 # The most (stage, micro-batch, iteration) passes one simulation may take: at most about 5 s of the
 # discrete-event simulator on one core (docs/formats.md).
@@ -65,3 +70,64 @@ def check_simulation_size(plan: object, iterations: int | None, what: str, trace
         raise PartitionerError(f"{what}: {stages} stage devices x {plan.micro_batches} micro-batches x {n_iter} "
                                f"iterations = {passes:,} simulated passes; at most {limit:,} are supported"
                                f"{traced_note} (fewer micro-batches, a lower staleness or fewer --iterations)")
+
+
+# Old spelling -> the option's name, and argparse's "--name/--old" -> the name, for every option
+# declared with Renamed (filled as the parsers are built).
+_OLD_SPELLINGS: dict[str, str] = {}
+_JOINED: dict[str, str] = {}
+
+
+class Renamed(argparse._StoreAction):
+    """A stored option whose first option string is its name and whose other option strings are
+    old spellings: they still work, and the first use of each in a command line says once on
+    stderr ``--old is deprecated; use --new``. ``--help`` shows the name only (the old spellings
+    in its text), and errors name the option by its name (:func:`canonical_names`).
+
+        parser.add_argument("--micro-batches", "--microbatches", action=Renamed, ...)
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        if len(option_strings) < 2 or not all(o.startswith("--") for o in option_strings):
+            raise ValueError(f"Renamed needs a --name and at least one --old-spelling, not {option_strings}")
+        self.name = option_strings[0]
+        self.old_spellings = tuple(option_strings[1:])
+        for old in self.old_spellings:
+            _OLD_SPELLINGS[old] = self.name
+        _JOINED["/".join(option_strings)] = self.name
+        self._warned: set[str] = set()
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if option_string in self.old_spellings and option_string not in self._warned:
+            self._warned.add(option_string)
+            print(f"partitioner: warning: {option_string} is deprecated; use {self.name}", file=sys.stderr)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows a :class:`Renamed` option under its name, its old spellings at the end of its help."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, Renamed):
+            shown = argparse.Action(option_strings=[action.name], dest=action.dest, nargs=action.nargs,
+                                    metavar=action.metavar)
+            return super()._format_action_invocation(shown)
+        return super()._format_action_invocation(action)
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        text = super()._expand_help(action)
+        if isinstance(action, Renamed):
+            text += f" (old spelling {', '.join(action.old_spellings)}: deprecated)"
+        return text
+
+
+def canonical_names(message: str) -> str:
+    """``message`` with every option named by its name: argparse's ``--new/--old`` and an old
+    spelling alone (in the messages of the commands) become ``--new``."""
+    for joined, new in _JOINED.items():
+        message = message.replace(joined, new)
+    for old, new in _OLD_SPELLINGS.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(old)}(?![\w-])", new, message)
+    return message

@@ -18,6 +18,7 @@ from ..cluster import Cluster
 from ..errors import FormatError, PartitionerError
 from ..plan import SCHEDULES
 from ..profile import Profile
+from ._args import Renamed
 from .plan import add_cost_arguments, cost_options_from_args
 
 __all__ = ["format_comparison", "register"]
@@ -142,7 +143,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(baselines: K np-grouped workers; auto: one per node)")
     p.add_argument("--schedule", default="1f1b", choices=[s for s in SCHEDULES if s not in ("interleaved", "bfs")],
                    help="pipeline schedule (default: 1f1b)")
-    p.add_argument("--microbatches", "--micro-batches", dest="micro_batches", type=int, default=8, metavar="N",
+    p.add_argument("--micro-batches", "--microbatches", action=Renamed, dest="micro_batches", type=int, default=8,
+                   metavar="N",
                    help="micro-batches per iteration, the same for every solver (default 8)")
     p.add_argument("--devices", default=None,
                    help="comma-separated device names in pipeline order (default: all, in file order)")

@@ -104,7 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sl.add_argument("--tensor-parallel", type=bounded_int(1, 4096), default=1, help="tensor-parallel degree to import (default 1)")
     sl.add_argument("--model", default=None, help="model name (default: the training config's)")
     sl.add_argument("--all-sizes", action="store_true",
-                    help="also keep the times of every other measured micro-batch size (for --microbatches auto)")
+                    help="also keep the times of every other measured micro-batch size (for plan --micro-batches auto)")
     sl.set_defaults(func=_sailor)
     sr = formats.add_parser("sailor-run", help="one of Sailor's measured training runs -> plan, profile, cluster")
     sr.add_argument("plan_config", help="Sailor plan_config_*.json (with the measured 'real' and 'max_mem')")

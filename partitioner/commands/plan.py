@@ -13,7 +13,7 @@ from ..errors import FormatError
 from ..placement import supports
 from ..plan import MAX_MICRO_BATCHES, SCHEDULES
 from ..profile import MAX_MICRO_BATCH_SIZE, Profile
-from ._args import bounded_float, bounded_int
+from ._args import Renamed, bounded_float, bounded_int
 
 __all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
 
@@ -115,11 +115,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--chunks", default=None, metavar="V|auto",
                         help="model chunks per device for --schedule interleaved|bfs (p devices, p*V stages; "
                              "default and auto: the best of 2, 3, 4 by simulated samples/s)")
-    parser.add_argument("--microbatches", "--micro-batches", dest="micro_batches", default=None, metavar="auto|N",
-                        help="micro-batches per iteration (default: the solver's); auto chooses size and "
-                             "count for --global-batch")
-    parser.add_argument("--global-batch", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=None,
-                        help="samples per virtual worker per iteration (for --microbatches auto)")
+    parser.add_argument("--micro-batches", "--microbatches", action=Renamed, dest="micro_batches", default=None,
+                        metavar="auto|N", help="micro-batches per iteration (default: the solver's); auto chooses "
+                                               "the micro-batch size and count for --global-batch")
+    parser.add_argument("--global-batch", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=None, metavar="B",
+                        help="for --micro-batches auto: samples per virtual worker per iteration, B = micro-batch "
+                             "size x micro-batches; K virtual workers train K x B samples an iteration (K is "
+                             "--virtual-workers, chosen by the planner unless given)")
     parser.add_argument("--virtual-workers", default=None, metavar="K|auto",
                         help="split the cluster into K data-parallel pipelines (hetero planner)")
     parser.add_argument("--policy", default=None, choices=("np", "ed", "hd", "opt"),

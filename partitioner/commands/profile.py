@@ -1,6 +1,6 @@
 """``partitioner profile``: measure a zoo model, merge profiles, project to other GPU types.
 
-    partitioner profile MODEL --batch-size B [--seq-len S] [--device cpu|cuda]
+    partitioner profile MODEL --micro-batch-size B [--seq-len S] [--device cpu|cuda]
                               [--gpu-type NAME ...] [--analytic] -o profile.json
     partitioner profile merge a.json b.json [...] -o merged.json
     partitioner profile project IN.json --gpu-type NAME [--gpu-type ...] -o OUT.json
@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import PartitionerError
 from ..profile import MAX_MICRO_BATCH_SIZE, LayerProfile, Profile
-from ._args import bounded_float, bounded_int
+from ._args import Renamed, bounded_float, bounded_int
 
 __all__ = ["register"]
 
@@ -83,7 +83,7 @@ def _memory_check(args: argparse.Namespace, device: str) -> None:
         raise PartitionerError(
             f"micro-batch size {args.batch_size} of {args.model} does not fit in memory: it needs about {need / 2**30:.1f} GiB on {device} "
             f"(parameters and gradients {2 * params / 2**30:.1f} GiB, largest layer {work / 2**30:.1f} GiB) "
-            f"but {have / 2**30:.1f} GiB is free; use a smaller --batch-size or --analytic")
+            f"but {have / 2**30:.1f} GiB is free; use a smaller --micro-batch-size or --analytic")
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -170,7 +170,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "projections (default 0.5)")
 
     common = argparse.ArgumentParser(add_help=False, parents=[eff])
-    common.add_argument("--batch-size", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), required=True, help="micro-batch size to profile")
+    common.add_argument("--micro-batch-size", "--batch-size", action=Renamed, dest="batch_size",
+                        type=bounded_int(1, MAX_MICRO_BATCH_SIZE), required=True, help="micro-batch size to profile")
     common.add_argument("--seq-len", type=bounded_int(1, 2**20), default=None, help="sequence length (transformers)")
     common.add_argument("--image-size", type=bounded_int(1, 2**16), default=None, help="image side in pixels (CNNs)")
     common.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to measure (default cpu)")

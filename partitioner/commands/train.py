@@ -58,7 +58,7 @@ def _run(args: argparse.Namespace) -> int:
                         if st.stop > n_layers)
             where = f"virtual_workers[{w}].stages[{k}] holds layer {n_layers}, which the model does not have"
         else:
-            where = f"no stage of the plan holds layers {profile.num_layers}..{n_layers - 1}"
+            where = f"no stage of the plan holds layers [{profile.num_layers}, {n_layers})"
         raise PartitionerError(f"model '{args.model}' has {n_layers} layers but the profile has "
                                f"{profile.num_layers}: {where}; profile the same model and plan again")
     try:
@@ -170,7 +170,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--threads", type=bounded_int(0, 4096), default=0,
                    help="torch threads per process (default: this machine's cores / processes)")
-    p.add_argument("--timeout", type=bounded_float(1.0, 7 * 86400.0), default=300.0, help="seconds before a stuck run is stopped")
+    p.add_argument("--timeout", type=bounded_float(1.0, 7 * 86400.0), default=300.0, metavar="SECONDS",
+                   help="wall-clock limit of the training job, not a solver's time limit: every collective "
+                        "waits at most this long, and with --local the processes still running this long "
+                        "(+30 s to start) are stopped (default 300)")
     p.add_argument("--local", action="store_true", help="start one process per plan device on this machine")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (per rank, atomic; at the end "
                                                           "and every --checkpoint-every steps)")
