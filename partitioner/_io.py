@@ -239,6 +239,13 @@ def _check_yaml_size(root: Any) -> None:
             stack.extend((c, False) for c in children if id(c) not in size)
 
 
+def is_finite_number(value: Any) -> bool:
+    """A real number a float can hold (not a boolean, NaN, an infinity, or an integer past 1e308)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return abs(value) < 1e308 if isinstance(value, int) else math.isfinite(value)
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number in JSON (write a finite number)")
 

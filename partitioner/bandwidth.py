@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._io import opt_field, req_number
+from ._io import is_finite_number, opt_field, req_number
 from .errors import PartitionerError, check
 
 __all__ = ["Bandwidth", "parse_bandwidth"]
@@ -41,7 +41,7 @@ class Bandwidth:
         object.__setattr__(self, "points", tuple((float(a), float(b)) for a, b in self.points))
         object.__setattr__(self, "log2_mb_poly", tuple(float(c) for c in self.log2_mb_poly))
         where = f"{self.name}." if self.name else ""
-        check(isinstance(self.gbps, (int, float)) and math.isfinite(self.gbps) and self.gbps > 0,
+        check(is_finite_number(self.gbps) and self.gbps > 0,
               f"{where}GBps", self.gbps, "must be a finite number > 0")
         check(math.isfinite(self.latency_s) and self.latency_s >= 0, f"{where}latency_us",
               self.latency_s * 1e6, "must be a finite number >= 0")

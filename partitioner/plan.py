@@ -9,7 +9,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._io import load_mapping, opt_field, req_field, req_int, req_number, write_json
+from ._io import (
+    is_finite_number,
+    load_mapping,
+    opt_field,
+    req_field,
+    req_int,
+    req_number,
+    write_json,
+)
 from .errors import FormatError, check
 from .pricing import CostOptions
 from .profile import MAX_MICRO_BATCH_SIZE
@@ -296,7 +304,7 @@ class Plan:
         vws = req_field(d, "virtual_workers", list)
         predicted = opt_field(d, "predicted", Mapping, {})
         for k, v in predicted.items():
-            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), f"predicted.{k}", v,
+            check(is_finite_number(v), f"predicted.{k}", v,
                   "must be a finite number")
         solver = d.get("solver")
         return cls(

@@ -9,12 +9,11 @@ plans): the import graph stays a tree (docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._io import opt_field, req_number
+from ._io import is_finite_number, opt_field, req_number
 from .errors import FormatError, check
 
 __all__ = ["GIB", "PRECISIONS", "CostOptions"]
@@ -44,7 +43,7 @@ class CostOptions:
     def __post_init__(self) -> None:
         for name in ("optimizer_state_factor", "reserved_bytes"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+            if not (is_finite_number(v) and v >= 0):
                 raise FormatError(name, v, "must be a finite number >= 0")
         if self.precision not in PRECISIONS:
             raise FormatError("precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")

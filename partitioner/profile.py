@@ -14,7 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from ._io import load_mapping, opt_field, req_field, req_int, req_number, write_json
+from ._io import (
+    is_finite_number,
+    load_mapping,
+    opt_field,
+    req_field,
+    req_int,
+    req_number,
+    write_json,
+)
 from .errors import FormatError, check
 
 __all__ = [
@@ -57,7 +65,7 @@ class LayerTime:
     def __post_init__(self) -> None:
         for name in ("fwd_s", "bwd_s", "update_s"):
             v = getattr(self, name)
-            check(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, name, v,
+            check(is_finite_number(v) and v >= 0, name, v,
                   "must be a finite number of seconds >= 0")
 
     @property

@@ -15,6 +15,7 @@ import pytest
 
 from partitioner._io import atomic_write_text, check_outputs, load_mapping, write_json
 from partitioner.errors import FormatError, PartitionerError
+from partitioner.plan import Stage, VirtualWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,3 +146,15 @@ def test_ranks_exchange_json_not_pickles() -> None:
     assert got == [{"rank": 0, "step_s": [0.5, 0.25], "name": "n0:0 é"}]
     source = (ROOT / "runtime/launch.py").read_text()
     assert "_object" not in source.replace("object.__setattr__", "")
+
+
+
+def test_integers_too_large_for_a_float_are_refused_in_one_line(tmp_path: Path) -> None:
+    from partitioner.plan import Plan
+
+    good = Plan("m", (VirtualWorker((Stage((0, 2), "n0:0"),)),), "1f1b", 1, 2).to_dict()
+    good["predicted"] = {"iteration_s": 10**400}
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(good))
+    with pytest.raises(FormatError, match=r"predicted\.iteration_s .* must be a finite number"):
+        Plan.load(p)

@@ -117,7 +117,7 @@ def zoo_options(profile: Profile) -> dict[str, Any]:
 def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluster: Cluster) -> None:
     """On CUDA: each rank's measured peak beside the cost model's, priced as the runtime trains
     (fp32 weights, plain SGD: no optimizer state, nothing reserved), into ``metrics`` and printed."""
-    measured = {r["device"]: r["peak_memory_bytes"] for r in metrics["ranks"] if r.get("peak_memory_bytes")}
+    measured = {r["device"]: r["peak_memory_bytes"] for r in metrics.get("ranks", []) if r.get("peak_memory_bytes")}
     if not measured or spec(plan.schedule).multi_chunk:
         return
     from dataclasses import replace
