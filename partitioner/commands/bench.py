@@ -116,6 +116,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("runtime_fidelity", "simulator's predicted against the runtime's measured iteration (CPU processes)",
               _script("runtime_fidelity", "--rounds", "1", "--steps", "6", "--out", "{tmp}/rf.md"),
               _script("runtime_fidelity", "--out", "{tmp}/rf.md"), needs=("torch",), long=True),
+    Benchmark("sailor_profiles", "this profiler's H100 profiles of OPT-350M against Sailor's, and projection from them",
+              _script("sailor_profiles"), _script("sailor_profiles"), needs=(str(SHARED / "sailor_opt350"),)),
     Benchmark("gpu_breakdown", "one GPU's training step against its per-layer profile: time and memory",
               _script("gpu_breakdown"), _script("gpu_breakdown", "--model", "gpt2-medium", "--seq-len", "1024"),
               needs=("gpu", "torch")),
