@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from partitioner._io import _yaml_load  # noqa: E402  (the project's bounded YAML reader)
+
 __all__ = ["Corpus", "build_corpus", "check_outputs_finite", "command_lines", "mutate", "run_in_process"]
 
 EXTREME_NUMBERS: tuple[Any, ...] = (
@@ -227,17 +229,15 @@ def mutate(data: bytes, kind: str, rng: random.Random) -> bytes:
             data = _graph_mutation(data, rng)
             continue
         if kind in ("json", "yaml") and r < 0.65:
+            # Parsed as the project reads files: a YAML alias bomb left by an earlier round is
+            # refused, not expanded (yaml.safe_load would expand it without bound), and a tree
+            # too deep to copy falls back to a byte mutation.
             try:
-                if kind == "yaml":
-                    import yaml
-
-                    tree = yaml.safe_load(data.decode("utf-8"))
-                else:
-                    tree = json.loads(data.decode("utf-8"))
-            except Exception:
+                text = data.decode("utf-8")
+                tree = _yaml_load(text) if kind == "yaml" else json.loads(text)
+                data = _dump(_tree_mutation(tree, rng), kind, rng)
+            except Exception:  # includes RecursionError and the loader's FormatError
                 data = _byte_mutation(data, kind, rng)
-                continue
-            data = _dump(_tree_mutation(tree, rng), kind, rng)
             continue
         data = _byte_mutation(data, kind, rng)
     return data
