@@ -45,6 +45,7 @@ from .dataparallel import GradientAverager
 from .executor import PipelineExecutor
 from .layout import Layout, plan_layout
 from .model import is_model_ref, spec_chain
+from .nodes import seat
 from .stage import LayerChain, boundary_shapes, build_stage, zoo_chain
 from .twobw import TwoBwExecutor
 from .wsp import WspExecutor
@@ -77,6 +78,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end of the run
     resume: bool = False  # start from the last complete checkpoint in checkpoint_dir (if any)
     progress: bool = True  # a progress bar with the loss, when stderr is a terminal
+    node: str = ""  # under torchrun: the plan node this machine is (default: the GROUP_RANK-th, runtime.nodes)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps >= 1):
@@ -323,14 +325,15 @@ def train_distributed(plan: Plan, config: TrainConfig) -> dict[str, Any] | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_world_size(layout, world)
     check_checkpoints(plan, config, world)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    me = seat(layout, os.environ, config.node or None)  # the plan device this process plays
+    rank = me.rank
     backend = "nccl" if config.device == "cuda" else "gloo"
     torch.set_num_threads(_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=config.timeout_s))
     try:
-        mine = run_rank(plan, config, rank, local_rank)
-        gathered = gather_json(mine, world, _collective_device(config, local_rank))
+        mine = run_rank(plan, config, rank, me.gpu_index)
+        gathered = gather_json(mine, world, _collective_device(config, me.gpu_index))
     finally:
         dist.destroy_process_group()
     return _summary(plan, config, gathered, backend) if rank == 0 else None

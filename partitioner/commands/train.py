@@ -47,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
     options = {} if is_model_ref(args.model) else zoo_options(profile)
     config = TrainConfig(args.model, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                          device=args.device, threads=args.threads, timeout_s=args.timeout, data=args.data,
-                         model_options=options,
+                         model_options=options, node=args.plan_node or "",
                          checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
                          resume=args.resume)
     chain = chain_for(plan, config)
@@ -65,6 +65,8 @@ def _run(args: argparse.Namespace) -> int:
         plan_layout(plan, n_layers, model=chain.name)
     except FormatError as err:
         raise err.in_file(args.plan) from None
+    if args.launch_lines:
+        return _print_launch_lines(args, plan, n_layers, chain.name)
     predicted = simulate_plan(plan, profile, cluster).iteration_s
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.local and under_torchrun:
@@ -97,6 +99,27 @@ def _run(args: argparse.Namespace) -> int:
             print(f"note: {lost} value(s) were not finite (a diverged loss?) and are written as null")
         write_json(args.output, clean)
         print(f"wrote {args.output}")
+    return 0
+
+
+def _print_launch_lines(args: argparse.Namespace, plan: Plan, n_layers: int, model: str) -> int:
+    """The torchrun line of every node of the plan, this command's options carried over."""
+    from runtime.layout import plan_layout
+    from runtime.nodes import launch_lines
+
+    train = [args.plan, "--profile", args.profile, "--cluster", args.cluster, "--model", args.model,
+             "--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", repr(args.lr),
+             "--seed", str(args.seed), "--device", args.device, "--timeout", repr(args.timeout)]
+    if args.threads:
+        train += ["--threads", str(args.threads)]
+    if args.checkpoint_dir:
+        train += ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every", str(args.checkpoint_every)]
+    if args.resume:
+        train.append("--resume")
+    if args.output:
+        train += ["-o", args.output]
+    layout = plan_layout(plan, n_layers, model=model)
+    print("\n".join(launch_lines(layout, train, args.rdzv_endpoint)))
     return 0
 
 
@@ -182,4 +205,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the last complete checkpoint in --checkpoint-dir (a fresh start if none)")
     p.add_argument("-o", "--output", metavar="METRICS.json", help="write the metrics here")
+    p.add_argument("--plan-node", metavar="NAME", help="under torchrun: the plan node this machine is (default: "
+                                                        "the GROUP_RANK-th node the plan uses); see --launch-lines")
+    p.add_argument("--launch-lines", action="store_true",
+                   help="print the torchrun command of every node of the plan (run each on its machine) "
+                        "and exit")
+    p.add_argument("--rdzv-endpoint", default="HOST0:29500", metavar="HOST:PORT",
+                   help="the rendezvous address written into --launch-lines (default HOST0:29500: replace "
+                        "HOST0 with the first node's address)")
     p.set_defaults(func=_run)
