@@ -308,8 +308,8 @@ def _megatron(plan: Plan) -> dict[str, Any]:
     if kinds is None:
         raise ExportError(target, f"model '{plan.model}' is not a GPT-style chain (embedding, transformer layers, "
                                   f"output head), the only model Megatron-LM's pipeline builds; the zoo's gpt2-* are")
-    if plan.schedule == "bfs":
-        raise ExportError(target, "schedule bfs: Megatron-LM's interleaved schedule runs micro-batches depth-first "
+    if spec(plan.schedule).breadth_first:
+        raise ExportError(target, f"schedule {plan.schedule}: Megatron-LM's interleaved schedule runs micro-batches depth-first "
                                   "and has no breadth-first order; re-plan with interleaved")
     sizes = _pipeline_shape(plan, target)
     cuts = _identical_cuts(plan, target, "Megatron-LM's data-parallel replicas all run one pipeline split")

@@ -132,7 +132,9 @@ class ScheduleSpec:
     otherwise 1F1B-style, ``min(p - k, m)`` on stage ``k`` of ``p`` (one-chunk schedules).
     ``sync``: how virtual workers synchronise, ``allreduce`` of gradients before every step or
     ``wave`` (WSP's push and pull with staleness). ``sliceable``: the first micro-batch may be
-    sliced (AutoPipe) to shorten the fill.
+    sliced (AutoPipe) to shorten the fill. ``breadth_first``: a device runs every micro-batch
+    through one chunk before the next (multi-chunk schedules). ``executor``: which runtime
+    executor runs its action lists (``pipeline``, ``2bw`` or ``wsp``, see :mod:`runtime`).
     """
 
     name: str
@@ -142,6 +144,8 @@ class ScheduleSpec:
     all_forwards_first: bool = False
     sync: str = "allreduce"
     sliceable: bool = False
+    breadth_first: bool = False
+    executor: str = "pipeline"
 
     def activations_in_flight(self, stages_from_end: int, micro_batches: int) -> int:
         """Micro-batches whose activations stage ``p - stages_from_end`` holds at its peak
@@ -156,9 +160,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec("gpipe", flushes=True, all_forwards_first=True, sliceable=True),
     ScheduleSpec("1f1b", flushes=True, sliceable=True),
     ScheduleSpec("interleaved", flushes=True, multi_chunk=True),
-    ScheduleSpec("bfs", flushes=True, multi_chunk=True),
-    ScheduleSpec("2bw", flushes=False, weight_versions=2),
-    ScheduleSpec("wsp", flushes=False, sync="wave"),
+    ScheduleSpec("bfs", flushes=True, multi_chunk=True, breadth_first=True),
+    ScheduleSpec("2bw", flushes=False, weight_versions=2, executor="2bw"),
+    ScheduleSpec("wsp", flushes=False, sync="wave", executor="wsp"),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
 NO_FLUSH = tuple(n for n, s in SCHEDULES.items() if not s.flushes)

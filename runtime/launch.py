@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
-from partitioner.schedule import build_schedule
+from partitioner.schedule import build_schedule, spec
 
 from .checkpoint import load_rank, plan_sha256, resume_step, save_rank, write_manifest
 from .data import DATA_KINDS, make_data
@@ -117,7 +117,7 @@ def check_checkpoints(plan: Plan, config: TrainConfig, world_size: int) -> int:
     """Refuse what cannot be checkpointed or resumed (before any step); returns the step to start at."""
     if not config.checkpoint_dir:
         return 0
-    if plan.schedule in ("wsp", "2bw"):
+    if not spec(plan.schedule).flushes:
         raise PartitionerError(f"checkpoints need a flushing schedule (gpipe, 1f1b, interleaved, bfs): "
                                f"{plan.schedule} runs its iterations as one action list without a point where all "
                                f"ranks agree on the weights")
@@ -181,7 +181,8 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
     step_s: list[float] = []
     extra: dict[str, Any] = {}
     first = 0
-    if plan.schedule == "wsp":
+    kind = spec(plan.schedule).executor
+    if kind == "wsp":
         wsp = WspExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
                           layout=layout, rank=rank, lr=config.lr)
         executor = wsp
@@ -196,7 +197,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         dist.barrier()
         extra["wave_end_s"] = [wsp.push_times[c] - t0 for c in range(config.steps)]
         wsp.load_into_modules()
-    elif plan.schedule == "2bw":
+    elif kind == "2bw":
         two = TwoBwExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
                             layout=layout, rank=rank, lr=config.lr)
         executor = two

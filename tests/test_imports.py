@@ -193,3 +193,22 @@ def test_only_the_cli_imports_the_cli():
         if _in(module, CLI):
             continue
         assert not [t for t in targets if _in(t, CLI)], f"{module} imports the CLI"
+
+
+def test_schedule_names_are_compared_only_in_the_schedule_registry() -> None:
+    """What a schedule is (flushes, chunks, executor, ...) is said once, in
+    ``partitioner/schedule.py``; elsewhere code asks its ``ScheduleSpec``, never its name."""
+    from partitioner.schedule import SCHEDULE_NAMES
+
+    found = []
+    for name, path in MODULES.items():
+        if name == "partitioner.schedule":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare) or "schedule" not in ast.unparse(node).lower():
+                continue  # ("wsp" is also an objective's name, "2bw" an executor's)
+            for side in (node.left, *node.comparators):
+                elts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                if any(isinstance(e, ast.Constant) and e.value in SCHEDULE_NAMES for e in elts):
+                    found.append(f"{name}:{node.lineno}")
+    assert not found, f"schedule names compared outside partitioner/schedule.py: {found}"

@@ -18,6 +18,7 @@ from ..cluster import Cluster
 from ..errors import FormatError, PartitionerError
 from ..plan import SCHEDULES
 from ..profile import Profile
+from ..schedule import spec
 from ._args import Renamed
 from .plan import add_cost_arguments, cost_options_from_args
 
@@ -141,7 +142,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--virtual-workers", default=None, metavar="K|auto",
                    help="compare the cluster planner's policies and baselines on K data-parallel pipelines "
                         "(baselines: K np-grouped workers; auto: one per node)")
-    p.add_argument("--schedule", default="1f1b", choices=[s for s in SCHEDULES if s not in ("interleaved", "bfs")],
+    p.add_argument("--schedule", default="1f1b", choices=[s for s in SCHEDULES if not spec(s).multi_chunk],
                    help="pipeline schedule (default: 1f1b)")
     p.add_argument("--micro-batches", "--microbatches", action=Renamed, dest="micro_batches", type=int, default=8,
                    metavar="N",
