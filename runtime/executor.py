@@ -88,6 +88,7 @@ class PipelineExecutor:
         # seconds spent per kind of work, summed over every run: compute (F, B), waiting in
         # receives, and the step (send completion, gradient averaging, optimizer)
         self.seconds = {"compute": 0.0, "recv": 0.0, "step": 0.0}
+        self._posted: dict[int, tuple[Any, torch.Tensor]] = {}  # receives posted ahead, by tag
         self._reset()
 
     def _reset(self) -> None:
@@ -104,9 +105,15 @@ class PipelineExecutor:
         buf = tensor.detach().contiguous()
         self._pending.append((dist.isend(buf, self.peers[peer], tag=tag), buf))
 
-    def _recv(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
+    def _post(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, self.peers[peer], tag=tag)
+        return dist.irecv(buf, self.peers[peer], tag=tag), buf
+
+    def _recv(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
+        """The message ``tag`` from pipeline rank ``peer``: its receive was posted ahead (see
+        :meth:`run`) or is posted now; waits for it."""
+        posted = self._posted.pop(tag) if tag in self._posted else self._post(shape, dtype, peer, tag)
+        work, buf = posted
         if work is not None:
             work.wait()
         return buf
@@ -162,15 +169,41 @@ class PipelineExecutor:
                                    else None)
 
     def run(self, actions: Sequence[Action]) -> None:
-        """Execute ``actions`` (one rank's list) in order."""
+        """Execute ``actions`` (one rank's list) in order.
+
+        Receives are posted ahead, so that a message can be taken in while this rank computes
+        rather than only when it asks for it (NCCL moves a message only once its receive is
+        posted): the next activation as soon as the previous one is taken, and a gradient as soon
+        as the forward it belongs to has run (its shape is then known). At most one activation
+        buffer more than the schedule holds.
+        """
         S = self.num_stages
         clock, seconds = time.perf_counter, self.seconds
+        act_recvs = [a for a in actions if a.kind == RECV_ACT]
+        grad_recv = {(a.micro_batch, a.stage): a for a in actions if a.kind == RECV_GRAD}
+        next_act = 0
+
+        def post_next_activation() -> None:
+            nonlocal next_act
+            if next_act < len(act_recvs):
+                r = act_recvs[next_act]
+                next_act += 1
+                shape, dtype = self.input_shapes[r.stage]
+                tag = message_tag("act", r.micro_batch, r.stage - 1, S)
+                self._posted[tag] = self._post(shape, dtype, r.peer, tag)
+
+        post_next_activation()
         for a in actions:
             k, j, s = a.kind, a.micro_batch, a.stage
             t0 = clock()
             if k == F:
                 self._forward(j, s)
                 seconds["compute"] += clock() - t0
+                later = grad_recv.get((j, s))
+                if later is not None:  # post the receive of this output's gradient now
+                    y = self._outputs[(j, s)]
+                    tag = message_tag("grad", j, s + 1, S)
+                    self._posted[tag] = self._post(y.shape, y.dtype, later.peer, tag)
             elif k == B:
                 self._backward(j, s)
                 seconds["compute"] += clock() - t0
@@ -180,6 +213,7 @@ class PipelineExecutor:
                 shape, dtype = self.input_shapes[s]
                 self._inputs[(j, s)] = self._recv(shape, dtype, a.peer,
                                                   message_tag("act", j, s - 1, S)).requires_grad_(True)
+                post_next_activation()
                 seconds["recv"] += clock() - t0
             elif k == SEND_GRAD:
                 g = self._in_grads.pop((j, s))
