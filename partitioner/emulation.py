@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -175,9 +175,10 @@ def _local_times(profile: Profile, local: str) -> tuple[np.ndarray, np.ndarray]:
     return profile.times_for(local)
 
 
-def _reference(profile: Profile, types: Sequence[str], reference: str | None,
+def _reference(profile: Profile, types: Mapping[str, str], reference: str | None,
                device_types: Mapping[str, DeviceType]) -> tuple[str, np.ndarray, np.ndarray]:
-    """(name, forward, backward) of the reference: ``reference``, or the fastest of ``types`` per layer."""
+    """(name, forward, backward) of the reference: ``reference``, or the fastest of ``types`` (GPU
+    type -> the profile's key) per layer."""
     if reference is not None:
         key = _profile_key(profile, reference, device_types)
         if key is None:
@@ -186,7 +187,7 @@ def _reference(profile: Profile, types: Sequence[str], reference: str | None,
                               "name one of them")
         f, b = profile.times_for(key)
         return reference, f, b
-    arrays = {t: profile.times_for(t) for t in types}
+    arrays = {t: profile.times_for(key) for t, key in types.items()}
     f = np.min([fb[0] for fb in arrays.values()], axis=0)
     b = np.min([fb[1] for fb in arrays.values()], axis=0)
     everywhere = [t for t, (tf, tb) in arrays.items() if np.array_equal(tf, f) and np.array_equal(tb, b)]
@@ -235,7 +236,7 @@ def emulated_profile(profile: Profile, cluster: Cluster, *, local: str = LOCAL_D
     check(bool(types), "--emulate", cluster.name,
           f"profile '{profile.model}' has times for no GPU type of cluster '{cluster.name}' "
           f"(it has: {_have(profile)})")
-    ref_name, ref_f, ref_b = _reference(profile, list(types.values()), reference, cluster.device_types)
+    ref_name, ref_f, ref_b = _reference(profile, types, reference, cluster.device_types)
     update = profile.update_times_for(local)
     emulated: dict[str, list[LayerTime]] = {}
     for t, key in types.items():

@@ -116,6 +116,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("runtime_fidelity", "simulator's predicted against the runtime's measured iteration (CPU processes)",
               _script("runtime_fidelity", "--rounds", "1", "--steps", "6", "--out", "{tmp}/rf.md"),
               _script("runtime_fidelity", "--out", "{tmp}/rf.md"), needs=("torch",), long=True),
+    Benchmark("emulation", "emulated heterogeneous cluster (A100 + 2 T4 on CPU processes): measured against "
+                           "predicted iteration of opt, uniform and pipedream plans",
+              _script("emulation", "--rounds", "2"), _script("emulation", "--rounds", "5"), needs=("torch",),
+              long=True, seeds={"weights_and_data": 0}),
     Benchmark("gpu_breakdown", "one GPU's training step against its per-layer profile: time and memory",
               _script("gpu_breakdown"), _script("gpu_breakdown", "--model", "gpt2-medium", "--seq-len", "1024"),
               needs=("gpu", "torch")),
