@@ -236,3 +236,17 @@ def test_cli_refuses_emulation_options_without_emulate(tmp_path: Path, capsys: p
     rc = cli.main(["train", *_write(tmp_path, PLAN, _profile()), "--emulate-reference", "A100"])
     assert rc == 2
     assert "--emulate-reference: only with --emulate" in capsys.readouterr().err
+
+
+def test_profile_emulate_writes_the_emulated_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _profile().save(tmp_path / "p.json")
+    CLUSTER.save(tmp_path / "c.json")
+    out = tmp_path / "e.json"
+    assert cli.main(["profile", "emulate", str(tmp_path / "p.json"), "--cluster", str(tmp_path / "c.json"),
+                     "-o", str(out)]) == 0
+    written = Profile.load(out)
+    assert written.times_for("T4")[0].tolist() == pytest.approx(emulated_profile(_profile(), CLUSTER).times_for("T4")[0])
+    assert cli.main(["profile", "emulate", str(tmp_path / "p.json"), "--cluster", str(tmp_path / "c.json"),
+                     "--reference", "V100", "-o", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--reference = 'V100': profile 'gpt2-tiny' has no times" in err
