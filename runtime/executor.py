@@ -49,6 +49,8 @@ from partitioner.schedule import (
     F,
 )
 
+from .emulate import Stretch
+
 __all__ = ["PipelineExecutor", "message_tag"]
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,14 @@ class PipelineExecutor:
         # receives, and the step (send completion, gradient averaging, optimizer)
         self.seconds = {"compute": 0.0, "recv": 0.0, "step": 0.0}
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}  # receives posted ahead, by tag
+        self.stretch: Stretch | None = None
         self._reset()
+
+    def emulate(self, stretch: Stretch) -> None:
+        """Stretch every forward and backward from now on (``train --emulate``, :mod:`runtime.emulate`);
+        the seconds slept are counted as ``emulation``."""
+        self.stretch = stretch
+        self.seconds.setdefault("emulation", 0.0)
 
     def _reset(self) -> None:
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -196,17 +205,22 @@ class PipelineExecutor:
         for a in actions:
             k, j, s = a.kind, a.micro_batch, a.stage
             t0 = clock()
-            if k == F:
-                self._forward(j, s)
-                seconds["compute"] += clock() - t0
-                later = grad_recv.get((j, s))
-                if later is not None:  # post the receive of this output's gradient now
-                    y = self._outputs[(j, s)]
-                    tag = message_tag("grad", j, s + 1, S)
-                    self._posted[tag] = self._post(y.shape, y.dtype, later.peer, tag)
-            elif k == B:
-                self._backward(j, s)
-                seconds["compute"] += clock() - t0
+            if k in (F, B):
+                if k == F:
+                    self._forward(j, s)
+                    later = grad_recv.get((j, s))
+                    if later is not None:  # post the receive of this output's gradient now
+                        y = self._outputs[(j, s)]
+                        tag = message_tag("grad", j, s + 1, S)
+                        self._posted[tag] = self._post(y.shape, y.dtype, later.peer, tag)
+                else:
+                    self._backward(j, s)
+                if self.stretch is None:
+                    seconds["compute"] += clock() - t0
+                else:  # heterogeneity emulation: the action takes its stage's factor times its compute
+                    compute, slept = self.stretch.hold(s, k == B, t0)
+                    seconds["compute"] += compute
+                    seconds["emulation"] += slept
             elif k == SEND_ACT:
                 self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
             elif k == RECV_ACT:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from partitioner.emulation import Emulation
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
 from partitioner.schedule import build_schedule, spec
@@ -42,6 +43,7 @@ from partitioner.schedule import build_schedule, spec
 from .checkpoint import load_rank, plan_sha256, resume_step, save_rank, write_manifest
 from .data import DATA_KINDS, make_data
 from .dataparallel import GradientAverager
+from .emulate import Stretch
 from .executor import PipelineExecutor
 from .layout import Layout, plan_layout
 from .model import is_model_ref, spec_chain
@@ -79,6 +81,8 @@ class TrainConfig:
     resume: bool = False  # start from the last complete checkpoint in checkpoint_dir (if any)
     progress: bool = True  # a progress bar with the loss, when stderr is a terminal
     node: str = ""  # under torchrun: the plan node this machine is (default: the GROUP_RANK-th, runtime.nodes)
+    # heterogeneity emulation: every rank plays its device's GPU type (partitioner.emulation, runtime.emulate)
+    emulation: Emulation | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps >= 1):
@@ -95,6 +99,8 @@ class TrainConfig:
             raise PartitionerError(f"checkpoint_every = {self.checkpoint_every!r}: must be an integer >= 0")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise PartitionerError("checkpoint_every / resume need a checkpoint directory (--checkpoint-dir)")
+        if self.emulation is not None and not isinstance(self.emulation, Emulation):
+            raise PartitionerError(f"emulation = {self.emulation!r}: must be a partitioner.emulation.Emulation")
 
 
 def chain_for(plan: Plan, config: TrainConfig) -> LayerChain:
@@ -186,6 +192,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         wsp = WspExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
                           layout=layout, rank=rank, lr=config.lr)
         executor = wsp
+        _emulate(wsp, config, me.device, device)
         actions = build_schedule("wsp", p, m, plan.chunks, iterations=config.steps,
                                  staleness=plan.staleness)[me.pipe_rank]
         dist.barrier()
@@ -201,6 +208,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         two = TwoBwExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
                             layout=layout, rank=rank, lr=config.lr)
         executor = two
+        _emulate(two, config, me.device, device)
         actions = build_schedule("2bw", p, m, plan.chunks, iterations=config.steps)[me.pipe_rank]
         dist.barrier()
         t0 = time.perf_counter()
@@ -230,10 +238,12 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         averager = GradientAverager(layout, rank, by_layer)
         executor = PipelineExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, optimizer,
                                     device, averager)
+        _emulate(executor, config, me.device, device)
         actions = build_schedule(plan.schedule, p, m, plan.chunks)[me.pipe_rank]
         show = (config.progress and sys.stderr.isatty() and me.worker == 0 and n_stages - 1 in me.stages)
         # (made only when shown: tqdm creates a multiprocessing lock, which a killed rank would leak)
-        bar = tqdm(total=config.steps, initial=first, desc=f"train {chain.name}", unit="step",
+        bar = tqdm(total=config.steps, initial=first, unit="step",
+                   desc=f"train {chain.name}" + (" (emulated)" if config.emulation else ""),
                    dynamic_ncols=True) if show else None
         for step in range(first, config.steps):
             _fault(rank, step)
@@ -282,7 +292,17 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
     return {"rank": rank, "device": me.device, "worker": me.worker, "pipe_rank": me.pipe_rank,
             "peak_memory_bytes": peak, "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
             "step_s": step_s, "losses": executor.losses, "threads": torch.get_num_threads(), "first_step": first,
-            "data": data.kind, "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()}, **extra}
+            "data": data.kind, "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()},
+            "emulated_actions": [executor.stretch.actions, executor.stretch.overruns] if executor.stretch else None,
+            **extra}
+
+
+def _emulate(executor: PipelineExecutor, config: TrainConfig, plan_device: str, device: torch.device) -> None:
+    """Hook the emulation's stretch of this rank's stages into its executor (``--emulate``)."""
+    if config.emulation is None:
+        return
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    executor.emulate(Stretch.for_device(config.emulation, plan_device, sync))
 
 
 def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], backend: str) -> dict[str, Any]:
@@ -300,7 +320,8 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "format": "partitioner.train-metrics/1",
         "model": plan.model, "schedule": plan.schedule, "micro_batch_size": plan.micro_batch_size,
         "micro_batches": plan.micro_batches, "virtual_workers": workers, "world_size": len(per_rank),
-        "backend": backend, "config": {k: v for k, v in asdict(config).items() if k != "state_dir"},
+        "backend": backend,
+        "config": {k: v for k, v in asdict(config).items() if k not in ("state_dir", "emulation")},
         "data": per_rank[0]["data"], "first_step": per_rank[0]["first_step"],
         "measured_iteration_s": iteration,
         "samples_per_s": workers * plan.micro_batches * plan.micro_batch_size / iteration,
@@ -308,7 +329,19 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads",
                                           "seconds_per_step", "peak_memory_bytes")}
                   for r in per_rank],
+        **({"emulated": _emulated(config.emulation, per_rank)} if config.emulation else {}),
     }
+
+
+def _emulated(emulation: Emulation, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The metrics' ``emulated`` entry: the reference, the rule, and every rank's GPU type,
+    factors and seconds slept per step."""
+    return {**emulation.to_dict(),
+            "ranks": [{"rank": r["rank"], "device": r["device"], "gpu_type": emulation.gpu_type(r["device"]),
+                       "factors": {str(s): list(f) for s, f in emulation.factors(r["device"]).items()},
+                       "slept_s_per_step": r["seconds_per_step"].get("emulation", 0.0),
+                       "actions": r["emulated_actions"][0], "overruns": r["emulated_actions"][1]}
+                      for r in per_rank]}
 
 
 def _threads(config: TrainConfig, nprocs: int) -> int:

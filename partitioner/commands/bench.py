@@ -121,6 +121,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("runtime_vs_torch", "this runtime against torch.distributed.pipelining, same split and micro-batches",
               _script("runtime_vs_torch", "--rounds", "3", "--steps", "3"), _script("runtime_vs_torch", "--rounds", "7"),
               needs=("torch",), long=True),
+    Benchmark("emulation", "emulated heterogeneous cluster (A100 + 2 T4 on CPU processes): measured against "
+                           "predicted iteration of opt, uniform and pipedream plans",
+              _script("emulation", "--rounds", "2"),
+              _script("emulation", "--rounds", "5", "--wsp", "--png", "{img}/emulation_wsp.png"),
+              figures=("emulation_wsp.png",), needs=("torch",), long=True, seeds={"weights_and_data": 0}),
     Benchmark("gpu_breakdown", "one GPU's training step against its per-layer profile: time and memory",
               _script("gpu_breakdown"), _script("gpu_breakdown", "--model", "gpt2-medium", "--seq-len", "1024"),
               needs=("gpu", "torch")),

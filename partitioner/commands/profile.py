@@ -4,6 +4,7 @@
                               [--gpu-type NAME ...] [--analytic] -o profile.json
     partitioner profile merge a.json b.json [...] -o merged.json
     partitioner profile project IN.json --gpu-type NAME [--gpu-type ...] -o OUT.json
+    partitioner profile emulate IN.json --cluster C [--reference TYPE] -o OUT.json
 """
 
 from __future__ import annotations
@@ -159,10 +160,32 @@ def _project(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emulate(args: argparse.Namespace) -> int:
+    from .._io import check_outputs
+    from ..cluster import Cluster
+    from ..emulation import LOCAL_DEVICE, emulated_profile
+    from ..errors import FormatError
+
+    check_outputs({"-o": args.output}, (args.input, args.cluster))
+    profile = Profile.load(args.input)
+    cluster = Cluster.load(args.cluster)
+    try:
+        out = emulated_profile(profile, cluster, local=args.local or LOCAL_DEVICE, reference=args.reference)
+    except FormatError as err:  # named by this command's options
+        field = err.field.replace("--emulate-reference", "--reference").replace("--emulate-local", "--local")
+        raise FormatError(field, err.value, err.expected).in_file(args.input) from None
+    out.save(args.output)
+    types = [g for g in out.gpu_types if g != (args.local or LOCAL_DEVICE)]
+    print(f"emulated {out.model}: times of {', '.join(types)} as this machine's {args.local or LOCAL_DEVICE} plays "
+          f"them (reference {out.meta['emulated']['reference']}) -> {args.output}; plan on it, then "
+          "train --emulate with the same reference")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("profile", help="measure a zoo model, merge profiles, project to other GPU types",
                             description="Measure a model of the zoo per layer (or merge/project profiles).")
-    actions = parser.add_subparsers(dest="target", required=True, metavar="MODEL|merge|project")
+    actions = parser.add_subparsers(dest="target", required=True, metavar="MODEL|merge|project|emulate")
 
     eff = argparse.ArgumentParser(add_help=False)
     eff.add_argument("--efficiency", type=bounded_float(1e-3, 1.0), default=0.5,
@@ -206,3 +229,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--source", default=None, help="measured type to project from (default: the first)")
     pp.add_argument("-o", "--output", required=True, help="profile JSON to write")
     pp.set_defaults(func=_project)
+
+    ep = actions.add_parser("emulate", help="the times train --emulate plays: local times x type / reference, "
+                                            "for planning the emulated cluster",
+                            description="Write the emulated profile of a cluster's GPU types (docs/runtime.md, "
+                                        "Emulating a heterogeneous cluster): per layer, this machine's time x the "
+                                        "type's time / the reference's. Plan on it to plan for the emulated run.")
+    ep.add_argument("input", help="profile JSON with this machine's times and the cluster's GPU types")
+    ep.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
+    ep.add_argument("--reference", metavar="TYPE", default=None,
+                    help="the type that runs at this machine's speed (default: the fastest of the cluster's, per layer)")
+    ep.add_argument("--local", metavar="KEY", default=None, help="the profile's key of this machine's times (default cpu)")
+    ep.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    ep.set_defaults(func=_emulate)

@@ -30,6 +30,7 @@ def _run(args: argparse.Namespace) -> int:
     from runtime.layout import plan_layout
     from runtime.model import is_model_ref
 
+    from ..emulation import predict_emulated
     from ..simulate import simulate_plan
 
     check_outputs({"-o": args.output}, (args.plan, args.profile, args.cluster))
@@ -44,12 +45,13 @@ def _run(args: argparse.Namespace) -> int:
         plan.validate(profile, cluster)
     except FormatError as err:
         raise err.in_file(args.plan) from None
+    emulation = _emulation(args, plan, profile, cluster)
     options = {} if is_model_ref(args.model) else zoo_options(profile)
     config = TrainConfig(args.model, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                          device=args.device, threads=args.threads, timeout_s=args.timeout, data=args.data,
                          model_options=options, node=args.plan_node or "",
                          checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
-                         resume=args.resume)
+                         resume=args.resume, emulation=emulation)
     chain = chain_for(plan, config)
     n_layers = chain.num_layers
     if n_layers != profile.num_layers:  # the plan was validated against the profile: name where it differs
@@ -67,7 +69,12 @@ def _run(args: argparse.Namespace) -> int:
         raise err.in_file(args.plan) from None
     if args.launch_lines:
         return _print_launch_lines(args, plan, n_layers, chain.name)
-    predicted = simulate_plan(plan, profile, cluster).iteration_s
+    if emulation is None:
+        predicted = simulate_plan(plan, profile, cluster).iteration_s
+    else:
+        predicted = predict_emulated(plan, profile, cluster, local=emulation.local, reference=args.emulate_reference,
+                                     link_gbps=emulation.link_gbps).iteration_s
+        _print_emulation(emulation, plan)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.local and under_torchrun:
         raise PartitionerError("--local starts its own processes; do not combine it with torchrun")
@@ -83,8 +90,15 @@ def _run(args: argparse.Namespace) -> int:
     resumed = f", resumed at step {metrics['first_step']}" if metrics.get("first_step") else ""
     print(f"{config.model} {plan.schedule}: {metrics['world_size']} processes, {ran} steps{resumed} "
           f"(median of the last {max(1, ran - config.warmup)}), data {metrics['data']}")
-    print(f"  measured iteration  {metrics['measured_iteration_s'] * 1e3:9.2f} ms")
-    print(f"  predicted iteration {predicted * 1e3:9.2f} ms  (simulator)")
+    emulated = " (emulated)" if emulation else ""
+    print(f"  measured iteration  {metrics['measured_iteration_s'] * 1e3:9.2f} ms{emulated}")
+    print(f"  predicted iteration {predicted * 1e3:9.2f} ms  (simulator"
+          + (f", emulated times of {emulation.local} and links at {emulation.link_gbps:g} GB/s)" if emulation else ")"))
+    if emulation is not None and emulation.rule == "profiled":
+        ranks = metrics["emulated"]["ranks"]
+        over, total = sum(r["overruns"] for r in ranks), sum(r["actions"] for r in ranks)
+        print(f"  emulation overruns  {over} of {total} forward/backward actions computed longer than their "
+              "emulated time" + (" (this machine is too slow for the reference: name a faster one)" if over else ""))
     _report_memory(metrics, plan, profile, cluster)
     if metrics["loss"]:
         what = "mean of the output" if metrics["data"] == "synthetic" else "training loss"
@@ -156,6 +170,36 @@ def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluste
           f"(torch.cuda.max_memory_allocated), {predicted.get(worst, 0.0) / 2**30:.2f} GiB predicted")
 
 
+def _emulation(args: argparse.Namespace, plan: Plan, profile: Profile, cluster: Cluster) -> Any:
+    """The plan's emulation (``--emulate``), refused in one line before any process starts."""
+    if not args.emulate:
+        given = [o for o, v in (("--emulate-reference", args.emulate_reference), ("--emulate-local", args.emulate_local),
+                                ("--emulate-link-GBps", args.emulate_link_gbps),
+                                ("--emulate-rule", args.emulate_rule)) if v is not None]
+        if given:
+            raise PartitionerError(f"{', '.join(given)}: only with --emulate")
+        return None
+    from ..emulation import LOCAL_DEVICE, LOCAL_LINK_GBPS, emulation_for
+
+    try:
+        return emulation_for(plan, profile, cluster, local=args.emulate_local or LOCAL_DEVICE,
+                             reference=args.emulate_reference,
+                             link_gbps=args.emulate_link_gbps if args.emulate_link_gbps is not None else LOCAL_LINK_GBPS,
+                             rule=args.emulate_rule or "profiled")
+    except FormatError as err:
+        raise err.in_file(args.profile) from None
+
+
+def _print_emulation(emulation: Any, plan: Plan) -> None:
+    print(f"EMULATION: every rank plays its device's GPU type on this machine ({emulation.local}); "
+          f"reference {emulation.reference} runs at this machine's speed; rule {emulation.rule}; "
+          "communication is real (gloo)")
+    for d in plan.devices:
+        factors = "; ".join(f"stage {s}: forward x{f:.3g}, backward x{b:.3g}"
+                            for s, (f, b) in sorted(emulation.factors(d).items()))
+        print(f"  {d} plays {emulation.gpu_type(d)}: {factors}")
+
+
 def _finite_or_null(x: Any) -> tuple[Any, int]:
     """``x`` with every NaN or infinite float replaced by ``None``, and how many were."""
     if isinstance(x, float):
@@ -204,6 +248,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint every N steps (default 0: only at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the last complete checkpoint in --checkpoint-dir (a fresh start if none)")
+    emu = p.add_argument_group("heterogeneity emulation (docs/runtime.md)")
+    emu.add_argument("--emulate", action="store_true",
+                     help="every rank plays the GPU type the plan gives its device: its forward and backward are "
+                          "stretched by that type's profiled time relative to the reference (communication is real)")
+    emu.add_argument("--emulate-reference", metavar="TYPE", default=None,
+                     help="the GPU type that runs at this machine's speed (default: the fastest of the cluster's "
+                          "types, per layer); must have times in the profile")
+    emu.add_argument("--emulate-local", metavar="KEY", default=None,
+                     help="the profile's key of this machine's own times (default cpu: partitioner profile --device cpu)")
+    emu.add_argument("--emulate-link-GBps", dest="emulate_link_gbps", type=bounded_float(1e-6, 1e6), default=None,
+                     metavar="GBPS", help="link speed the emulated prediction assumes for every link (default 2: "
+                                          "gloo over loopback, as examples/clusters/cpu4.yaml)")
+    emu.add_argument("--emulate-rule", choices=("profiled", "scaled"), default=None,
+                     help="profiled (default): a forward or backward takes its stage's emulated time, or its compute "
+                          "time when longer (an overrun); scaled: its measured compute time x its stage's factor")
     p.add_argument("-o", "--output", metavar="METRICS.json", help="write the metrics here")
     p.add_argument("--plan-node", metavar="NAME", help="under torchrun: the plan node this machine is (default: "
                                                         "the GROUP_RANK-th node the plan uses); see --launch-lines")
