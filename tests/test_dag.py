@@ -292,3 +292,30 @@ def test_graph_model_refusals():
         cpsat.solve(old, cluster)
     # the chain order stays available
     assert cpsat.solve(old, cluster, dag=False).status is SolveStatus.OPTIMAL
+
+
+def test_cli_plans_the_graph_or_the_chain_order(tmp_path, capsys, pipedream_dir):
+    from pathlib import Path
+
+    from partitioner.cli import main
+    from solvers.planning import PlanRequest
+
+    cluster = str(Path(__file__).resolve().parents[1] / "examples" / "clusters" / "v100x8.yaml")
+    prof = tmp_path / "r18.json"
+    assert main(["import", "pipedream", str(pipedream_dir / "resnet18.txt"), "--gpu-type", "V100-SXM2-16GB",
+                 "-o", str(prof)]) == 0
+    args = ["plan", str(prof), "--cluster", cluster, "--solver", "cpsat", "--micro-batches", "8",
+            "--time-limit", "30"]
+    assert main([*args, "-o", str(tmp_path / "g.json")]) == 0
+    assert main([*args, "--chain-order", "-o", str(tmp_path / "c.json")]) == 0
+    graph, chain = Plan.load(tmp_path / "g.json"), Plan.load(tmp_path / "c.json")
+    assert chain.layer_order is None
+    assert graph.solver.objective <= chain.solver.objective * (1 + 1e-9)
+    out = capsys.readouterr().out
+    if graph.layer_order is not None:
+        assert "convex sets of the graph" in out
+        assert main(["simulate", str(tmp_path / "g.json"), "--profile", str(prof), "--cluster", cluster]) == 0
+        assert main(["export", str(tmp_path / "g.json"), "--to", "deepspeed", "-o", str(tmp_path / "x.json")]) == 2
+        assert "layer_order" in capsys.readouterr().err
+    with pytest.raises(FormatError, match="--chain-order = True: applies to the cpsat, milp solvers"):
+        PlanRequest(solver="dp", chain_order=True)
