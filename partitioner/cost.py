@@ -352,6 +352,7 @@ class CostModel:
 
         Under ``wsp`` there is none: WSP pushes and pulls instead (:meth:`wave_sync_s`).
         """
+        self.check_order(plan)
         if spec(plan.schedule).sync != "allreduce" or not self.options.sync:
             return ()
         holders: list[list[str]] = [[] for _ in range(self.num_layers)]
@@ -491,10 +492,19 @@ class CostModel:
 
     # -- plans -----------------------------------------------------------------------------------
 
+    def check_order(self, plan: Plan) -> None:
+        """Refuse a plan whose stages count layers in another order than this model's profile
+        (a plan with ``layer_order`` is priced with ``plan.profile_view(profile)``)."""
+        if plan.layer_order != self.profile.layer_order:
+            shown = None if plan.layer_order is None else f"{len(plan.layer_order)} entries"
+            raise FormatError("layer_order", shown, "the plan counts layers in another order than the profile "
+                              "this cost model prices; price it with plan.profile_view(profile)")
+
     def plan_stage_times_s(self, plan: Plan, worker: int = 0, allreduce_apart: bool = False) -> list[float]:
         """Per-micro-batch time of each stage of virtual worker ``worker``. A replicated stage
         includes its all-reduce spread over the micro-batches unless ``allreduce_apart`` (when the
         caller prices the all-reduce after the pipeline, as :meth:`plan_iteration_s` does)."""
+        self.check_order(plan)
         stages = plan.virtual_workers[worker].stages
         out = []
         for k, st in enumerate(stages):
@@ -592,6 +602,7 @@ class CostModel:
 
     def plan_memory_bytes(self, plan: Plan) -> dict[str, float]:
         """Peak memory per device under the plan's schedule (one-chunk schedules)."""
+        self.check_order(plan)
         used: dict[str, float] = {}
         for vw in plan.virtual_workers:
             p = len(vw.stages)
@@ -604,6 +615,7 @@ class CostModel:
 
     def check_plan_memory(self, plan: Plan) -> None:
         """Raise :class:`FormatError` naming the first device whose stages do not fit."""
+        self.check_order(plan)
         if spec(plan.schedule).multi_chunk:
             return  # multi-chunk schedules: the simulator measures their peak
         for w, vw in enumerate(plan.virtual_workers):
@@ -623,6 +635,7 @@ class CostModel:
         """Raise :class:`FormatError` unless ``plan`` is executable on this model's cluster: its
         structure (:meth:`partitioner.plan.Plan.validate`) and every device's memory
         (:meth:`check_plan_memory`)."""
+        self.check_order(plan)
         plan.validate(self.profile, self.cluster)
         self.check_plan_memory(plan)
 

@@ -103,6 +103,9 @@ def supports(plan: Plan, target: str) -> str | None:
         return str(err)
     if target == "simulator":
         return None
+    if plan.layer_order is not None:
+        return ("layer_order: the stages are convex sets of the model's graph, not ranges of its layer list; the "
+                "runtime runs ranges of the layer list; plan the chain order (--solver dp, or --chain-order)")
     sp = spec(plan.schedule)
     if plan.staleness != 0 and sp.sync != "wave":
         return (f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "

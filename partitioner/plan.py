@@ -20,7 +20,7 @@ from ._io import (
 )
 from .errors import FormatError, check
 from .pricing import CostOptions
-from .profile import MAX_MICRO_BATCH_SIZE
+from .profile import MAX_LAYERS, MAX_MICRO_BATCH_SIZE
 from .schedule import MULTI_CHUNK, SCHEDULE_NAMES, spec
 
 if TYPE_CHECKING:
@@ -197,9 +197,19 @@ class Plan:
     solver: SolverInfo | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     pricing: Mapping[str, Any] = field(default_factory=dict)  # the CostOptions it was priced with
+    # the profile's layers in the order the stages' ranges count them (a graph planned as convex
+    # stages); None: the profile's own order
+    layer_order: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "virtual_workers", tuple(self.virtual_workers))
+        if self.layer_order is not None:
+            order = list(self.layer_order)
+            ok = all(isinstance(x, int) and not isinstance(x, bool) for x in order) and sorted(order) == list(
+                range(len(order))) and len(order) >= 1
+            check(ok, "layer_order", order if len(order) <= 12 else [*order[:12], "..."],
+                  "must list each layer index 0..L-1 once (a permutation of the profile's layers)")
+            object.__setattr__(self, "layer_order", None if order == list(range(len(order))) else tuple(order))
         object.__setattr__(self, "pricing", dict(self.pricing))
         object.__setattr__(self, "predicted", dict(self.predicted))
         object.__setattr__(self, "meta", dict(self.meta))
@@ -230,7 +240,8 @@ class Plan:
     def validate(self, profile: Profile, cluster: Cluster, options: object = None) -> None:
         """Raise :class:`FormatError` unless the plan's structure fits ``profile`` and ``cluster``.
 
-        Checks: every virtual worker's stages cover the profile's layers contiguously, without
+        Checks: ``layer_order`` is a topological order of ``profile`` (see :meth:`profile_view`);
+        every virtual worker's stages cover the profile's layers contiguously, without
         overlap or gap; devices exist, carry the stated GPU type and belong to one virtual
         worker; a device holds several stages only under a multi-chunk schedule. Whether the
         stages fit in memory is a question for the cost model
@@ -239,6 +250,7 @@ class Plan:
         """
         if self.model != profile.model:
             raise FormatError("model", self.model, f"the profile is of model '{profile.model}'")
+        profile = self.profile_view(profile)
         n_layers = profile.num_layers
         owner: dict[str, str] = {}
         for w, vw in enumerate(self.virtual_workers):
@@ -271,6 +283,29 @@ class Plan:
                 raise FormatError(f"virtual_workers[{w}].stages", f"ends at layer {expect}",
                                   f"must cover all {n_layers} layers of the profile")
 
+    def profile_view(self, profile: Profile) -> Profile:
+        """``profile`` with its layers in the order the plan's stages count them.
+
+        A plan of a graph profile may hold convex stages that are not contiguous in the
+        profile's own order; ``layer_order`` is then the order they are contiguous in, and this
+        is :meth:`Profile.reordered` with it (cut bytes priced again from the edges). ``profile``
+        may already be reordered (its :attr:`Profile.layer_order`): it is brought to the plan's
+        order from there. Refuses, naming ``layer_order``, an order that is not a permutation of
+        the profile's layers or puts a layer before one that feeds it.
+        """
+        have = profile.layer_order
+        want = self.layer_order
+        if have == want:
+            return profile
+        n = profile.num_layers
+        if want is not None and len(want) != n:
+            raise FormatError("layer_order", f"{len(want)} entries", f"the profile has {n} layers")
+        want_list = list(want) if want is not None else list(range(n))
+        if have is None:
+            return profile.reordered(want_list)
+        where = {v: i for i, v in enumerate(have)}
+        return profile.reordered([where[v] for v in want_list])
+
     # -- JSON ------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -286,6 +321,8 @@ class Plan:
             d["chunks"] = self.chunks
         if self.first_slices != 1:
             d["first_slices"] = self.first_slices
+        if self.layer_order is not None:
+            d["layer_order"] = list(self.layer_order)
         d["virtual_workers"] = [vw.to_dict() for vw in self.virtual_workers]
         d["predicted"] = dict(self.predicted)
         if self.pricing:
@@ -307,6 +344,12 @@ class Plan:
             check(is_finite_number(v), f"predicted.{k}", v,
                   "must be a finite number")
         solver = d.get("solver")
+        order = d.get("layer_order")
+        if order is not None:
+            check(isinstance(order, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in order),
+                  "layer_order", order if not isinstance(order, list) or len(order) <= 12 else [*order[:12], "..."],
+                  "must be a list of layer indices (a permutation of the profile's layers)")
+            check(len(order) <= MAX_LAYERS, "layer_order", f"{len(order)} entries", f"at most {MAX_LAYERS:,}")
         return cls(
             model=req_field(d, "model", str),
             virtual_workers=tuple(VirtualWorker.from_dict(v, f"virtual_workers[{w}].") for w, v in enumerate(vws)),
@@ -320,6 +363,7 @@ class Plan:
             solver=None if solver is None else SolverInfo.from_dict(solver),
             meta=opt_field(d, "meta", Mapping, {}),
             pricing=_pricing(d.get("pricing")),
+            layer_order=None if order is None else tuple(order),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

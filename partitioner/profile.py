@@ -35,6 +35,7 @@ __all__ = [
     "LayerProfile",
     "LayerTime",
     "Profile",
+    "crossing_bytes",
 ]
 
 PROFILE_FORMAT = "partitioner.profile/1"
@@ -99,6 +100,10 @@ class LayerProfile:
 
     ``saved_bytes`` is what autograd keeps for backward per micro-batch; ``output_bytes``
     is the boundary tensor sent to the next stage if a cut is made after this layer.
+    ``own_output_bytes`` is the layer's own output, what each consumer along an edge of a graph
+    profile receives (None: the same as ``output_bytes``, as in a chain); with it a graph
+    profile can be put in another topological order and its cuts priced again
+    (:meth:`Profile.reordered`).
     ``shared_saved_bytes`` is the part of ``saved_bytes`` that the previous layer keeps too
     (typically this layer's input, which a ReLU before it saved as its output): one tensor,
     counted once when both layers are in the same stage, twice when a cut separates them.
@@ -113,9 +118,14 @@ class LayerProfile:
     shared_saved_bytes: float = 0.0
     # times measured at other micro-batch sizes: size -> GPU type -> time (per micro-batch of that size)
     times_at: Mapping[int, Mapping[str, LayerTime]] = field(default_factory=dict)
+    own_output_bytes: float | None = None
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "name", self.name, "must be a non-empty string")
+        if self.own_output_bytes is not None:
+            v = self.own_output_bytes
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+                  "own_output_bytes", v, "must be a finite number >= 0")
         for name in ("flops", "param_bytes", "saved_bytes", "output_bytes", "shared_saved_bytes"):
             v = getattr(self, name)
             check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
@@ -132,6 +142,17 @@ class LayerProfile:
                 check(isinstance(t, LayerTime), f"times_at.{size}.{gpu}", t, "must be a LayerTime")
         object.__setattr__(self, "times_at", {k: dict(v) for k, v in sorted(self.times_at.items())})
 
+    @property
+    def own_bytes(self) -> float:
+        """The layer's own output (``own_output_bytes``, else ``output_bytes``)."""
+        return self.output_bytes if self.own_output_bytes is None else self.own_output_bytes
+
+    def scaled_bytes(self, f: float) -> dict[str, Any]:
+        """The activation byte fields multiplied by ``f`` (for ``dataclasses.replace``)."""
+        return {"saved_bytes": self.saved_bytes * f, "output_bytes": self.output_bytes * f,
+                "shared_saved_bytes": self.shared_saved_bytes * f,
+                "own_output_bytes": None if self.own_output_bytes is None else self.own_output_bytes * f}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -139,6 +160,7 @@ class LayerProfile:
             "param_bytes": self.param_bytes,
             "saved_bytes": self.saved_bytes,
             "output_bytes": self.output_bytes,
+            **({"own_output_bytes": self.own_output_bytes} if self.own_output_bytes is not None else {}),
             "times": {gpu: t.to_dict() for gpu, t in self.times.items()},
             **({"shared_saved_bytes": self.shared_saved_bytes} if self.shared_saved_bytes else {}),
             **({"times_at": {str(b): {g: t.to_dict() for g, t in v.items()} for b, v in self.times_at.items()}}
@@ -168,6 +190,8 @@ class LayerProfile:
                 times=times,
                 shared_saved_bytes=req_number(d, "shared_saved_bytes", where, default=0.0, maximum=MAX_BYTES),
                 times_at=times_at,
+                own_output_bytes=(None if d.get("own_output_bytes") is None
+                                  else req_number(d, "own_output_bytes", where, maximum=MAX_BYTES)),
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
@@ -201,6 +225,12 @@ class Profile:
                                   f"duplicates layers[{seen[layer.name]}].name; layer names must be unique")
             seen[layer.name] = i
         n = len(self.layers)
+        order = self.meta.get("layer_order")
+        if order is not None:
+            ok = (isinstance(order, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in order)
+                  and sorted(order) == list(range(n)))
+            check(ok, "meta.layer_order", order if not isinstance(order, list) or len(order) <= 12 else "[...]",
+                  f"must list each of the {n} layer indices once (the original's layers in this order)")
         for k, (a, b) in enumerate(self.edges):
             check(0 <= a < n and 0 <= b < n and a != b, f"edges[{k}]", [a, b],
                   f"must name two different layer indices in [0, {n})")
@@ -223,6 +253,72 @@ class Profile:
             return ()
         common = [g for g in self.layers[0].times if all(g in layer.times for layer in self.layers)]
         return tuple(common)
+
+    @property
+    def graph_edges(self) -> tuple[tuple[int, int], ...]:
+        """The graph's edges: ``edges``, or the chain ``i -> i + 1`` when the profile has none."""
+        return self.edges or tuple((i, i + 1) for i in range(self.num_layers - 1))
+
+    @property
+    def layer_order(self) -> tuple[int, ...] | None:
+        """For a profile made by :meth:`reordered`: the layers of the original in this profile's
+        order (``meta["layer_order"]``); None for a profile in its own order."""
+        order = self.meta.get("layer_order")
+        return None if order is None else tuple(order)
+
+    def reordered(self, order: Sequence[int]) -> Profile:
+        """The same graph with its layers in another topological ``order``.
+
+        ``order[i]`` is the layer that comes ``i``-th. Every edge must still go forward, and the
+        cut after each position is priced again with every tensor crossing it: the own output
+        (``own_output_bytes``) of each layer at or before the cut that feeds a layer after it.
+        Edges are renumbered; ``shared_saved_bytes`` is kept where a layer's predecessor in the
+        list stays the same and dropped elsewhere (the tensor is then counted twice, never
+        once too few); ``meta["layer_order"]`` records the order relative to the profile the
+        first reordering started from (absent when that is the identity).
+        """
+        n = self.num_layers
+        order = list(order)
+        ok = (len(order) == n and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in order)
+              and sorted(int(x) for x in order) == list(range(n)))
+        shown = order if len(order) <= 12 else [*order[:12], "..."]
+        check(ok, "layer_order", shown, f"must list each of the {n} layer indices 0..{n - 1} once")
+        order = [int(x) for x in order]
+        if order == list(range(n)):
+            return self
+        pos = [0] * n
+        for i, v in enumerate(order):
+            pos[v] = i
+        for a, b in self.graph_edges:
+            if pos[a] > pos[b]:
+                raise FormatError("layer_order", shown, f"puts layer {b} ({self.layers[b].name}) before layer {a} "
+                                  f"({self.layers[a].name}), which feeds it (edge [{a}, {b}]); the order must "
+                                  "be topological")
+        if self.edges:
+            missing = [i for i, layer in enumerate(self.layers) if layer.own_output_bytes is None
+                       and any(a == i for a, _ in self.edges)]
+            if missing:
+                raise FormatError(f"layers[{missing[0]}].own_output_bytes", None,
+                                  "is needed to price the cuts of a graph profile in another order; import the "
+                                  "graph again (partitioner import pipedream)")
+        edges = tuple(sorted((pos[a], pos[b]) for a, b in self.edges))
+        own = [self.layers[v].own_bytes for v in order]
+        cuts = crossing_bytes(own, edges, n)
+        layers = []
+        for i, v in enumerate(order):
+            layer = self.layers[v]
+            same_before = i > 0 and order[i - 1] == v - 1
+            layers.append(replace(layer, output_bytes=cuts[i] if i + 1 < n else own[i],
+                                  shared_saved_bytes=layer.shared_saved_bytes if same_before else 0.0))
+        base = self.layer_order or tuple(range(n))
+        composed = [base[v] for v in order]
+        meta = {k: v for k, v in self.meta.items() if k != "layer_order"}
+        descriptions = meta.get("descriptions")
+        if isinstance(descriptions, list) and len(descriptions) == n:
+            meta["descriptions"] = [descriptions[v] for v in order]
+        if composed != list(range(n)):
+            meta["layer_order"] = composed
+        return Profile(self.model, self.micro_batch_size, tuple(layers), self.dtype, self.source, edges, meta)
 
     def is_projected(self, gpu_type: str) -> bool:
         """Whether any layer's time on ``gpu_type`` is projected rather than measured."""
@@ -299,9 +395,8 @@ class Profile:
                      for g in a if g in b}
             others = {**layer.times_at, self.micro_batch_size: layer.times}
             others.pop(micro_batch_size, None)
-            layers.append(replace(layer, flops=layer.flops * f, saved_bytes=layer.saved_bytes * f,
-                                  output_bytes=layer.output_bytes * f, shared_saved_bytes=layer.shared_saved_bytes * f,
-                                  times=times, times_at=others))
+            layers.append(replace(layer, flops=layer.flops * f, **layer.scaled_bytes(f), times=times,
+                                  times_at=others))
         how = "measured" if lo == hi else f"interpolated between {lo} and {hi}"
         return Profile(self.model, micro_batch_size, tuple(layers), self.dtype, self.source, self.edges,
                        {**self.meta, "times_at_size": how})
@@ -320,8 +415,7 @@ class Profile:
             return self
         f = micro_batch_size / self.micro_batch_size
         layers = tuple(
-            replace(layer, flops=layer.flops * f, saved_bytes=layer.saved_bytes * f,
-                    output_bytes=layer.output_bytes * f, shared_saved_bytes=layer.shared_saved_bytes * f,
+            replace(layer, flops=layer.flops * f, **layer.scaled_bytes(f),
                     times={g: replace(t, fwd_s=t.fwd_s * f, bwd_s=t.bwd_s * f) for g, t in layer.times.items()})
             for layer in self.layers
         )
@@ -384,3 +478,27 @@ class Profile:
         except FormatError as err:
             raise err.in_file(str(path)) from None
 
+
+
+def crossing_bytes(own_bytes: Sequence[float], edges: Sequence[tuple[int, int]], num_layers: int) -> list[float]:
+    """Bytes crossing the cut after each position of a topologically ordered graph.
+
+    ``out[t]`` is the sum of ``own_bytes[u]`` over the layers ``u <= t`` that feed a layer after
+    ``t`` (each tensor once, however many consumers it has), for ``t`` in ``0..num_layers - 1``
+    (``out[num_layers - 1]`` is 0: nothing comes after the last layer). Summed exactly
+    (``math.fsum``) over the tensors alive at each cut.
+    """
+    last_use = list(range(num_layers))
+    for a, b in edges:
+        last_use[a] = max(last_use[a], b)
+    starts: list[list[int]] = [[] for _ in range(num_layers)]
+    for u in range(num_layers):
+        if last_use[u] > u:
+            starts[u].append(u)
+    alive: set[int] = set()
+    out = []
+    for t in range(num_layers):
+        alive.update(starts[t])
+        alive = {u for u in alive if last_use[u] > t}
+        out.append(math.fsum(own_bytes[u] for u in sorted(alive)))
+    return out

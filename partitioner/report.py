@@ -68,6 +68,10 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
         if "samples_per_s" in pred:
             shown.append(f"{pred['samples_per_s']:.1f} samples/s")
         out.append("predicted: " + ", ".join(shown))
+    if plan.layer_order is not None:
+        moved = sum(1 for i, v in enumerate(plan.layer_order) if i != v)
+        out.append(f"stages are convex sets of the graph: layer ranges count the plan's layer_order "
+                   f"({moved} of {len(plan.layer_order)} layers placed differently from the profile's order)")
     one_chunk = not spec(plan.schedule).multi_chunk
     for workers in _alike_workers(plan, cluster):
         w = workers[0]

@@ -100,7 +100,7 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
                   iterations: int | None = None, *, cost: CostModel | None = None) -> Timeline:
     """Simulate ``plan`` under its schedule with the cost model; see :class:`Timeline`. ``cost``:
     the :class:`CostModel` of ``profile``, ``cluster`` and ``options`` when the caller has one."""
-    cost = cost or CostModel(profile, cluster, options)
+    cost = cost or CostModel(plan.profile_view(profile), cluster, options)
     sched, m = plan.schedule, plan.micro_batches
     # A first micro-batch in s slices runs as s micro-batches of 1/s the work, then m - 1 whole ones.
     n_slices = plan.first_slices
@@ -339,7 +339,7 @@ def predict(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions
     mean over devices and ``peak_memory_bytes`` the largest device's (per-device figures are
     on the :class:`Timeline`).
     """
-    cost = cost or CostModel(profile, cluster, options)
+    cost = cost or CostModel(plan.profile_view(profile), cluster, options)
     tl = timeline if timeline is not None else simulate_plan(plan, profile, cluster, options, cost=cost)
     per_device: dict[str, float] = {}
     for vw in plan.virtual_workers:

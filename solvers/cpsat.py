@@ -41,7 +41,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
           schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
           prune: bool = True, resolution: int = DEFAULT_RESOLUTION, max_arcs: int = DEFAULT_MAX_ARCS,
-          tie_break: bool = True, seed: int = 0, **unused: object) -> SolveResult:
+          tie_break: bool = True, seed: int = 0, dag: bool | None = None, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` by CP-SAT, with a lower bound.
 
     ``hint`` runs the DP first and gives its split to CP-SAT as a solution hint; with
@@ -52,6 +52,8 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     ``tie_break``: once the bottleneck is proven optimal, a second solve within the time left
     picks among the optimal splits the shortest pipeline, then the least total stage time, as
     the DP does (``details["tie_break"]`` is its CP-SAT status).
+    ``dag``: plan convex stages of the profile's graph (:mod:`solvers.dag`) rather than ranges
+    of its layer order; None (the default) does so when the profile has edges.
     Other arguments as :func:`solvers.dp.solve`.
     """
     from ortools.sat.python import cp_model
@@ -63,6 +65,14 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
         raise FormatError("resolution", resolution, "must be an integer tick count in [10, 1e12]")
     t0 = time.perf_counter()
     problem = prepare(profile, cluster, devices, schedule, micro_batches, options, allow_fewer)
+    if dag is not None and not isinstance(dag, bool):
+        raise FormatError("dag", dag, "must be true, false or None (None: the graph when the profile has edges)")
+    if dag or (dag is None and profile.edges):
+        from .dag import dag_data
+        from .dag_cpsat import solve_dag
+
+        return solve_dag(dag_data(problem, hint), time_limit_s=time_limit_s, threads=threads, seed=seed,
+                         prune=prune, resolution=resolution, tie_break=tie_break, t0=t0, details={})
     start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
     if not arcs.lengths:  # more devices than layers and no shorter pipeline allowed
         return finish(problem, "cpsat", SolveStatus.INFEASIBLE, None, math.nan,

@@ -340,7 +340,8 @@ def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedu
     then the optimizer step); ``meta["predicted_by"]`` says which.
     """
     stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices, strict=True))
-    plan = Plan(profile.model, (VirtualWorker(stages),), schedule, profile.micro_batch_size, micro_batches)
+    plan = Plan(profile.model, (VirtualWorker(stages),), schedule, profile.micro_batch_size, micro_batches,
+                layer_order=profile.layer_order)
     times = cost.plan_stage_times_s(plan)
     iteration = cost.plan_iteration_s(plan)
     closed = {

@@ -265,6 +265,7 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
         raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
     options = options or plan.cost_options() or CostOptions()
     plan.validate(profile, cluster)
+    profile = plan.profile_view(profile)  # a plan of convex stages of a graph: its own order
     cost = CostModel(profile, cluster, options)
     stages = _stage_costs(cost, plan)
     bottleneck = max(stages, key=lambda s: s.time_s)

@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import re
-import tempfile
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +32,7 @@ from partitioner.cost import CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
 
+from .cbc import cbc_bound, run_cbc
 from .dp import ChainSolution
 from .intervals import (
     DEFAULT_MAX_ARCS,
@@ -55,26 +52,11 @@ log = logging.getLogger(__name__)
 SCALE_MAX = 1000.0  # the largest stage time, in model units
 TOLERANCE_SLACK = 1e-6  # of the largest stage time, taken off CBC's bound
 
-_BOUND = re.compile(r"^(Objective value|Lower bound):\s+(\S+)", re.MULTILINE)
-
-
-def cbc_bound(log_text: str) -> float:
-    """CBC's lower bound from its log: the ``Lower bound`` line of a stopped run, else the
-    ``Objective value`` of a finished one, else NaN."""
-    found = dict(_BOUND.findall(log_text))
-    for key in ("Lower bound", "Objective value"):
-        try:
-            return float(found[key])
-        except (KeyError, ValueError):
-            continue
-    return math.nan
-
-
 def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
           schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
           prune: bool = True, max_arcs: int = DEFAULT_MAX_ARCS, tie_break: bool = True, seed: int = 0,
-          **unused: object) -> SolveResult:
+          dag: bool | None = None, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` by CBC, with a lower bound where CBC gives one.
 
     ``hint`` runs the DP first and passes its split to CBC as a warm start; with ``prune`` as
@@ -82,7 +64,9 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     once the bottleneck is proven optimal, a second solve within the time left picks among the
     optimal splits the shortest pipeline, then the least total stage time, as the DP does. Other
     arguments as :func:`solvers.dp.solve` and :func:`solvers.cpsat.solve`; ``seed`` sets CBC's
-    random seeds (0: CBC's defaults).
+    random seeds (0: CBC's defaults). ``dag``: plan convex stages of the profile's graph
+    (:mod:`solvers.dag`) rather than ranges of its layer order; None (the default) does so when
+    the profile has edges.
     """
     import pulp
 
@@ -91,6 +75,14 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     check_limits(time_limit_s, threads, seed)
     t0 = time.perf_counter()
     problem = prepare(profile, cluster, devices, schedule, micro_batches, options, allow_fewer)
+    if dag is not None and not isinstance(dag, bool):
+        raise FormatError("dag", dag, "must be true, false or None (None: the graph when the profile has edges)")
+    if dag or (dag is None and profile.edges):
+        from .dag import dag_data
+        from .dag_milp import solve_dag
+
+        return solve_dag(dag_data(problem, hint), time_limit_s=time_limit_s, threads=threads, seed=seed,
+                         prune=prune, tie_break=tie_break, t0=t0, details={})
     start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
     if not arcs.lengths:  # more devices than layers and no shorter pipeline allowed
         return finish(problem, "milp", SolveStatus.INFEASIBLE, None, math.nan,
@@ -141,18 +133,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
         bottleneck.setInitialValue(max(coef[a] for a in chosen))
 
     # Solve, with CBC's log kept to read its bound.
-    fd, log_path = tempfile.mkstemp(prefix="cbc-", suffix=".log")
-    os.close(fd)
-    try:
-        with warnings.catch_warnings():  # PuLP 3 flags the CBC it bundles as going away in PuLP 4
-            warnings.simplefilter("ignore", DeprecationWarning)
-            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=threads,
-                                    warmStart=start is not None, logPath=log_path, options=_seed_options(seed))
-        prob.solve(cmd)
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            cbc_log = f.read()
-    finally:
-        os.unlink(log_path)
+    cbc_log = run_cbc(prob, time_limit_s, threads, seed, warm_start=start is not None)
     status_text = pulp.LpStatus[prob.status]
     details.update(cbc_status=status_text, cbc_solution=prob.sol_status)
 
@@ -181,11 +162,6 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     return finish(problem, "milp", status, sol, bound, time.perf_counter() - t0, details)
 
 
-def _seed_options(seed: int) -> list[str]:
-    """CBC's seeds (its own and the LP solver's) from one number."""
-    return [f"randomCbcSeed {seed}", f"randomSeed {seed}"] if seed else []
-
-
 def _tie_break(prob: Any, x: list[Any], y: dict[int, Any], coef: list[float], arcs: Arcs, picked: list[int],
                sol: ChainSolution, problem: ChainProblem, time_limit_s: float, threads: int, seed: int,
                details: dict[str, object]) -> ChainSolution:
@@ -201,11 +177,7 @@ def _tie_break(prob: Any, x: list[Any], y: dict[int, Any], coef: list[float], ar
     chosen = set(picked)
     for a, var in enumerate(x):
         var.setInitialValue(1 if a in chosen else 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=threads, warmStart=True,
-                                options=_seed_options(seed))
-    prob.solve(cmd)
+    run_cbc(prob, time_limit_s, threads, seed, warm_start=True, keep_log=False)
     details["tie_break"] = pulp.LpStatus[prob.status]
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return sol

@@ -54,7 +54,8 @@ class PlanRequest:
     samples per virtual worker. ``chunks``: model chunks per device for a multi-chunk schedule
     (an integer as text or ``"auto"``). ``virtual_workers`` (a count or ``"auto"``), ``policy``
     and ``replication`` ask for the cluster planner. ``threads`` and ``seed`` are the search
-    workers and random seed of cpsat / milp.
+    workers and random seed of cpsat / milp; ``chain_order`` has them split the profile's layer
+    order into ranges rather than plan convex stages of its graph (:mod:`solvers.dag`).
     """
 
     solver: str = "dp"
@@ -73,6 +74,7 @@ class PlanRequest:
     time_limit_s: float | None = None
     threads: int | None = None
     seed: int | None = None
+    chain_order: bool = False  # cpsat / milp: ranges of the profile's order, not convex stages of its graph
 
     def __post_init__(self) -> None:
         if self.devices is not None:
@@ -106,6 +108,9 @@ class PlanRequest:
                 raise FormatError(flag, value, f"applies to the {', '.join(SEARCHED)} solvers, not {self.planner}")
             if value < least:
                 raise FormatError(flag, value, f"must be an integer >= {least}")
+        if self.chain_order and self.planner not in SEARCHED:
+            raise FormatError("--chain-order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
+                              f"{self.planner} solver plans the chain order already)")
         if self.micro_batches == "auto" and self.global_batch is None:
             raise FormatError("--microbatches", "auto", "needs --global-batch (samples per virtual worker "
                               "per iteration) to choose the micro-batch size and count")
@@ -150,6 +155,8 @@ class PlanRequest:
             kw["threads"] = self.threads
         if self.seed is not None:
             kw["seed"] = self.seed
+        if self.chain_order:
+            kw["dag"] = False
         if isinstance(self.micro_batches, int):
             kw["micro_batches"] = self.micro_batches
         return kw

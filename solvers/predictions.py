@@ -37,7 +37,7 @@ def with_predictions(plan: Plan, profile: Profile, cluster: Cluster, options: Co
     if simulate:
         from partitioner.simulate import predict, simulate_plan
 
-        cost = cost or CostModel(profile, cluster, options)
+        cost = cost or CostModel(plan.profile_view(profile), cluster, options)
         try:
             tl = simulate_plan(plan, profile, cluster, options, cost=cost)
         except PartitionerError as err:

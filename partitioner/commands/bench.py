@@ -82,6 +82,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("solver_agreement", "DP, CP-SAT and CBC on the same chain problems: objectives, bounds, times",
               _script("solver_agreement", "--quick", "--time-limit", "5", "--no-write"),
               _script("solver_agreement", "--no-write"), seeds={"random_chains": 0}),
+    Benchmark("ilp", "convex stages of ResNet-50's and GNMT's graphs (CP-SAT, CBC) against the chain DP",
+              _script("ilp", "--quick", "--time-limit", "20"), _script("ilp")),
     Benchmark("dp_scaling", "solve time of the exact chain DP against layers x devices (log axes)",
               _script("dp_scaling", "--repeats", "3"), _script("dp_scaling", "--repeats", "5"),
               figures=("dp_scaling.png",), seeds={"instance": 0}),

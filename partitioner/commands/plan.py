@@ -69,14 +69,15 @@ def _run(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         virtual_workers=_count(args.virtual_workers, "--virtual-workers", MAX_GPUS),
         policy=args.policy, replication=bool(args.replication), objective=args.objective,
-        simulate_top=args.simulate_top, time_limit_s=args.time_limit, threads=args.workers, seed=args.seed)
+        simulate_top=args.simulate_top, time_limit_s=args.time_limit, threads=args.workers, seed=args.seed,
+        chain_order=bool(args.chain_order))
     result = plan(profile, cluster, request)
     if not result.ok or result.plan is None:
         print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
         return 1
     for line in result.details.get("messages", ()):
         print(line)
-    cost = CostModel(profile.at_size(result.plan.micro_batch_size), cluster, options)
+    cost = CostModel(result.plan.profile_view(profile.at_size(result.plan.micro_batch_size)), cluster, options)
     cost.validate_plan(result.plan)
     finite_json(result.plan.to_dict(), "the plan")  # e.g. a profile of zero times: an infinite rate
     table = format_plan(result.plan, cost)
@@ -142,6 +143,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None, metavar="K",
                         help="cpsat / milp: random seed; a fixed seed and --workers give the same plan "
                              "unless the time limit cuts the search (default 0)")
+    parser.add_argument("--chain-order", action="store_true",
+                        help="cpsat / milp on a profile with edges: stages as ranges of its layer order, as the dp "
+                             "solver plans (default: convex stages of the graph)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated device names in pipeline order (default: all, in file order)")
     parser.add_argument("--allow-fewer", action="store_true", help="let the solver use fewer devices than given")

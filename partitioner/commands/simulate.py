@@ -65,7 +65,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def profile_for_plan(plan: Plan, profile: Profile, profile_path: str) -> Profile:
-    """``profile`` at the plan's micro-batch size: rescaled linearly, with a note, when they differ."""
+    """``profile`` in the plan's layer order (:meth:`Plan.profile_view`) at the plan's micro-batch
+    size: rescaled linearly, with a note, when they differ."""
+    profile = plan.profile_view(profile)
     if plan.micro_batch_size == profile.micro_batch_size:
         return profile
     sizes = profile.measured_sizes

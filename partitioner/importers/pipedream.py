@@ -13,7 +13,8 @@ number, so the result is deterministic) and each becomes one layer of the chain.
 after position ``t`` is valid for a pipeline because every node before it is done; the
 boundary tensor at that cut is the sum of the outputs of nodes at or before ``t`` that feed
 a node after ``t`` (every tensor that crosses the cut). That sum is the layer's
-``output_bytes``. A layer's ``saved_bytes`` is its own activation, which is what PipeDream's
+``output_bytes``; the node's own activation is kept as ``own_output_bytes``, so that
+:meth:`Profile.reordered` can price the cuts of another topological order. A layer's ``saved_bytes`` is its own activation, which is what PipeDream's
 optimizer counts as stashed memory. Like PipeDream's optimizer, the compute time of input
 nodes is zeroed: their "forward time" is data loading, not model compute.
 """
@@ -36,6 +37,7 @@ from ..profile import (
     LayerProfile,
     LayerTime,
     Profile,
+    crossing_bytes,
 )
 
 __all__ = ["PipeDreamNode", "import_pipedream", "parse_graph"]
@@ -170,19 +172,12 @@ def import_pipedream(path: str | os.PathLike[str], gpu_type: str = "V100",
         raise err.in_file(str(p)) from None
 
     position = {n: i for i, n in enumerate(order)}
-    last_use = {n: position[n] for n in order}  # the latest consumer of each node's output
-    for a, b in edges:
-        last_use[a] = max(last_use[a], position[b])
+    chain_edges = tuple(sorted({(position[a], position[b]) for a, b in edges}))
     # boundary after position t: outputs produced at <= t and consumed after t
-    crossing = [0.0] * (len(order) + 1)
-    for n in order:
-        if last_use[n] > position[n]:
-            crossing[position[n] + 1] += nodes[n].activation_bytes
-            crossing[last_use[n] + 1] -= nodes[n].activation_bytes
+    crossing = crossing_bytes([nodes[n].activation_bytes for n in order], chain_edges, len(order))
+    is_chain = all(b == a + 1 for a, b in chain_edges) and len(chain_edges) == len(order) - 1
     layers = []
-    running = 0.0
     for t, n in enumerate(order):
-        running += crossing[t + 1]
         node = nodes[n]
         fwd, bwd = (0.0, 0.0) if node.is_input else (node.fwd_s, node.bwd_s)
         layers.append(LayerProfile(
@@ -190,11 +185,10 @@ def import_pipedream(path: str | os.PathLike[str], gpu_type: str = "V100",
             flops=0.0,
             param_bytes=node.param_bytes,
             saved_bytes=node.activation_bytes,
-            output_bytes=max(running, 0.0) if t + 1 < len(order) else node.activation_bytes,
+            output_bytes=crossing[t] if t + 1 < len(order) else node.activation_bytes,
             times={gpu_type: LayerTime(fwd, bwd, projected=False, measured_on=f"{gpu_type} (PipeDream profiler)")},
+            own_output_bytes=None if is_chain else node.activation_bytes,
         ))
-    chain_edges = tuple(sorted({(position[a], position[b]) for a, b in edges}))
-    is_chain = all(b == a + 1 for a, b in chain_edges) and len(chain_edges) == len(order) - 1
     default_name = p.parent.name if p.stem == "graph" else p.stem
     return Profile(
         model=model or default_name,
