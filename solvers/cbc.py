@@ -15,6 +15,8 @@ import tempfile
 import warnings
 from typing import Any
 
+from .progress import status
+
 __all__ = ["cbc_bound", "run_cbc", "seed_options"]
 
 _BOUND = re.compile(r"^(Objective value|Lower bound):\s+(\S+)", re.MULTILINE)
@@ -50,7 +52,8 @@ def run_cbc(prob: Any, time_limit_s: float, threads: int, seed: int, warm_start:
             warnings.simplefilter("ignore", DeprecationWarning)
             cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=threads, warmStart=warm_start,
                                     logPath=log_path, options=seed_options(seed))
-        prob.solve(cmd)
+        with status("cbc"):
+            prob.solve(cmd)
         if log_path is None:
             return ""
         with open(log_path, encoding="utf-8", errors="replace") as f:

@@ -27,6 +27,7 @@ from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
 
 from .intervals import DEFAULT_MAX_ARCS, check_limits, finish, model_arcs, prepare
+from .progress import solve_cpsat
 from .result import SolveResult, SolveStatus
 
 __all__ = ["DEFAULT_RESOLUTION", "solve"]
@@ -132,7 +133,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     # Several workers in a fixed interleaved order: the same seed and workers give the same
     # search, so the same plan (for a run that ends before its time limit).
     solver.parameters.interleave_search = threads > 1
-    code = solver.solve(model)
+    code = solve_cpsat(solver, model, "cpsat", tick_s)
     details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time,
                    branches=solver.num_branches)
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .dag import DagData, DagPlan, finish_dag, price_assignment, single_stage
+from .progress import solve_cpsat
 from .result import SolveResult, SolveStatus
 
 __all__ = ["solve_dag"]
@@ -113,7 +114,7 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
     solver.parameters.num_workers = threads
     solver.parameters.random_seed = seed
     solver.parameters.interleave_search = threads > 1
-    code = solver.solve(m)
+    code = solve_cpsat(solver, m, "cpsat (graph)", tick_s)
     details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time, branches=solver.num_branches)
     if code == cp_model.INFEASIBLE:
         return finish_dag(data, "cpsat", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)

@@ -31,9 +31,10 @@ from partitioner.schedule import spec
 
 from . import solve
 from .chunked import parse_chunks
+from .progress import shown
 from .result import SolveResult
 
-__all__ = ["SEARCHED", "TIME_LIMITED", "PlanRequest", "plan"]
+__all__ = ["SEARCHED", "TIME_LIMITED", "PlanRequest", "plan", "shown"]
 
 TIME_LIMITED = ("cpsat", "milp", "hetero")  # solvers that take a time limit
 SEARCHED = ("cpsat", "milp")  # solvers with search workers and a random seed

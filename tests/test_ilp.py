@@ -318,3 +318,23 @@ def test_seed_out_of_range_is_refused():
     profile, cluster = _chain(4, ["gA", "gB"])
     with pytest.raises(FormatError, match="seed"):
         cpsat.solve(profile, cluster, seed=-2)
+
+
+def test_a_long_solve_shows_its_incumbent_bound_and_gap_only_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+    import time
+
+    from solvers import progress
+
+    stream = io.StringIO()
+    with progress.shown(True):
+        line = progress.Status("cpsat", file=stream, after_s=0.0)
+        line.update(0.029688, 0.028989)
+        time.sleep(0.6)
+        line.close()
+    assert "best 29.69 ms" in stream.getvalue() and "gap 2.4%" in stream.getvalue()
+    quiet = progress.status("cpsat")  # outside shown(): nothing is made or written
+    assert not quiet.active and quiet._bar is None
+    quiet.update(1.0, 0.5)
+    quiet.close()
+    assert capsys.readouterr().err == ""

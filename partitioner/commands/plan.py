@@ -53,7 +53,7 @@ def cost_options_from_args(args: argparse.Namespace, base: CostOptions | None = 
 
 
 def _run(args: argparse.Namespace) -> int:
-    from solvers.planning import PlanRequest, plan
+    from solvers.planning import PlanRequest, plan, shown
 
     from ..report import format_plan
 
@@ -71,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
         policy=args.policy, replication=bool(args.replication), objective=args.objective,
         simulate_top=args.simulate_top, time_limit_s=args.time_limit, threads=args.workers, seed=args.seed,
         chain_order=bool(args.chain_order))
-    result = plan(profile, cluster, request)
+    with shown():  # a status line (incumbent, bound, gap) for solves past two seconds, on a terminal
+        result = plan(profile, cluster, request)
     if not result.ok or result.plan is None:
         print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
         return 1
