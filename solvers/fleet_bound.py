@@ -94,9 +94,14 @@ def _worker_memory_bytes(cost: CostModel, schedule: str) -> float:
 
 
 def worker_time_bound_s(times_s: Sequence[float], micro_batches: int, fill: bool = True,
-                        largest_layer_s: float = 0.0) -> float:
+                        largest_layer_s: float = 0.0, wave_s: float = 0.0) -> float:
     """``G``: no virtual worker whose GPUs have these whole-model times iterates faster
-    (see the module docstring). ``fill`` False: no flush, or replication (``m / S``)."""
+    (see the module docstring). ``fill`` False: no flush, or replication (``m / S``).
+
+    ``wave_s`` (no flush): WSP's per-micro-batch push and pull of the whole model, ``V``. Every
+    stage's time adds its own share ``v_k`` (``sum v_k = V``), so a pace ``P`` lets stage ``k``
+    compute ``(P - v_k) / T_k`` of the model and ``P S >= 1 + sum v_k / T_k >= 1 + V / T_max``;
+    also ``P >= V / p`` (the largest share)."""
     ts = sorted(t for t in times_s)
     if not ts:
         return math.inf
@@ -106,7 +111,7 @@ def worker_time_bound_s(times_s: Sequence[float], micro_batches: int, fill: bool
     speeds = np.cumsum([1.0 / t for t in ts])
     low = max(largest_layer_s, 1.0 / float(speeds[-1]))
     if not fill:
-        return m * low
+        return m * max(low, (1.0 + wave_s / ts[-1]) / float(speeds[-1]), wave_s / len(ts))
     # h(P) = (m - 1) P + fill(P) is convex with breakpoints at P = 1 / S_q (where fill = q P):
     # its least value over P >= low is at low or at a breakpoint above it
     paces = [low, *(float(1.0 / s) for s in speeds if 1.0 / s >= low)]
@@ -114,15 +119,16 @@ def worker_time_bound_s(times_s: Sequence[float], micro_batches: int, fill: bool
 
 
 def _fill_at(ts: Sequence[float], pace: float) -> float:
-    """The least ``sum_k w_k T_k`` with ``sum w = 1`` and ``w_k <= pace / T_k`` (fastest first)."""
+    """The least ``sum_k w_k T_k`` with ``sum w = 1`` and ``w_k <= pace / T_k`` (fastest first;
+    ``inf`` when even full shares do not cover the model, up to rounding)."""
     left, fill = 1.0, 0.0
     for t in ts:
         share = min(left, pace / t)
         fill += share * t
         left -= share
-        if left <= 0:
+        if left <= 1e-12:
             return fill
-    return math.inf
+    return fill if left <= 1e-9 else math.inf
 
 
 def _compositions(n_types: int, total: int) -> list[tuple[int, ...]]:
@@ -134,12 +140,13 @@ def _compositions(n_types: int, total: int) -> list[tuple[int, ...]]:
 
 def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
                 objective: str, *, replication: bool = False, virtual_workers: int | None = None,
-                small_worker_gpus: int = 4, max_core: int = 64, rel_tol: float = 1e-3) -> FleetBound:
+                small_worker_gpus: int = 4, max_core: int = 16, rel_tol: float = 2e-3) -> FleetBound:
     """The bound of the module docstring over ``devices``; ``virtual_workers`` fixes K.
 
     Workers of at most ``small_worker_gpus`` GPUs are columns of their exact GPU mix (their
     ``G`` and memory exactly); larger ones are relaxed to a fractional core of ``q`` GPUs and
-    fractional other GPUs (at least ``small_worker_gpus + 1`` in all).
+    fractional other GPUs (at least ``small_worker_gpus + 1`` in all); cores of ``max_core``
+    GPUs or more share one column priced as ``max_core`` (a relaxation: more GPUs cost more fill).
     """
     from scipy.optimize import linprog
 
@@ -173,6 +180,7 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
     ns = len(small)
     big = n > small_worker_gpus
     qs = (list(range(1, min(max_core, n) + 1)) if fill else [0]) if big else []
+    open_top = bool(qs) and fill and n > max_core  # the last core size stands for every larger one
     nq = len(qs)
     nv = ns + nq * (1 + 2 * nt)
 
@@ -202,11 +210,15 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
             r[yj[j]], r[zj[j]] = 1.0, -1.0
             (rows_ub if q else rows_eq).append(r)
             (rhs_ub if q else rhs_eq).append(0.0)
-        if q:  # core size
+        if q:  # core size (at least max_core for the open top)
             r = np.zeros(nv)
             r[yj], r[ki(i)] = 1.0, -q
-            rows_eq.append(r)
-            rhs_eq.append(0.0)
+            if open_top and q == qs[-1]:
+                rows_ub.append(-r)
+                rhs_ub.append(0.0)
+            else:
+                rows_eq.append(r)
+                rhs_eq.append(0.0)
         r = np.zeros(nv)  # a large worker: more than small_worker_gpus GPUs
         r[zj], r[ki(i)] = -1.0, max(q, small_worker_gpus + 1)
         rows_ub.append(r)
@@ -269,7 +281,7 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
     while whole_k(k_lp(hi)) < k_all and hi < lo * 1e6:
         hi *= 2
     # value(B) = floor(K(B)) m b / B; on [a, c] it is at most floor(K(c)) m b / a
-    ks = {float(x): whole_k(k_lp(float(x))) for x in np.geomspace(lo, hi, 17)}
+    ks = {float(x): whole_k(k_lp(float(x))) for x in np.geomspace(lo, hi, 9)}
     best_point = max(k * m * b / x for x, k in ks.items())
 
     def intervals() -> list[tuple[float, float, float]]:

@@ -399,9 +399,10 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     cost, m = planner.cost, planner.micro_batches
     classes = node_classes(devs, planner.node_kind)
     complete = n_small = len(devs) <= 32
-    # Large workers are mapped by the screening search (a few orders); small clusters exactly.
-    rater = planner if n_small else WorkerPlanner(cost, planner.schedule, m, replication,
-                                                  min(planner.exact_limit, 24), 3)
+    # Templates are mapped by the screening search: every order where there are few (small
+    # clusters: as many as the full search), else a few; the chosen grouping is re-planned in full.
+    rater = WorkerPlanner(cost, planner.schedule, m, replication,
+                          planner.exact_limit if n_small else min(planner.exact_limit, 24), 3)
     rater.deadline = planner.deadline
     types = sorted({d.gpu_type for d in devs})
     memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
@@ -410,12 +411,16 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
                       _worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size, objective,
                       fill=spec(planner.schedule).flushes and not replication,
                       largest_layer_s=_largest_layer_s(cost, types), virtual_workers=k,
-                      max_worker_gpus=min(largest, len(devs) if complete else 16),
-                      deadline=t0 + time_limit_s)
+                      max_worker_gpus=min(largest, cost.num_layers, len(devs) if complete else 16),
+                      covers_all=complete, wave_s=_wave_s(cost, planner.schedule, m), deadline=t0 + time_limit_s)
     if res is None:
         return None
     best = (_grouping_value(res.grouping, rater, objective, m), res.grouping)
     used = rater
+    if time.perf_counter() < t0 + time_limit_s:
+        full = _grouping_value(res.grouping, planner, objective, m)
+        if full >= best[0]:
+            best, used = (full, res.grouping), planner
     speed = _speed_of(cost, devs)
     nodes = len(dict.fromkeys(d.node for d in devs))
     for pol in ("np", "ed", "hd"):  # the baselines, where they apply, compete
@@ -423,13 +428,21 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
             with contextlib.suppress(FormatError):
                 g = group(pol, devs, kk, speed)
                 if max(len(w) for w in g) <= largest:
-                    val = _grouping_value(g, rater, objective, m)
+                    val = _grouping_value(g, used, objective, m)
                     if val > best[0] * (1 + 1e-9):
                         best = (val, g)
     details = {"template_set": res.details["template_set"], "templates": res.templates,
                "templates_planned": res.planned, "rounds": res.rounds,
                "workers_per_template": res.details["workers_per_template"]}
     return _Found(best, used, res.exact, details)
+
+
+def _wave_s(cost: CostModel, schedule: str, micro_batches: int) -> float:
+    """WSP's push and pull of the whole model per micro-batch (0 for other schedules, or with a
+    bandwidth curve, where the stages' shares need not add up to the whole)."""
+    if spec(schedule).sync != "wave" or cost.cluster.inter_curve is not None:
+        return 0.0
+    return cost.wave_sync_s(0, cost.num_layers, micro_batches)
 
 
 def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, time_limit_s: float,

@@ -261,66 +261,125 @@ class _Rates:
         return self.planned.get(t, self.bound[t])
 
 
-def _solve_exact(templates: Sequence[Template], rates: Sequence[float], supply: dict[tuple[int, str], int],
-                 objective: str, k: int | None, time_limit_s: float,
-                 forbidden: Sequence[dict[int, int]]) -> tuple[dict[int, int] | None, bool]:
-    """CP-SAT over the counts, every GPU used once: (template index -> workers, proven optimal).
-    Rates are compared in millionths of the largest (``sync``: ``K * R`` as a product)."""
-    from ortools.sat.python import cp_model
+def _shift(arr: np.ndarray, vec: Sequence[int], j: int) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Slices (target, source) moving ``arr`` by ``j`` copies of ``vec`` (and ``j`` workers on the last axis)."""
+    tgt, src = [], []
+    for size, v in zip(arr.shape, [*vec, 1], strict=True):
+        step = j * v
+        if step >= size:
+            return None
+        tgt.append(slice(step, None))
+        src.append(slice(0, size - step))
+    return tuple(tgt), tuple(src)
 
-    usable = [i for i, r in enumerate(rates) if r > 0 and math.isfinite(r)]
-    if not usable:
-        return None, True
-    scale = 10**6 / max(rates[i] for i in usable)
-    model = cp_model.CpModel()
-    n_total = sum(supply.values())
-    x = {}
-    use = {i: _usage(templates[i]) for i in usable}
-    for i in usable:
-        ub = min(supply.get(key, 0) // c for key, c in use[i].items())
-        if ub > 0:
-            x[i] = model.new_int_var(0, ub, f"x{i}")
-    if not x:
-        return None, True
-    for key, n in supply.items():
-        model.add(sum(use[i][key] * v for i, v in x.items() if key in use[i]) == n)
-    total = model.new_int_var(1, n_total, "K")
-    model.add(total == sum(x.values()))
-    if k is not None:
-        model.add(total == k)
-    for cut in forbidden:
-        model.add_forbidden_assignments(list(x.values()), [tuple(cut.get(i, 0) for i in x)])
+
+def _add_template(table: np.ndarray, vec: Sequence[int], gain: float | None) -> np.ndarray:
+    """The DP table after allowing any number of copies of one more template: reachability
+    (``gain`` None) or best value (``gain`` per copy), over (GPU counts used, workers)."""
+    new = table.copy()
+    j = 1
+    while (sl := _shift(table, vec, j)) is not None:
+        tgt, src = sl
+        if gain is None:
+            new[tgt] |= table[src]
+        else:
+            np.maximum(new[tgt], table[src] + j * gain, out=new[tgt])
+        j += 1
+    return new
+
+
+def _solve_dp(templates: Sequence[Template], rates: Sequence[float], supply: dict[tuple[int, str], int],
+              objective: str, k: int | None, max_cells: int = 2_000_000) -> dict[int, int] | None:
+    """Exact over the counts, every GPU used once, by dynamic programming over (GPUs used of
+    each kind, workers); ``None`` when the table would exceed ``max_cells`` or nothing fits.
+
+    ``sync``: templates join in falling rate order; after each, the most workers that cover
+    every GPU with templates of at least its rate, times that rate, is a candidate (the best
+    candidate is the optimum of ``K * least rate``). ``wsp``: the best sum of rates."""
+    keys = sorted(supply)
+    n = sum(supply.values())
+    shape = (*[supply[key] + 1 for key in keys], n + 1)
+    if math.prod(shape) > max_cells:
+        return None
+    cols = [i for i, r in enumerate(rates) if r > 0 and math.isfinite(r)]
+    vecs = {i: [_usage(templates[i]).get(key, 0) for key in keys] for i in cols}
+    cols = [i for i in cols if all(v <= supply[key] for v, key in zip(vecs[i], keys, strict=True))]
+    full = tuple(supply[key] for key in keys)
+    ks = range(1, n + 1) if k is None else [k]
     if objective == "wsp":
-        model.maximize(sum(int(rates[i] * scale) * v for i, v in x.items()))
-    else:
-        r = model.new_int_var(0, 10**6, "R")
-        for i, v in x.items():
-            u = model.new_bool_var(f"u{i}")
-            model.add(v == 0).only_enforce_if(u.negated())
-            model.add(r <= int(rates[i] * scale)).only_enforce_if(u)
-        obj = model.new_int_var(0, n_total * 10**6, "obj")
-        model.add_multiplication_equality(obj, [total, r])
-        model.maximize(obj)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
-    solver.parameters.num_workers = 1
-    t0 = time.perf_counter()
-    status = solver.solve(model)
-    log.info("counts program: %d templates, %s in %.2f s", len(x), solver.status_name(status), time.perf_counter() - t0)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, status == cp_model.INFEASIBLE
-    return {i: int(solver.value(v)) for i, v in x.items() if solver.value(v)}, status == cp_model.OPTIMAL
+        table = np.full(shape, -np.inf)
+        table[(0,) * len(shape)] = 0.0
+        for i in cols:
+            table = _add_template(table, vecs[i], rates[i])
+        kk = max(ks, key=lambda x: table[(*full, x)])
+        if not table[(*full, kk)] > -np.inf:
+            return None
+        return _backtrack(table, full, kk, cols, vecs, lambda i, s, x: table[(*s, x)] + rates[i])
+    reach = np.zeros(shape, bool)
+    reach[(0,) * len(shape)] = True
+    best: tuple[float, int, np.ndarray, float] | None = None
+    for i in sorted(cols, key=lambda i: -rates[i]):
+        reach = _add_template(reach, vecs[i], None)
+        got = [x for x in ks if reach[(*full, x)]]
+        if got and (best is None or max(got) * rates[i] > best[0]):
+            best = (max(got) * rates[i], max(got), reach, rates[i])
+    if best is None:
+        return None
+    _v, kk, reach, level = best
+    usable = [i for i in cols if rates[i] >= level]
+    return _backtrack(reach, full, kk, usable, vecs, lambda i, s, x: 1.0 if reach[(*s, x)] else -np.inf)
+
+
+def _backtrack(table: np.ndarray, full: tuple[int, ...], k: int, cols: Sequence[int], vecs: dict[int, list[int]],
+               value_via: Callable[[int, tuple[int, ...], int], float]) -> dict[int, int]:
+    """Templates that reach ``table[full, k]``: one whose removal leaves a state that reaches
+    the rest (``value_via(i, state, workers)`` matches the table's value), repeatedly."""
+    out: Counter[int] = Counter()
+    state, x = full, k
+    target = table[(*full, k)]
+    while x > 0:
+        for i in cols:
+            prev = tuple(a - b for a, b in zip(state, vecs[i], strict=True))
+            if min(prev) < 0:
+                continue
+            via = value_via(i, prev, x - 1)
+            ok = via > -np.inf if table.dtype == bool else abs(via - target) <= 1e-9 * max(1.0, abs(target))
+            if ok:
+                out[i] += 1
+                if table.dtype != bool:
+                    target = table[(*prev, x - 1)]
+                state, x = prev, x - 1
+                break
+        else:
+            raise AssertionError("DP backtrack found no template")
+    return dict(out)
+
+
+def _undominated(a: np.ndarray, rate: np.ndarray) -> list[int]:
+    """Columns of ``a`` (GPUs used per template) not dominated by another using no more of any
+    kind at a rate at least as high (ties: the first kept)."""
+    keep = []
+    order = np.lexsort((a.sum(axis=0), -rate))  # fastest first, then smallest
+    kept = np.zeros((a.shape[0], 0))
+    for j in order:
+        if kept.shape[1] and np.any(np.all(kept <= a[:, j:j + 1], axis=0)):
+            continue
+        keep.append(int(j))
+        kept = np.concatenate([kept, a[:, j:j + 1]], axis=1)
+    return sorted(keep)
 
 
 def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: dict[tuple[int, str], int],
-                 objective: str, k: int | None, rel_tol: float = 1e-3) -> dict[int, int] | None:
+                 objective: str, k: int | None, rel_tol: float = 3e-3, near: float | None = None,
+                 floor_value: float = 0.0) -> dict[int, int] | None:
     """Counts for a large cluster, GPUs used at most once, by linear programming.
 
     ``wsp``: the LP of the knapsack, rounded down, then filled greedily. ``sync``: for a rate
     level ``R`` the LP gives ``K_LP(R)``, at least the most workers of rate ``>= R`` (it grows as
     ``R`` falls); intervals of levels are refined while ``R_hi * floor(K_LP(R_lo))`` could beat the
     best rounded solution, and the best level's LP is rounded down and filled greedily. Rounding
-    loses at most as many workers as the LP has constraints."""
+    loses at most as many workers as the LP has constraints. ``near``: a rate whose level is
+    tried first; ``floor_value``: a value already reached (intervals below it are not refined)."""
     from scipy.optimize import linprog
 
     cols = [i for i, r in enumerate(rates) if r > 0 and math.isfinite(r)]
@@ -329,9 +388,14 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
     keys = sorted(supply)
     use = {i: _usage(templates[i]) for i in cols}
     a = np.array([[use[i].get(key, 0) for i in cols] for key in keys], dtype=float)
+    if k is None:  # GPUs may stay idle: a template using more of every kind for no more rate never helps
+        keep = _undominated(a, np.array([rates[i] for i in cols]))
+        cols, a = [cols[j] for j in keep], a[:, keep]
     cap = np.array([supply[key] for key in keys], dtype=float)
     rate = np.array([rates[i] for i in cols])
     order = np.argsort(-rate)
+
+    safe = np.where(a > 0, a, 1.0)
 
     def rounded(xs: np.ndarray, allowed: np.ndarray, weight: np.ndarray) -> np.ndarray:
         x = np.floor(xs + 1e-9)
@@ -339,7 +403,7 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
         for j in sorted(np.flatnonzero(allowed), key=lambda j: -weight[j]):  # fill greedily
             if k is not None and x.sum() >= k:
                 break
-            fit = min((left[r] // a[r, j] for r in range(len(keys)) if a[r, j] > 0), default=0)
+            fit = float(np.min(np.where(a[:, j] > 0, left // safe[:, j], np.inf)))
             if k is not None:
                 fit = min(fit, k - x.sum())
             if fit > 0:
@@ -348,12 +412,25 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
         return x
 
     def lp(allowed: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
-        extra = {}
-        if k is not None:
-            extra = {"A_eq": np.ones((1, len(cols))), "b_eq": [float(k)]}
-        res = linprog(-weight, A_ub=a, b_ub=cap, bounds=[(0, None if ok else 0) for ok in allowed], method="highs",
-                      **extra)
-        return res.x if res.status == 0 else None
+        """The LP over the allowed columns only (the others are 0), by its dual when K is free
+        (``min cap.y`` s.t. ``a_t.y >= weight_t``: few variables, solved faster; HiGHS returns
+        the primal solution as the constraints' marginals)."""
+        on = np.flatnonzero(allowed)
+        if not len(on):
+            return None
+        out = np.zeros(len(cols))
+        if k is None:
+            res = linprog(cap, A_ub=-a[:, on].T, b_ub=-weight[on], bounds=(0, None), method="highs-ds")
+            if res.status != 0:
+                return None
+            out[on] = -res.ineqlin.marginals
+            return np.maximum(out, 0.0)
+        res = linprog(-weight[on], A_ub=a[:, on], b_ub=cap, A_eq=np.ones((1, len(on))), b_eq=[float(k)],
+                      bounds=(0, None), method="highs")
+        if res.status != 0:
+            return None
+        out[on] = res.x
+        return out
 
     if objective == "wsp":
         xs = lp(np.ones(len(cols), bool), rate)
@@ -372,38 +449,47 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
             memo[li] = (0.0, None) if xs is None else (float(xs.sum()), xs)
         return memo[li]
 
-    best: tuple[float, np.ndarray] | None = None
+    best: tuple[float, np.ndarray, int] | None = None
 
     def consider(li: int) -> None:
+        """The LP at level ``li`` rounded down: a real solution (filled greedily only at the end)."""
         nonlocal best
         _k, xs = at(li)
         if xs is None:
             return
-        allowed = rate >= levels[li]
-        x = rounded(xs, allowed, rate)
+        x = np.floor(xs + 1e-9)
+        if k is not None and x.sum() != k:
+            x = rounded(xs, rate >= levels[li], rate)
         if x.sum() == 0:
             return
         val = x.sum() * rate[x > 0].min()
         if best is None or val > best[0]:
-            best = (val, x)
+            best = (val, x, li)
 
     last = len(levels) - 1
-    pts = sorted(set(np.linspace(0, last, min(len(levels), 17)).astype(int)))
-    for li in pts:
+    pts = set(np.linspace(0, last, min(len(levels), 9)).astype(int).tolist())
+    if near is not None:
+        mid = int(np.searchsorted(-levels, -near))
+        pts |= {x for x in (mid - 1, mid, mid + 1) if 0 <= x <= last}
+    for li in sorted(pts):
         consider(li)
     for _ in range(200):
         pts = sorted(memo)
         # levels li..lj (falling rates): K <= floor(K_LP(lj)), R <= levels[li]
         gaps = [(levels[li] * math.floor(memo[lj][0] + 1e-6), li, lj) for li, lj in itertools.pairwise(pts)
                 if lj > li + 1]
-        gaps = [g for g in gaps if best is None or g[0] > best[0] * (1 + rel_tol)]
+        reached = max(floor_value, best[0] if best is not None else 0.0)
+        gaps = [g for g in gaps if g[0] > reached * (1 + rel_tol)]
         if not gaps:
             break
         for _u, li, lj in sorted(gaps, reverse=True)[:4]:
             consider((li + lj) // 2)
+    log.info("counts LP: %d templates, %d levels, %d LPs", len(cols), len(levels), len(memo))
     if best is None:
         return None
-    x = best[1]
+    _v, x, li = best
+    if k is None:  # fill what rounding left with templates of rate >= the level's least in use
+        x = rounded(x, rate >= rate[x > 0].min(), rate)
     return {cols[j]: int(x[j]) for j in np.flatnonzero(x)}
 
 
@@ -412,13 +498,17 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
                 capacity: Callable[[str], float], need_bytes: float, micro_batches: int, micro_batch_size: int,
                 objective: str, *, fill: bool = True, largest_layer_s: float = 0.0, virtual_workers: int | None = None,
                 max_worker_gpus: int = 16, max_classes: int = 3, complete_limit: int = 20_000,
-                deadline: float | None = None) -> SymmetricResult | None:
+                covers_all: bool = False, batch: int = 16, wave_s: float = 0.0, max_stale: int = 8, deadline: float | None = None) -> SymmetricResult | None:
     """Best grouping over counts (see the module docstring); ``None`` when no template fits.
 
     ``rate(devices)``: samples/s of one worker (-inf if it cannot run); ``rate_exact``: whether
     that rate is optimal for the worker; ``whole_s(type)``: whole-model seconds per micro-batch;
     ``capacity(type)``: bytes a GPU of that type offers the model (memory less the reserve);
-    ``need_bytes``: what every worker must hold between its GPUs."""
+    ``need_bytes``: what every worker must hold between its GPUs. ``covers_all``: no worker
+    can have more than ``max_worker_gpus`` GPUs (so a complete template set is every worker).
+    ``batch``: besides the chosen templates, up to this many more not yet planned, the most
+    promising first, are planned in each round; after ``max_stale`` rounds without a better
+    plan the search stops (unproven)."""
     t0 = time.perf_counter()
     pools: dict[str, dict[str, list[Device]]] = {}
     for d in devices:
@@ -427,7 +517,7 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
     templates = _templates(classes, True, min(n, max_worker_gpus), len(classes), complete_limit) \
         if n <= 32 else None
     small = templates is not None
-    complete = small and max_worker_gpus >= n
+    complete = small and (covers_all or max_worker_gpus >= n)
     if templates is None:
         templates = _templates(classes, False, max_worker_gpus, max_classes, 10**7) or []
     supply: Counter[tuple[int, str]] = Counter()
@@ -439,7 +529,7 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
         ts = [whole_s(typ) for _, vec in t for typ, c in vec for _ in range(c)]
         if sum(capacity(typ) * c for _, vec in t for typ, c in vec) < need_bytes:
             return 0.0
-        g = worker_time_bound_s(ts, micro_batches, fill, largest_layer_s)
+        g = worker_time_bound_s(ts, micro_batches, fill, largest_layer_s, wave_s)
         return micro_batches * micro_batch_size / g if g > 0 else math.inf
 
     rates = _Rates({t: bound(t) for t in templates})
@@ -453,38 +543,49 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
         return math.inf if deadline is None else deadline - time.perf_counter()
 
     best: tuple[float, list[list[Device]], dict[Template, int]] | None = None
-    forbidden: list[dict[int, int]] = []
-    rounds, proven = 0, False
+    rounds, proven, stale = 0, False, 0
+    best_level: float | None = None
+    exact_counts = small
     while left() > 0:
         rounds += 1
         est = [rates.est(t) for t in templates]
-        if small:
-            sol, optimal = _solve_exact(templates, est, dict(supply), objective, virtual_workers,
-                                        min(left(), 30.0), forbidden)
-        else:
-            sol, optimal = _solve_large(templates, est, dict(supply), objective, virtual_workers), False
+        sol = _solve_dp(templates, est, dict(supply), objective, virtual_workers) if exact_counts else None
+        optimal = sol is not None
+        if sol is None:
+            exact_counts = False
+            sol = _solve_large(templates, est, dict(supply), objective, virtual_workers, near=best_level,
+                               floor_value=best[0] if best is not None else 0.0)
         if sol is None:  # nothing (else) fits: what was found is the best there is
             proven = optimal
             break
         chosen = {templates[i]: c for i, c in sol.items()}
         new = [t for t in chosen if t not in rates.planned]
-        for t in new:
+        level = min(rates.est(t) for t in chosen)
+        more = sorted((t for t in templates if t not in rates.planned and t not in chosen
+                       and (objective == "wsp" or rates.est(t) >= level)), key=lambda t: -rates.est(t))
+        for t in new + more[:batch if new else 0]:
             devs = _realise(t, classes, pools)
             rates.planned[t] = max(rate(devs), 0.0)
             rates.exact[t] = rate_exact(devs)
         settled = all(rates.planned[t] >= rates.bound[t] * (1 - 1e-12) for t in new)
         vals = [rates.planned[t] for t in chosen for _ in range(chosen[t])]
+        best_level = level
         value = (len(vals) * min(vals) if objective == "sync" else sum(vals)) if vals and min(vals) > 0 else 0.0
+        improved = False
         if value > 0 and (settled or best is None or value > best[0]):
             grouping = _pack(chosen, classes, pools)
-            if grouping is None:  # the parts do not fit the nodes: cut this solution off
-                forbidden.append(dict(sol))
+            if grouping is None:  # the parts do not fit the nodes: go on without the proof
+                log.info("counts solution does not fit the nodes; continuing by linear programming")
+                exact_counts = complete = False
                 continue
             if best is None or value > best[0]:
-                best = (value, grouping, chosen)
+                best, improved = (value, grouping, chosen), True
         if settled:  # the program's optimum is a real plan: nothing else can beat it
             proven = optimal
             break
+        stale = 0 if improved else stale + 1
+        if stale >= (2 if not exact_counts else max_stale):
+            break  # rates keep falling below their bounds without a better plan: stop unproven
     if best is None:
         return None
     exact = complete and proven and all(rates.exact.get(t, True) for t in rates.planned)
