@@ -56,7 +56,7 @@ from partitioner.cluster import Device
 from partitioner.cost import CostModel
 from partitioner.schedule import spec
 
-__all__ = ["FleetBound", "fleet_bound", "worker_time_bound_s"]
+__all__ = ["FleetBound", "fleet_bound", "largest_layer_s", "type_counts", "worker_memory_bytes", "worker_time_bound_s"]
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,13 @@ def _whole_s(cost: CostModel, types: Sequence[str]) -> dict[str, float]:
     return {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
 
 
-def _largest_layer_s(cost: CostModel, types: Sequence[str]) -> float:
+def largest_layer_s(cost: CostModel, types: Sequence[str]) -> float:
     """The slowest layer on the fastest of ``types`` for it (a floor on any pace)."""
     per = np.stack([[cost.compute_s(t, i, i + 1) for i in range(cost.num_layers)] for t in types])
     return float(per.min(axis=0).max())
 
 
-def _worker_memory_bytes(cost: CostModel, schedule: str) -> float:
+def worker_memory_bytes(cost: CostModel, schedule: str) -> float:
     """``M``: the weights (with the schedule's versions) and one micro-batch's activations of the model."""
     from partitioner.cost import weight_versions
 
@@ -156,12 +156,12 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
     b, m = cost.profile.micro_batch_size, micro_batches
     perfect = b * sum(n / whole[t] if whole[t] > 0 else math.inf for t, n in counts.items())
     fill = spec(schedule).flushes and not replication
-    need = _worker_memory_bytes(cost, schedule)
+    need = worker_memory_bytes(cost, schedule)
     reserved = cost.options.reserved_bytes
     cap = {t: next(d for d in devices if d.gpu_type == t).memory_bytes - reserved for t in types}
     if any(whole[t] <= 0 for t in types) or not math.isfinite(perfect):
         return FleetBound(math.inf, perfect, need, fill, 0)
-    ell = _largest_layer_s(cost, types)
+    ell = largest_layer_s(cost, types)
     nt = len(types)
     n = len(devices)
     inv = np.array([1.0 / whole[t] for t in types])

@@ -393,7 +393,7 @@ def _plan_opt(devs: list[Device], k: int | None, planner: WorkerPlanner, objecti
 def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, replication: bool,
                     time_limit_s: float, t0: float, largest: int) -> _Found | None:
     """:func:`solvers.symmetric.plan_counts`, with the baselines' groupings as competitors."""
-    from .fleet_bound import _largest_layer_s, _worker_memory_bytes
+    from .fleet_bound import largest_layer_s, worker_memory_bytes
     from .symmetric import node_classes, plan_counts
 
     cost, m = planner.cost, planner.micro_batches
@@ -408,9 +408,9 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
     res = plan_counts(devs, classes, rater.throughput, rater.exact, whole.__getitem__, memory.__getitem__,
-                      _worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size, objective,
+                      worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size, objective,
                       fill=spec(planner.schedule).flushes and not replication,
-                      largest_layer_s=_largest_layer_s(cost, types), virtual_workers=k,
+                      largest_layer_s=largest_layer_s(cost, types), virtual_workers=k,
                       max_worker_gpus=min(largest, cost.num_layers, len(devs) if complete else 16),
                       covers_all=complete, wave_s=_wave_s(cost, planner.schedule, m), deadline=t0 + time_limit_s)
     if res is None:

@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 from partitioner.cluster import Cluster, Node
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError
-from solvers.fleet_bound import _largest_layer_s, _worker_memory_bytes, fleet_bound, worker_time_bound_s
+from solvers.fleet_bound import (
+    fleet_bound,
+    largest_layer_s,
+    worker_memory_bytes,
+    worker_time_bound_s,
+)
 from solvers.grouping import combine, search_opt
 from solvers.hetero import WorkerPlanner, plan_cluster, price_plan
 from solvers.symmetric import node_classes, plan_counts
@@ -26,9 +31,9 @@ def counts_plan(cost: CostModel, devs, planner: WorkerPlanner, objective: str, k
     memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
     return plan_counts(devs, node_classes(devs, planner.node_kind), planner.throughput, planner.exact,
-                       whole.__getitem__, memory.__getitem__, _worker_memory_bytes(cost, planner.schedule),
+                       whole.__getitem__, memory.__getitem__, worker_memory_bytes(cost, planner.schedule),
                        planner.micro_batches, cost.profile.micro_batch_size, objective,
-                       fill=True, largest_layer_s=_largest_layer_s(cost, types), virtual_workers=k,
+                       fill=True, largest_layer_s=largest_layer_s(cost, types), virtual_workers=k,
                        max_worker_gpus=len(devs), covers_all=True)
 
 
