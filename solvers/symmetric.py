@@ -261,6 +261,11 @@ class _Rates:
         return self.planned.get(t, self.bound[t])
 
 
+def _cell(state: tuple[int, ...], workers: int) -> tuple[int, ...]:
+    """The DP table's index of ``state`` (GPUs used of each kind) with ``workers`` workers."""
+    return (*state, workers)
+
+
 def _shift(arr: np.ndarray, vec: Sequence[int], j: int) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
     """Slices (target, source) moving ``arr`` by ``j`` copies of ``vec`` (and ``j`` workers on the last axis)."""
     tgt, src = [], []
@@ -311,23 +316,23 @@ def _solve_dp(templates: Sequence[Template], rates: Sequence[float], supply: dic
         table[(0,) * len(shape)] = 0.0
         for i in cols:
             table = _add_template(table, vecs[i], rates[i])
-        kk = max(ks, key=lambda x: table[(*full, x)])
-        if not table[(*full, kk)] > -np.inf:
+        kk = max(ks, key=lambda x: table[_cell(full, x)])
+        if not table[_cell(full, kk)] > -np.inf:
             return None
-        return _backtrack(table, full, kk, cols, vecs, lambda i, s, x: table[(*s, x)] + rates[i])
+        return _backtrack(table, full, kk, cols, vecs, lambda i, s, x: table[_cell(s, x)] + rates[i])
     reach = np.zeros(shape, bool)
     reach[(0,) * len(shape)] = True
     best: tuple[float, int, np.ndarray, float] | None = None
     for i in sorted(cols, key=lambda i: -rates[i]):
         reach = _add_template(reach, vecs[i], None)
-        got = [x for x in ks if reach[(*full, x)]]
+        got = [x for x in ks if reach[_cell(full, x)]]
         if got and (best is None or max(got) * rates[i] > best[0]):
             best = (max(got) * rates[i], max(got), reach, rates[i])
     if best is None:
         return None
     _v, kk, reach, level = best
     usable = [i for i in cols if rates[i] >= level]
-    return _backtrack(reach, full, kk, usable, vecs, lambda i, s, x: 1.0 if reach[(*s, x)] else -np.inf)
+    return _backtrack(reach, full, kk, usable, vecs, lambda i, s, x: 1.0 if reach[_cell(s, x)] else -np.inf)
 
 
 def _backtrack(table: np.ndarray, full: tuple[int, ...], k: int, cols: Sequence[int], vecs: dict[int, list[int]],
@@ -336,7 +341,7 @@ def _backtrack(table: np.ndarray, full: tuple[int, ...], k: int, cols: Sequence[
     the rest (``value_via(i, state, workers)`` matches the table's value), repeatedly."""
     out: Counter[int] = Counter()
     state, x = full, k
-    target = table[(*full, k)]
+    target = table[_cell(full, k)]
     while x > 0:
         for i in cols:
             prev = tuple(a - b for a, b in zip(state, vecs[i], strict=True))
@@ -347,7 +352,7 @@ def _backtrack(table: np.ndarray, full: tuple[int, ...], k: int, cols: Sequence[
             if ok:
                 out[i] += 1
                 if table.dtype != bool:
-                    target = table[(*prev, x - 1)]
+                    target = table[_cell(prev, x - 1)]
                 state, x = prev, x - 1
                 break
         else:
@@ -467,11 +472,11 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
             best = (val, x, li)
 
     last = len(levels) - 1
-    pts = set(np.linspace(0, last, min(len(levels), 9)).astype(int).tolist())
+    start = set(np.linspace(0, last, min(len(levels), 9)).astype(int).tolist())
     if near is not None:
         mid = int(np.searchsorted(-levels, -near))
-        pts |= {x for x in (mid - 1, mid, mid + 1) if 0 <= x <= last}
-    for li in sorted(pts):
+        start |= {x for x in (mid - 1, mid, mid + 1) if 0 <= x <= last}
+    for li in sorted(start):
         consider(li)
     for _ in range(200):
         pts = sorted(memo)
