@@ -543,7 +543,7 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
                                   "bound": {"samples_per_s": bound.samples_per_s,
                                             "perfect_speedup": bound.perfect_speedup,
                                             "memory_bytes_per_worker": bound.memory_bytes_per_worker,
-                                            "pipeline_fill": bound.pipeline_fill},
+                                            "pipeline_fill": bound.pipeline_fill, "workers": bound.workers},
                                   **found.details})
     meta = {"policy": policy, "objective": objective, "replication": replication,
             "worker_samples_per_s": [worker_throughput(cost, vw.stages, schedule, micro_batches)

@@ -511,8 +511,8 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
     ``capacity(type)``: bytes a GPU of that type offers the model (memory less the reserve);
     ``need_bytes``: what every worker must hold between its GPUs. ``covers_all``: no worker
     can have more than ``max_worker_gpus`` GPUs (so a complete template set is every worker).
-    ``batch``: besides the chosen templates, up to this many more not yet planned, the most
-    promising first, are planned in each round; after ``max_stale`` rounds without a better
+    ``batch`` (small clusters): besides the chosen templates, up to this many more not yet
+    planned, the most promising first, are planned in each round; after ``max_stale`` rounds without a better
     plan the search stops (unproven)."""
     t0 = time.perf_counter()
     pools: dict[str, dict[str, list[Device]]] = {}
@@ -568,7 +568,7 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
         level = min(rates.est(t) for t in chosen)
         more = sorted((t for t in templates if t not in rates.planned and t not in chosen
                        and (objective == "wsp" or rates.est(t) >= level)), key=lambda t: -rates.est(t))
-        for t in new + more[:batch if new else 0]:
+        for t in new + more[:batch if new and exact_counts else 0]:
             devs = _realise(t, classes, pools)
             rates.planned[t] = max(rate(devs), 0.0)
             rates.exact[t] = rate_exact(devs)
