@@ -148,8 +148,6 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
     fractional other GPUs (at least ``small_worker_gpus + 1`` in all); cores of ``max_core``
     GPUs or more share one column priced as ``max_core`` (a relaxation: more GPUs cost more fill).
     """
-    from scipy.optimize import linprog
-
     counts = type_counts(devices)
     types = sorted(counts)
     whole = _whole_s(cost, types)
@@ -162,6 +160,11 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
     if any(whole[t] <= 0 for t in types) or not math.isfinite(perfect):
         return FleetBound(math.inf, perfect, need, fill, 0)
     ell = largest_layer_s(cost, types)
+    if len(types) == 1:
+        return _one_type_bound(counts[types[0]], whole[types[0]], cap[types[0]], need, b, m, fill, ell,
+                               objective, virtual_workers, perfect)
+    from scipy.optimize import linprog
+
     nt = len(types)
     n = len(devices)
     inv = np.array([1.0 / whole[t] for t in types])
@@ -301,6 +304,28 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
     k_at = max(ks, key=lambda x: ks[x] / x)
     log.debug("fleet bound: %d LPs, K = %g", len(ks), ks[k_at])
     return FleetBound(min(perfect, max(value, best_point)), perfect, need, fill, ks[k_at])
+
+
+def _one_type_bound(n: int, whole_s: float, cap_bytes: float, need_bytes: float, b: int, m: int, fill: bool,
+                    ell: float, objective: str, virtual_workers: int | None, perfect: float) -> FleetBound:
+    """The bound for ``n`` GPUs of one type, in closed form (no LP). Every worker needs
+    ``p_min = ceil(M / mem)`` GPUs; ``G`` falls as a worker grows, so under ``sync`` K workers
+    are at best the most even split (the smallest holds ``floor(n / K)``); under ``wsp`` the rate
+    ``m b p / ((m - 1 + p) T)`` is concave in ``p``, so an equal (fractional) split ``n / K`` is
+    best for each K (Jensen), and without a fill the sum is at most ``b n / T``."""
+    p_min = 1 if need_bytes <= 0 else (math.ceil(need_bytes / cap_bytes) if cap_bytes > 0 else n + 1)
+    ks = range(1, n // p_min + 1) if virtual_workers is None else (
+        [virtual_workers] if virtual_workers * p_min <= n else [])
+    best, at = 0.0, 0
+    for k in ks:
+        if objective == "sync":
+            val = k * m * b / worker_time_bound_s([whole_s] * (n // k), m, fill, ell)
+        else:
+            p = n / k
+            val = k * (m * b * p / ((m - 1 + p) * whole_s) if fill else b * p / whole_s)
+        if val > best:
+            best, at = val, k
+    return FleetBound(min(perfect, best), perfect, need_bytes, fill, float(at))
 
 
 def type_counts(devices: Sequence[Device]) -> Mapping[str, int]:
