@@ -413,7 +413,7 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
                       largest_layer_s=largest_layer_s(cost, types), virtual_workers=k,
                       max_worker_gpus=min(largest, cost.num_layers, len(devs) if complete else 16),
                       covers_all=complete, wave_s=_wave_s(cost, planner.schedule, m), deadline=t0 + time_limit_s)
-    if res is None:
+    if res is None or (k is not None and len(res.grouping) != k):
         return None
     best = (_grouping_value(res.grouping, rater, objective, m), res.grouping)
     used = rater
@@ -423,8 +423,11 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
             best, used = (full, res.grouping), planner
     speed = _speed_of(cost, devs)
     nodes = len(dict.fromkeys(d.node for d in devs))
+    ks = [k] if k is not None else [len(res.grouping), *_candidate_ks(len(devs), nodes)]
     for pol in ("np", "ed", "hd"):  # the baselines, where they apply, compete
-        for kk in dict.fromkeys([k] if k is not None else [len(res.grouping), nodes]):
+        for kk in dict.fromkeys(ks):
+            if time.perf_counter() >= t0 + time_limit_s:
+                break
             with contextlib.suppress(FormatError):
                 g = group(pol, devs, kk, speed)
                 if max(len(w) for w in g) <= largest:
@@ -432,6 +435,7 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
                     if val > best[0] * (1 + 1e-9):
                         best = (val, g)
     details = {"template_set": res.details["template_set"], "templates": res.templates,
+               "idle_gpus": len(devs) - sum(len(w) for w in best[1]),
                "templates_planned": res.planned, "rounds": res.rounds,
                "workers_per_template": res.details["workers_per_template"]}
     return _Found(best, used, res.exact, details)

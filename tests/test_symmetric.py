@@ -83,7 +83,7 @@ def test_counts_equal_exhaustive_search_fixed_k(k):
     assert res.value == pytest.approx(exhaustive(devs, planner, "sync", [k]), rel=1e-9)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=st.lists(st.lists(st.sampled_from(TYPES), min_size=1, max_size=2), min_size=2, max_size=3),
        seed=st.integers(0, 50), m=st.integers(1, 6), objective=st.sampled_from(["sync", "wsp"]),
        param_mb=st.sampled_from([20.0, 400.0]))
@@ -100,6 +100,10 @@ def test_fleet_bound_is_never_below_the_best_grouping(spec, seed, m, objective, 
     assert bound.samples_per_s <= bound.perfect_speedup * (1 + 1e-12)
     if best > -math.inf:
         assert bound.samples_per_s >= best * (1 - 1e-9)
+    for k in range(1, len(devs) + 1):  # with K fixed
+        at_k = exhaustive(devs, planner, objective, [k])
+        if at_k > -math.inf:
+            assert fleet_bound(cost, devs, "1f1b", m, objective, virtual_workers=k).samples_per_s >= at_k * (1 - 1e-9)
     res = plan_cluster(profile, cluster, "auto", "opt", objective=objective, micro_batches=m, time_limit_s=30)
     if res.plan is not None:  # the certified gap is never negative
         assert price_plan(cost, res.plan, objective)["samples_per_s"] <= bound.samples_per_s * (1 + 1e-9)
@@ -153,3 +157,19 @@ def test_bad_options_are_one_line(kwargs, field):
     with pytest.raises(FormatError) as err:
         plan_cluster(profile, cluster, args.pop("virtual_workers"), "opt", **args)
     assert err.value.field == field and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("objective", ["sync", "wsp"])
+@pytest.mark.parametrize("param_mb", [20.0, 900.0])
+def test_one_type_bound_in_closed_form_holds(objective, param_mb):
+    profile = synthetic_profile(8, seed=4, types=TYPES, param_mb=param_mb)
+    cluster = small_cluster([["RTX-2060"] * 2, ["RTX-2060"] * 2, ["RTX-2060"] * 2])
+    cost = CostModel(profile, cluster)
+    planner = WorkerPlanner(cost, "1f1b", 4)
+    devs = list(cluster.devices)
+    for k in range(1, len(devs) + 1):
+        at_k = exhaustive(devs, planner, objective, [k])
+        bound = fleet_bound(cost, devs, "1f1b", 4, objective, virtual_workers=k).samples_per_s
+        assert bound >= at_k * (1 - 1e-9) if at_k > -math.inf else bound >= 0
+    best = exhaustive(devs, planner, objective, range(1, len(devs) + 1))
+    assert fleet_bound(cost, devs, "1f1b", 4, objective).samples_per_s >= best * (1 - 1e-9)
