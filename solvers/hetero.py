@@ -383,11 +383,26 @@ def _plan_opt(devs: list[Device], k: int | None, planner: WorkerPlanner, objecti
     """Policy ``opt``: exhaustive on small clusters, over counts where the GPUs fall in node
     classes, else a local search; the N best by simulation with ``simulate_top``."""
     n = len(devs)
+    counts = None
     if n > 8 and planner.interchangeable(devs):
-        found = _plan_symmetric(devs, k, planner, objective, replication, time_limit_s, t0, largest)
-        if found is not None:
-            return found
-    return _plan_search(devs, k, planner, objective, time_limit_s, t0, simulate_top, sim, largest)
+        counts = _plan_symmetric(devs, k, planner, objective, replication, time_limit_s, t0, largest)
+        if counts is not None and (n > 32 or counts.exact):
+            return counts
+    # Small clusters: the local search too (it prices the all-reduce while it searches, which the
+    # counts program does not); the better plan by the cost model wins.
+    search = _plan_search(devs, k, planner, objective, time_limit_s, t0, simulate_top, sim, largest)
+    if counts is None or counts.best is None or search.best is None:
+        return search if counts is None or counts.best is None else counts
+    cost, m = planner.cost, planner.micro_batches
+
+    def priced(f: _Found) -> float:
+        assert f.best is not None
+        plan = _plan_of(f.best[1], f.used, cost.profile, planner.schedule, m)[0]
+        return price_plan(cost, plan, objective)["samples_per_s"]
+
+    if priced(search) > priced(counts) * (1 + 1e-9):
+        return replace(search, details={**search.details, "grouping": "local search (above the counts plan)"})
+    return counts
 
 
 def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, replication: bool,
@@ -404,6 +419,19 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     rater = WorkerPlanner(cost, planner.schedule, m, replication,
                           planner.exact_limit if n_small else min(planner.exact_limit, 24), 3)
     rater.deadline = planner.deadline
+    # The baselines, where they apply, compete (valued first, so that a time limit spent on the
+    # counts still leaves them).
+    speed = _speed_of(cost, devs)
+    nodes = len(dict.fromkeys(d.node for d in devs))
+    baseline: tuple[float, list[list[Device]]] | None = None
+    for kk in ([k] if k is not None else _candidate_ks(len(devs), nodes)):
+        for pol in ("np", "ed", "hd"):
+            with contextlib.suppress(FormatError):
+                g = group(pol, devs, kk, speed)
+                if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s:
+                    val = _grouping_value(g, rater, objective, m)
+                    if val > -math.inf and (baseline is None or val > baseline[0]):
+                        baseline = (val, g)
     types = sorted({d.gpu_type for d in devs})
     memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
@@ -416,25 +444,18 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     if res is None or (k is not None and len(res.grouping) != k):
         return None
     best = (_grouping_value(res.grouping, rater, objective, m), res.grouping)
+    if baseline is not None and baseline[0] > best[0] * (1 + 1e-9):
+        best = baseline
     used = rater
     if time.perf_counter() < t0 + time_limit_s:
-        full = _grouping_value(res.grouping, planner, objective, m)
-        if full >= best[0]:
-            best, used = (full, res.grouping), planner
-    speed = _speed_of(cost, devs)
-    nodes = len(dict.fromkeys(d.node for d in devs))
-    ks = [k] if k is not None else [len(res.grouping), *_candidate_ks(len(devs), nodes)]
-    for pol in ("np", "ed", "hd"):  # the baselines, where they apply, compete
-        for kk in dict.fromkeys(ks):
-            if time.perf_counter() >= t0 + time_limit_s:
-                break
-            with contextlib.suppress(FormatError):
-                g = group(pol, devs, kk, speed)
-                if max(len(w) for w in g) <= largest:
-                    val = _grouping_value(g, used, objective, m)
-                    if val > best[0] * (1 + 1e-9):
-                        best = (val, g)
-    details = {"template_set": res.details["template_set"], "templates": res.templates,
+        # Both finalists re-planned by the full mapping search and priced exactly (the all-reduce
+        # included): the estimate that ranked them may not rank them as the cost model does.
+        priced = []
+        for g in [res.grouping] + ([baseline[1]] if baseline is not None else []):
+            plan = _plan_of(g, planner, cost.profile, planner.schedule, m)[0]
+            priced.append((price_plan(cost, plan, objective)["samples_per_s"], g))
+        best, used = max(priced, key=lambda x: x[0]), planner
+    details = {"grouping": "counts", "template_set": res.details["template_set"], "templates": res.templates,
                "idle_gpus": len(devs) - sum(len(w) for w in best[1]),
                "templates_planned": res.planned, "rounds": res.rounds,
                "workers_per_template": res.details["workers_per_template"]}

@@ -503,7 +503,7 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
                 capacity: Callable[[str], float], need_bytes: float, micro_batches: int, micro_batch_size: int,
                 objective: str, *, fill: bool = True, largest_layer_s: float = 0.0, virtual_workers: int | None = None,
                 max_worker_gpus: int = 16, max_classes: int = 3, complete_limit: int = 20_000,
-                covers_all: bool = False, batch: int = 16, wave_s: float = 0.0, max_stale: int = 8, deadline: float | None = None) -> SymmetricResult | None:
+                covers_all: bool = False, batch: int = 16, wave_s: float = 0.0, max_stale: int = 3, deadline: float | None = None) -> SymmetricResult | None:
     """Best grouping over counts (see the module docstring); ``None`` when no template fits.
 
     ``rate(devices)``: samples/s of one worker (-inf if it cannot run); ``rate_exact``: whether
