@@ -7,11 +7,19 @@ takes, each part a sub-vector of one node's GPUs (e.g. 2 of a node's 8 GPUs, or 
 node), every part on its own node. Its rate depends on the template alone, so it is planned
 once (the real mapping DP and cost model) and reused by every worker of that template.
 
-Choosing how many workers of each template is an integer program over counts (CP-SAT): the
-GPUs of every (class, type) are used exactly once, and
+Choosing how many workers of each template is an integer program over counts:
 
 * ``sync``: maximise ``K * R`` with ``R`` the least rate of a template in use;
 * ``wsp``: maximise the sum of the rates (a multi-dimensional knapsack).
+
+Small clusters (up to 32 GPUs) solve it exactly, every GPU used once, by a DP over (GPUs used
+of each class and type, workers): templates join in falling rate order and each prefix's most
+workers covering the cluster, times the last rate, is a candidate. Large clusters solve the LP
+of "most workers of rate >= R" for rate levels R (intervals of levels refined while their
+bound could beat the best), round the best level's LP down and fill greedily; GPUs may stay
+idle (``details["idle_gpus"]``), and templates that use more of every kind for no more rate are
+dropped first. The all-reduce between workers is not in the program; the plan is priced by the
+cost model afterwards.
 
 Rates are found lazily: a template not yet planned enters at an upper bound on its rate
 (:func:`solvers.fleet_bound.worker_time_bound_s` with its memory), the chosen templates are
@@ -21,7 +29,8 @@ template set.
 
 **Template sets.** *Complete* (small clusters): every part is any non-empty sub-vector of a
 node, so every worker of any grouping is a template and the answer is optimal over all
-groupings; a solution whose parts do not fit the nodes is cut off and the program re-solved.
+groupings (a DP solution whose parts do not fit the nodes, which counts alone cannot rule
+out, sends the search on by LP, unproven).
 *Chains* (large clusters): a part is a whole node or a chunk of one GPU type whose size is in
 the chain of powers of two dividing that type's count on the node (and the count itself), at
 most one chunk per (class, type) in a template (at most one per class for mixed nodes). Sizes
