@@ -114,8 +114,12 @@ def worker_time_bound_s(times_s: Sequence[float], micro_batches: int, fill: bool
         return m * max(low, (1.0 + wave_s / ts[-1]) / float(speeds[-1]), wave_s / len(ts))
     # h(P) = (m - 1) P + fill(P) is convex with breakpoints at P = 1 / S_q (where fill = q P):
     # its least value over P >= low is at low or at a breakpoint above it
-    paces = [low, *(float(1.0 / s) for s in speeds if 1.0 / s >= low)]
-    return min((m - 1) * p + _fill_at(ts, p) for p in paces)
+    q = np.arange(1, len(ts) + 1)
+    above = 1.0 / speeds >= low
+    best = float(np.min((m - 1 + q[above]) / speeds[above])) if above.any() else math.inf
+    if low > 1.0 / float(speeds[-1]):  # low is not itself a breakpoint
+        best = min(best, (m - 1) * low + _fill_at(ts, low))
+    return best
 
 
 def _fill_at(ts: Sequence[float], pace: float) -> float:

@@ -419,19 +419,26 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     rater = WorkerPlanner(cost, planner.schedule, m, replication,
                           planner.exact_limit if n_small else min(planner.exact_limit, 24), 3)
     rater.deadline = planner.deadline
-    # The baselines, where they apply, compete (valued first, so that a time limit spent on the
-    # counts still leaves them).
+    # The baselines, where they apply, compete. Small clusters: at every candidate K, valued
+    # first (a time limit spent on the counts still leaves them); large ones: one worker per
+    # node and the counts plan's K, valued after it while time is left (mapping their large
+    # mixed workers over many layers is what the counts planner saves).
     speed = _speed_of(cost, devs)
     nodes = len(dict.fromkeys(d.node for d in devs))
-    baseline: tuple[float, list[list[Device]]] | None = None
-    for kk in ([k] if k is not None else _candidate_ks(len(devs), nodes)):
-        for pol in ("np", "ed", "hd"):
-            with contextlib.suppress(FormatError):
-                g = group(pol, devs, kk, speed)
-                if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s:
-                    val = _grouping_value(g, rater, objective, m)
-                    if val > -math.inf and (baseline is None or val > baseline[0]):
-                        baseline = (val, g)
+
+    def compete(ks: Sequence[int], best: tuple[float, list[list[Device]]] | None
+                ) -> tuple[float, list[list[Device]]] | None:
+        for kk in dict.fromkeys(ks):
+            for pol in ("np", "ed", "hd"):
+                with contextlib.suppress(FormatError):
+                    g = group(pol, devs, kk, speed)
+                    if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s:
+                        val = _grouping_value(g, rater, objective, m)
+                        if val > -math.inf and (best is None or val > best[0]):
+                            best = (val, g)
+        return best
+
+    baseline = compete([k] if k is not None else _candidate_ks(len(devs), nodes), None) if n_small else None
     types = sorted({d.gpu_type for d in devs})
     memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
@@ -444,10 +451,12 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     if res is None or (k is not None and len(res.grouping) != k):
         return None
     best = (_grouping_value(res.grouping, rater, objective, m), res.grouping)
+    if not n_small:
+        baseline = compete([len(res.grouping), nodes] if k is None else [k], None)
     if baseline is not None and baseline[0] > best[0] * (1 + 1e-9):
         best = baseline
     used = rater
-    if time.perf_counter() < t0 + time_limit_s:
+    if n_small and time.perf_counter() < t0 + time_limit_s:
         # Both finalists re-planned by the full mapping search and priced exactly (the all-reduce
         # included): the estimate that ranked them may not rank them as the cost model does.
         priced = []
@@ -455,6 +464,10 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
             plan = _plan_of(g, planner, cost.profile, planner.schedule, m)[0]
             priced.append((price_plan(cost, plan, objective)["samples_per_s"], g))
         best, used = max(priced, key=lambda x: x[0]), planner
+    elif time.perf_counter() < t0 + time_limit_s:  # large: the winner re-planned in full if that helps
+        full = _grouping_value(best[1], planner, objective, m)
+        if full >= best[0]:
+            best, used = (full, best[1]), planner
     details = {"grouping": "counts", "template_set": res.details["template_set"], "templates": res.templates,
                "idle_gpus": len(devs) - sum(len(w) for w in best[1]),
                "templates_planned": res.planned, "rounds": res.rounds,
