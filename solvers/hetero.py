@@ -414,10 +414,13 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     cost, m = planner.cost, planner.micro_batches
     classes = node_classes(devs, planner.node_kind)
     complete = n_small = len(devs) <= 32
-    # Templates are mapped by the screening search: every order where there are few (small
-    # clusters: as many as the full search), else a few; the chosen grouping is re-planned in full.
+    # Templates are mapped by the screening search: every order where there are few (as many as
+    # the full search where a proof is possible: small clusters, a schedule whose throughput is
+    # a function of the bottleneck), else a few; the chosen grouping is re-planned in full.
+    provable = (n_small and not replication and not spec(planner.schedule).flushes
+                and (spec(planner.schedule).sync == "wave" or not cost.options.sync))
     rater = WorkerPlanner(cost, planner.schedule, m, replication,
-                          planner.exact_limit if n_small else min(planner.exact_limit, 24), 3)
+                          planner.exact_limit if provable else min(planner.exact_limit, 24), 3)
     rater.deadline = planner.deadline
     # The baselines, where they apply, compete. Small clusters: at every candidate K, valued
     # first (a time limit spent on the counts still leaves them); large ones: one worker per
