@@ -1,20 +1,26 @@
 """How the cluster planner's cost grows: layers x GPUs x GPU types -> solve time, gap, peak memory.
 
-    python bench/scale.py [--sizes 150x64,150x256,1000x1024] [--types 6] [--time-limit 20] [--write]
+    python bench/scale.py [--sizes 150x64,150x256,1000x1024] [--types 6] [--time-limit 10] [--repeat 1]
+                          [--heap] [--write]
 
 Clusters are nodes of 8 GPUs, one GPU type per node, the types in turn (``--types`` of
 TITAN-V, TITAN-RTX, RTX-2060, Quadro-P4000, V100-SXM2-16GB, RTX-3090); the model is a random
 chain (layer times 0.5-1.5x a mean, speeds per type fixed). Each row is one run of
-``plan_cluster(..., "auto", "opt", micro_batches=8, time_limit_s=...)``: wall time, status, the
-certified gap (against ``throughput_upper_bound``), K, and the peak Python heap of the solve
-(tracemalloc) and the process's peak RSS. ``--write`` also draws a log-log plot of time against
-GPUs to ``docs/img/scale.png`` (otherwise nothing is written).
+``plan_cluster(..., "auto", "opt", micro_batches=8, time_limit_s=...)``: wall time (the median of
+``--repeat`` solves, after one warm-up solve of a small instance so that no row pays the first
+import of SciPy's solvers), status, the certified gap (against the fleet bound,
+:func:`solvers.fleet_bound.fleet_bound`), the gap against the old perfect-speed-up bound
+(``throughput_upper_bound``) and what the bound is made of (K at the bound, the bound as a share
+of perfect speed-up), and the process's peak RSS. ``--heap`` adds the peak Python heap of one more
+solve traced by tracemalloc (tracing slows Python down, so it is never timed). ``--write`` also
+draws a log-log plot of time against GPUs to ``docs/img/scale.png`` (otherwise nothing is written).
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import sys
 import time
 import tracemalloc
@@ -27,8 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench._machine import machine_line  # noqa: E402
 from partitioner.cluster import Cluster, Node  # noqa: E402
+from partitioner.cost import CostModel  # noqa: E402
 from partitioner.profile import LayerProfile, LayerTime, Profile  # noqa: E402
-from solvers.hetero import plan_cluster  # noqa: E402
+from solvers.hetero import plan_cluster, throughput_upper_bound  # noqa: E402
 
 TYPES = (("TITAN-V", 1.0), ("TITAN-RTX", 0.9), ("RTX-2060", 2.2), ("Quadro-P4000", 3.0),
          ("V100-SXM2-16GB", 0.8), ("RTX-3090", 0.6))
@@ -50,34 +57,52 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="150x64,150x256,1000x1024", help="LAYERSxGPUS, comma-separated")
     ap.add_argument("--types", type=int, default=6, help="GPU types, 1-6 (default 6)")
-    ap.add_argument("--time-limit", type=float, default=20.0, help="time_limit_s of each solve (default 20)")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="time_limit_s of each solve (default 10)")
+    ap.add_argument("--repeat", type=int, default=1, help="solves per row; the median time is shown (default 1)")
+    ap.add_argument("--heap", action="store_true", help="also trace one solve per row for its peak Python heap")
     ap.add_argument("--write", action="store_true", help="write docs/img/scale.png")
     args = ap.parse_args()
     if not 1 <= args.types <= len(TYPES):
         ap.error(f"--types {args.types}: must be 1..{len(TYPES)}")
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: must be >= 1")
     try:
         sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
     except ValueError:
         ap.error(f"--sizes {args.sizes}: write LAYERSxGPUS[,LAYERSxGPUS...], e.g. 150x256")
     print(f"machine: {machine_line()}")
     print(f"plan_cluster(auto, opt, 1f1b, 8 micro-batches, time_limit_s={args.time_limit:g}), {args.types} GPU types, "
-          "nodes of 8, one type per node\n")
-    header = f"{'layers':>7} {'gpus':>6} {'time_s':>8}  {'status':<10} {'gap':>7} {'K':>5} {'heap_MiB':>9} {'rss_MiB':>8}"
+          f"nodes of 8, one type per node; median of {args.repeat} solve(s)\n")
+    warm_profile, warm_cluster = instance(20, 16, args.types)
+    plan_cluster(warm_profile, warm_cluster, "auto", "opt", micro_batches=8, time_limit_s=args.time_limit)
+    header = (f"{'layers':>7} {'gpus':>6} {'time_s':>8}  {'status':<10} {'gap':>7} {'old_gap':>8} {'K':>5} "
+              f"{'K_bound':>8} {'bound/perfect':>14} {'rss_MiB':>8}" + (f" {'heap_MiB':>9}" if args.heap else ""))
     print(header)
     print("-" * len(header))
     rows = []
     for num_layers, num_gpus in sizes:
         profile, cluster = instance(num_layers, num_gpus, args.types)
-        tracemalloc.start()
-        t0 = time.perf_counter()
-        res = plan_cluster(profile, cluster, "auto", "opt", micro_batches=8, time_limit_s=args.time_limit)
-        elapsed = time.perf_counter() - t0
-        heap = tracemalloc.get_traced_memory()[1] / 2**20
-        tracemalloc.stop()
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            res = plan_cluster(profile, cluster, "auto", "opt", micro_batches=8, time_limit_s=args.time_limit)
+            times.append(time.perf_counter() - t0)
+        elapsed = statistics.median(times)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        heap = ""
+        if args.heap:
+            tracemalloc.start()
+            plan_cluster(profile, cluster, "auto", "opt", micro_batches=8, time_limit_s=args.time_limit)
+            heap = f" {tracemalloc.get_traced_memory()[1] / 2**20:>9.0f}"
+            tracemalloc.stop()
         k = res.details.get("virtual_workers", "-")
-        print(f"{num_layers:>7} {len(cluster.devices):>6} {elapsed:>8.1f}  {res.status!s:<10} {res.gap:>7.1%} {k!s:>5} "
-              f"{heap:>9.0f} {rss:>8.0f}", flush=True)
+        bound = res.details.get("bound", {})
+        perfect = throughput_upper_bound(CostModel(profile, cluster), cluster.devices)
+        old_gap = 1 - (1 / res.objective) / perfect if res.objective else float("nan")
+        share = bound.get("samples_per_s", float("nan")) / perfect
+        k_bound = f"{bound['workers']:.0f}" if "workers" in bound else "-"
+        print(f"{num_layers:>7} {len(cluster.devices):>6} {elapsed:>8.1f}  {res.status!s:<10} {res.gap:>7.1%} "
+              f"{old_gap:>8.1%} {k!s:>5} {k_bound!s:>8} {share:>14.1%} {rss:>8.0f}{heap}", flush=True)
         rows.append((num_layers, len(cluster.devices), elapsed))
     if args.write:
         import matplotlib

@@ -101,6 +101,18 @@ class WorkerPlanner:
     def throughput(self, devices: Sequence[Device]) -> float:
         return self._plan(devices, keep=False).throughput
 
+    def exact(self, devices: Sequence[Device]) -> bool:
+        """Whether :meth:`throughput` is optimal for ``devices`` (the mapping search was exhaustive)."""
+        return self._plan(devices, keep=False).exact
+
+    def node_kind(self, node: str) -> Any:
+        """Nodes of one kind are interchangeable (the node's own name where a link override names it)."""
+        return self._node_kind[node]
+
+    def interchangeable(self, devices: Sequence[Device]) -> bool:
+        """Whether no device of ``devices`` is singled out by a device-level link override."""
+        return not any(d.name in self._pinned for d in devices)
+
     def stages(self, devices: Sequence[Device]) -> _Worker:
         return self._plan(devices, keep=True)
 
@@ -266,147 +278,317 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     ``virtual_workers``: K, or ``"auto"`` (np: one per node; ed/hd: the largest K the policy
     allows; opt: the best K). ``objective``: ``wsp`` (sum of worker throughputs) or ``sync``
     (K times the slowest). Infeasible problems are returned as ``SolveStatus.INFEASIBLE``.
-    ``simulate_top = N > 0`` (policy ``opt``): the N best groupings by the closed form, across
-    every K tried, are built into plans and the one with the most simulated samples/s wins
-    (:func:`solvers.ranking.rank_plans`); the ranking is in ``details["ranking"]``.
+    Policy ``opt`` enumerates groupings exactly on up to 8 GPUs; on larger clusters whose GPUs
+    are interchangeable within node classes it plans over counts (:mod:`solvers.symmetric`),
+    otherwise it runs a local search. ``simulate_top = N > 0`` (policy ``opt``): the N best
+    groupings by the closed form are built into plans and the one with the most simulated
+    samples/s wins (:func:`solvers.ranking.rank_plans`); the ranking is in ``details["ranking"]``.
+    The certificate is :func:`solvers.fleet_bound.fleet_bound` (fill, memory, K).
     """
     t0 = time.perf_counter()
+    _check_options(policy, objective, micro_batches, virtual_workers, time_limit_s)
+    activations_in_flight(schedule, 1, micro_batches)  # refuses schedules priced only by simulation
+    cost = CostModel(profile, cluster, options)
+    devs = list(cluster.subset(devices) if devices is not None else cluster.devices)
+    n = len(devs)
+    if isinstance(virtual_workers, int) and not 1 <= virtual_workers <= n:
+        raise FormatError("virtual_workers", virtual_workers, f"must be between 1 and the cluster's {n} GPUs")
+    largest = max_worker_gpus(cost.num_layers)
+    if isinstance(virtual_workers, int):
+        _check_worker_size(n, virtual_workers, cost.num_layers, largest)
+    planner = WorkerPlanner(cost, schedule, micro_batches, replication, exact_limit)
+    planner.deadline = t0 + time_limit_s
+    k = None if virtual_workers == "auto" else int(virtual_workers)
+    found: _Found | str
+    if policy == "opt":
+        found = _plan_opt(devs, k, planner, objective, replication, time_limit_s, t0, simulate_top,
+                          (profile, cluster, options), largest)
+    else:
+        found = _plan_fixed(devs, k, policy, planner, objective, largest)
+        if isinstance(found, str):
+            return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
+                               method=f"hetero:{policy}", reason=found)
+    if found.best is None:
+        reason = ("no grouping of the cluster's GPUs into virtual workers fits in memory; even one "
+                  "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, schedule, micro_batches))
+        return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
+                           method=f"hetero:{policy}", reason=reason)
+    return _finish(found, cost, devs, policy, objective, replication, schedule, micro_batches, options, k, t0)
+
+
+def _check_options(policy: str, objective: str, micro_batches: Any, virtual_workers: Any, time_limit_s: Any) -> None:
+    """One line naming the first bad option."""
     if policy not in POLICIES:
         raise FormatError("policy", policy, f"must be one of {', '.join(POLICIES)}")
     if objective not in OBJECTIVES:
         raise FormatError("objective", objective, f"must be one of {', '.join(OBJECTIVES)}")
     if not (isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and micro_batches >= 1):
         raise FormatError("micro_batches", micro_batches, "must be an integer >= 1")
-    activations_in_flight(schedule, 1, micro_batches)  # refuses schedules priced only by simulation
-    cost = CostModel(profile, cluster, options)
-    devs = list(cluster.subset(devices) if devices is not None else cluster.devices)
-    n, nodes = len(devs), len(dict.fromkeys(d.node for d in devs))
     if virtual_workers != "auto" and not (isinstance(virtual_workers, int) and not isinstance(virtual_workers, bool)):
         raise FormatError("virtual_workers", virtual_workers, "must be an integer >= 1 or 'auto'")
-    if isinstance(virtual_workers, int) and not 1 <= virtual_workers <= n:
-        raise FormatError("virtual_workers", virtual_workers, f"must be between 1 and the cluster's {n} GPUs")
-    if not time_limit_s > 0:
+    if not (isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0):
         raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
-    largest = max_worker_gpus(cost.num_layers)
-    if isinstance(virtual_workers, int):
-        _check_worker_size(n, virtual_workers, cost.num_layers, largest)
-    planner = WorkerPlanner(cost, schedule, micro_batches, replication, exact_limit)
-    # Large clusters: the grouping search screens workers with a cheaper mapping search; the
-    # finalists are then re-planned with the full one.
-    screen = planner if n <= 8 else WorkerPlanner(cost, schedule, micro_batches, replication,
-                                                  min(exact_limit, 24), 3)
-    planner.deadline = screen.deadline = t0 + time_limit_s
+
+
+@dataclass
+class _Found:
+    """A grouping search's answer: the best (value, grouping), the planner whose mappings it
+    takes, whether the search was exhaustive, and what it reports."""
+
+    best: tuple[float, list[list[Device]]] | None
+    used: WorkerPlanner
+    exact: bool
+    details: dict[str, Any]
+
+
+def _plan_fixed(devs: list[Device], k: int | None, policy: str, planner: WorkerPlanner, objective: str,
+                largest: int) -> _Found | str:
+    """A HetPipe baseline grouping (np, ed, hd): the found plan, or why it cannot run."""
+    cost, n = planner.cost, len(devs)
+    nodes = len(dict.fromkeys(d.node for d in devs))
+    speed = _speed_of(cost, devs)
+    if k is None:
+        ks = [nodes] if policy == "np" else sorted(range(1, n + 1), reverse=True)
+        ks = [x for x in ks if -(-n // x) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers, largest)]
+    else:
+        ks = [k]
+    g = None
+    err: FormatError | None = None
+    for x in ks:
+        try:
+            g = group(policy, devs, x, speed)
+            break
+        except FormatError as e:
+            err = err or e
+    if g is None:
+        assert err is not None
+        raise err
+    val = combine([planner.throughput(w) for w in g], objective)
+    if val > -math.inf:
+        return _Found((val, g), planner, True, {})
+    failing = next(w for w in g if planner.throughput(w) == -math.inf)
+    return (f"policy {policy} with K={len(g)}: a virtual worker of {len(failing)} GPU(s) "
+            f"({', '.join(d.name for d in failing)}) cannot hold the model: "
+            + diagnose_infeasible(cost, failing, planner.schedule, planner.micro_batches))
+
+
+def _speed_of(cost: CostModel, devs: Sequence[Device]) -> Any:
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devs}}
+    return lambda t: whole[t]
 
-    def speed(t: str) -> float:
-        return whole[t]
 
-    exact = True
-    best: tuple[float, list[list[Device]]] | None = None
-    used = planner  # the planner whose mapping the chosen grouping's plan takes
-    details_extra: dict[str, Any] = {}
-    if policy == "opt":
-        ks = _candidate_ks(n, nodes) if virtual_workers == "auto" else [int(virtual_workers)]
-        if virtual_workers == "auto":
-            ks = [k for k in ks if -(-n // k) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers, largest)]
-        if screen is not planner:
-            ks.sort(reverse=True)  # smallest workers first: the cheapest to map, so a time limit still sees many K
-        budget = time_limit_s / max(1, len(ks))
-        finalists: list[list[list[Device]]] = []
-        for k in ks:
-            if time.perf_counter() >= t0 + time_limit_s and any(
-                    combine([screen.throughput(w) for w in g], objective) > -math.inf for g in finalists):
-                log.info("time limit reached: K = %d and above not searched", k)
-                exact = False
-                break
-            starts = []
+def _plan_opt(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, replication: bool,
+              time_limit_s: float, t0: float, simulate_top: int, sim: tuple[Profile, Cluster, CostOptions | None],
+              largest: int) -> _Found:
+    """Policy ``opt``: exhaustive on small clusters, over counts where the GPUs fall in node
+    classes, else a local search; the N best by simulation with ``simulate_top``."""
+    n = len(devs)
+    counts = None
+    if n > 8 and planner.interchangeable(devs):
+        counts = _plan_symmetric(devs, k, planner, objective, replication, time_limit_s, t0, largest)
+        if counts is not None and (n > 32 or counts.exact):
+            return counts
+    # Small clusters: the local search too (it prices the all-reduce while it searches, which the
+    # counts program does not); the better plan by the cost model wins.
+    search = _plan_search(devs, k, planner, objective, time_limit_s, t0, simulate_top, sim, largest)
+    if counts is None or counts.best is None or search.best is None:
+        return search if counts is None or counts.best is None else counts
+    cost, m = planner.cost, planner.micro_batches
+
+    def priced(f: _Found) -> float:
+        assert f.best is not None
+        plan = _plan_of(f.best[1], f.used, cost.profile, planner.schedule, m)[0]
+        return price_plan(cost, plan, objective)["samples_per_s"]
+
+    if priced(search) > priced(counts) * (1 + 1e-9):
+        return replace(search, details={**search.details, "grouping": "local search (above the counts plan)"})
+    return counts
+
+
+def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, replication: bool,
+                    time_limit_s: float, t0: float, largest: int) -> _Found | None:
+    """:func:`solvers.symmetric.plan_counts`, with the baselines' groupings as competitors."""
+    from .fleet_bound import largest_layer_s, worker_memory_bytes
+    from .symmetric import node_classes, plan_counts
+
+    cost, m = planner.cost, planner.micro_batches
+    classes = node_classes(devs, planner.node_kind)
+    complete = n_small = len(devs) <= 32
+    # Templates are mapped by the screening search: every order where there are few (as many as
+    # the full search where a proof is possible: small clusters, a schedule whose throughput is
+    # a function of the bottleneck), else a few; the chosen grouping is re-planned in full.
+    provable = (n_small and not replication and not spec(planner.schedule).flushes
+                and (spec(planner.schedule).sync == "wave" or not cost.options.sync))
+    rater = WorkerPlanner(cost, planner.schedule, m, replication,
+                          planner.exact_limit if provable else min(planner.exact_limit, 24), 3)
+    rater.deadline = planner.deadline
+    # The baselines, where they apply, compete. Small clusters: at every candidate K, valued
+    # first (a time limit spent on the counts still leaves them); large ones: one worker per
+    # node and the counts plan's K, valued after it while time is left (mapping their large
+    # mixed workers over many layers is what the counts planner saves).
+    speed = _speed_of(cost, devs)
+    nodes = len(dict.fromkeys(d.node for d in devs))
+
+    def compete(ks: Sequence[int], best: tuple[float, list[list[Device]]] | None
+                ) -> tuple[float, list[list[Device]]] | None:
+        for kk in dict.fromkeys(ks):
             for pol in ("np", "ed", "hd"):
                 with contextlib.suppress(FormatError):
-                    starts.append(group(pol, devs, k, speed))
-            g, val, ex = search_opt(devs, k, screen.throughput, objective, starts,
-                                    bound=screen.throughput_bound, time_limit_s=budget)
-            exact = exact and ex
-            finalists += starts
-            if g is not None and val > -math.inf:
-                finalists.append(g)
-        seen: set[Any] = set()
-        unique: list[list[list[Device]]] = []
-        for g in finalists:
-            sig = tuple(sorted(tuple(sorted(d.name for d in w)) for w in g))
-            if sig not in seen:
-                seen.add(sig)
-                unique.append(g)
-        # Re-plan the finalists with the full mapping search, the most promising first, while the
-        # time limit allows; past it, a finalist keeps the screening search's plan (a real plan too).
-        if screen is not planner:
-            unique.sort(key=lambda g: -combine([screen.throughput(w) for w in g], objective))
-        deadline = t0 + time_limit_s
-        scored: list[tuple[float, list[list[Device]]]] = []
-        for g in unique:
-            full = screen is planner or time.perf_counter() < deadline
-            val = _grouping_value(g, planner if full else screen, objective, micro_batches)
-            if val > -math.inf:
-                scored.append((val, g))
-                if best is None or val > best[0]:
-                    best, used = (val, g), (planner if full else screen)
-        if simulate_top > 0 and len(scored) > 1:
-            best, ranking = _best_simulated(sorted(scored, key=lambda x: -x[0])[:simulate_top], planner,
-                                            profile, cluster, schedule, micro_batches, options)
-            used = planner
-            details_extra["ranking"] = ranking
-    else:
-        if virtual_workers == "auto":
-            ks = [nodes] if policy == "np" else sorted(range(1, n + 1), reverse=True)
-            ks = [k for k in ks if -(-n // k) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers,
-                                                                                 largest)]
-        else:
-            ks = [int(virtual_workers)]
-        g = None
-        err: FormatError | None = None
-        for k in ks:
-            try:
-                g = group(policy, devs, k, speed)
-                break
-            except FormatError as e:
-                err = err or e
-        if g is None:
-            assert err is not None
-            raise err
-        val = combine([planner.throughput(w) for w in g], objective)
+                    g = group(pol, devs, kk, speed)
+                    if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s:
+                        val = _grouping_value(g, rater, objective, m)
+                        if val > -math.inf and (best is None or val > best[0]):
+                            best = (val, g)
+        return best
+
+    baseline = compete([k] if k is not None else _candidate_ks(len(devs), nodes), None) if n_small else None
+    types = sorted({d.gpu_type for d in devs})
+    memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
+    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
+    res = plan_counts(devs, classes, rater.throughput, rater.exact, whole.__getitem__, memory.__getitem__,
+                      worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size, objective,
+                      fill=spec(planner.schedule).flushes and not replication,
+                      largest_layer_s=largest_layer_s(cost, types), virtual_workers=k,
+                      max_worker_gpus=min(largest, cost.num_layers, len(devs) if complete else 16),
+                      covers_all=complete, wave_s=_wave_s(cost, planner.schedule, m), deadline=t0 + time_limit_s)
+    if res is None or (k is not None and len(res.grouping) != k):
+        return None
+    best = (_grouping_value(res.grouping, rater, objective, m), res.grouping)
+    if not n_small:
+        baseline = compete([len(res.grouping), nodes] if k is None else [k], None)
+    if baseline is not None and baseline[0] > best[0] * (1 + 1e-9):
+        best = baseline
+    used = rater
+    if n_small and time.perf_counter() < t0 + time_limit_s:
+        # Both finalists re-planned by the full mapping search and priced exactly (the all-reduce
+        # included): the estimate that ranked them may not rank them as the cost model does.
+        priced = []
+        for g in [res.grouping] + ([baseline[1]] if baseline is not None else []):
+            plan = _plan_of(g, planner, cost.profile, planner.schedule, m)[0]
+            priced.append((price_plan(cost, plan, objective)["samples_per_s"], g))
+        best, used = max(priced, key=lambda x: x[0]), planner
+    elif time.perf_counter() < t0 + time_limit_s:  # large: the winner re-planned in full if that helps
+        full = _grouping_value(best[1], planner, objective, m)
+        if full >= best[0]:
+            best, used = (full, best[1]), planner
+    details = {"grouping": "counts", "template_set": res.details["template_set"], "templates": res.templates,
+               "idle_gpus": len(devs) - sum(len(w) for w in best[1]),
+               "templates_planned": res.planned, "rounds": res.rounds,
+               "workers_per_template": res.details["workers_per_template"]}
+    return _Found(best, used, res.exact, details)
+
+
+def _wave_s(cost: CostModel, schedule: str, micro_batches: int) -> float:
+    """WSP's push and pull of the whole model per micro-batch (0 for other schedules, or with a
+    bandwidth curve, where the stages' shares need not add up to the whole)."""
+    if spec(schedule).sync != "wave" or cost.cluster.inter_curve is not None:
+        return 0.0
+    return cost.wave_sync_s(0, cost.num_layers, micro_batches)
+
+
+def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, time_limit_s: float,
+                 t0: float, simulate_top: int, sim: tuple[Profile, Cluster, CostOptions | None],
+                 largest: int) -> _Found:
+    """Exhaustive enumeration (small clusters) or local search over device identities."""
+    cost, n = planner.cost, len(devs)
+    nodes = len(dict.fromkeys(d.node for d in devs))
+    micro_batches = planner.micro_batches
+    # Large clusters: the grouping search screens workers with a cheaper mapping search; the
+    # finalists are then re-planned with the full one.
+    screen = planner if n <= 8 else WorkerPlanner(cost, planner.schedule, micro_batches, planner.replication,
+                                                  min(planner.exact_limit, 24), 3)
+    screen.deadline = planner.deadline
+    speed = _speed_of(cost, devs)
+    exact = True
+    best: tuple[float, list[list[Device]]] | None = None
+    used = planner
+    details: dict[str, Any] = {}
+    ks = _candidate_ks(n, nodes) if k is None else [k]
+    if k is None:
+        ks = [x for x in ks if -(-n // x) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers, largest)]
+    if screen is not planner:
+        ks.sort(reverse=True)  # smallest workers first: the cheapest to map, so a time limit still sees many K
+    budget = time_limit_s / max(1, len(ks))
+    finalists: list[list[list[Device]]] = []
+    for kk in ks:
+        if time.perf_counter() >= t0 + time_limit_s and any(
+                combine([screen.throughput(w) for w in g], objective) > -math.inf for g in finalists):
+            log.info("time limit reached: K = %d and above not searched", kk)
+            exact = False
+            break
+        starts = []
+        for pol in ("np", "ed", "hd"):
+            with contextlib.suppress(FormatError):
+                starts.append(group(pol, devs, kk, speed))
+        g, val, ex = search_opt(devs, kk, screen.throughput, objective, starts,
+                                bound=screen.throughput_bound, time_limit_s=budget)
+        exact = exact and ex
+        finalists += starts
+        if g is not None and val > -math.inf:
+            finalists.append(g)
+    seen: set[Any] = set()
+    unique: list[list[list[Device]]] = []
+    for g in finalists:
+        sig = tuple(sorted(tuple(sorted(d.name for d in w)) for w in g))
+        if sig not in seen:
+            seen.add(sig)
+            unique.append(g)
+    # Re-plan the finalists with the full mapping search, the most promising first, while the
+    # time limit allows; past it, a finalist keeps the screening search's plan (a real plan too).
+    if screen is not planner:
+        unique.sort(key=lambda g: -combine([screen.throughput(w) for w in g], objective))
+    deadline = t0 + time_limit_s
+    scored: list[tuple[float, list[list[Device]]]] = []
+    for g in unique:
+        full = screen is planner or time.perf_counter() < deadline
+        val = _grouping_value(g, planner if full else screen, objective, micro_batches)
         if val > -math.inf:
-            best = (val, g)
-        else:
-            failing = next(w for w in g if planner.throughput(w) == -math.inf)
-            reason = (f"policy {policy} with K={len(g)}: a virtual worker of {len(failing)} GPU(s) "
-                      f"({', '.join(d.name for d in failing)}) cannot hold the model: "
-                      + diagnose_infeasible(cost, failing, schedule, micro_batches))
-            return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
-                               method=f"hetero:{policy}", reason=reason)
-    elapsed = time.perf_counter() - t0
-    if best is None:
-        reason = ("no grouping of the cluster's GPUs into virtual workers fits in memory; even one "
-                  "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, schedule, micro_batches))
-        return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=elapsed, method=f"hetero:{policy}", reason=reason)
-    val, g = best
-    plan, mapped_exactly = _plan_of(g, used, profile, schedule, micro_batches)
-    exact = exact and mapped_exactly
-    workers = plan.virtual_workers
+            scored.append((val, g))
+            if best is None or val > best[0]:
+                best, used = (val, g), (planner if full else screen)
+    if simulate_top > 0 and len(scored) > 1:
+        profile, cluster, options = sim
+        best, ranking = _best_simulated(sorted(scored, key=lambda x: -x[0])[:simulate_top], planner,
+                                        profile, cluster, planner.schedule, micro_batches, options)
+        used = planner
+        details["ranking"] = ranking
+    return _Found(best, used, exact, details)
+
+
+def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, objective: str, replication: bool,
+            schedule: str, micro_batches: int, options: CostOptions | None, k: int | None,
+            t0: float) -> SolveResult:
+    """Build, price, certify and validate the plan of the chosen grouping."""
+    from .fleet_bound import fleet_bound
+
+    assert found.best is not None
+    profile, cluster = cost.profile, cost.cluster
+    _val, g = found.best
+    plan, mapped_exactly = _plan_of(g, found.used, profile, schedule, micro_batches)
+    exact = found.exact and mapped_exactly
     predicted = price_plan(cost, plan, objective)
-    bound = throughput_upper_bound(cost, devs)
+    bound = fleet_bound(cost, devs, schedule, micro_batches, objective, replication=replication,
+                        virtual_workers=k)
+    upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s)
     # Exact search proves optimality only where throughput is a function of the bottleneck alone.
     # (The search prices the all-reduce between workers by an estimate, so with it no proof.)
-    proven = (policy == "opt" and exact and not replication
-              and not spec(schedule).flushes
-              and (spec(schedule).sync == "wave" or not cost.options.sync))
+    closed_form = (not replication and not spec(schedule).flushes
+                   and (spec(schedule).sync == "wave" or not cost.options.sync))
+    # ... or the plan reaches the bound.
+    proven = (policy == "opt" and exact and closed_form) or predicted["samples_per_s"] >= upper * (1 - 1e-9)
     status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
-    result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / bound,
+    result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / upper,
                          time.perf_counter() - t0, f"hetero:{policy}",
                          details={"virtual_workers": len(g), "objective": objective,
-                                  "worker_evaluations": planner.evaluations, "exact_search": exact,
-                                  **details_extra})
+                                  "worker_evaluations": found.used.evaluations, "exact_search": exact,
+                                  "bound": {"samples_per_s": bound.samples_per_s,
+                                            "perfect_speedup": bound.perfect_speedup,
+                                            "memory_bytes_per_worker": bound.memory_bytes_per_worker,
+                                            "pipeline_fill": bound.pipeline_fill, "workers": bound.workers},
+                                  **found.details})
     meta = {"policy": policy, "objective": objective, "replication": replication,
             "worker_samples_per_s": [worker_throughput(cost, vw.stages, schedule, micro_batches)
-                                     for vw in workers]}
+                                     for vw in plan.virtual_workers]}
     plan = with_predictions(replace(plan, solver=result.solver_info()), profile, cluster, options, predicted,
                             extra_meta=meta)
     plan.validate(profile, cluster, options)

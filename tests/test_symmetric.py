@@ -1,0 +1,175 @@
+"""Planning over counts: equals exhaustive search on small clusters; the fleet bound holds; relabelling
+interchangeable GPUs changes nothing; bad options get one line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from partitioner.cluster import Cluster, Node
+from partitioner.cost import CostModel
+from partitioner.errors import FormatError
+from solvers.fleet_bound import (
+    fleet_bound,
+    largest_layer_s,
+    worker_memory_bytes,
+    worker_time_bound_s,
+)
+from solvers.grouping import combine, search_opt
+from solvers.hetero import WorkerPlanner, plan_cluster, price_plan
+from solvers.symmetric import node_classes, plan_counts
+from tests._hetero_fixtures import small_cluster, synthetic_profile
+
+TYPES = ("TITAN-V", "RTX-2060", "RTX-3090", "Quadro-P4000")
+
+
+def counts_plan(cost: CostModel, devs, planner: WorkerPlanner, objective: str, k: int | None = None):
+    types = sorted({d.gpu_type for d in devs})
+    memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
+    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
+    return plan_counts(devs, node_classes(devs, planner.node_kind), planner.throughput, planner.exact,
+                       whole.__getitem__, memory.__getitem__, worker_memory_bytes(cost, planner.schedule),
+                       planner.micro_batches, cost.profile.micro_batch_size, objective,
+                       fill=True, largest_layer_s=largest_layer_s(cost, types), virtual_workers=k,
+                       max_worker_gpus=len(devs), covers_all=True)
+
+
+def exhaustive(devs, planner: WorkerPlanner, objective: str, ks) -> float:
+    best = -math.inf
+    for k in ks:
+        _g, val, exact = search_opt(devs, k, planner.throughput, objective)
+        assert exact
+        best = max(best, val)
+    return best
+
+
+# nodes of at most 2 GPUs: 2-3 node classes, up to 8 GPUs
+SPECS = [
+    [["TITAN-V", "TITAN-V"], ["RTX-2060", "RTX-2060"], ["TITAN-V", "TITAN-V"]],
+    [["TITAN-V", "RTX-2060"], ["TITAN-V", "RTX-2060"], ["RTX-3090"], ["RTX-3090"]],
+    [["RTX-2060", "RTX-2060"], ["Quadro-P4000", "Quadro-P4000"], ["RTX-3090", "RTX-3090"], ["RTX-2060", "RTX-2060"]],
+]
+
+
+@pytest.mark.parametrize("objective", ["sync", "wsp"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_counts_equal_exhaustive_search(spec, objective):
+    profile = synthetic_profile(10, seed=3, types=TYPES)
+    cluster = small_cluster(spec, inter=2.0)
+    cost = CostModel(profile, cluster)
+    planner = WorkerPlanner(cost, "1f1b", 4)
+    devs = list(cluster.devices)
+    res = counts_plan(cost, devs, planner, objective)
+    want = exhaustive(devs, planner, objective, range(1, len(devs) + 1))
+    assert res is not None
+    assert res.value == pytest.approx(want, rel=1e-9)
+    assert combine([planner.throughput(w) for w in res.grouping], objective) == pytest.approx(want, rel=1e-9)
+    assert sorted(d.name for w in res.grouping for d in w) == sorted(d.name for d in devs)  # every GPU once
+    assert res.details["template_set"] == "complete"
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_counts_equal_exhaustive_search_fixed_k(k):
+    profile = synthetic_profile(10, seed=5, types=TYPES)
+    cluster = small_cluster(SPECS[1], inter=2.0)
+    cost = CostModel(profile, cluster)
+    planner = WorkerPlanner(cost, "1f1b", 4)
+    devs = list(cluster.devices)
+    res = counts_plan(cost, devs, planner, "sync", k)
+    assert res is not None and len(res.grouping) == k
+    assert res.value == pytest.approx(exhaustive(devs, planner, "sync", [k]), rel=1e-9)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=st.lists(st.lists(st.sampled_from(TYPES), min_size=1, max_size=2), min_size=2, max_size=3),
+       seed=st.integers(0, 50), m=st.integers(1, 6), objective=st.sampled_from(["sync", "wsp"]),
+       param_mb=st.sampled_from([20.0, 400.0]))
+def test_fleet_bound_is_never_below_the_best_grouping(spec, seed, m, objective, param_mb):
+    """The bound against exhaustive search over every grouping (each worker mapped exactly),
+    priced by the cost model's closed form (``price_plan``)."""
+    profile = synthetic_profile(8, seed=seed, types=TYPES, param_mb=param_mb)
+    cluster = small_cluster(spec, inter=2.0)
+    cost = CostModel(profile, cluster)
+    planner = WorkerPlanner(cost, "1f1b", m)
+    devs = list(cluster.devices)
+    best = exhaustive(devs, planner, objective, range(1, len(devs) + 1))
+    bound = fleet_bound(cost, devs, "1f1b", m, objective)
+    assert bound.samples_per_s <= bound.perfect_speedup * (1 + 1e-12)
+    if best > -math.inf:
+        assert bound.samples_per_s >= best * (1 - 1e-9)
+    for k in range(1, len(devs) + 1):  # with K fixed
+        at_k = exhaustive(devs, planner, objective, [k])
+        if at_k > -math.inf:
+            assert fleet_bound(cost, devs, "1f1b", m, objective, virtual_workers=k).samples_per_s >= at_k * (1 - 1e-9)
+    res = plan_cluster(profile, cluster, "auto", "opt", objective=objective, micro_batches=m, time_limit_s=30)
+    if res.plan is not None:  # the certified gap is never negative
+        assert price_plan(cost, res.plan, objective)["samples_per_s"] <= bound.samples_per_s * (1 + 1e-9)
+
+
+def test_worker_time_bound_homogeneous_and_below_the_dp():
+    # p equal GPUs: the familiar (m - 1 + p) T / p
+    assert worker_time_bound_s([2.0] * 4, 8) == pytest.approx((8 - 1 + 4) * 2.0 / 4)
+    # no flush: m / S
+    assert worker_time_bound_s([2.0, 2.0], 8, fill=False) == pytest.approx(8 * 1.0)
+    # a slow GPU never makes the bound larger (it may be left a small share)
+    assert worker_time_bound_s([1.0, 9.0], 8) <= worker_time_bound_s([1.0], 8)
+
+
+def relabelled(cluster: Cluster, order: list[int]) -> Cluster:
+    nodes = [cluster.nodes[i] for i in order]
+    return Cluster(cluster.name, tuple(Node(f"x{j}", n.gpus, n.intra_gbps) for j, n in enumerate(nodes)),
+                   cluster.inter_gbps)
+
+
+@pytest.mark.parametrize("objective", ["sync", "wsp"])
+def test_relabelling_gpus_changes_nothing(objective):
+    profile = synthetic_profile(24, seed=2, types=TYPES)
+    spec = [["TITAN-V"] * 4, ["RTX-2060"] * 4, ["TITAN-V"] * 4, ["RTX-3090"] * 2]
+    cluster = small_cluster(spec, inter=4.0)
+    base = plan_cluster(profile, cluster, "auto", "opt", objective=objective, time_limit_s=30)
+    for order in ([3, 2, 1, 0], [2, 0, 3, 1]):
+        other = plan_cluster(profile, relabelled(cluster, order), "auto", "opt", objective=objective,
+                             time_limit_s=30)
+        assert other.objective == pytest.approx(base.objective, rel=1e-9)
+        assert other.lower_bound == pytest.approx(base.lower_bound, rel=1e-9)
+
+
+def test_large_cluster_plans_by_counts_within_the_bound():
+    profile = synthetic_profile(40, seed=1, types=TYPES, param_mb=20.0)
+    spec = [[TYPES[i % 4]] * 8 for i in range(8)]
+    cluster = small_cluster(spec, inter=8.0)
+    res = plan_cluster(profile, cluster, "auto", "opt", time_limit_s=20)
+    assert res.details["template_set"] == "chains"
+    assert 0.0 <= res.gap < 0.25
+    assert res.plan is not None and len(res.plan.virtual_workers) == res.details["virtual_workers"]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"time_limit_s": 0}, "time_limit_s"),
+                                               ({"time_limit_s": -1.0}, "time_limit_s"),
+                                               ({"virtual_workers": 17}, "virtual_workers")])
+def test_bad_options_are_one_line(kwargs, field):
+    profile = synthetic_profile(12)
+    cluster = small_cluster([["TITAN-V"] * 4] * 4)
+    args = {"virtual_workers": "auto", **kwargs}
+    with pytest.raises(FormatError) as err:
+        plan_cluster(profile, cluster, args.pop("virtual_workers"), "opt", **args)
+    assert err.value.field == field and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("objective", ["sync", "wsp"])
+@pytest.mark.parametrize("param_mb", [20.0, 900.0])
+def test_one_type_bound_in_closed_form_holds(objective, param_mb):
+    profile = synthetic_profile(8, seed=4, types=TYPES, param_mb=param_mb)
+    cluster = small_cluster([["RTX-2060"] * 2, ["RTX-2060"] * 2, ["RTX-2060"] * 2])
+    cost = CostModel(profile, cluster)
+    planner = WorkerPlanner(cost, "1f1b", 4)
+    devs = list(cluster.devices)
+    for k in range(1, len(devs) + 1):
+        at_k = exhaustive(devs, planner, objective, [k])
+        bound = fleet_bound(cost, devs, "1f1b", 4, objective, virtual_workers=k).samples_per_s
+        assert bound >= at_k * (1 - 1e-9) if at_k > -math.inf else bound >= 0
+    best = exhaustive(devs, planner, objective, range(1, len(devs) + 1))
+    assert fleet_bound(cost, devs, "1f1b", 4, objective).samples_per_s >= best * (1 - 1e-9)
