@@ -181,9 +181,17 @@ def price_assignment(data: DagData, stages: Sequence[int]) -> DagPlan:
 
 
 def better(a: DagPlan | None, b: DagPlan | None) -> DagPlan | None:
-    """The better of two priced plans: fits, then least bottleneck, then least total time."""
+    """The better of two priced plans: fits, then least bottleneck, then least total time.
+    Bottlenecks equal up to float rounding (the same stage times summed in another order) tie,
+    so that the total decides (``a`` on a full tie)."""
     cands = [x for x in (a, b) if x is not None and x.fits]
-    return min(cands, key=lambda x: (x.solution.bottleneck_s, x.total_s)) if cands else None
+    if len(cands) < 2:
+        return cands[0] if cands else None
+    x, y = cands
+    bx, by = x.solution.bottleneck_s, y.solution.bottleneck_s
+    if abs(bx - by) <= 1e-9 * max(bx, by):
+        return x if x.total_s <= y.total_s else y
+    return x if bx < by else y
 
 
 def finish_dag(data: DagData, method: str, status: SolveStatus, found: DagPlan | None, lower_bound: float,

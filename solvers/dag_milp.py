@@ -135,8 +135,9 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
         details["tie_break"] = pulp.LpStatus[prob.status]
         if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             again = extract()
-            if again.fits and (again.solution.bottleneck_s, again.total_s) < (found.solution.bottleneck_s,
-                                                                               found.total_s):
+            # within the slack the second model allows the bottleneck, the smaller total wins
+            if again.fits and again.total_s < found.total_s and \
+                    again.solution.bottleneck_s <= found.solution.bottleneck_s + 2 * TOLERANCE_SLACK * SCALE_MAX * unit_s:
                 found = again
     status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
     log.debug("milp (graph): %s, objective %.6g s, bound %.6g s", status, found.solution.bottleneck_s, bound)

@@ -591,7 +591,7 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
                                      for vw in plan.virtual_workers]}
     plan = with_predictions(replace(plan, solver=result.solver_info()), profile, cluster, options, predicted,
                             extra_meta=meta)
-    plan.validate(profile, cluster, options)
+    cost.validate_plan(plan)  # structure and memory
     return replace(result, plan=plan)
 
 
