@@ -29,7 +29,8 @@ __all__ = ["GradientAverager"]
 
 
 class GradientAverager:
-    """Callable run before ``STEP``: average the rank's gradients over the virtual workers.
+    """Callable run before ``STEP``: average the rank's gradients over the virtual workers (summed
+    over a replicated stage's replicas).
 
     Must be constructed on every rank (it creates process groups, a collective call)."""
 

@@ -1,9 +1,10 @@
 """Start the processes of a plan and train: locally (one process per plan device) or under torchrun.
 
-Rank ``r`` runs plan device ``Plan.devices[r]`` (see :mod:`runtime.layout`). Each process
-builds its stages (:mod:`runtime.stage`), executes its rank's action list of
-``partitioner.schedule.build_schedule`` once per step (:mod:`runtime.executor`) and
-averages gradients over the virtual workers before each optimizer step
+Rank ``r`` runs plan device ``Plan.devices[r]`` (see :mod:`runtime.layout`; every replica of a
+replicated stage is a rank). Each process builds its stages (:mod:`runtime.stage`), executes
+its rank's action list of ``partitioner.schedule.build_schedule`` once per step
+(:mod:`runtime.executor`; a replica its share of its position's list, ``Layout.actions``) and
+averages gradients over the virtual workers and replicas before each optimizer step
 (:mod:`runtime.dataparallel`). The data and the loss come from :mod:`runtime.data` (the
 model's real task by default, cross-entropy on the last stage); checkpoints and resuming from
 :mod:`runtime.checkpoint`.

@@ -9,6 +9,7 @@ import random
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -21,6 +22,9 @@ from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner.schedule import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, B, F
 from runtime.layout import plan_layout
+
+if TYPE_CHECKING:
+    from partitioner.cluster import Cluster
 
 from .test_runtime import assert_same
 
@@ -129,7 +133,42 @@ def test_two_workers_one_with_a_replicated_stage_match_one_process(tmp_path: Pat
     _assert_replicas_equal(plan, tmp_path)
 
 
-# -- mixed GPU types through the CLI: the simulator's assignment ---------------------------------
+# -- mixed GPU types: the simulator's assignment ---------------------------------------------------
+
+MIXED = {"name": "mixed", "inter_node_GBps": 1,
+         "nodes": [{"name": "n0", "intra_node_GBps": 2, "gpus": {"fast": 2, "slow": 1}}],
+         "device_types": {"fast": {"memory_GB": 8, "fp32_tflops": 0.2, "mem_GBps": 10},
+                          "slow": {"memory_GB": 8, "fp32_tflops": 0.1, "mem_GBps": 10}}}
+
+
+def _mixed(tmp_path: Path) -> tuple[Profile, Cluster]:
+    """Types fast and slow (twice the time) on one node: n0:0 and n0:1 fast, n0:2 slow."""
+    from partitioner.cluster import Cluster
+
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(MIXED))
+    profile = Profile("gpt2-tiny", 2, tuple(
+        LayerProfile(f"l{i}", 1.0, 4.0, 4.0, 4.0, {"fast": LayerTime(1e-3, 2e-3), "slow": LayerTime(2e-3, 4e-3)})
+        for i in range(4)))
+    profile.save(tmp_path / "profile.json")
+    return profile, Cluster.load(tmp_path / "cluster.yaml")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_ranks_run_what_the_simulator_times(schedule: str, tmp_path: Path) -> None:
+    from partitioner.commands.train import _replica_assignment
+    from partitioner.simulate import simulate_plan
+
+    profile, cluster = _mixed(tmp_path)
+    plan = Plan("gpt2-tiny", (_stages([0, 1, 4], [("n0:1", "n0:2"), ("n0:0",)]),), schedule=schedule,
+                micro_batch_size=2, micro_batches=5)
+    layout = plan_layout(plan, 4, assignment=_replica_assignment(plan, profile, cluster))
+    tl = simulate_plan(plan, profile, cluster)
+    for r in layout.ranks:
+        ran = [(a.kind, a.micro_batch, a.stage) for a in layout.actions(r.rank) if a.kind in (F, B)]
+        timed = [(k, j, s) for d, k, j, s, _, _ in tl.events() if tl.devices[d] == r.device and k in (F, B)]
+        assert ran == timed, r.device
+    # each next micro-batch to the replica that would finish it first (ties to the first): 4 fast, 1 slow
+    assert layout.assignment[0][0] == (0, 0, 1, 0, 0)
 
 
 def test_cli_shares_micro_batches_by_the_replicas_speeds(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -138,16 +177,7 @@ def test_cli_shares_micro_batches_by_the_replicas_speeds(tmp_path: Path, capsys:
 
     real = launch.train_local
     monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
-    cluster = {"name": "mixed", "inter_node_GBps": 1,
-               "nodes": [{"name": "n0", "intra_node_GBps": 2, "gpus": {"fast": 2, "slow": 1}}],
-               "device_types": {"fast": {"memory_GB": 8, "fp32_tflops": 0.2, "mem_GBps": 10},
-                                "slow": {"memory_GB": 8, "fp32_tflops": 0.1, "mem_GBps": 10}}}
-    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(cluster))
-    # the slow type takes twice as long: of 3 micro-batches the fast replica runs 2, the slow one 1
-    profile = Profile("gpt2-tiny", 2, tuple(
-        LayerProfile(f"l{i}", 1.0, 4.0, 4.0, 4.0, {"fast": LayerTime(1e-3, 2e-3), "slow": LayerTime(2e-3, 4e-3)})
-        for i in range(4)))
-    profile.save(tmp_path / "profile.json")
+    _mixed(tmp_path)  # the slow type takes twice as long: of 3 micro-batches the fast replica runs 2, the slow 1
     plan = Plan("gpt2-tiny", (_stages([0, 2, 4], [("n0:0",), ("n0:1", "n0:2")]),), micro_batch_size=2,
                 micro_batches=3)
     plan.save(tmp_path / "plan.json")
