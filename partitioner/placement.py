@@ -11,7 +11,7 @@ a target cannot execute.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +20,8 @@ from .errors import FormatError
 from .plan import Plan
 from .schedule import spec
 
-__all__ = ["TARGETS", "PipelinePlacement", "place", "replica_shares", "supports"]
+__all__ = ["REPLICATED_SCHEDULES", "TARGETS", "PipelinePlacement", "place", "replica_assignment", "replica_shares",
+           "supports"]
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,32 @@ def replica_shares(times_s: Sequence[float], micro_batches: int) -> np.ndarray:
     return out
 
 
+def replica_assignment(plan: Plan, time_s: Callable[[str, int, int], float] | None = None
+                       ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Virtual worker -> stage -> the replica (index into ``Stage.devices``) of each of the plan's
+    micro-batches, by :func:`replica_shares` on ``time_s(device, start, stop)``, the seconds the
+    device takes for the stage's layers per micro-batch (the simulator uses the cost model's
+    forward + backward time); ``None``: equal times, so micro-batches go round-robin. A stage
+    without replicas gives every micro-batch to its device (index 0)."""
+    m = plan.micro_batches
+    out = []
+    for vw in plan.virtual_workers:
+        per_stage = []
+        for st in vw.stages:
+            if not st.replicas:
+                per_stage.append((0,) * m)
+                continue
+            times = [1.0 if time_s is None else float(time_s(d, st.start, st.stop)) for d in st.devices]
+            per_stage.append(tuple(int(i) for i in replica_shares(times, m)))
+        out.append(tuple(per_stage))
+    return tuple(out)
+
+
 # What each target executes: the simulator every plan the planner makes; the runtime every
-# schedule, but not replicated stages or a sliced first micro-batch (runtime/layout.py).
+# schedule, replicated stages with the flushing one-chunk schedules, no sliced first micro-batch
+# (runtime/layout.py).
 TARGETS = ("simulator", "runtime")
+REPLICATED_SCHEDULES = ("gpipe", "1f1b")  # the schedules whose replicated stages the runtime executes
 
 
 def supports(plan: Plan, target: str) -> str | None:
@@ -115,7 +139,8 @@ def supports(plan: Plan, target: str) -> str | None:
                 f"({plan.micro_batch_size}); re-plan without slicing the first micro-batch (first_slices 1)")
     for w, vw in enumerate(plan.virtual_workers):
         for k, st in enumerate(vw.stages):
-            if st.replicas:
-                return (f"virtual_workers[{w}].stages[{k}] has replicas {list(st.replicas)}: the runtime does not "
-                        f"replicate stages; express data parallelism as virtual workers")
+            if st.replicas and plan.schedule not in REPLICATED_SCHEDULES:
+                return (f"virtual_workers[{w}].stages[{k}] has replicas {list(st.replicas)}: the runtime executes "
+                        f"replicated stages with schedule {' or '.join(REPLICATED_SCHEDULES)}, not "
+                        f"'{plan.schedule}'; re-plan without --replication or with one of those schedules")
     return None

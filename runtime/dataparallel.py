@@ -1,11 +1,16 @@
 """Exact synchronous data parallelism between virtual workers that may cut the chain differently.
 
-Layer ``l`` lives on one rank of every virtual worker (its holder set, see
-:meth:`runtime.layout.Layout.holder_sets`). Before each optimizer step, the gradients of the
-layers with the same holder set are flattened into one buffer, summed with one all-reduce over
-a process group of exactly those ranks, and divided by the number of virtual workers. Every
-rank visits the holder sets in the same (first-layer) order, so the collectives cannot wait on
-each other in a cycle. With one virtual worker nothing is exchanged.
+Layer ``l`` lives on one rank of every virtual worker, or on every replica of its stage when
+the stage is replicated (its holder set, see :meth:`runtime.layout.Layout.holder_sets`). Before
+each optimizer step, the gradients of the layers with the same holder set are flattened into
+one buffer, summed with one all-reduce over a process group of exactly those ranks, and divided
+by the number of virtual workers. A replica's gradient is the sum over the micro-batches it ran
+of their losses divided by the worker's micro-batch count, so the replicas of a stage add up to
+their worker's mean gradient: summing over all holders and dividing by the workers gives the
+gradient of the global batch's mean loss, as one process computes it. Every rank visits the
+holder sets in the same (first-layer) order, so the collectives cannot wait on each other in a
+cycle. When every holder set is one rank (one virtual worker, nothing replicated) nothing is
+exchanged.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ __all__ = ["GradientAverager"]
 
 
 class GradientAverager:
-    """Callable run before ``STEP``: average the rank's gradients over the virtual workers.
+    """Callable run before ``STEP``: average the rank's gradients over the virtual workers (summed
+    over a replicated stage's replicas).
 
     Must be constructed on every rank (it creates process groups, a collective call)."""
 
@@ -32,9 +38,12 @@ class GradientAverager:
         self.workers = layout.workers
         self.groups: list[tuple[Any, list[nn.Parameter]]] = []
         self.seconds = 0.0  # in the all-reduces (waiting for the other holders included), as the simulator counts
-        if self.workers == 1:
+        sets = layout.holder_sets()
+        if all(len(ranks) == 1 for ranks, _ in sets):
             return
-        for ranks, held in layout.holder_sets():
+        for ranks, held in sets:
+            if len(ranks) == 1:  # (every rank skips the same sets: new_group is collective)
+                continue
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 params = [p for layer in held for p in layers[layer].parameters()]

@@ -1,9 +1,10 @@
 """Start the processes of a plan and train: locally (one process per plan device) or under torchrun.
 
-Rank ``r`` runs plan device ``Plan.devices[r]`` (see :mod:`runtime.layout`). Each process
-builds its stages (:mod:`runtime.stage`), executes its rank's action list of
-``partitioner.schedule.build_schedule`` once per step (:mod:`runtime.executor`) and
-averages gradients over the virtual workers before each optimizer step
+Rank ``r`` runs plan device ``Plan.devices[r]`` (see :mod:`runtime.layout`; every replica of a
+replicated stage is a rank). Each process builds its stages (:mod:`runtime.stage`), executes
+its rank's action list of ``partitioner.schedule.build_schedule`` once per step
+(:mod:`runtime.executor`; a replica its share of its position's list, ``Layout.actions``) and
+averages gradients over the virtual workers and replicas before each optimizer step
 (:mod:`runtime.dataparallel`). The data and the loss come from :mod:`runtime.data` (the
 model's real task by default, cross-entropy on the last stage); checkpoints and resuming from
 :mod:`runtime.checkpoint`.
@@ -38,7 +39,7 @@ from tqdm import tqdm
 from partitioner.emulation import Emulation
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
-from partitioner.schedule import build_schedule, spec
+from partitioner.schedule import F, build_schedule, spec
 
 from .checkpoint import load_rank, plan_sha256, resume_step, save_rank, write_manifest
 from .data import DATA_KINDS, make_data
@@ -83,6 +84,9 @@ class TrainConfig:
     node: str = ""  # under torchrun: the plan node this machine is (default: the GROUP_RANK-th, runtime.nodes)
     # heterogeneity emulation: every rank plays its device's GPU type (partitioner.emulation, runtime.emulate)
     emulation: Emulation | None = None
+    # replicated stages: worker -> stage -> the replica of each micro-batch
+    # (partitioner.placement.replica_assignment; empty: equal times, round-robin)
+    replica_assignment: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps >= 1):
@@ -148,7 +152,7 @@ def _fault(rank: int, step: int) -> None:
 def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) -> dict[str, Any]:
     """Train on this rank (the process group is initialised); returns this rank's figures."""
     chain = chain_for(plan, config)
-    layout = plan_layout(plan, chain.num_layers, model=chain.name)
+    layout = plan_layout(plan, chain.num_layers, model=chain.name, assignment=config.replica_assignment)
     me = layout.ranks[rank]
     device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else "cpu")
     if device.type == "cuda":
@@ -186,6 +190,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
     averager: GradientAverager | None = None
     step_s: list[float] = []
     extra: dict[str, Any] = {}
+    extra_rank: dict[str, Any] = {"replica": me.replica}
     first = 0
     kind = spec(plan.schedule).executor
     if kind == "wsp":
@@ -239,8 +244,13 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         executor = PipelineExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, optimizer,
                                     device, averager)
         _emulate(executor, config, me.device, device)
-        actions = build_schedule(plan.schedule, p, m, plan.chunks)[me.pipe_rank]
-        show = (config.progress and sys.stderr.isatty() and me.worker == 0 and n_stages - 1 in me.stages)
+        actions = layout.actions(rank)
+        extra_rank["micro_batches"] = sorted({a.micro_batch for a in actions if a.kind == F})
+        # the bar on the rank that computes virtual worker 0's loss (the first replica of its last stage:
+        # a replicated last stage's loss is the sum over its replicas, so the bar shows none then)
+        show = (config.progress and sys.stderr.isatty() and me.worker == 0 and n_stages - 1 in me.stages
+                and me.replica == 0)
+        last_replicated = len(layout.stage_ranks[0][-1]) > 1
         # (made only when shown: tqdm creates a multiprocessing lock, which a killed rank would leak)
         bar = tqdm(total=config.steps, initial=first, unit="step",
                    desc=f"train {chain.name}" + (" (emulated)" if config.emulation else ""),
@@ -261,7 +271,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
             dist.barrier()
             step_s.append(time.perf_counter() - t0)
             if bar is not None:
-                if executor.losses:
+                if executor.losses and not last_replicated:
                     bar.set_postfix(loss=f"{executor.losses[-1]:.4f}", refresh=False)
                 bar.update(1)
             done = step + 1
@@ -294,7 +304,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
             "step_s": step_s, "losses": executor.losses, "threads": torch.get_num_threads(), "first_step": first,
             "data": data.kind, "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()},
             "emulated_actions": [executor.stretch.actions, executor.stretch.overruns] if executor.stretch else None,
-            **extra}
+            **extra_rank, **extra}
 
 
 def _emulate(executor: PipelineExecutor, config: TrainConfig, plan_device: str, device: torch.device) -> None:
@@ -314,7 +324,14 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
     timed = steps[config.warmup:] or steps
     iteration = statistics.median(timed)
     workers = len(plan.virtual_workers)
-    losses = [r["losses"] for r in per_rank if r["losses"]]
+    # a worker's loss is the sum over the ranks that compute it (the replicas of a replicated last
+    # stage each hold their micro-batches' share); the reported loss is the mean over workers
+    by_worker: dict[int, list[float]] = {}
+    for r in per_rank:
+        if r["losses"]:
+            have = by_worker.setdefault(r["worker"], [0.0] * len(r["losses"]))
+            by_worker[r["worker"]] = [a + b for a, b in zip(have, r["losses"], strict=True)]
+    losses = list(by_worker.values())
     mean_loss = [sum(ls[k] for ls in losses) / len(losses) for k in range(len(losses[0]))] if losses else []
     return {
         "format": "partitioner.train-metrics/1",
@@ -327,7 +344,8 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "samples_per_s": workers * plan.micro_batches * plan.micro_batch_size / iteration,
         "step_s": steps, "loss": mean_loss,
         "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads",
-                                          "seconds_per_step", "peak_memory_bytes")}
+                                          "seconds_per_step", "peak_memory_bytes", "replica", "micro_batches")
+                   if k in r}
                   for r in per_rank],
         **({"emulated": _emulated(config.emulation, per_rank)} if config.emulation else {}),
     }
@@ -355,7 +373,7 @@ def train_distributed(plan: Plan, config: TrainConfig) -> dict[str, Any] | None:
     """Train under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set).
     Returns the metrics on rank 0 and ``None`` on the other ranks."""
     chain = chain_for(plan, config)
-    layout = plan_layout(plan, chain.num_layers, model=chain.name)
+    layout = plan_layout(plan, chain.num_layers, model=chain.name, assignment=config.replica_assignment)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_world_size(layout, world)
     check_checkpoints(plan, config, world)
@@ -530,7 +548,7 @@ def train_local(plan: Plan, config: TrainConfig, start_method: str = "spawn") ->
     import json
 
     chain = chain_for(plan, config)
-    layout = plan_layout(plan, chain.num_layers, model=chain.name)
+    layout = plan_layout(plan, chain.num_layers, model=chain.name, assignment=config.replica_assignment)
     n = layout.world_size
     if config.device == "cuda" and torch.cuda.device_count() < n:
         raise PartitionerError(f"the plan needs {n} GPUs on this machine; torch sees {torch.cuda.device_count()}")

@@ -6,32 +6,53 @@ Rank order: virtual worker 0's devices first, in the order its pipeline first us
 pipeline rank ``s % p`` (chunk ``s // p`` for interleaved / bfs), as in
 ``partitioner.schedule``.
 
-Data parallelism: layer ``l`` is held by one rank per virtual worker; those ranks form the
-layer's *holder set*. Layers with the same holder set are averaged together, in one
-all-reduce over a process group of exactly those ranks (:func:`holder_sets`).
+A replicated stage (``Stage.replicas``, schedules gpipe and 1f1b, one chunk) is one pipeline
+position held by several ranks, one per device of ``Stage.devices``, numbered position after
+position (``VirtualWorker.devices``' order): each replica runs the micro-batches
+:func:`partitioner.placement.replica_assignment` gives it (``Layout.assignment``), and its
+action list is its position's list kept to those micro-batches, with every send and receive
+addressed to the neighbouring stage's replica that holds the same micro-batch
+(:meth:`Layout.actions`, the simulator's own derivation).
+
+Data parallelism: layer ``l`` is held by the ranks of its stage in every virtual worker (every
+replica of a replicated stage); those ranks form the layer's *holder set*. Layers with the same
+holder set are averaged together, in one all-reduce over a process group of exactly those
+ranks (:func:`holder_sets`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from partitioner.errors import FormatError, PartitionerError
-from partitioner.placement import place, supports
+from partitioner.placement import PipelinePlacement, place, replica_assignment, supports
 from partitioner.plan import Plan
-from partitioner.schedule import check_schedule
+from partitioner.schedule import (
+    Action,
+    build_schedule,
+    check_schedule,
+    schedule_columns,
+    to_actions,
+)
+from partitioner.simulate import _replicated_ranks
 
 __all__ = ["Layout", "RankInfo", "plan_layout"]
 
 
 @dataclass(frozen=True)
 class RankInfo:
-    """One process: its device, virtual worker, pipeline rank and stages (global indices)."""
+    """One process: its device, virtual worker, pipeline rank (its index among the worker's
+    ranks) and stages (global indices); ``replica`` indexes ``Stage.devices`` of its stage."""
 
     rank: int
     device: str
     worker: int
     pipe_rank: int
     stages: tuple[int, ...]
+    replica: int = 0
 
 
 @dataclass(frozen=True)
@@ -43,6 +64,10 @@ class Layout:
     pipelines: tuple[tuple[int, ...], ...]  # worker -> pipeline rank -> global rank
     stage_layers: tuple[tuple[tuple[int, int], ...], ...]  # worker -> stage -> (start, stop)
     num_layers: int
+    stage_ranks: tuple[tuple[tuple[int, ...], ...], ...] = ()  # worker -> stage -> global ranks (replicas)
+    # worker -> stage -> the replica of each micro-batch (replica_assignment)
+    assignment: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    placements: tuple[PipelinePlacement, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -60,17 +85,39 @@ class Layout:
         order of their first layer (every rank walks this list in the same order)."""
         holders: dict[tuple[int, ...], list[int]] = {}
         for layer in range(self.num_layers):
-            key = []
+            key: list[int] = []
             for w, stages in enumerate(self.stage_layers):
                 s = next(k for k, (a, b) in enumerate(stages) if a <= layer < b)
-                key.append(self.global_rank(w, s % len(self.pipelines[w])))
+                key.extend(self.stage_ranks[w][s])
             holders.setdefault(tuple(sorted(key)), []).append(layer)
         return [(ranks, tuple(layers)) for ranks, layers in holders.items()]
 
+    def replicated(self, worker: int) -> bool:
+        return any(len(r) > 1 for r in self.stage_ranks[worker])
 
-def plan_layout(plan: Plan, num_layers: int, model: str = "") -> Layout:
+    def actions(self, rank: int) -> list[Action]:
+        """Rank ``rank``'s action list for one iteration of the plan's (flushing) schedule: its
+        pipeline rank's list of ``build_schedule``; for a replica, its position's list kept to the
+        micro-batches it is assigned, its peers the replicas that hold the same micro-batches
+        (with the deeper 1F1B warm-up the simulator gives replicated pipelines)."""
+        me = self.ranks[rank]
+        plan, pipe = self.plan, self.placements[me.worker]
+        if not self.replicated(me.worker):
+            return build_schedule(plan.schedule, len(self.pipelines[me.worker]), plan.micro_batches,
+                                  plan.chunks)[me.pipe_rank]
+        depths = [sum(len(r) for r in pipe.replicas[k + 1:]) for k in range(pipe.ranks)]
+        cols = schedule_columns(plan.schedule, pipe.ranks, plan.micro_batches, plan.chunks, 1, plan.staleness,
+                                depths)
+        assign = [np.asarray(a, dtype=np.int64) for a in self.assignment[me.worker]]
+        return to_actions(_replicated_ranks(pipe, cols, assign, plan.micro_batches)[me.pipe_rank][2])
+
+
+def plan_layout(plan: Plan, num_layers: int, model: str = "",
+                assignment: Sequence[Sequence[Sequence[int]]] | None = None) -> Layout:
     """Map ``plan`` onto ranks, refusing what the runtime does not execute (one line each).
-    ``model`` names the model of ``num_layers`` layers in the messages.
+    ``model`` names the model of ``num_layers`` layers in the messages. ``assignment``: worker
+    -> stage -> the replica of each micro-batch (:func:`partitioner.placement.replica_assignment`,
+    from the stage times the cost model gives); ``None`` or empty: equal times (round-robin).
 
     The pipelines come from :func:`partitioner.placement.place` (stage count a multiple of the
     chunks, distinct devices, stage ``c*p + d`` on the device of stage ``d``); what the runtime
@@ -80,9 +127,11 @@ def plan_layout(plan: Plan, num_layers: int, model: str = "") -> Layout:
     cannot = supports(plan, "runtime")
     if cannot:
         raise PartitionerError(cannot)
+    assign = _checked_assignment(plan, assignment)
     ranks: list[RankInfo] = []
     pipelines: list[tuple[int, ...]] = []
     stage_layers: list[tuple[tuple[int, int], ...]] = []
+    stage_ranks: list[tuple[tuple[int, ...], ...]] = []
     for w, pipe in enumerate(pipelines_placed):
         where = f"virtual_workers[{w}]"
         expect = 0
@@ -101,8 +150,49 @@ def plan_layout(plan: Plan, num_layers: int, model: str = "") -> Layout:
         p, n = pipe.ranks, len(pipe.stages)
         check_schedule(plan.schedule, p, plan.micro_batches, plan.chunks, staleness=plan.staleness)
         base = len(ranks)
-        for d in range(p):
-            ranks.append(RankInfo(base + d, pipe.devices[d], w, d, tuple(range(d, n, p))))
-        pipelines.append(tuple(range(base, base + p)))
+        if pipe.replicas:
+            devices = [d for devs in pipe.replicas for d in devs]
+            if len(set(devices)) != len(devices):
+                raise FormatError(f"{where}.stages", [list(devs) for devs in pipe.replicas],
+                                  "a pipeline with replicated stages runs each stage on devices of its own; "
+                                  "a device is named twice")
+            held: list[tuple[int, ...]] = []
+            for k, devs in enumerate(pipe.replicas):
+                first = len(ranks)
+                for i, dev in enumerate(devs):
+                    ranks.append(RankInfo(len(ranks), dev, w, len(ranks) - base, (k,), i))
+                held.append(tuple(range(first, first + len(devs))))
+            pipelines.append(tuple(range(base, len(ranks))))
+            stage_ranks.append(tuple(held))
+        else:
+            for d in range(p):
+                ranks.append(RankInfo(base + d, pipe.devices[d], w, d, tuple(range(d, n, p))))
+            pipelines.append(tuple(range(base, base + p)))
+            stage_ranks.append(tuple((base + s % p,) for s in range(n)))
         stage_layers.append(pipe.stages)
-    return Layout(plan, tuple(ranks), tuple(pipelines), tuple(stage_layers), num_layers)
+    return Layout(plan, tuple(ranks), tuple(pipelines), tuple(stage_layers), num_layers, tuple(stage_ranks),
+                  assign, tuple(pipelines_placed))
+
+
+def _checked_assignment(plan: Plan, assignment: Sequence[Sequence[Sequence[int]]] | None
+                        ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``assignment`` checked against the plan (one line naming the entry), or the equal-times one."""
+    if not assignment:
+        return replica_assignment(plan)
+    m = plan.micro_batches
+    if len(assignment) != len(plan.virtual_workers):
+        raise FormatError("replica_assignment", len(assignment),
+                          f"must give one entry per virtual worker ({len(plan.virtual_workers)})")
+    out = []
+    for w, (vw, per_stage) in enumerate(zip(plan.virtual_workers, assignment, strict=True)):
+        if len(per_stage) != len(vw.stages):
+            raise FormatError(f"replica_assignment[{w}]", len(per_stage), f"must give one entry per stage ({len(vw.stages)})")
+        rows = []
+        for k, (st, row) in enumerate(zip(vw.stages, per_stage, strict=True)):
+            row = tuple(int(i) for i in row)
+            if len(row) != m or any(not 0 <= i < len(st.devices) for i in row):
+                raise FormatError(f"replica_assignment[{w}][{k}]", list(row),
+                                  f"must give each of the {m} micro-batches a replica in 0..{len(st.devices) - 1}")
+            rows.append(row)
+        out.append(tuple(rows))
+    return tuple(out)

@@ -58,10 +58,10 @@ def trained_weights(plan: Plan, tmp_path: Path, steps: int, lr: float, seed: int
 
 
 def assert_same(plan: Plan, tmp_path: Path, steps: int = 3, lr: float = 0.05, seed: int = 1,
-                data: str = "auto") -> None:
+                data: str = "auto", **options: object) -> None:
     ref = reference_weights(plan, steps, lr, seed, data)
     init = build_stage(zoo_chain(plan.model), 0, len(zoo_chain(plan.model).layers), seed=seed).state_dict()
-    for got in trained_weights(plan, tmp_path, steps, lr, seed, data):
+    for got in trained_weights(plan, tmp_path, steps, lr, seed, data, **options):
         assert set(got) == set(ref)
         for k, v in ref.items():
             torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=f"{plan.schedule}: {k}")

@@ -51,7 +51,8 @@ def _run(args: argparse.Namespace) -> int:
                          device=args.device, threads=args.threads, timeout_s=args.timeout, data=args.data,
                          model_options=options, node=args.plan_node or "",
                          checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
-                         resume=args.resume, emulation=emulation)
+                         resume=args.resume, emulation=emulation,
+                         replica_assignment=_replica_assignment(plan, profile, cluster))
     chain = chain_for(plan, config)
     n_layers = chain.num_layers
     if n_layers != profile.num_layers:  # the plan was validated against the profile: name where it differs
@@ -168,6 +169,18 @@ def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluste
     worst = max(measured, key=lambda d: measured[d])
     print(f"  peak memory         {measured[worst] / 2**30:9.2f} GiB measured on {worst} "
           f"(torch.cuda.max_memory_allocated), {predicted.get(worst, 0.0) / 2**30:.2f} GiB predicted")
+
+
+def _replica_assignment(plan: Plan, profile: Profile, cluster: Cluster) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Which replica of a replicated stage runs each micro-batch: the simulator's rule, on the
+    cost model's forward + backward time of the stage on each replica's GPU type."""
+    if not any(st.replicas for vw in plan.virtual_workers for st in vw.stages):
+        return ()
+    from ..cost import CostModel
+    from ..placement import replica_assignment
+
+    cost = CostModel(plan.profile_view(profile), cluster)
+    return replica_assignment(plan, lambda d, a, b: cost.compute_s(cluster.device(d).gpu_type, a, b))
 
 
 def _emulation(args: argparse.Namespace, plan: Plan, profile: Profile, cluster: Cluster) -> Any:
