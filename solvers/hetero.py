@@ -41,6 +41,7 @@ from .dp import diagnose_infeasible
 from .grouping import OBJECTIVES, POLICIES, combine, group, search_opt
 from .mapping import map_worker
 from .predictions import with_predictions
+from .progress import Status, status
 from .replication import replicate_worker
 from .result import SolveResult, SolveStatus
 
@@ -80,6 +81,7 @@ class WorkerPlanner:
         self._pinned = overridden
         self.evaluations = 0
         self.deadline: float | None = None  # time.perf_counter() value past which mappings stop early
+        self.progress = Status("", show=False)  # plan_cluster's status line, while it runs
 
     def key(self, devices: Sequence[Device]) -> Any:
         if any(d.name in self._pinned for d in devices):
@@ -300,11 +302,13 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     planner.deadline = t0 + time_limit_s
     k = None if virtual_workers == "auto" else int(virtual_workers)
     found: _Found | str
-    if policy == "opt":
-        found = _plan_opt(devs, k, planner, objective, replication, time_limit_s, t0, simulate_top,
-                          (profile, cluster, options), largest)
-    else:
-        found = _plan_fixed(devs, k, policy, planner, objective, largest)
+    with status(f"cluster planner ({n:,} GPUs)") as planner.progress:
+        if policy == "opt":
+            found = _plan_opt(devs, k, planner, objective, replication, time_limit_s, t0, simulate_top,
+                              (profile, cluster, options), largest)
+        else:
+            found = _plan_fixed(devs, k, policy, planner, objective, largest)
+        planner.progress.note("pricing the plan")
         if isinstance(found, str):
             return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
                                method=f"hetero:{policy}", reason=found)
@@ -408,6 +412,7 @@ def _plan_opt(devs: list[Device], k: int | None, planner: WorkerPlanner, objecti
 def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, replication: bool,
                     time_limit_s: float, t0: float, largest: int) -> _Found | None:
     """:func:`solvers.symmetric.plan_counts`, with the baselines' groupings as competitors."""
+    planner.progress.note("counts of worker templates over node classes")
     from .fleet_bound import largest_layer_s, worker_memory_bytes
     from .symmetric import node_classes, plan_counts
 
@@ -490,6 +495,7 @@ def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, obje
                  t0: float, simulate_top: int, sim: tuple[Profile, Cluster, CostOptions | None],
                  largest: int) -> _Found:
     """Exhaustive enumeration (small clusters) or local search over device identities."""
+    planner.progress.note("exhaustive search" if len(devs) <= 8 else "local search over groupings")
     cost, n = planner.cost, len(devs)
     nodes = len(dict.fromkeys(d.node for d in devs))
     micro_batches = planner.micro_batches

@@ -41,13 +41,13 @@ class Status:
     before a first solution); the line keeps its elapsed time moving between updates."""
 
     def __init__(self, label: str, unit_s: float = 1e-3, unit: str = "ms", *, file: Any = None,
-                 after_s: float | None = None):
+                 after_s: float | None = None, show: bool | None = None):
         self.label, self.unit_s, self.unit = label, unit_s, unit
         self._bar: Any = None
-        self.active = _SHOWN.get()
+        self.active = _SHOWN.get() if show is None else show
         self._shown_at = 0.0
         self._stop = threading.Event()
-        if _SHOWN.get():
+        if self.active:
             from tqdm import tqdm
 
             self._bar = tqdm(total=None, desc=label, bar_format="{desc}  [{elapsed}]", delay=AFTER_S if after_s is None else after_s,
@@ -75,6 +75,11 @@ class Status:
         self._bar.set_description_str(f"{self.label}  {'  '.join(parts) or 'searching'}", refresh=refresh)
         if refresh:
             self._shown_at = now
+
+    def note(self, text: str) -> None:
+        """Say what the solve is doing now (a phase, when there is no incumbent to show)."""
+        if self._bar is not None:
+            self._bar.set_description_str(f"{self.label}  {text}", refresh=True)
 
     def close(self) -> None:
         self._stop.set()
