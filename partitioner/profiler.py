@@ -175,13 +175,15 @@ def _flops_by_layer(layers: LayerList, x: torch.Tensor) -> tuple[dict[str, float
 
 
 def _progress(items: list[Any], enabled: bool | None, desc: str) -> Iterable[Any]:
+    """A bar over the layers on a terminal, shown once profiling has taken two seconds (by time,
+    not by layer count: a few slow layers deserve one too)."""
     if enabled is None:
-        enabled = len(items) > 20 and hasattr(os, "isatty") and os.isatty(2)
+        enabled = hasattr(os, "isatty") and os.isatty(2)
     if not enabled:
         return items
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, unit="layer")
+    return tqdm(items, desc=desc, unit="layer", delay=2.0)
 
 
 def analyze_layers(layers: nn.Sequential | Iterable[Any], sample_input: torch.Tensor, *,
