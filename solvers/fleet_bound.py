@@ -167,7 +167,7 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
     if len(types) == 1:
         return _one_type_bound(counts[types[0]], whole[types[0]], cap[types[0]], need, b, m, fill, ell,
                                objective, virtual_workers, perfect)
-    from scipy.optimize import linprog
+    from .lp import linprog
 
     nt = len(types)
     n = len(devices)
@@ -243,10 +243,10 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
         rhs_eq.append(float(virtual_workers))
 
     def lp(c: np.ndarray, extra: list[np.ndarray], upper: np.ndarray) -> float | None:
-        res = linprog(c, A_ub=np.array(rows_ub + extra), b_ub=np.array(rhs_ub + [0.0] * len(extra)),
-                      A_eq=np.array(rows_eq) if rows_eq else None, b_eq=np.array(rhs_eq) if rows_eq else None,
-                      bounds=list(zip(np.zeros(nv), upper, strict=True)), method="highs")
-        return None if res.status != 0 else -float(res.fun)
+        res = linprog(c, np.array(rows_ub + extra), np.array(rhs_ub + [0.0] * len(extra)),
+                      np.array(rows_eq) if rows_eq else None, np.array(rhs_eq) if rows_eq else None,
+                      list(zip(np.zeros(nv), upper, strict=True)))
+        return -res.fun if res.ok else None
 
     free = np.full(nv, np.inf)
     if objective == "wsp":

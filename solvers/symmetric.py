@@ -394,7 +394,7 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
     best rounded solution, and the best level's LP is rounded down and filled greedily. Rounding
     loses at most as many workers as the LP has constraints. ``near``: a rate whose level is
     tried first; ``floor_value``: a value already reached (intervals below it are not refined)."""
-    from scipy.optimize import linprog
+    from .lp import linprog
 
     cols = [i for i, r in enumerate(rates) if r > 0 and math.isfinite(r)]
     if not cols:
@@ -427,21 +427,20 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
 
     def lp(allowed: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
         """The LP over the allowed columns only (the others are 0), by its dual when K is free
-        (``min cap.y`` s.t. ``a_t.y >= weight_t``: few variables, solved faster; HiGHS returns
-        the primal solution as the constraints' marginals)."""
+        (``min cap.y`` s.t. ``a_t.y >= weight_t``: few variables, solved faster; the primal
+        solution is the constraints' duals)."""
         on = np.flatnonzero(allowed)
         if not len(on):
             return None
         out = np.zeros(len(cols))
         if k is None:
-            res = linprog(cap, A_ub=-a[:, on].T, b_ub=-weight[on], bounds=(0, None), method="highs-ds")
-            if res.status != 0:
+            res = linprog(cap, -a[:, on].T, -weight[on])
+            if not res.ok:
                 return None
-            out[on] = -res.ineqlin.marginals
+            out[on] = -res.ub_duals
             return np.maximum(out, 0.0)
-        res = linprog(-weight[on], A_ub=a[:, on], b_ub=cap, A_eq=np.ones((1, len(on))), b_eq=[float(k)],
-                      bounds=(0, None), method="highs")
-        if res.status != 0:
+        res = linprog(-weight[on], a[:, on], cap, np.ones((1, len(on))), np.array([float(k)]))
+        if not res.ok:
             return None
         out[on] = res.x
         return out

@@ -173,3 +173,25 @@ def test_one_type_bound_in_closed_form_holds(objective, param_mb):
         assert bound >= at_k * (1 - 1e-9) if at_k > -math.inf else bound >= 0
     best = exhaustive(devs, planner, objective, range(1, len(devs) + 1))
     assert fleet_bound(cost, devs, "1f1b", 4, objective).samples_per_s >= best * (1 - 1e-9)
+
+
+def test_the_planner_linear_programs_give_optimal_primal_and_dual_solutions() -> None:
+    """solvers.lp (GLOP): max w.x s.t. a x <= cap, x >= 0, against its dual min cap.y s.t. a^T y >= w:
+    equal objectives (strong duality), and the dual's row duals a primal optimum."""
+    import numpy as np
+
+    from solvers.lp import linprog
+
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        m, n = int(rng.integers(2, 6)), int(rng.integers(2, 12))
+        a = rng.integers(0, 4, (m, n)).astype(float)
+        a[:, a.sum(axis=0) == 0] = 1.0  # every column uses something: the primal is bounded
+        cap, w = rng.integers(3, 20, m).astype(float), rng.uniform(0.1, 2.0, n)
+        primal = linprog(-w, a, cap)
+        dual = linprog(cap, -a.T, -w)
+        assert primal.ok and dual.ok
+        assert -primal.fun == pytest.approx(dual.fun, rel=1e-9, abs=1e-9)
+        x = np.maximum(-dual.ub_duals, 0.0)
+        assert np.all(a @ x <= cap + 1e-9) and w @ x == pytest.approx(dual.fun, rel=1e-9, abs=1e-9)
+    assert not linprog(np.array([1.0]), np.array([[1.0]]), np.array([-1.0])).ok  # x >= 0, x <= -1
