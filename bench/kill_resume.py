@@ -100,8 +100,8 @@ def main() -> int:
         good = line and first == expected and bad == 0 and equal
         ok_runs += good
         corrupt_total += bad
-        print(f"{run:>3} {rank:>4} {step:>4} {str(line):>8} {first:>10} {expected:>8} {complete:>14} {bad:>7} "
-              f"{str(equal):>12} {time.perf_counter() - t0:5.1f}")
+        print(f"{run:>3} {rank:>4} {step:>4} {line!s:>8} {first:>10} {expected:>8} {complete:>14} {bad:>7} "
+              f"{equal!s:>12} {time.perf_counter() - t0:5.1f}")
     print(f"\n{ok_runs} of {args.runs} runs resumed where expected with the uninterrupted losses; "
           f"{corrupt_total} corrupt checkpoint files")
     return 0 if ok_runs == args.runs and corrupt_total == 0 else 1
