@@ -8,7 +8,10 @@ middle layer, the same layers from the same seeds, the same micro-batches, the l
 the output (synthetic data) and SGD in both. In each process both runtimes are built once;
 then, round after round, ``--steps`` steps of ours and ``--steps`` of torch's schedule
 (``Schedule1F1B`` / ``ScheduleGPipe``) alternate, every step timed between barriers. Prints the
-median step of each and the ratio theirs / ours (> 1: ours is faster). Writes nothing.
+median step of each and the ratio theirs / ours (> 1: ours is faster), beside the schedule's own
+bound for this split: each stage's forward and backward per micro-batch (``t1``, ``t2``, measured
+here first in one process on one thread), ``(m - 1) max(t1, t2) + t1 + t2``, the best any
+runtime of this schedule can do without overlapping a stage's work with itself. Writes nothing.
 """
 
 from __future__ import annotations
@@ -82,6 +85,41 @@ def _rank(rank: int, world: int, plan_dict: dict, rounds: int, steps: int, out: 
         Path(out).write_text(json.dumps({"ours": mine, "torch": other}))
 
 
+def stage_times_s(model: str, mbs: int, m: int, cut: int, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds per micro-batch of each stage's forward and backward (the loss and SGD step
+    included in the last), in one process on one thread, the two stages run one after the other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        chain = zoo_chain(model, mbs)
+        first, last = build_stage(chain, 0, cut, seed=0), build_stage(chain, cut, chain.num_layers, seed=0)
+        opt = torch.optim.SGD([*first.parameters(), *last.parameters()], lr=1e-3)
+        batch = SyntheticData(chain.make_input, mbs, m, 1, 0).global_batch(0)[0]
+        t1, t2 = [], []
+        for _ in range(repeats + 1):
+            a = b = 0.0
+            for j in range(m):
+                t0 = time.perf_counter()
+                y = first(batch[j * mbs:(j + 1) * mbs])
+                a += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                x = y.detach().requires_grad_(True)
+                last(x).float().mean().backward()
+                b += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                y.backward(x.grad)
+                a += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            b += time.perf_counter() - t0
+            t1.append(a / m)
+            t2.append(b / m)
+        return statistics.median(t1[1:]), statistics.median(t2[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="vgg19-tiny:32,gpt2-tiny:16", help="MODEL:MICRO_BATCH_SIZE, comma-separated")
@@ -93,10 +131,13 @@ def main() -> int:
     print(machine_line())
     print(f"torch {torch.__version__}, gloo, 2 ranks x 1 thread, {args.micro_batches} micro-batches, "
           f"{args.rounds} rounds x {args.steps} steps each, interleaved\n")
-    print(f"{'model':>12} {'mbs':>4} {'schedule':>8} {'ours ms':>9} {'torch ms':>9} {'torch/ours':>10}")
+    print(f"{'model':>12} {'mbs':>4} {'schedule':>8} {'bound ms':>9} {'ours ms':>9} {'torch ms':>9} "
+          f"{'torch/ours':>10} {'ours/bound':>10}")
     for item in args.models.split(","):
         model, mbs = item.split(":")
         n = zoo_chain(model).num_layers
+        t1, t2 = stage_times_s(model, int(mbs), args.micro_batches, n // 2)
+        bound = (args.micro_batches - 1) * max(t1, t2) + t1 + t2  # fill, then the slower stage paces
         for schedule in args.schedules.split(","):
             plan = Plan(model, (VirtualWorker((Stage((0, n // 2), "n0:0"), Stage((n // 2, n), "n0:1"))),),
                         schedule, int(mbs), args.micro_batches)
@@ -105,7 +146,8 @@ def main() -> int:
                 spawn_local(_rank, 2, (plan.to_dict(), args.rounds, args.steps, out), threads=1, timeout_s=600)
                 times = json.loads(Path(out).read_text())
             ours, theirs = statistics.median(times["ours"]), statistics.median(times["torch"])
-            print(f"{model:>12} {mbs:>4} {schedule:>8} {ours * 1e3:9.2f} {theirs * 1e3:9.2f} {theirs / ours:10.3f}")
+            print(f"{model:>12} {mbs:>4} {schedule:>8} {bound * 1e3:9.2f} {ours * 1e3:9.2f} {theirs * 1e3:9.2f} "
+                  f"{theirs / ours:10.3f} {ours / bound:10.3f}")
     return 0
 
 
