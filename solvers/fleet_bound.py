@@ -49,6 +49,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -142,9 +143,31 @@ def _compositions(n_types: int, total: int) -> list[tuple[int, ...]]:
     return [(a, *rest) for a in range(total, -1, -1) for rest in _compositions(n_types - 1, total - a)]
 
 
+class _NoLpAnswer(Exception):
+    """The LP solver gave no answer (not a proof of infeasibility): the bound falls back."""
+
+
 def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
-                objective: str, *, replication: bool = False, virtual_workers: int | None = None,
-                small_worker_gpus: int = 4, max_core: int = 16, rel_tol: float = 2e-3) -> FleetBound:
+                objective: str, **options: Any) -> FleetBound:
+    """The bound of the module docstring over ``devices`` (options: ``replication``,
+    ``virtual_workers`` to fix K, ``small_worker_gpus``, ``max_core``, ``rel_tol``). Should a linear
+    program get no answer from the solver, the perfect speed-up (still a valid bound) is returned."""
+    try:
+        return _fleet_bound(cost, devices, schedule, micro_batches, objective, **options)
+    except _NoLpAnswer as why:
+        counts = type_counts(devices)
+        whole = _whole_s(cost, sorted(counts))
+        perfect = cost.profile.micro_batch_size * sum(n / whole[t] if whole[t] > 0 else math.inf
+                                                     for t, n in counts.items())
+        log.warning("fleet bound: a linear program got no answer (%s); the bound falls back to the perfect "
+                    "speed-up", why)
+        return FleetBound(perfect, perfect, worker_memory_bytes(cost, schedule),
+                          spec(schedule).flushes and not options.get("replication", False), 0)
+
+
+def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+                 objective: str, *, replication: bool = False, virtual_workers: int | None = None,
+                 small_worker_gpus: int = 4, max_core: int = 16, rel_tol: float = 2e-3) -> FleetBound:
     """The bound of the module docstring over ``devices``; ``virtual_workers`` fixes K.
 
     Workers of at most ``small_worker_gpus`` GPUs are columns of their exact GPU mix (their
@@ -246,7 +269,9 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
         res = linprog(c, np.array(rows_ub + extra), np.array(rhs_ub + [0.0] * len(extra)),
                       np.array(rows_eq) if rows_eq else None, np.array(rhs_eq) if rows_eq else None,
                       list(zip(np.zeros(nv), upper, strict=True)))
-        return -res.fun if res.ok else None
+        if res.status in ("failed", "unbounded"):
+            raise _NoLpAnswer(res.status)
+        return -res.fun if res.ok else None  # infeasible: no worker fits
 
     free = np.full(nv, np.inf)
     if objective == "wsp":

@@ -427,14 +427,14 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
 
     def lp(allowed: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
         """The LP over the allowed columns only (the others are 0), by its dual when K is free
-        (``min cap.y`` s.t. ``a_t.y >= weight_t``: few variables, solved faster; the primal
-        solution is the constraints' duals)."""
+        (``min cap.y`` s.t. ``a_t.y >= weight_t``: few variables, solved faster; HiGHS gives the
+        primal solution as the constraints' duals)."""
         on = np.flatnonzero(allowed)
         if not len(on):
             return None
         out = np.zeros(len(cols))
         if k is None:
-            res = linprog(cap, -a[:, on].T, -weight[on])
+            res = linprog(cap, -a[:, on].T, -weight[on], method="highs-ds")
             if not res.ok:
                 return None
             out[on] = -res.ub_duals

@@ -195,3 +195,20 @@ def test_the_planner_linear_programs_give_optimal_primal_and_dual_solutions() ->
         x = np.maximum(-dual.ub_duals, 0.0)
         assert np.all(a @ x <= cap + 1e-9) and w @ x == pytest.approx(dual.fun, rel=1e-9, abs=1e-9)
     assert not linprog(np.array([1.0]), np.array([[1.0]]), np.array([-1.0])).ok  # x >= 0, x <= -1
+
+
+def test_a_linear_program_without_an_answer_leaves_a_valid_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The solver giving up is not infeasibility: the bound falls back to the perfect speed-up."""
+    import numpy as np
+
+    import solvers.lp as lp
+
+    profile = synthetic_profile(8, seed=1, types=TYPES, param_mb=20.0)
+    cluster = small_cluster([["TITAN-V"], ["TITAN-V", "RTX-2060"]], inter=2.0)
+    cost = CostModel(profile, cluster)
+    devs = list(cluster.devices)
+    real = fleet_bound(cost, devs, "1f1b", 2, "sync")
+    monkeypatch.setattr(lp, "linprog", lambda c, *a, **k: lp.LpResult("failed", np.zeros(len(c)), math.nan,
+                                                                      np.zeros(0)))
+    fallback = fleet_bound(cost, devs, "1f1b", 2, "sync")
+    assert fallback.samples_per_s == fallback.perfect_speedup >= real.samples_per_s
