@@ -97,8 +97,9 @@ def _estimated_roofs(profile: Profile, source: str) -> Roofs:
     ok = fwd > 0
     if not ok.any():
         raise PartitionerError(f"profile has no positive forward time on '{source}' to calibrate from")
-    peak = float(np.max(flops[ok] / fwd[ok]))
-    bw = float(np.max(nbytes[ok] / fwd[ok]))
+    with np.errstate(over="ignore"):  # a time near 0 gives an unbounded roof: inf, handled below
+        peak = float(np.max(flops[ok] / fwd[ok]))
+        bw = float(np.max(nbytes[ok] / fwd[ok]))
     return Roofs(peak if peak > 0 else float("inf"), bw if bw > 0 else float("inf"))
 
 
