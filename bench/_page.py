@@ -89,9 +89,16 @@ def update_section(record: dict[str, Any], page: Path, img_dir: Path) -> list[st
             figures.append(drawn)
     record["figures"] = figures
     name = record["name"]
-    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    block = f"{begin}\n{render_section(record, figures)}\n{end}"
-    text = page.read_text() if page.exists() else HEADER
+    write_between(page, f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->", render_section(record, figures),
+                  HEADER)
+    return figures
+
+
+def write_between(page: Path, begin: str, end: str, body: str, header: str = "") -> None:
+    """Replace what ``page`` holds between the markers ``begin`` and ``end`` with ``body``
+    (markers appended when absent, ``header`` starts a new page); written atomically."""
+    block = f"{begin}\n{body}\n{end}"
+    text = page.read_text(encoding="utf-8") if page.exists() else header
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text)
@@ -99,4 +106,3 @@ def update_section(record: dict[str, Any], page: Path, img_dir: Path) -> list[st
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     page.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(page, text)
-    return figures

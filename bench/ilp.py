@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._machine import machine_line  # noqa: E402
+from bench._page import write_between  # noqa: E402
 from bench._results import emit  # noqa: E402
-from partitioner._io import atomic_write_text  # noqa: E402
 from partitioner.cluster import GIB, Cluster, DeviceType, Node  # noqa: E402
 from partitioner.cost import CostOptions  # noqa: E402
 from partitioner.importers.pipedream import import_pipedream  # noqa: E402
@@ -158,13 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     emit(rows, seeds={})
     if args.write:
-        doc = DOC.read_text()
-        start, end = MARKERS
-        if start not in doc or end not in doc:
-            raise SystemExit(f"{DOC}: markers {start} / {end} not found")
-        head, rest = doc.split(start, 1)
-        _, tail = rest.split(end, 1)
-        atomic_write_text(DOC, f"{head}{start}\n{text}\n{end}{tail}")
+        write_between(DOC, *MARKERS, text)
         print(f"wrote {DOC}")
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._machine import machine_line  # noqa: E402
-from partitioner._io import atomic_write_text  # noqa: E402
+from bench._page import write_between  # noqa: E402
 from partitioner.cluster import GIB, Cluster, DeviceType, Node, resolve_gpu_type  # noqa: E402
 from partitioner.errors import PartitionerError  # noqa: E402
 from partitioner.importers.pipedream import import_pipedream  # noqa: E402
@@ -149,13 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + table)
     if args.no_write:
         return
-    start, end = MARKERS[args.hint]
-    text = DOC.read_text(encoding="utf-8") if DOC.exists() else f"# Solvers\n\n{start}\n{end}\n"
-    if start not in text or end not in text:
-        text += f"\n{start}\n{end}\n"
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    atomic_write_text(DOC, f"{head}{start}\n{table}\n{end}{tail}")
+    write_between(DOC, *MARKERS[args.hint], table, "# Solvers\n")
     print(f"\nwrote {DOC.relative_to(ROOT)}")
 
 

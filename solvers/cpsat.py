@@ -26,7 +26,7 @@ from partitioner.cost import CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
 
-from .intervals import DEFAULT_MAX_ARCS, check_limits, finish, model_arcs, prepare
+from .intervals import DEFAULT_MAX_ARCS, check_limits, cpsat_solver, finish, model_arcs, prepare
 from .progress import solve_cpsat
 from .result import SolveResult, SolveStatus
 
@@ -126,13 +126,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
         model.add_hint(bottleneck, max(ticks[a] for a in chosen))
 
     # Solve.
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = threads
-    solver.parameters.random_seed = seed
-    # Several workers in a fixed interleaved order: the same seed and workers give the same
-    # search, so the same plan (for a run that ends before its time limit).
-    solver.parameters.interleave_search = threads > 1
+    solver = cpsat_solver(time_limit_s, threads, seed)
     code = solve_cpsat(solver, model, "cpsat", tick_s)
     details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time,
                    branches=solver.num_branches)

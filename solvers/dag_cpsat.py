@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .dag import DagData, DagPlan, finish_dag, price_assignment, single_stage
+from .intervals import cpsat_solver
 from .progress import solve_cpsat
 from .result import SolveResult, SolveStatus
 
@@ -109,11 +110,7 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
 
     # Objective: minimise B.
     m.minimize(bottleneck)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = threads
-    solver.parameters.random_seed = seed
-    solver.parameters.interleave_search = threads > 1
+    solver = cpsat_solver(time_limit_s, threads, seed)
     code = solve_cpsat(solver, m, "cpsat (graph)", tick_s)
     details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time, branches=solver.num_branches)
     if code == cp_model.INFEASIBLE:

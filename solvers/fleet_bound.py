@@ -143,6 +143,11 @@ def _compositions(n_types: int, total: int) -> list[tuple[int, ...]]:
     return [(a, *rest) for a in range(total, -1, -1) for rest in _compositions(n_types - 1, total - a)]
 
 
+def _perfect(cost: CostModel, counts: Mapping[str, int], whole: Mapping[str, float]) -> float:
+    """Perfect speed-up: micro_batch_size x sum over GPUs of 1 / (the whole model's time there)."""
+    return cost.profile.micro_batch_size * sum(n / whole[t] if whole[t] > 0 else math.inf for t, n in counts.items())
+
+
 class _NoLpAnswer(Exception):
     """The LP solver gave no answer (not a proof of infeasibility): the bound falls back."""
 
@@ -156,9 +161,7 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
         return _fleet_bound(cost, devices, schedule, micro_batches, objective, **options)
     except _NoLpAnswer as why:
         counts = type_counts(devices)
-        whole = _whole_s(cost, sorted(counts))
-        perfect = cost.profile.micro_batch_size * sum(n / whole[t] if whole[t] > 0 else math.inf
-                                                     for t, n in counts.items())
+        perfect = _perfect(cost, counts, _whole_s(cost, sorted(counts)))
         log.warning("fleet bound: a linear program got no answer (%s); the bound falls back to the perfect "
                     "speed-up", why)
         return FleetBound(perfect, perfect, worker_memory_bytes(cost, schedule),
@@ -179,7 +182,7 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micr
     types = sorted(counts)
     whole = _whole_s(cost, types)
     b, m = cost.profile.micro_batch_size, micro_batches
-    perfect = b * sum(n / whole[t] if whole[t] > 0 else math.inf for t, n in counts.items())
+    perfect = _perfect(cost, counts, whole)
     fill = spec(schedule).flushes and not replication
     need = worker_memory_bytes(cost, schedule)
     reserved = cost.options.reserved_bytes

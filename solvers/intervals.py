@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +46,7 @@ __all__ = [
     "ChainProblem",
     "build_arcs",
     "check_limits",
+    "cpsat_solver",
     "dp_split",
     "finish",
     "model_arcs",
@@ -203,6 +205,20 @@ def check_limits(time_limit_s: float, threads: int, seed: int = 0) -> None:
         raise FormatError("threads", threads, "must be an integer >= 1")
     if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**31):
         raise FormatError("seed", seed, "must be an integer in [0, 2^31)")
+
+
+def cpsat_solver(time_limit_s: float, threads: int, seed: int) -> Any:
+    """A CP-SAT solver with the limits checked by :func:`check_limits`. Several workers run in a
+    fixed interleaved order: the same seed and workers give the same search, so the same plan
+    (for a run that ends before its time limit)."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.num_workers = threads
+    solver.parameters.random_seed = seed
+    solver.parameters.interleave_search = threads > 1
+    return solver
 
 
 def dp_split(problem: ChainProblem) -> ChainSolution | None:

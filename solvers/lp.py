@@ -49,10 +49,7 @@ def linprog(c: np.ndarray, a_ub: np.ndarray | None = None, b_ub: np.ndarray | No
     from scipy.optimize import linprog as highs
 
     c = np.asarray(c, dtype=float)
-    per = bounds if isinstance(bounds, tuple) else [(lo, None if hi == math.inf else hi) for lo, hi in bounds]
-    if isinstance(per, tuple):
-        per = (per[0], None if per[1] == math.inf else per[1])
-    res = highs(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=per, method=method)
+    res = highs(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method=method)
     status = {0: "optimal", 2: "infeasible", 3: "unbounded"}.get(res.status, "failed")
     rows = 0 if a_ub is None else int(np.atleast_2d(a_ub).shape[0])
     if status != "optimal":
