@@ -306,6 +306,7 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
         if policy == "opt":
             found = _plan_opt(devs, k, planner, objective, replication, time_limit_s, t0, simulate_top,
                               (profile, cluster, options), largest)
+            found = _sync_certified(found, devs, k, planner, objective, replication, t0 + time_limit_s)
         else:
             found = _plan_fixed(devs, k, policy, planner, objective, largest)
         planner.progress.note("pricing the plan")
@@ -407,6 +408,38 @@ def _plan_opt(devs: list[Device], k: int | None, planner: WorkerPlanner, objecti
     if priced(search) > priced(counts) * (1 + 1e-9):
         return replace(search, details={**search.details, "grouping": "local search (above the counts plan)"})
     return counts
+
+
+def _sync_certified(found: _Found, devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str,
+                    replication: bool, deadline: float) -> _Found:
+    """Clusters of up to 16 GPUs under ``sync`` (beyond, listing every worker template costs more than the
+    plan): :func:`solvers.sync_bound.sync_bound`, the bound with the
+    all-reduce in it, which also prices the groupings that could beat the plan (a better one
+    replaces it). Its figures go to ``details["sync_bound"]``."""
+    cost, sched, m = planner.cost, planner.schedule, planner.micro_batches
+    if (found.best is None or objective != "sync" or replication or len(devs) > 16 or not spec(sched).flushes
+            or spec(sched).sync != "allreduce" or not planner.interchangeable(devs)
+            or time.perf_counter() >= deadline):
+        return found
+    from .symmetric import node_classes
+    from .sync_bound import sync_bound
+
+    planner.progress.note("bounding the plan with its all-reduce")
+
+    def price(g: list[list[Device]]) -> float:
+        return price_plan(cost, _plan_of(g, planner, cost.profile, sched, m)[0], objective)["samples_per_s"]
+
+    current = price(found.best[1])  # the plan _finish builds: every worker mapped by the full search
+    sb = sync_bound(cost, devs, node_classes(devs, planner.node_kind), sched, m, current, workers=k,
+                    exact_limit=planner.exact_limit, deadline=deadline, price=price)
+    details = {**found.details, "sync_bound": {"samples_per_s": sb.samples_per_s, "complete": sb.complete,
+                                               "templates": sb.templates, "refined": sb.refined,
+                                               "allreduce_floor": sb.allreduce_floor, "workers": sb.workers}}
+    better = sb.details.get("grouping")
+    if better is not None:
+        details["grouping"] = "bound search (above the planner's grouping)"
+        return _Found((sb.details["samples_per_s"], better), planner, found.exact, details)
+    return replace(found, best=(current, found.best[1]), used=planner, details=details)
 
 
 def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, replication: bool,
@@ -576,6 +609,9 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     bound = fleet_bound(cost, devs, schedule, micro_batches, objective, replication=replication,
                         virtual_workers=k)
     upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s)
+    with_sync = found.details.get("sync_bound", {})
+    if with_sync.get("complete"):  # the bound with the all-reduce in it (solvers.sync_bound)
+        upper = min(upper, with_sync["samples_per_s"])
     # Exact search proves optimality only where throughput is a function of the bottleneck alone.
     # (The search prices the all-reduce between workers by an estimate, so with it no proof.)
     closed_form = (not replication and not spec(schedule).flushes

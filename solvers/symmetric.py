@@ -54,7 +54,8 @@ from partitioner.cluster import Device
 
 from .fleet_bound import worker_time_bound_s
 
-__all__ = ["NodeClass", "SymmetricResult", "node_classes", "plan_counts"]
+__all__ = ["NodeClass", "SymmetricResult", "add_template", "complete_templates", "node_classes", "plan_counts",
+           "realise", "template_usage"]
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,12 @@ def _templates(classes: Sequence[NodeClass], complete: bool, max_gpus: int, max_
     return out
 
 
-def _usage(t: Template) -> Counter[tuple[int, str]]:
+def complete_templates(classes: Sequence[NodeClass], max_gpus: int, limit: int = 20_000) -> list[Template] | None:
+    """Every worker of at most ``max_gpus`` GPUs as a template (``None`` past ``limit`` templates)."""
+    return _templates(classes, True, max_gpus, len(classes), limit)
+
+
+def template_usage(t: Template) -> Counter[tuple[int, str]]:
     """GPUs of each (class, type) a template takes."""
     out: Counter[tuple[int, str]] = Counter()
     for ci, vec in t:
@@ -170,7 +176,7 @@ def _usage(t: Template) -> Counter[tuple[int, str]]:
     return out
 
 
-def _realise(t: Template, classes: Sequence[NodeClass], pools: dict[str, dict[str, list[Device]]]) -> list[Device]:
+def realise(t: Template, classes: Sequence[NodeClass], pools: dict[str, dict[str, list[Device]]]) -> list[Device]:
     """Devices of one worker of template ``t`` on the first nodes of each class."""
     used: Counter[int] = Counter()
     out: list[Device] = []
@@ -287,7 +293,7 @@ def _shift(arr: np.ndarray, vec: Sequence[int], j: int) -> tuple[tuple[slice, ..
     return tuple(tgt), tuple(src)
 
 
-def _add_template(table: np.ndarray, vec: Sequence[int], gain: float | None) -> np.ndarray:
+def add_template(table: np.ndarray, vec: Sequence[int], gain: float | None) -> np.ndarray:
     """The DP table after allowing any number of copies of one more template: reachability
     (``gain`` None) or best value (``gain`` per copy), over (GPU counts used, workers)."""
     new = table.copy()
@@ -316,7 +322,7 @@ def _solve_dp(templates: Sequence[Template], rates: Sequence[float], supply: dic
     if math.prod(shape) > max_cells:
         return None
     cols = [i for i, r in enumerate(rates) if r > 0 and math.isfinite(r)]
-    vecs = {i: [_usage(templates[i]).get(key, 0) for key in keys] for i in cols}
+    vecs = {i: [template_usage(templates[i]).get(key, 0) for key in keys] for i in cols}
     cols = [i for i in cols if all(v <= supply[key] for v, key in zip(vecs[i], keys, strict=True))]
     full = tuple(supply[key] for key in keys)
     ks = range(1, n + 1) if k is None else [k]
@@ -324,7 +330,7 @@ def _solve_dp(templates: Sequence[Template], rates: Sequence[float], supply: dic
         table = np.full(shape, -np.inf)
         table[(0,) * len(shape)] = 0.0
         for i in cols:
-            table = _add_template(table, vecs[i], rates[i])
+            table = add_template(table, vecs[i], rates[i])
         kk = max(ks, key=lambda x: table[_cell(full, x)])
         if not table[_cell(full, kk)] > -np.inf:
             return None
@@ -333,7 +339,7 @@ def _solve_dp(templates: Sequence[Template], rates: Sequence[float], supply: dic
     reach[(0,) * len(shape)] = True
     best: tuple[float, int, np.ndarray, float] | None = None
     for i in sorted(cols, key=lambda i: -rates[i]):
-        reach = _add_template(reach, vecs[i], None)
+        reach = add_template(reach, vecs[i], None)
         got = [x for x in ks if reach[_cell(full, x)]]
         if got and (best is None or max(got) * rates[i] > best[0]):
             best = (max(got) * rates[i], max(got), reach, rates[i])
@@ -400,7 +406,7 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
     if not cols:
         return None
     keys = sorted(supply)
-    use = {i: _usage(templates[i]) for i in cols}
+    use = {i: template_usage(templates[i]) for i in cols}
     a = np.array([[use[i].get(key, 0) for i in cols] for key in keys], dtype=float)
     if k is None:  # GPUs may stay idle: a template using more of every kind for no more rate never helps
         keep = _undominated(a, np.array([rates[i] for i in cols]))
@@ -577,7 +583,7 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
         more = sorted((t for t in templates if t not in rates.planned and t not in chosen
                        and (objective == "wsp" or rates.est(t) >= level)), key=lambda t: -rates.est(t))
         for t in new + more[:batch if new and exact_counts else 0]:
-            devs = _realise(t, classes, pools)
+            devs = realise(t, classes, pools)
             rates.planned[t] = max(rate(devs), 0.0)
             rates.exact[t] = rate_exact(devs)
         settled = all(rates.planned[t] >= rates.bound[t] * (1 - 1e-12) for t in new)

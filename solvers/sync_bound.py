@@ -1,0 +1,412 @@
+"""A bound on the ``sync`` objective of a small cluster that includes the gradient all-reduce.
+
+:mod:`solvers.fleet_bound` bounds every plan by its pipelines alone: the all-reduce between
+virtual workers and the optimizer step only add to an iteration, so they are left out. On a
+small cluster that leaves a gap of a few per cent exactly where data parallelism is priced:
+the best plans there are often single-GPU workers that pay the whole model's all-reduce.
+This module bounds the same closed form the planner reports
+(:meth:`partitioner.cost.CostModel.plan_iteration_s`) with the all-reduce in it, over every
+grouping of the cluster into workers.
+
+**One worker among K.** Let a plan have ``K`` virtual workers without replicated stages, and
+let worker ``S`` (its GPU set) have a pipeline of ``q = |S|`` stages. Under a flushing schedule
+its stage 0 finishes its last backward when the worker's pipeline ends, at
+``worker_iteration_s``; its device then all-reduces every group of layers it holds, one after
+another, and steps. So the plan's iteration is at least
+
+    L(S, K) = P(S) + F_K(w_0) + U(w_0)
+
+with ``w_0`` stage 0's parameters, ``U`` the optimizer step, ``F_K(n)`` the least time of an
+all-reduce of ``n`` bytes over ``K`` of the cluster's GPUs and ``P(S)`` a lower bound on the
+worker's pipeline:
+
+* ``P(S) >= G(S)``, the fleet bound's ``min_q (m - 1 + q) / S_q`` (always);
+* where the worker's mapping search is exhaustive, ``P(S) >= (m - 1) B*(S) + sum_l min_t c_t(l)``:
+  the closed form's pace is at least the bottleneck of its stages, at least the least
+  bottleneck ``B*`` over every order and split of ``S`` (:func:`solvers.mapping.map_worker`), and
+  its fill crosses every layer forward and back on some GPU of ``S``.
+
+A single-GPU worker holds the whole model (``w_0`` everything), so for it ``L`` is exact but for
+``F``; a pipelined worker's stage 0 holds at least the first layer.
+
+``F_K``: every layer is held by one device of each worker, so each all-reduce group has ``K``
+members. The groups a device runs add up; where every link's time is affine in the bytes
+(a flat bandwidth and a latency: no measured curve) the all-reduce time of each member set is
+affine with a non-negative intercept, the least over member sets is concave, hence
+subadditive: the groups together take at least ``F_K`` of their summed bytes. ``F_K`` is the
+least :meth:`~partitioner.cost.CostModel.allreduce_s` over every way of placing ``K`` members on
+the nodes (members of a node kept together in the ring, which is the best order when links
+inside a node are at least as fast as between nodes, and no link override names a device or a
+node pair). Where these conditions fail, ``F`` is taken as 0 (the bound stays valid, only looser).
+
+**The cluster.** The plan's rate is ``K m b / iteration <= K m b / max_w L(S_w, K)``. For each
+``K``, a worker set can beat a plan of ``V`` samples/s only if every worker has
+``L(S, K) < K m b / V``; whether ``K`` disjoint such workers fit the cluster is a
+reachability DP over counts of worker templates (:mod:`solvers.symmetric`: interchangeable
+GPUs make a worker a template). The bound for ``K`` is ``K`` times the least template rate at
+which ``K`` workers first fit, trying templates in falling rate order; the bound is the largest
+over ``K``, or ``V`` itself when no ``K`` fits: then the plan is proven optimal.
+GPUs may stay idle in the bound (a plan need not use them all).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partitioner.cluster import Device
+from partitioner.cost import CostModel
+from partitioner.schedule import spec
+
+from .fleet_bound import worker_memory_bytes
+from .mapping import device_labels, map_worker, num_label_orders
+from .symmetric import (
+    NodeClass,
+    Template,
+    _pack,
+    add_template,
+    complete_templates,
+    realise,
+    template_usage,
+)
+
+__all__ = ["SyncBound", "allreduce_floor", "sync_bound"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncBound:
+    """An upper bound on the ``sync`` samples/s of any plan without replicated stages."""
+
+    samples_per_s: float
+    workers: int  # the K at which the bound is reached (0: no K beats the plan it was asked about)
+    templates: int  # worker templates considered
+    refined: int  # templates whose pipeline bound came from an exhaustive mapping search
+    allreduce_floor: bool  # whether the all-reduce term applies (links affine, no overrides)
+    complete: bool  # False: stopped by the time limit; samples_per_s is then the fallback given
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.samples_per_s >= 0:
+            raise ValueError(f"SyncBound: rate {self.samples_per_s} is not >= 0")
+
+
+def _affine_links(cost: CostModel, devices: Sequence[Device]) -> bool:
+    """Whether every link among ``devices`` is flat (a bandwidth and a latency, no curve), no
+    override names a device or node pair, and no node's links are slower than between nodes."""
+    cl = cost.cluster
+    if cl.links:
+        return False
+    by_node: dict[str, list[Device]] = {}
+    for d in devices:
+        by_node.setdefault(d.node, []).append(d)
+    heads = [v[0] for v in by_node.values()]
+    pairs = [(v[0], v[1]) for v in by_node.values() if len(v) > 1]
+    inter = [cl.link(heads[0].name, heads[1].name)] if len(heads) > 1 else []
+    links = [cl.link(a.name, b.name) for a, b in pairs] + inter
+    if any(bw.points or bw.log2_mb_poly for bw in links):
+        return False
+    if inter:
+        speed = inter[0].gbps
+        return all(cl.link(a.name, b.name).gbps >= speed and cl.link(a.name, b.name).latency_s <= inter[0].latency_s
+                   for a, b in pairs)
+    return True
+
+
+def _placements(kinds: Sequence[tuple[int, int]], members: int) -> list[list[tuple[int, ...]]]:
+    """Members per node for nodes in kinds of ``(nodes, GPUs per node)``: for each kind a falling
+    vector of counts (nodes of a kind are interchangeable), all counts summing to ``members``."""
+    def falling(r: int, g: int, total: int) -> list[tuple[int, ...]]:
+        if r == 0:
+            return [()] if total == 0 else []
+        return [(c, *rest) for c in range(min(g, total), -1, -1)
+                for rest in falling(r - 1, c, total - c)]
+
+    out: list[list[tuple[int, ...]]] = []
+
+    def rec(i: int, left: int, acc: list[tuple[int, ...]]) -> None:
+        if i == len(kinds):
+            if left == 0:
+                out.append(list(acc))
+            return
+        r, g = kinds[i]
+        room = sum(rr * gg for rr, gg in kinds[i + 1:])
+        for here in range(min(left, r * g), max(0, left - room) - 1, -1):
+            for vec in falling(r, g, here):
+                rec(i + 1, left - here, [*acc, vec])
+
+    rec(0, members, [])
+    return out
+
+
+def allreduce_floor(cost: CostModel, devices: Sequence[Device], members: int, nbytes: float) -> float:
+    """``F``: the least all-reduce of ``nbytes`` over any ``members`` of ``devices`` (see the module
+    docstring); 0 where the conditions for a floor do not hold."""
+    if members <= 1 or nbytes <= 0 or not _affine_links(cost, devices):
+        return 0.0
+    by_node: dict[str, list[Device]] = {}
+    for d in devices:
+        by_node.setdefault(d.node, []).append(d)
+    # nodes of one size and one intra-node link are interchangeable for an all-reduce
+    kinds: dict[tuple[int, float, float], list[list[Device]]] = {}
+    for devs in by_node.values():
+        bw = cost.cluster.link(devs[0].name, devs[1].name) if len(devs) > 1 else None
+        kinds.setdefault((len(devs), bw.gbps if bw else 0.0, bw.latency_s if bw else 0.0), []).append(devs)
+    groups = list(kinds.values())
+    best = math.inf
+    for vecs in _placements([(len(g), len(g[0])) for g in groups], members):
+        chosen = [d for g, vec in zip(groups, vecs, strict=True) for devs, c in zip(g, vec, strict=True)
+                  for d in devs[:c]]
+        best = min(best, cost.allreduce_s(nbytes, chosen))
+    return 0.0 if best == math.inf else best
+
+
+def pipeline_floor_s(per_layer_s: dict[str, np.ndarray], counts: dict[str, int], micro_batches: int,
+                     least_pace_s: float) -> float:
+    """``P``: no worker with ``counts[t]`` GPUs of each type ``t`` runs an iteration of a flushing
+    schedule faster, given that its pace is at least ``least_pace_s``.
+
+    The linear program, layers assigned fractionally (``x[l, t]``: the share of layer ``l`` on
+    type ``t``; ``c_t(l)``: its forward and backward there)::
+
+        min (m - 1) P + sum_{l,t} c_t(l) x[l, t]
+        s.t. sum_t x[l, t] = 1                        every layer somewhere
+             sum_l c_t(l) x[l, t] <= counts[t] P      no GPU computes more than the pace
+             P >= least_pace_s,  x >= 0
+
+    Any plan of the worker is a feasible point at its own pace (each stage's compute is at most its
+    stage time, at most the pace; the fill crosses every stage's compute once), so the optimum is
+    a lower bound on ``fill + (m - 1) pace``. ``inf`` when the LP has no answer."""
+    types = sorted(t for t, c in counts.items() if c > 0)
+    if len(types) == 1:  # one type: the LP's optimum in closed form, P = max(work / GPUs, least pace)
+        work = float(np.sum(per_layer_s[types[0]]))
+        return (micro_batches - 1) * max(work / counts[types[0]], least_pace_s) + work
+    from .lp import linprog
+
+    n_layers = len(per_layer_s[types[0]])
+    nt = len(types)
+    nv = 1 + n_layers * nt  # P, then x[l, t] at 1 + l * nt + j
+    c = np.zeros(nv)
+    c[0] = micro_batches - 1
+    a_eq = np.zeros((n_layers, nv))
+    a_ub = np.zeros((nt, nv))
+    for j, t in enumerate(types):
+        cols = 1 + np.arange(n_layers) * nt + j
+        c[cols] = per_layer_s[t]
+        a_eq[np.arange(n_layers), cols] = 1.0
+        a_ub[j, cols] = per_layer_s[t]
+        a_ub[j, 0] = -counts[t]
+    bounds = [(least_pace_s, math.inf)] + [(0.0, math.inf)] * (nv - 1)
+    res = linprog(c, a_ub, np.zeros(nt), a_eq, np.ones(n_layers), bounds=bounds)
+    if res.ok:
+        return res.fun
+    # no answer: the weakest floor that needs no solver (every layer on its fastest type once)
+    return (micro_batches - 1) * least_pace_s + float(np.sum(np.min([per_layer_s[t] for t in types], axis=0)))
+
+
+def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[NodeClass], schedule: str,
+               micro_batches: int, beat_samples_per_s: float, *, exact_limit: int = 720,
+               max_worker_gpus: int | None = None, deadline: float | None = None,
+               fallback_samples_per_s: float = math.inf,
+               price: Callable[[list[list[Device]]], float] | None = None,
+               workers: int | None = None) -> SyncBound:
+    """The bound of the module docstring over ``devices`` (interchangeable within ``classes``),
+    asked whether any plan beats ``beat_samples_per_s``. Past ``deadline`` (a
+    ``time.perf_counter()`` value) it gives up with ``fallback_samples_per_s``.
+
+    ``price`` (a grouping -> its plan's samples/s): where ``K`` workers of settled bounds could
+    beat the plan, that grouping is priced; a better one becomes the plan to beat (returned in
+    ``details["grouping"]``), so the bound also searches, branch-and-bound style.
+    ``workers``: only plans of this many virtual workers (``None``: any number).
+
+    Templates are bounded in three steps, each only where the one before leaves them able to
+    beat the plan: memory; the LP of :func:`pipeline_floor_s` (per mix of GPU types, with the
+    slowest layer on its fastest type as the least pace); the same LP with the least
+    bottleneck of an exhaustive mapping search as the least pace (per template, where the
+    search is exhaustive: at most ``exact_limit`` orders)."""
+    if not spec(schedule).flushes or spec(schedule).sync != "allreduce":
+        raise ValueError(f"sync_bound: schedule {schedule} is not a flushing all-reduce schedule")
+    m, b = micro_batches, cost.profile.micro_batch_size
+    samples = m * b
+    n_layers = cost.num_layers
+    n = len(devices)
+    types = sorted({d.gpu_type for d in devices})
+    whole = {t: cost.compute_s(t, 0, n_layers) for t in types}
+    per_layer = {t: np.diff([cost.compute_s(t, 0, j) for j in range(n_layers + 1)]) for t in types}
+    reserved = cost.options.reserved_bytes
+    cap = {t: next(d for d in devices if d.gpu_type == t).memory_bytes - reserved for t in types}
+    need = worker_memory_bytes(cost, schedule)
+    affine = cost.options.sync and _affine_links(cost, devices)  # no all-reduce priced: no floor
+    biggest = min(n, n_layers, max_worker_gpus or n)
+    listed = complete_templates(classes, biggest)
+    if listed is None:  # too many templates to list: no bound from here
+        return SyncBound(fallback_samples_per_s, 0, 0, 0, affine, False, {"reason": "too many worker templates"})
+    pools: dict[str, dict[str, list[Device]]] = {}
+    for d in devices:
+        pools.setdefault(d.node, {}).setdefault(d.gpu_type, []).append(d)
+    keys = sorted({(ci, t) for ci, cls in enumerate(classes) for t, _ in cls.gpus})
+    supply = [sum(c * len(cls.nodes) for ci2, cls in enumerate(classes) for t2, c in cls.gpus
+                  if (ci2, t2) == key) for key in keys]
+
+    mixes: dict[Template, tuple[tuple[str, int], ...]] = {}
+
+    def mix(tp: Template) -> tuple[tuple[str, int], ...]:
+        if tp not in mixes:
+            out: dict[str, int] = {}
+            for _, vec in tp:
+                for t, c in vec:
+                    out[t] = out.get(t, 0) + c
+            mixes[tp] = tuple(sorted(out.items()))
+        return mixes[tp]
+
+    least = {t: per_layer[t] for t in types}
+
+    def cheap_floor(mx: tuple[tuple[str, int], ...]) -> float:
+        """Step 0: memory, then every layer once on its fastest type of the mix, the pace at
+        least the slowest such layer and the average stage (no LP)."""
+        if sum(cap[t] * c for t, c in mx) < need:
+            return math.inf
+        if len(mx) == 1 and mx[0][1] == 1:
+            return m * whole[mx[0][0]]  # one GPU: exactly its whole model m times
+        fastest = np.min([least[t] for t, _ in mx], axis=0)
+        work = float(fastest.sum())
+        return (m - 1) * max(float(fastest.max()), work / sum(c for _, c in mx)) + work
+
+    by_mix: dict[tuple[tuple[str, int], ...], float] = {}
+
+    def mix_floor(mx: tuple[tuple[str, int], ...]) -> float:
+        """Step 1: the LP of :func:`pipeline_floor_s` for the mix (computed once per mix)."""
+        if mx not in by_mix:
+            counts = dict(mx)
+            low = float(np.max(np.min([per_layer[t] for t in counts], axis=0)))
+            by_mix[mx] = pipeline_floor_s(per_layer, counts, m, low)
+        return by_mix[mx]
+
+    cheap = {mx: cheap_floor(mx) for mx in {mix(tp) for tp in listed}}
+    templates = [tp for tp in listed if math.isfinite(cheap[mix(tp)])]
+    usage = {tp: [template_usage(tp).get(key, 0) for key in keys] for tp in templates}
+    pipeline = {tp: cheap[mix(tp)] for tp in templates}  # P(S), raised as templates are refined
+    step = {tp: 2 if sum(c for _, c in mix(tp)) == 1 else 0 for tp in templates}  # 2: nothing more to learn
+    floor_cache: dict[tuple[int, float], float] = {}
+
+    def floor_s(members: int, nbytes: float) -> float:
+        key = (members, nbytes)
+        if key not in floor_cache:
+            floor_cache[key] = allreduce_floor(cost, devices, members, nbytes) if affine else 0.0
+        return floor_cache[key]
+
+    def tail_s(tp: Template, k: int) -> float:
+        """What stage 0's device pays after the pipeline: its all-reduces and its step."""
+        mx = mix(tp)
+        if len(mx) == 1 and mx[0][1] == 1:
+            return floor_s(k, cost.param_bytes(0, n_layers)) + cost.update_s(mx[0][0], 0, n_layers)
+        return floor_s(k, cost.param_bytes(0, 1)) + min(cost.update_s(t, 0, 1) for t, _ in mx)
+
+    def refine(tp: Template) -> None:
+        """One step further: the mix's LP, then the template's exhaustive mapping search."""
+        if step[tp] == 0:
+            step[tp] = 1
+            pipeline[tp] = max(pipeline[tp], mix_floor(mix(tp)))
+            return
+        step[tp] = 2
+        devs = realise(tp, classes, pools)
+        if num_label_orders(device_labels(cost, devs)) > exact_limit:
+            return  # no exhaustive search for so many orders: the mix's floor stands
+        res = map_worker(cost, devs, schedule, m, exact_limit=exact_limit, deadline=deadline)
+        if not res.exact:
+            return
+        if res.solution is None:
+            pipeline[tp] = math.inf  # nothing fits these GPUs
+            return
+        counts = dict(mix(tp))
+        low = max(res.solution.bottleneck_s, float(np.max(np.min([per_layer[t] for t in counts], axis=0))))
+        pipeline[tp] = max(pipeline[tp], pipeline_floor_s(per_layer, counts, m, low))
+
+    best_value, best_grouping = beat_samples_per_s, None
+    result_k, bound = 0, 0.0
+    priced: set[tuple[tuple[Template, int], ...]] = set()
+    for k in range(1, n + 1) if workers is None else [workers]:
+        tails = {tp: tail_s(tp, k) for tp in templates}
+        while True:
+            if deadline is not None and time.perf_counter() > deadline:
+                return SyncBound(fallback_samples_per_s, 0, len(templates), sum(v == 2 for v in step.values()), affine, False,
+                                 {"grouping": best_grouping, "samples_per_s": best_value} if best_grouping else {})
+            target = k * samples / best_value * (1 - 1e-9)  # the iteration K workers must beat
+            rated = sorted((tp for tp in templates if pipeline[tp] + tails[tp] < target),
+                           key=lambda tp: pipeline[tp] + tails[tp])
+            chosen = _first_fit(rated, usage, supply, k)
+            if chosen is None:
+                break  # K workers cannot beat the plan
+            # refine lazily: the mixes' LPs for every template as fast as the ones chosen, then
+            # the exhaustive mapping search of the chosen ones
+            slowest_chosen = max(pipeline[tp] + tails[tp] for tp in chosen)
+            coarse = [tp for tp in rated if step[tp] == 0 and pipeline[tp] + tails[tp] <= slowest_chosen]
+            loose = [tp for tp in chosen if step[tp] < 2]
+            for tp in coarse or loose:
+                refine(tp)
+            if coarse or loose:
+                continue
+            # K workers of settled bounds fit: price them if we can, else this K bounds the gap
+            key = tuple(sorted(chosen.items()))
+            grouping = _pack(chosen, classes, pools) if price is not None and key not in priced else None
+            priced.add(key)
+            if grouping is not None and price is not None:
+                value = price(grouping)
+                log.debug("K = %d: priced %s at %.6g", k, chosen, value)
+                if value > best_value * (1 + 1e-9):
+                    log.debug("K = %d: a better grouping, %.6g samples/s", k, value)
+                    best_value, best_grouping = value, grouping
+                    continue
+            slowest = max(chosen, key=lambda tp: pipeline[tp] + tails[tp])
+            value = k * samples / (pipeline[slowest] + tails[slowest])
+            log.debug("K = %d: workers up to %s fit, %.6g samples/s against %.6g", k, slowest, value, best_value)
+            if value > bound:
+                bound, result_k = value, k
+            break
+    refined = sum(v == 2 for v in step.values())
+    details: dict[str, Any] = {"beaten_by_workers": result_k} if result_k else {}
+    if best_grouping is not None:
+        details.update(grouping=best_grouping, samples_per_s=best_value)
+    return SyncBound(max(bound, best_value), result_k, len(templates), refined, affine, True, details)
+
+
+def _first_fit(rated: Sequence[Template], usage: dict[Template, list[int]], supply: Sequence[int],
+               k: int) -> dict[Template, int] | None:
+    """``k`` workers of the first templates of ``rated`` (in this order, repeats allowed, GPUs may
+    stay idle) that fit the supply, taken as soon as the last one's arrival lets them fit;
+    ``None`` if they never do. Workers come from the templates at or before that one only."""
+    if not rated:
+        return None
+    # a template using the same GPUs as one before it adds no reachable state: left out
+    seen: set[tuple[int, ...]] = set()
+    rated = [tp for tp in rated if not (tuple(usage[tp]) in seen or seen.add(tuple(usage[tp])))]  # type: ignore[func-returns-value]
+    tables = [np.zeros((*[s + 1 for s in supply], k + 1), bool)]
+    tables[0][(0,) * tables[0].ndim] = True
+    last = None
+    for i, tp in enumerate(rated):
+        tables.append(add_template(tables[-1], usage[tp], None))
+        if tables[-1][..., k].any():
+            last = i
+            break
+    if last is None:
+        return None
+    # walk back: template i is used at (state, workers) unless that cell was reachable without it
+    state = tuple(int(x) for x in np.argwhere(tables[-1][..., k])[0])
+    workers, i = k, last
+    out: dict[Template, int] = {}
+    while workers > 0:
+        if tables[i][tuple([*state, workers])]:
+            i -= 1  # reachable before template i: it is not needed here
+            continue
+        tp = rated[i]
+        out[tp] = out.get(tp, 0) + 1
+        state = tuple(a - u for a, u in zip(state, usage[tp], strict=True))
+        workers -= 1
+    return out
