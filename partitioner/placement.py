@@ -115,7 +115,7 @@ def replica_assignment(plan: Plan, time_s: Callable[[str, int, int], float] | No
 # schedule, a sliced first micro-batch, replicated stages with the one-chunk schedules
 # (runtime/layout.py).
 TARGETS = ("simulator", "runtime")
-REPLICATED_SCHEDULES = ("gpipe", "1f1b")  # the schedules whose replicated stages the runtime executes
+REPLICATED_SCHEDULES = ("gpipe", "1f1b", "2bw", "wsp")  # the schedules whose replicated stages the runtime executes
 
 
 def supports(plan: Plan, target: str) -> str | None:
@@ -139,6 +139,7 @@ def supports(plan: Plan, target: str) -> str | None:
         for k, st in enumerate(vw.stages):
             if st.replicas and plan.schedule not in REPLICATED_SCHEDULES:
                 return (f"virtual_workers[{w}].stages[{k}] has replicas {list(st.replicas)}: the runtime executes "
-                        f"replicated stages with schedule {' or '.join(REPLICATED_SCHEDULES)}, not "
+                        f"replicated stages with schedule {', '.join(REPLICATED_SCHEDULES[:-1])} or "
+                        f"{REPLICATED_SCHEDULES[-1]}, not "
                         f"'{plan.schedule}'; re-plan without --replication or with one of those schedules")
     return None
