@@ -235,7 +235,8 @@ class PipelineExecutor:
                 if self.stretch is None:
                     seconds["compute"] += clock() - t0
                 else:  # heterogeneity emulation: the action takes its stage's factor times its compute
-                    compute, slept = self.stretch.hold(s, k == B, t0)
+                    share = 1.0 / self.batching.first_slices if self.batching.is_slice(j) else 1.0
+                    compute, slept = self.stretch.hold(s, k == B, t0, share)
                     seconds["compute"] += compute
                     seconds["emulation"] += slept
             elif k == SEND_ACT:
