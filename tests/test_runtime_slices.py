@@ -94,6 +94,26 @@ def test_sliced_plans_hold_their_slices_share_of_activations_in_the_simulator() 
         assert sliced.peak_activations == {d: 3 - 1 + s for d in sliced.peak_activations}  # counted in list items
 
 
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_sliced_1f1b_never_holds_more_than_unsliced(p: int) -> None:
+    """1F1B keeps at most min(p - r, m - 1 + s) list micro-batches in flight, never worth more than
+    the unsliced min(p - r, m) whole ones; fewer while the slices are in flight."""
+    from partitioner.simulate import simulate_plan
+
+    from .test_simulate import chain_plan, uniform_profile
+
+    for m in range(1, 6):
+        plan, cluster = chain_plan(p, m, "1f1b")
+        whole = simulate_plan(plan, uniform_profile(p), cluster)
+        for s in (2, 4):
+            sliced = simulate_plan(replace(plan, first_slices=s), uniform_profile(p), cluster)
+            for d, peak in sliced.peak_memory_bytes.items():
+                assert peak <= whole.peak_memory_bytes[d] * (1 + 1e-12), (m, s, d)
+            if m == 1:  # one micro-batch: its slices run one after the other on the last stage
+                last = plan.virtual_workers[0].stages[-1].device
+                assert sliced.peak_memory_bytes[last] < whole.peak_memory_bytes[last]
+
+
 # -- numerics against one process and the unsliced plan -----------------------------------------------
 
 
