@@ -126,7 +126,8 @@ def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
 def _train(plan: Plan, out: Path, steps: int, lr: float, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Train one virtual worker with the runtime: its weights and the run's metrics."""
     out.mkdir()
-    cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=60, state_dir=str(out))
+    cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=120,
+                      state_dir=str(out))  # (a loaded machine can take a minute to connect the processes)
     metrics = train_local(plan, cfg, start_method="fork")
     weights: dict[str, torch.Tensor] = {}
     for r in plan_layout(plan, 4).ranks:
