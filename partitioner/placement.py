@@ -91,12 +91,13 @@ def replica_shares(times_s: Sequence[float], micro_batches: int) -> np.ndarray:
 
 def replica_assignment(plan: Plan, time_s: Callable[[str, int, int], float] | None = None
                        ) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Virtual worker -> stage -> the replica (index into ``Stage.devices``) of each of the plan's
-    micro-batches, by :func:`replica_shares` on ``time_s(device, start, stop)``, the seconds the
-    device takes for the stage's layers per micro-batch (the simulator uses the cost model's
-    forward + backward time); ``None``: equal times, so micro-batches go round-robin. A stage
-    without replicas gives every micro-batch to its device (index 0)."""
-    m = plan.micro_batches
+    """Virtual worker -> stage -> the replica (index into ``Stage.devices``) of each micro-batch of
+    an iteration's action lists (``Plan.micro_batching.count``: a slice of a sliced first
+    micro-batch counts as one), by :func:`replica_shares` on ``time_s(device, start, stop)``, the
+    seconds the device takes for the stage's layers per micro-batch (the simulator uses the cost
+    model's forward + backward time); ``None``: equal times, so micro-batches go round-robin. A
+    stage without replicas gives every micro-batch to its device (index 0)."""
+    m = plan.micro_batching.count
     out = []
     for vw in plan.virtual_workers:
         per_stage = []
@@ -111,10 +112,10 @@ def replica_assignment(plan: Plan, time_s: Callable[[str, int, int], float] | No
 
 
 # What each target executes: the simulator every plan the planner makes; the runtime every
-# schedule, replicated stages with the flushing one-chunk schedules, no sliced first micro-batch
+# schedule, a sliced first micro-batch, replicated stages with the one-chunk schedules
 # (runtime/layout.py).
 TARGETS = ("simulator", "runtime")
-REPLICATED_SCHEDULES = ("gpipe", "1f1b")  # the schedules whose replicated stages the runtime executes
+REPLICATED_SCHEDULES = ("gpipe", "1f1b", "2bw", "wsp")  # the schedules whose replicated stages the runtime executes
 
 
 def supports(plan: Plan, target: str) -> str | None:
@@ -134,13 +135,11 @@ def supports(plan: Plan, target: str) -> str | None:
     if plan.staleness != 0 and sp.sync != "wave":
         return (f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
                 f"a flushing schedule exactly synchronous; bounded staleness needs schedule wsp")
-    if plan.first_slices != 1:
-        return (f"first_slices = {plan.first_slices}: the runtime runs micro-batches of one size "
-                f"({plan.micro_batch_size}); re-plan without slicing the first micro-batch (first_slices 1)")
     for w, vw in enumerate(plan.virtual_workers):
         for k, st in enumerate(vw.stages):
             if st.replicas and plan.schedule not in REPLICATED_SCHEDULES:
                 return (f"virtual_workers[{w}].stages[{k}] has replicas {list(st.replicas)}: the runtime executes "
-                        f"replicated stages with schedule {' or '.join(REPLICATED_SCHEDULES)}, not "
+                        f"replicated stages with schedule {', '.join(REPLICATED_SCHEDULES[:-1])} or "
+                        f"{REPLICATED_SCHEDULES[-1]}, not "
                         f"'{plan.schedule}'; re-plan without --replication or with one of those schedules")
     return None

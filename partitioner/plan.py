@@ -21,7 +21,7 @@ from ._io import (
 from .errors import FormatError, check
 from .pricing import CostOptions
 from .profile import MAX_LAYERS, MAX_MICRO_BATCH_SIZE
-from .schedule import MULTI_CHUNK, SCHEDULE_NAMES, spec
+from .schedule import MULTI_CHUNK, SCHEDULE_NAMES, MicroBatching, spec
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -230,6 +230,12 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return max(len(vw.stages) for vw in self.virtual_workers)
+
+    @property
+    def micro_batching(self) -> MicroBatching:
+        """The micro-batches an iteration's action lists run (the first sliced when
+        ``first_slices`` > 1)."""
+        return MicroBatching(self.micro_batches, self.micro_batch_size, self.first_slices)
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -71,6 +71,7 @@ __all__ = [
     "B",
     "Columns",
     "F",
+    "MicroBatching",
     "ScheduleSpec",
     "build_schedule",
     "check_schedule",
@@ -175,6 +176,56 @@ def spec(schedule: str) -> ScheduleSpec:
         return SCHEDULES[schedule]
     except (KeyError, TypeError):
         raise FormatError("schedule", schedule, f"must be one of {', '.join(SCHEDULES)}") from None
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """An iteration's micro-batches as the action lists number them.
+
+    ``micro_batches`` micro-batches of ``size`` samples, the first split into ``first_slices``
+    slices of ``size / first_slices`` samples (AutoPipe's slicing, which shortens the fill). The
+    lists run :attr:`count` ``= micro_batches - 1 + first_slices`` micro-batches per iteration:
+    index ``i < first_slices`` (modulo :attr:`count`) is slice ``i`` of the first micro-batch,
+    index ``first_slices + k`` is whole micro-batch ``k + 1``. The simulator prices a slice at
+    ``1 / first_slices`` of a micro-batch; the runtime feeds it its rows (:meth:`rows`) and
+    weights its loss by its share of the samples (:meth:`loss_divisor`).
+    """
+
+    micro_batches: int
+    size: int
+    first_slices: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batches", "size", "first_slices"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise FormatError(name, v, "must be an integer >= 1")
+        if self.size % self.first_slices:
+            raise FormatError("first_slices", self.first_slices, f"must divide the micro-batch size {self.size}")
+
+    @property
+    def count(self) -> int:
+        """Micro-batches the action lists run per iteration (a slice counts as one)."""
+        return self.micro_batches - 1 + self.first_slices
+
+    def is_slice(self, j: int) -> bool:
+        """Whether list micro-batch ``j`` (numbered across iterations) is a slice."""
+        return self.first_slices > 1 and j % self.count < self.first_slices
+
+    def rows(self, j: int) -> tuple[int, int]:
+        """``[start, stop)``: the samples of list micro-batch ``j`` among its iteration's
+        ``micro_batches * size`` samples of one virtual worker."""
+        i, s = j % self.count, self.first_slices
+        if i < s:
+            return i * (self.size // s), (i + 1) * (self.size // s)
+        start = (i - s + 1) * self.size
+        return start, start + self.size
+
+    def loss_divisor(self, j: int) -> int:
+        """What the loss of list micro-batch ``j`` (a mean over its samples) is divided by so that
+        the iteration's losses add up to the mean over all its samples: ``micro_batches``, times
+        ``first_slices`` for a slice."""
+        return self.micro_batches * (self.first_slices if self.is_slice(j) else 1)
 
 
 class Action(NamedTuple):

@@ -101,10 +101,10 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     """Simulate ``plan`` under its schedule with the cost model; see :class:`Timeline`. ``cost``:
     the :class:`CostModel` of ``profile``, ``cluster`` and ``options`` when the caller has one."""
     cost = cost or CostModel(plan.profile_view(profile), cluster, options)
-    sched, m = plan.schedule, plan.micro_batches
+    sched = plan.schedule
     # A first micro-batch in s slices runs as s micro-batches of 1/s the work, then m - 1 whole ones.
     n_slices = plan.first_slices
-    m_run = m - 1 + n_slices
+    m_run = plan.micro_batching.count
     n_iter = iterations if iterations is not None else default_iterations(sched, plan.staleness)
     pipes = place(plan)
     notes: list[str] = []
@@ -224,6 +224,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
                rank_worker: list[int], act_bytes: list[np.ndarray], weights: list[list[tuple[int, int]]],
                notes: list[str]) -> Timeline:
     sched, m = plan.schedule, plan.micro_batches
+    batching = plan.micro_batching
     n_workers = max(rank_worker) + 1
     wave = spec(sched).sync == "wave"
     boundary = KIND_CODE[PUSH] if wave else KIND_CODE[STEP]
@@ -264,7 +265,10 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         bubble[name] = float(1.0 - busy / (hi - lo)) if hi > lo else 0.0
         # activations held: +saved at each forward, -saved at each backward, in program order
         sign = 1 - 2 * kind[comp].astype(np.int64)
-        held = np.cumsum(sign * act_bytes[r][stage[comp]])
+        saved = act_bytes[r][stage[comp]]
+        if plan.first_slices > 1:  # a slice of the first micro-batch holds its share of the activations
+            saved = np.where(mb[comp] % batching.count < batching.first_slices, saved / batching.first_slices, saved)
+        held = np.cumsum(sign * saved)
         count = np.cumsum(sign)
         live = _live_versions(kind, mb, stage, version) if spec(sched).weight_versions > 1 else 1
         w_bytes = sum(cost.weight_bytes(a, b, live) for a, b in weights[r])

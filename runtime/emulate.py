@@ -52,24 +52,27 @@ class Stretch:
     def for_device(cls, emulation: Emulation, device: str, sync: Callable[[], None] | None = None) -> Stretch:
         return cls(emulation.factors(device), emulation.targets_s(device), emulation.rule, sync)
 
-    def target_s(self, stage: int, backward: bool, compute_s: float) -> float:
-        """The wall time an action of ``stage`` that computed for ``compute_s`` seconds must take."""
+    def target_s(self, stage: int, backward: bool, compute_s: float, share: float = 1.0) -> float:
+        """The wall time an action of ``stage`` that computed for ``compute_s`` seconds must take;
+        ``share``: the part of a micro-batch it computes (``1 / s`` for a slice of a sliced first
+        micro-batch, which the simulator prices at ``1 / s`` of the stage's time)."""
         k = 1 if backward else 0
         if self.rule == "scaled":
             return compute_s * self.factors[stage][k]
-        return max(compute_s, self.targets[stage][k])
+        return max(compute_s, self.targets[stage][k] * share)
 
-    def hold(self, stage: int, backward: bool, started: float) -> tuple[float, float]:
+    def hold(self, stage: int, backward: bool, started: float, share: float = 1.0) -> tuple[float, float]:
         """Called when a forward (``backward`` False) or backward action of ``stage``, started at
-        ``started`` (this object's clock), has computed: sleeps until its wall time is its target.
-        Returns (compute seconds, seconds slept)."""
+        ``started`` (this object's clock), has computed (``share`` of a micro-batch, see
+        :meth:`target_s`): sleeps until its wall time is its target. Returns (compute seconds,
+        seconds slept)."""
         if self.sync is not None:
             self.sync()
         now = self.clock()
         compute = now - started
-        target = self.target_s(stage, backward, compute)
+        target = self.target_s(stage, backward, compute, share)
         self.actions += 1
-        if self.rule == "profiled" and compute > self.targets[stage][1 if backward else 0]:
+        if self.rule == "profiled" and compute > self.targets[stage][1 if backward else 0] * share:
             self.overruns += 1
         deadline = started + target
         # sleep in one call, then top up what an early wake-up left (sleep may return early on signals)

@@ -7,7 +7,8 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
     reads the micro-batch from the data source; a later stage reads the activation its
     ``RECV_ACT`` received (or, when the previous stage is on this rank, that stage's output).
     The last stage computes the micro-batch's loss against its targets, divided by the
-    micro-batch count.
+    micro-batch count (and, for a slice of a sliced first micro-batch, by the slice count: each
+    loss is weighted by its share of the iteration's samples, ``MicroBatching.loss_divisor``).
 ``B(j, s)``
     backward of ``j`` through ``s``: from the loss on the last stage, otherwise with the
     gradient its ``RECV_GRAD`` received. Parameter gradients accumulate over the iteration.
@@ -16,7 +17,8 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
     schedules' matching rule needs sends that do not wait for the receiver).
 ``RECV_ACT`` / ``RECV_GRAD``
     ``irecv`` into a buffer of the known shape, waited at once. Activation shapes come from a
-    dry pass on the meta device; a gradient has the shape of the stage's own output.
+    dry pass on the meta device (one for whole micro-batches, one for slices); a gradient has
+    the shape of the stage's own output.
 ``STEP``
     wait for this iteration's sends, average gradients over the virtual workers (the
     ``sync`` callback), optimizer step, zero the gradients.
@@ -47,6 +49,7 @@ from partitioner.schedule import (
     Action,
     B,
     F,
+    MicroBatching,
 )
 
 from .emulate import Stretch
@@ -68,19 +71,29 @@ class PipelineExecutor:
     maps a pipeline rank to its ``torch.distributed`` rank; ``input_shapes[s]`` is the
     shape and dtype of stage ``s``'s input; ``data(j)`` gives micro-batch ``j``'s input on
     the device; ``loss_fn(y, j)`` turns the last stage's output ``y`` for micro-batch ``j``
-    into the micro-batch's scalar loss (against its targets).
+    into the micro-batch's scalar loss (against its targets), a mean over its samples.
+    ``batching``: the iteration's micro-batches as the action lists number them (default:
+    ``micro_batches`` whole ones); ``slice_shapes[s]``, the input of stage ``s`` for a slice of a
+    sliced first micro-batch.
     """
 
     def __init__(self, stages: Mapping[int, nn.Module], num_stages: int, peers: Sequence[int],
                  input_shapes: Mapping[int, tuple[torch.Size, torch.dtype]], micro_batches: int,
                  data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, device: torch.device,
-                 sync: Callable[[], None] | None = None):
+                 sync: Callable[[], None] | None = None, *, batching: MicroBatching | None = None,
+                 slice_shapes: Mapping[int, tuple[torch.Size, torch.dtype]] | None = None):
         self.stages = dict(stages)
         self.num_stages = num_stages
         self.peers = list(peers)
         self.input_shapes = dict(input_shapes)
         self.m = micro_batches
+        self.batching = batching or MicroBatching(micro_batches, 1)
+        if self.batching.micro_batches != micro_batches:
+            raise ValueError(f"batching has {self.batching.micro_batches} micro-batches, not {micro_batches}")
+        self.slice_shapes = dict(slice_shapes or {})
+        if self.batching.first_slices > 1 and set(self.slice_shapes) != set(self.input_shapes):
+            raise ValueError("a sliced first micro-batch needs the slice's input shape of every stage with an input")
         self.data = data
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -118,6 +131,10 @@ class PipelineExecutor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         return dist.irecv(buf, self.peers[peer], tag=tag), buf
 
+    def _input_shape(self, j: int, s: int) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of stage ``s``'s input for micro-batch ``j`` (a slice's is smaller)."""
+        return (self.slice_shapes if self.batching.is_slice(j) else self.input_shapes)[s]
+
     def _recv(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
         """The message ``tag`` from pipeline rank ``peer``: its receive was posted ahead (see
         :meth:`run`) or is posted now; waits for it."""
@@ -154,7 +171,7 @@ class PipelineExecutor:
         """Keep stage output ``y`` of (micro-batch, stage) ``key`` for its backward; the last
         stage keeps the micro-batch's share of the loss instead (and adds it to the tally)."""
         if key[1] == self.num_stages - 1:
-            loss = self.loss_fn(y, key[0]) / self.m
+            loss = self.loss_fn(y, key[0]) / self.batching.loss_divisor(key[0])
             self._loss_sum = self._loss_sum + loss.detach()  # no host sync per micro-batch
             self._outputs[key] = loss
         else:
@@ -197,7 +214,7 @@ class PipelineExecutor:
             if next_act < len(act_recvs):
                 r = act_recvs[next_act]
                 next_act += 1
-                shape, dtype = self.input_shapes[r.stage]
+                shape, dtype = self._input_shape(r.micro_batch, r.stage)
                 tag = message_tag("act", r.micro_batch, r.stage - 1, S)
                 self._posted[tag] = self._post(shape, dtype, r.peer, tag)
 
@@ -218,13 +235,14 @@ class PipelineExecutor:
                 if self.stretch is None:
                     seconds["compute"] += clock() - t0
                 else:  # heterogeneity emulation: the action takes its stage's factor times its compute
-                    compute, slept = self.stretch.hold(s, k == B, t0)
+                    share = 1.0 / self.batching.first_slices if self.batching.is_slice(j) else 1.0
+                    compute, slept = self.stretch.hold(s, k == B, t0, share)
                     seconds["compute"] += compute
                     seconds["emulation"] += slept
             elif k == SEND_ACT:
                 self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
             elif k == RECV_ACT:
-                shape, dtype = self.input_shapes[s]
+                shape, dtype = self._input_shape(j, s)
                 self._inputs[(j, s)] = self._recv(shape, dtype, a.peer,
                                                   message_tag("act", j, s - 1, S)).requires_grad_(True)
                 post_next_activation()
@@ -232,7 +250,7 @@ class PipelineExecutor:
             elif k == SEND_GRAD:
                 g = self._in_grads.pop((j, s))
                 if g is None:
-                    shape, dtype = self.input_shapes[s]
+                    shape, dtype = self._input_shape(j, s)
                     g = torch.zeros(shape, dtype=dtype, device=self.device)
                 self._send(g, a.peer, message_tag("grad", j, s, S))
             elif k == RECV_GRAD:

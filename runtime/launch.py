@@ -39,7 +39,7 @@ from tqdm import tqdm
 from partitioner.emulation import Emulation
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
-from partitioner.schedule import F, build_schedule, spec
+from partitioner.schedule import F, spec
 
 from .checkpoint import load_rank, plan_sha256, resume_step, save_rank, write_manifest
 from .data import DATA_KINDS, make_data
@@ -163,19 +163,25 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                 for a in [stages_layers[s][0]]}
     shapes = boundary_shapes(chain, plan.micro_batch_size)
     input_shapes = {s: shapes[stages_layers[s][0] - 1] for s in me.stages if stages_layers[s][0] > 0}
+    batching = plan.micro_batching  # the lists' micro-batches: a sliced first one is first_slices of them
+    slice_shapes = {}
+    if batching.first_slices > 1:
+        small = boundary_shapes(chain, plan.micro_batch_size // batching.first_slices)
+        slice_shapes = {s: small[stages_layers[s][0] - 1] for s in input_shapes}
     data = make_data(chain, config.data, plan.micro_batch_size, plan.micro_batches, layout.workers, config.seed)
-    m, b = plan.micro_batches, plan.micro_batch_size
+    m, b, m_run = plan.micro_batches, plan.micro_batch_size, batching.count
     current = {"step": 0}
     cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def rows(j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        step = current["step"] + j // m  # flushing lists number j within the step; wsp across waves
+        step = current["step"] + j // m_run  # flushing lists number j within the step; wsp across waves
         if step not in cache:
             cache.clear()
             cache[step] = data.global_batch(step)
         x, y = cache[step]
-        start = (me.worker * m + j % m) * b
-        return x[start:start + b], (y[start:start + b] if y is not None else None)
+        first, last = batching.rows(j)
+        start, stop = me.worker * m * b + first, me.worker * m * b + last
+        return x[start:stop], (y[start:stop] if y is not None else None)
 
     def micro_batch(j: int) -> torch.Tensor:
         return rows(j)[0].to(device)
@@ -184,7 +190,6 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         target = rows(j)[1]
         return data.loss(y, target.to(device) if target is not None else None)
 
-    p = len(layout.pipelines[me.worker])
     peers, n_stages = layout.pipelines[me.worker], len(stages_layers)
     executor: PipelineExecutor
     averager: GradientAverager | None = None
@@ -198,8 +203,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                           layout=layout, rank=rank, lr=config.lr)
         executor = wsp
         _emulate(wsp, config, me.device, device)
-        actions = build_schedule("wsp", p, m, plan.chunks, iterations=config.steps,
-                                 staleness=plan.staleness)[me.pipe_rank]
+        actions = layout.actions(rank, iterations=config.steps)
         dist.barrier()
         t0 = time.perf_counter()
         wsp.run(actions)
@@ -214,7 +218,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                             layout=layout, rank=rank, lr=config.lr)
         executor = two
         _emulate(two, config, me.device, device)
-        actions = build_schedule("2bw", p, m, plan.chunks, iterations=config.steps)[me.pipe_rank]
+        actions = layout.actions(rank, iterations=config.steps)
         dist.barrier()
         t0 = time.perf_counter()
         two.run(actions)
@@ -242,7 +246,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                 log.info("rank %d resumes from step %d", rank, first)
         averager = GradientAverager(layout, rank, by_layer)
         executor = PipelineExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, optimizer,
-                                    device, averager)
+                                    device, averager, batching=batching, slice_shapes=slice_shapes)
         _emulate(executor, config, me.device, device)
         actions = layout.actions(rank)
         extra_rank["micro_batches"] = sorted({a.micro_batch for a in actions if a.kind == F})

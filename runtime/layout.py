@@ -95,21 +95,24 @@ class Layout:
     def replicated(self, worker: int) -> bool:
         return any(len(r) > 1 for r in self.stage_ranks[worker])
 
-    def actions(self, rank: int) -> list[Action]:
-        """Rank ``rank``'s action list for one iteration of the plan's (flushing) schedule: its
-        pipeline rank's list of ``build_schedule``; for a replica, its position's list kept to the
-        micro-batches it is assigned, its peers the replicas that hold the same micro-batches
-        (with the deeper 1F1B warm-up the simulator gives replicated pipelines)."""
+    def actions(self, rank: int, iterations: int = 1) -> list[Action]:
+        """Rank ``rank``'s action list for ``iterations`` iterations of the plan's schedule (a
+        flushing schedule's list is one iteration, run once per step; 2bw and wsp run the whole run
+        as one list): its pipeline rank's list of ``build_schedule`` over the
+        ``Plan.micro_batching.count`` micro-batches of an iteration (a sliced first micro-batch is
+        ``first_slices`` of them); for a replica, its position's list kept to the micro-batches it
+        is assigned, its peers the replicas that hold the same micro-batches (with the deeper
+        1F1B warm-up the simulator gives replicated pipelines)."""
         me = self.ranks[rank]
         plan, pipe = self.plan, self.placements[me.worker]
+        m_run = plan.micro_batching.count
         if not self.replicated(me.worker):
-            return build_schedule(plan.schedule, len(self.pipelines[me.worker]), plan.micro_batches,
-                                  plan.chunks)[me.pipe_rank]
+            return build_schedule(plan.schedule, len(self.pipelines[me.worker]), m_run, plan.chunks, iterations,
+                                  plan.staleness)[me.pipe_rank]
         depths = [sum(len(r) for r in pipe.replicas[k + 1:]) for k in range(pipe.ranks)]
-        cols = schedule_columns(plan.schedule, pipe.ranks, plan.micro_batches, plan.chunks, 1, plan.staleness,
-                                depths)
+        cols = schedule_columns(plan.schedule, pipe.ranks, m_run, plan.chunks, iterations, plan.staleness, depths)
         assign = [np.asarray(a, dtype=np.int64) for a in self.assignment[me.worker]]
-        return to_actions(_replicated_ranks(pipe, cols, assign, plan.micro_batches)[me.pipe_rank][2])
+        return to_actions(_replicated_ranks(pipe, cols, assign, m_run)[me.pipe_rank][2])
 
 
 def plan_layout(plan: Plan, num_layers: int, model: str = "",
@@ -148,7 +151,7 @@ def plan_layout(plan: Plan, num_layers: int, model: str = "",
                               f"the last stage ends before layer {expect}, but {the_model} has {num_layers} layers: "
                               f"layers [{expect}, {num_layers}) are in no stage")
         p, n = pipe.ranks, len(pipe.stages)
-        check_schedule(plan.schedule, p, plan.micro_batches, plan.chunks, staleness=plan.staleness)
+        check_schedule(plan.schedule, p, plan.micro_batching.count, plan.chunks, staleness=plan.staleness)
         base = len(ranks)
         if pipe.replicas:
             devices = [d for devs in pipe.replicas for d in devs]
@@ -179,7 +182,7 @@ def _checked_assignment(plan: Plan, assignment: Sequence[Sequence[Sequence[int]]
     """``assignment`` checked against the plan (one line naming the entry), or the equal-times one."""
     if not assignment:
         return replica_assignment(plan)
-    m = plan.micro_batches
+    m = plan.micro_batching.count
     if len(assignment) != len(plan.virtual_workers):
         raise FormatError("replica_assignment", len(assignment),
                           f"must give one entry per virtual worker ({len(plan.virtual_workers)})")
@@ -192,7 +195,7 @@ def _checked_assignment(plan: Plan, assignment: Sequence[Sequence[Sequence[int]]
             row = tuple(int(i) for i in row)
             if len(row) != m or any(not 0 <= i < len(st.devices) for i in row):
                 raise FormatError(f"replica_assignment[{w}][{k}]", list(row),
-                                  f"must give each of the {m} micro-batches a replica in 0..{len(st.devices) - 1}")
+                                  f"must give each of the {m} micro-batches of an iteration a replica in 0..{len(st.devices) - 1}")
             rows.append(row)
         out.append(tuple(rows))
     return tuple(out)

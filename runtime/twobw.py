@@ -10,7 +10,9 @@ consecutive iterations). The rule this executor implements, with plain SGD of le
   its forward used);
 * the gradients of iteration ``c`` (loss of each micro-batch divided by ``m``) are summed and
   averaged over the virtual workers (an asynchronous all-reduce over the holders of the same
-  layers, started at iteration ``c``'s ``STEP``);
+  layers, started at iteration ``c``'s ``STEP``; the replicas of a replicated stage each run a
+  share of the iteration's micro-batches, ``Layout.actions``, and are holders too, so their
+  parts add up to their worker's gradient);
 * ``STEP`` of iteration ``c`` creates version ``W(c + 1) = W(c) - lr * g_c``: the update applies
   the gradient computed on the previous version, ``W(t + 1) = W(t) - lr * grad f(W(t - 1))``,
   as PipeDream-2BW specifies. It is made when first needed (the forwards of iteration ``c + 2``
@@ -58,7 +60,7 @@ class TwoBwExecutor(PipelineExecutor):
                     for n, _ in mod.named_parameters()}
         self.groups: list[tuple[Any, list[tuple[int, str]]]] = []
         for ranks, layers in layout.holder_sets():
-            group = dist.new_group(list(ranks)) if self.workers > 1 else None
+            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
             if rank in ranks:
                 keys = [k for k, layer in layer_of.items() if layer in layers]
                 if keys:

@@ -7,18 +7,21 @@ WSP with plain SGD, learning rate ``lr``):
   same weights (weight stashing: an update makes new weight tensors; the autograd graph of a
   micro-batch in flight keeps the ones it used).
 * The gradients of wave ``c`` (loss of each micro-batch divided by ``m``) are summed into the
-  wave's update ``u_c``.
+  wave's update ``u_c``. A replicated stage's replicas each run a share of the wave's
+  micro-batches (as under 1F1B, ``Layout.actions``): the worker's ``u_c`` is the sum of their
+  partial updates, which ``PUSH(c)`` forms first with a (blocking) all-reduce over the replicas.
 * ``PUSH(c)``: start an asynchronous all-reduce of ``u_c`` over the holders of the same layers
-  in the other virtual workers (the parameter server of those layers), and apply it locally:
-  ``w_local -= lr * u_c``.
+  in the other virtual workers (the parameter server of those layers; a replicated stage's
+  replicas each push their partial update, so the sum over all holders is the sum over the
+  workers of their ``u_c``), and apply it locally: ``w_local -= lr * u_c``.
 * ``PULL(c')``: wait until that all-reduce of wave ``c'`` is complete (every virtual worker
   has pushed ``c'``), add ``-lr * mean_w u_c'`` to the global weights, and reset
   ``w_local = w_global - lr * (own updates of waves after c')``.
 
 So a virtual worker that pushed wave ``c`` and pulled ``c - D`` has the global weights of
 waves ``<= c - D`` plus its own later updates: it runs at most ``D`` waves ahead of the
-slowest one. With ``D = 0`` and one device per virtual worker, this is synchronous SGD on the
-global batch. At the end of a run every outstanding wave is pulled, so all virtual workers
+slowest one. With ``D = 0`` and one pipeline position per virtual worker (one device, or one
+stage over replicas), this is synchronous SGD on the global batch. At the end of a run every outstanding wave is pulled, so all virtual workers
 finish with the same weights.
 """
 
@@ -58,12 +61,20 @@ class WspExecutor(PipelineExecutor):
         layer_of = {(s, n): int(n.split("_", 1)[0]) for s, mod in self.stages.items()
                     for n, _ in mod.named_parameters()}
         self.groups: list[tuple[Any, list[tuple[int, str]]]] = []
-        for ranks, layers in layout.holder_sets():
-            group = dist.new_group(list(ranks)) if self.workers > 1 else None
+        for ranks, layers in layout.holder_sets():  # (every rank makes the same groups: new_group is collective)
+            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
             if rank in ranks:
                 keys = [k for k, layer in layer_of.items() if layer in layers]
                 if keys:
                     self.groups.append((group, keys))
+        # the replicas of this rank's stage in its virtual worker, when it is replicated
+        self.replica_group: Any = None
+        for held in layout.stage_ranks:
+            for ranks in held:
+                if len(ranks) > 1:
+                    group = dist.new_group(list(ranks))
+                    if rank in ranks:
+                        self.replica_group = group
         self.global_flat = [self._flat(keys, lambda s, n: self.leaves[s][n].detach()) for _, keys in self.groups]
         self._grads: dict[int, dict[tuple[int, str], torch.Tensor]] = {}  # wave -> accumulated gradient
         self._own: dict[int, list[torch.Tensor]] = {}  # wave -> own update per group (pushed, not pulled)
@@ -128,9 +139,13 @@ class WspExecutor(PipelineExecutor):
         acc = self._grads.pop(wave, {})
         own, works = [], []
         for group, keys in self.groups:
-            u = self._flat(keys, lambda s, n, acc=acc: acc.get((s, n), torch.zeros_like(self.leaves[s][n])))
+            part = self._flat(keys, lambda s, n, acc=acc: acc.get((s, n), torch.zeros_like(self.leaves[s][n])))
+            u = part
+            if self.replica_group is not None:  # the worker's update: the sum of its replicas' parts
+                u = part.clone()
+                dist.all_reduce(u, group=self.replica_group)
             own.append(u)
-            buf = u.clone()
+            buf = part.clone()
             work = dist.all_reduce(buf, group=group, async_op=True) if group is not None else None
             works.append((work, buf))
             local = self._flat(keys, lambda s, n: self.leaves[s][n].detach()) - self.lr * u

@@ -143,6 +143,10 @@ def test_profiled_rule_counts_overruns_and_never_shortens() -> None:
     compute, rest = stretch.hold(0, True, 10.0)
     assert compute == pytest.approx(0.2) and rest == pytest.approx(0.7) and now[0] == pytest.approx(10.9)
     assert (stretch.overruns, stretch.actions) == (1, 2)
+    now[0] = 20.1  # a slice of half a micro-batch (first_slices 2): its target is half the stage's
+    compute, rest = stretch.hold(0, True, 20.0, share=0.5)
+    assert compute == pytest.approx(0.1) and rest == pytest.approx(0.35) and now[0] == pytest.approx(20.45)
+    assert (stretch.overruns, stretch.actions) == (1, 3)
     with pytest.raises(ValueError, match="must be two numbers >= 1"):
         Stretch({0: (0.5, 1.0)}, rule="scaled")
 

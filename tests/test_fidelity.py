@@ -305,9 +305,10 @@ def test_placement_says_what_each_target_runs():
     rep = Plan("u", (VirtualWorker((Stage((0, 1), "n0:0", replicas=("n0:2",)), Stage((1, 2), "n0:1"))),),
                "1f1b", 1, 4)
     assert supports(rep, "simulator") is None and supports(rep, "runtime") is None  # 1f1b: executed
-    assert "replicated stages with schedule gpipe or 1f1b" in supports(replace(rep, schedule="2bw"), "runtime")
+    assert supports(replace(rep, schedule="2bw"), "runtime") is None  # replicas under 2bw and wsp: executed
+    assert "replicated stages with schedule gpipe, 1f1b, 2bw or wsp" in supports(replace(rep, schedule="bfs"), "runtime")
     assert supports(replace(plain, schedule="2bw"), "runtime") is None  # the runtime runs PipeDream-2BW
-    assert "first_slices" in supports(replace(plain, first_slices=2, micro_batch_size=2), "runtime")
+    assert supports(replace(plain, first_slices=2, micro_batch_size=2), "runtime") is None  # executed in slices
     bad = Plan("u", (VirtualWorker((Stage((0, 1), "n0:0"), Stage((1, 2), "n0:1"), Stage((2, 3), "n0:1"),
                                     Stage((3, 4), "n0:0"))),), "interleaved", 1, 2, chunks=2)
     assert "must be on n0:0" in supports(bad, "simulator")

@@ -26,7 +26,17 @@ from runtime.layout import plan_layout
 if TYPE_CHECKING:
     from partitioner.cluster import Cluster
 
-from .test_runtime import assert_same
+from runtime.launch import TrainConfig, train_local
+from runtime.stage import build_stage, zoo_chain
+
+from .test_runtime import (
+    LR,
+    assert_same,
+    reference_weights,
+    trained_weights,
+    twobw_reference,
+    wsp_reference,
+)
 
 
 def _stages(cuts: list[int], devices: list[tuple[str, ...]]) -> VirtualWorker:
@@ -38,20 +48,22 @@ def _stages(cuts: list[int], devices: list[tuple[str, ...]]) -> VirtualWorker:
 # -- the action lists ---------------------------------------------------------------------------
 
 
-def _check_lists(plan: Plan, assignment: tuple[tuple[tuple[int, ...], ...], ...] | None = None) -> None:
+def _check_lists(plan: Plan, assignment: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
+                 iterations: int = 1) -> None:
     """Every (micro-batch, stage) computed once, on the replica the assignment names; every send
     matched by exactly one receive between the same two ranks."""
     layout = plan_layout(plan, plan.virtual_workers[0].stages[-1].stop, assignment=assignment)
+    m = plan.micro_batches
     for w, vw in enumerate(plan.virtual_workers):
         computed: dict[tuple[str, int, int], int] = {}
         messages: dict[tuple[bool, int, int], list[tuple[int, int]]] = {}
         for r in (x for x in layout.ranks if x.worker == w):
-            for a in layout.actions(r.rank):
+            for a in layout.actions(r.rank, iterations):
                 if a.kind in (F, B):
                     key = (a.kind, a.micro_batch, a.stage)
                     assert key not in computed
                     computed[key] = r.rank
-                    assert layout.stage_ranks[w][a.stage][layout.assignment[w][a.stage][a.micro_batch]] == r.rank
+                    assert layout.stage_ranks[w][a.stage][layout.assignment[w][a.stage][a.micro_batch % m]] == r.rank
                 elif a.kind in (SEND_ACT, SEND_GRAD):
                     messages.setdefault((a.kind == SEND_ACT, a.micro_batch, a.stage), []).append(
                         (r.rank, layout.pipelines[w][a.peer]))
@@ -60,8 +72,8 @@ def _check_lists(plan: Plan, assignment: tuple[tuple[tuple[int, ...], ...], ...]
                     messages.setdefault((a.kind == RECV_ACT, a.micro_batch, sender), []).append(
                         (layout.pipelines[w][a.peer], r.rank))
         n = len(vw.stages)
-        assert set(computed) == {(k, j, s) for k in (F, B) for j in range(plan.micro_batches) for s in range(n)}
-        assert len(messages) == 2 * plan.micro_batches * (n - 1)
+        assert set(computed) == {(k, j, s) for k in (F, B) for j in range(m * iterations) for s in range(n)}
+        assert len(messages) == 2 * m * iterations * (n - 1)
         assert all(len(pair) == 2 and pair[0] == pair[1] for pair in messages.values()), messages
 
 
@@ -72,11 +84,21 @@ def test_replica_lists_cover_every_micro_batch_once_and_messages_match(draw: int
     cuts = [0, *sorted(rng.sample(range(1, 6), n - 1)), 6]
     names = iter(f"n0:{d}" for d in range(20))
     devices = [tuple(next(names) for _ in range(rng.randint(1, 3))) for _ in range(n)]
-    plan = Plan("m", (_stages(cuts, devices),), schedule=rng.choice(["gpipe", "1f1b"]),
-                micro_batches=rng.randint(1, 6))
+    schedule = rng.choice(["gpipe", "1f1b", "2bw", "wsp"])
+    plan = Plan("m", (_stages(cuts, devices),), schedule=schedule, micro_batches=rng.randint(1, 6),
+                staleness=rng.randint(0, 2) if schedule == "wsp" else 0)
     times = {d: rng.uniform(1.0, 3.0) for devs in devices for d in devs}
-    _check_lists(plan)
-    _check_lists(plan, replica_assignment(plan, lambda d, a, b: times[d] * (b - a)))
+    iterations = 1 if schedule in ("gpipe", "1f1b") else 3  # 2bw and wsp: one list across iterations
+    _check_lists(plan, iterations=iterations)
+    _check_lists(plan, replica_assignment(plan, lambda d, a, b: times[d] * (b - a)), iterations)
+    # the lists run to the end (the simulator names the ranks of any wait cycle)
+    from partitioner.cluster import Cluster
+    from partitioner.simulate import simulate_plan
+
+    from .test_simulate import uniform_profile
+
+    tl = simulate_plan(replace(plan, micro_batch_size=4), uniform_profile(6), Cluster.homogeneous("V100", 1, 20, 16, 7))
+    assert tl.iteration_s > 0
 
 
 def test_assignment_follows_replica_shares_and_is_checked() -> None:
@@ -214,12 +236,77 @@ def _one_process_losses(plan: Plan, steps: int, lr: float, seed: int) -> list[fl
     return out
 
 
+# -- no flush: wsp and 2bw ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("staleness", "two_workers"), [(0, False), (1, True), pytest.param(0, True, marks=pytest.mark.slow),
+                                                         pytest.param(2, True, marks=pytest.mark.slow)])
+def test_wsp_replicated_position_follows_its_update_rule(staleness: int, two_workers: bool, tmp_path: Path) -> None:
+    # worker 0 is one position, the whole model over two replicas: each wave's micro-batches run one after the
+    # other (no wave overlaps the next), so the rule of a one-device worker holds, its update summed over replicas
+    workers = (_stages([0, 4], [("n0:0", "n0:1")]),) + ((_stages([0, 4], [("n0:2",)]),) if two_workers else ())
+    plan = Plan("gpt2-tiny", workers, schedule="wsp", micro_batch_size=2, micro_batches=3, staleness=staleness)
+    assert supports(plan, "runtime") is None
+    ref = wsp_reference(plan, 4, LR, 1)
+    for got in trained_weights(plan, tmp_path, 4, LR, 1, "synthetic"):
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=k)
+    _assert_replicas_equal(plan, tmp_path)
+    if staleness == 0:  # synchronous SGD on the global batch
+        sync = reference_weights(plan, 4, LR, 1, "synthetic")
+        for k, v in sync.items():
+            torch.testing.assert_close(ref[k], v, rtol=1e-4, atol=1e-6)
+
+
+def test_wsp_replicated_first_stage_runs_as_the_unreplicated_pipeline(tmp_path: Path) -> None:
+    # replicating the first stage keeps every position's list (depths p - k - 1) and the point of every PUSH and
+    # PULL in it, so the weights each micro-batch sees are those of the unreplicated pipeline
+    other = _stages([0, 1, 4], [("n0:3",), ("n0:4",)])
+    plan = Plan("gpt2-tiny", (_stages([0, 2, 4], [("n0:0", "n0:1"), ("n0:2",)]), other), schedule="wsp",
+                micro_batch_size=2, micro_batches=3, staleness=1)
+    plain = replace(plan, virtual_workers=(_stages([0, 2, 4], [("n0:0",), ("n0:2",)]), other))
+    (tmp_path / "replicated").mkdir()
+    (tmp_path / "plain").mkdir()
+    got = trained_weights(plan, tmp_path / "replicated", 4, LR, 1, "synthetic")
+    want = trained_weights(plain, tmp_path / "plain", 4, LR, 1, "synthetic")
+    init = build_stage(zoo_chain(plan.model), 0, 4, seed=1).state_dict()
+    for a, b in zip(got, want, strict=True):
+        for k in init:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+            torch.testing.assert_close(a[k], got[0][k], rtol=1e-5, atol=1e-7, msg=k)  # the workers end equal
+    assert any(not torch.equal(init[k], got[0][k]) for k in init)
+    _assert_replicas_equal(plan, tmp_path / "replicated")
+
+
+@pytest.mark.parametrize("devices", [[("n0:0",), ("n0:1", "n0:2")], [("n0:0", "n0:1", "n0:2"), ("n0:3",)]])
+@pytest.mark.parametrize("two_workers", [False, True])
+def test_2bw_replicated_stage_follows_its_update_rule(devices: list[tuple[str, ...]], two_workers: bool,
+                                                      tmp_path: Path) -> None:
+    workers = (_stages([0, 2, 4], devices),) + ((_stages([0, 1, 4], [("n0:7",), ("n0:8",)]),) if two_workers else ())
+    plan = Plan("gpt2-tiny", workers, schedule="2bw", micro_batch_size=2, micro_batches=3)
+    steps, lr = 4, 0.5
+    ref, ref_losses = twobw_reference(plan, steps, lr, 1)
+    cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=1, threads=1, timeout_s=60,
+                      state_dir=str(tmp_path))
+    metrics = train_local(plan, cfg, start_method="fork")
+    assert metrics["loss"] == pytest.approx(ref_losses, rel=1e-4)  # summed over a replicated last stage
+    got: list[dict[str, torch.Tensor]] = [{} for _ in plan.virtual_workers]
+    for r in plan_layout(plan, 4).ranks:
+        for state in torch.load(tmp_path / f"rank{r.rank}.pt").values():
+            got[r.worker].update(state)
+    for weights in got:
+        for k, v in ref.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=1e-6, msg=k)
+    _assert_replicas_equal(plan, tmp_path)
+
+
 # -- what is still refused -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("change", "expect"), [
-    ({"schedule": "2bw"}, "executes replicated stages with schedule gpipe or 1f1b, not '2bw'"),
-    ({"schedule": "wsp"}, "executes replicated stages with schedule gpipe or 1f1b, not 'wsp'"),
+    ({"schedule": "interleaved"}, "executes replicated stages with schedule gpipe, 1f1b, 2bw or wsp, not "
+                                  "'interleaved'"),
+    ({"schedule": "bfs"}, "executes replicated stages with schedule gpipe, 1f1b, 2bw or wsp, not 'bfs'"),
     ({"schedule": "interleaved", "chunks": 2, "micro_batches": 4}, "replicated stages run one chunk per device"),
 ])
 def test_replicas_refused_where_not_executed(change: dict[str, object], expect: str) -> None:
