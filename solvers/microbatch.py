@@ -10,9 +10,9 @@ an approximation that ignores the fixed costs of small batches; with several mea
 only sizes between them are tried), and the simulated throughput decides. For flushing schedules, slicing the
 first micro-batch into ``s`` in ``slices`` (when ``s`` divides ``b``) shortens the fill: the
 plan carries ``first_slices = s`` and the simulator runs its first micro-batch as ``s``
-slices of ``1/s`` the work. Plans the simulator cannot price (replicated stages) fall back to
-the closed form :func:`partitioner.cost.pipeline_iteration_s`, without slicing: only the
-simulator prices it (the effect is small under 1F1B and nil under GPipe).
+slices of ``1/s`` the work. A plan the simulator refuses falls back to the closed form
+(:meth:`partitioner.cost.CostModel.plan_iteration_s`), without slicing: only the simulator
+prices it (the effect is small under 1F1B and nil under GPipe).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = ["MicroBatchChoice", "choose_micro_batches"]
 def _priced(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None,
             global_batch: int) -> tuple[float, float]:
     """(iteration seconds, samples/s) of ``plan``: simulated, or by the closed form where the
-    simulator cannot price the plan (replicated stages)."""
+    simulator refuses the plan."""
     from partitioner.simulate import simulate_plan
 
     try:
