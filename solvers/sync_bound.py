@@ -20,11 +20,14 @@ with ``w_0`` stage 0's parameters, ``U`` the optimizer step, ``F_K(n)`` the leas
 all-reduce of ``n`` bytes over ``K`` of the cluster's GPUs and ``P(S)`` a lower bound on the
 worker's pipeline:
 
-* ``P(S) >= G(S)``, the fleet bound's ``min_q (m - 1 + q) / S_q`` (always);
-* where the worker's mapping search is exhaustive, ``P(S) >= (m - 1) B*(S) + sum_l min_t c_t(l)``:
-  the closed form's pace is at least the bottleneck of its stages, at least the least
-  bottleneck ``B*`` over every order and split of ``S`` (:func:`solvers.mapping.map_worker`), and
-  its fill crosses every layer forward and back on some GPU of ``S``.
+* ``P(S) >= (m - 1) max(l, W / |S|) + W`` (always; no solver), with ``W`` the model's work with
+  every layer on its fastest type of ``S`` and ``l`` the largest such layer: the fill crosses
+  every layer once and the pace is at least every stage's compute;
+* the LP of :func:`pipeline_floor_s` over ``S``'s mix of GPU types (layers assigned
+  fractionally, no GPU computing more than the pace);
+* where the orders of ``S`` are few enough to enumerate, the least ``fill + (m - 1) x
+  bottleneck`` over every order and split (:func:`exact_pipeline_floor_s`; under GPipe, the LP
+  with the least bottleneck of :func:`solvers.mapping.map_worker` as the least pace).
 
 A single-GPU worker holds the whole model (``w_0`` everything), so for it ``L`` is exact but for
 ``F``; a pipelined worker's stage 0 holds at least the first layer.
@@ -61,11 +64,11 @@ from typing import Any
 import numpy as np
 
 from partitioner.cluster import Device
-from partitioner.cost import CostModel
+from partitioner.cost import CostModel, activations_in_flight
 from partitioner.schedule import spec
 
 from .fleet_bound import worker_memory_bytes
-from .mapping import device_labels, map_worker, num_label_orders
+from .mapping import device_labels, label_orders, map_worker, num_label_orders
 from .symmetric import (
     NodeClass,
     Template,
@@ -76,7 +79,7 @@ from .symmetric import (
     template_usage,
 )
 
-__all__ = ["SyncBound", "allreduce_floor", "sync_bound"]
+__all__ = ["SyncBound", "allreduce_floor", "exact_pipeline_floor_s", "pipeline_floor_s", "sync_bound"]
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +214,77 @@ def pipeline_floor_s(per_layer_s: dict[str, np.ndarray], counts: dict[str, int],
     return (micro_batches - 1) * least_pace_s + float(np.sum(np.min([per_layer_s[t] for t in types], axis=0)))
 
 
+def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+                           exact_limit: int = 720) -> float | None:
+    """The least ``fill + (m - 1) max_k t_k`` over every order and split of ``devices`` (one stage
+    each, memory respected) under a 1F1B-like schedule: the closed form's iteration less its
+    Little's-law floor on the pace, so a lower bound on it that is exact where that floor does
+    not bind. ``None`` where the orders are too many to enumerate or the schedule is not a
+    flushing one-flow schedule (GPipe's fill is priced differently).
+
+    For a pace ``P`` the least fill is a DP over the stages, ``best_k(j) = min_i best_{k-1}(i) +
+    f_k(i, j)`` over stages with ``t_k(i, j) <= P`` (``f``: compute plus the activation sent on
+    and the gradient sent back); paces are tried upwards from the least bottleneck until
+    ``(m - 1) P`` plus the unconstrained least fill can no longer win."""
+    sp = spec(schedule)
+    if not sp.flushes or sp.all_forwards_first:
+        return None
+    devices = list(devices)
+    labels = device_labels(cost, devices)
+    if not devices or num_label_orders(labels) > exact_limit:
+        return None
+    pools: dict[tuple[str, str], list[Device]] = {}
+    for lab, d in zip(labels, devices, strict=True):
+        pools.setdefault(lab, []).append(d)
+    m, n_layers = micro_batches, cost.num_layers
+    upper = np.triu(np.ones((n_layers + 1, n_layers + 1), bool), 1)
+    best = math.inf
+    for order in label_orders(labels):
+        used: dict[tuple[str, str], int] = {}
+        devs = []
+        for lab in order:
+            devs.append(pools[lab][used.get(lab, 0)])
+            used[lab] = used.get(lab, 0) + 1
+        q = len(devs)
+        times, fills = [], []
+        for k, d in enumerate(devs):
+            prev = devs[k - 1] if k else None
+            nxt = devs[k + 1] if k + 1 < q else None
+            ok = upper & (cost.memory_matrix(activations_in_flight(schedule, q - k, m), schedule) <= d.memory_bytes)
+            t = cost.pipeline_stage_time_matrix(d, prev, nxt, schedule, m)
+            f = (cost.compute_matrix(d.gpu_type) + cost.boundary_vector_s(d, prev)[:, None]
+                 + cost.boundary_vector_s(d, nxt)[None, :])
+            times.append(np.where(ok, t, math.inf))
+            fills.append(np.where(ok, f, math.inf))
+        free = _least_fill(times, fills, math.inf)
+        if not math.isfinite(free):
+            continue  # nothing fits in this order
+        paces = np.unique(np.concatenate([t[np.isfinite(t)] for t in times])).tolist()
+        lo, hi = 0, len(paces) - 1  # the least pace with a split (feasibility grows with the pace)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if math.isfinite(_least_fill(times, fills, paces[mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        for pace in paces[lo:]:
+            if (m - 1) * pace + free >= best:
+                break
+            fill = _least_fill(times, fills, pace)
+            if math.isfinite(fill):
+                best = min(best, (m - 1) * pace + fill)
+    return best
+
+
+def _least_fill(times: Sequence[np.ndarray], fills: Sequence[np.ndarray], pace: float) -> float:
+    """The least summed fill over the stages in order, every stage's time within ``pace``."""
+    cur = np.full(times[0].shape[0], math.inf)
+    cur[0] = 0.0
+    for t, f in zip(times, fills, strict=True):
+        cur = np.min(np.where(t <= pace, cur[:, None] + f, math.inf), axis=0)
+    return float(cur[-1])
+
+
 def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[NodeClass], schedule: str,
                micro_batches: int, beat_samples_per_s: float, *, exact_limit: int = 720,
                max_worker_gpus: int | None = None, deadline: float | None = None,
@@ -317,6 +391,10 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
             return
         step[tp] = 2
         devs = realise(tp, classes, pools)
+        exact = exact_pipeline_floor_s(cost, devs, schedule, m, exact_limit)
+        if exact is not None:
+            pipeline[tp] = max(pipeline[tp], exact)
+            return
         if num_label_orders(device_labels(cost, devs)) > exact_limit:
             return  # no exhaustive search for so many orders: the mix's floor stands
         res = map_worker(cost, devs, schedule, m, exact_limit=exact_limit, deadline=deadline)

@@ -18,7 +18,7 @@ from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from solvers.hetero import WorkerPlanner, plan_cluster, price_plan
 from solvers.symmetric import node_classes
-from solvers.sync_bound import allreduce_floor, pipeline_floor_s, sync_bound
+from solvers.sync_bound import allreduce_floor, exact_pipeline_floor_s, pipeline_floor_s, sync_bound
 from tests._hetero_fixtures import small_cluster
 
 TYPES = ("TITAN-V", "RTX-2060", "RTX-3090")
@@ -136,6 +136,30 @@ def test_pipeline_floor_is_below_every_split_of_one_worker():
         times.append(cost.worker_iteration_s(plan))
     assert floor <= min(times) * (1 + 1e-9)
     assert floor >= 0.5 * min(times)  # and not vacuous
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("m", [1, 4])
+def test_exact_pipeline_floor_is_the_least_over_orders_and_splits(seed, m):
+    profile = uneven_profile(6, seed, 100.0)
+    cluster = small_cluster([["TITAN-V", "RTX-2060"], ["RTX-3090"]], inter=2.0)
+    cost = CostModel(profile, cluster)
+    devs = list(cluster.devices)
+    floor = exact_pipeline_floor_s(cost, devs, "1f1b", m)
+    times = []
+    for stages in worker_options(devs, 6):
+        plan = Plan("uneven", (VirtualWorker(stages),), "1f1b", 8, m)
+        try:
+            cost.check_plan_memory(plan)
+        except FormatError:
+            continue
+        times.append(cost.worker_iteration_s(plan))
+    assert floor is not None and floor <= min(times) * (1 + 1e-12)
+    # it leaves out only the closed form's Little's-law floor on the pace: exact where that does not bind
+    assert floor >= 0.8 * min(times)
+    per = {t: np.array([cost.compute_s(t, i, i + 1) for i in range(6)]) for t in TYPES}
+    assert floor >= pipeline_floor_s(per, {"TITAN-V": 1, "RTX-2060": 1, "RTX-3090": 1}, m, 0.0) * (1 - 1e-9)
+    assert exact_pipeline_floor_s(cost, devs, "gpipe", m) is None  # GPipe's fill is priced otherwise
 
 
 def test_hetpipe_vgg19_certificate_includes_the_allreduce():
