@@ -440,7 +440,8 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "samples": sum(done) * plan.micro_batches * plan.micro_batch_size,
         **_global_eval(config, per_rank),
         "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads",
-                                          "seconds_per_step", "peak_memory_bytes", "replica", "micro_batches")
+                                          "seconds_per_step", "peak_memory_bytes", "replica", "micro_batches",
+                                          "start_time", "wave_end_s", "empty_wave_s", "pull_end_s")
                    if k in r}
                   for r in per_rank],
         **({"emulated": _emulated(config.emulation, per_rank)} if config.emulation else {}),
