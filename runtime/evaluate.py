@@ -3,9 +3,9 @@
 A run that records its global weights (``TrainConfig.eval_global``: after every step of a
 flushing schedule, after every WSP pull) is evaluated once it is over, outside the timed
 window: every recorded version runs the whole model (this rank's stages, which must be every
-layer) on the same held-out batches, the global batches of steps ``EVAL_STEP``,
-``EVAL_STEP + 1``, ... (never trained on: a run is far shorter), in micro-batches of the
-plan's size, and its loss is the mean over them.
+layer) on the same held-out batches, the ``EVAL_BATCHES`` global batches of steps
+``EVAL_STEP``, ``EVAL_STEP + 1``, ... (never trained on: a run is far shorter), in micro-batches
+of the plan's size, and its loss is the mean over them.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ from torch.func import functional_call
 
 from .data import DataSource
 
-__all__ = ["EVAL_STEP", "evaluate_versions"]
+__all__ = ["EVAL_BATCHES", "EVAL_STEP", "evaluate_versions"]
 
 EVAL_STEP = 1_000_000  # the first held-out global batch
+EVAL_BATCHES = 4
 
 
 @torch.no_grad()
 def evaluate_versions(modules: Mapping[int, nn.Module], versions: Sequence[Mapping[int, Mapping[str, torch.Tensor]]],
-                      data: DataSource, micro_batch_size: int, device: torch.device, batches: int = 1) -> list[float]:
+                      data: DataSource, micro_batch_size: int, device: torch.device,
+                      batches: int = EVAL_BATCHES) -> list[float]:
     """The held-out loss of every weight version (stage -> parameter name -> tensor) of the
     stages in ``modules`` (every layer of the model, in stage order)."""
     parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
