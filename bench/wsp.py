@@ -27,6 +27,7 @@ benchmark's section of docs/results.md; without it nothing in the tree is writte
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import statistics
 import sys
@@ -102,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     # it hides under the next wave's compute (when shorter); with D = 0 the pull waits for it at once
     hidden = {label: predicted[CASES[0][0]] - (allreduce_s if d >= 1 else 0.0) for label, _, d in CASES}
     types = {d.name: d.gpu_type for d in cluster.devices}
-    print(f"emulation: time scale x{first.time_scale:.4g} (this CPU's time of {MODEL} over {args.reference}'s); "
-          f"all-reduce of the gradients {first.collectives[0].nbytes / 1e6:.3g} MB over {len(types)} workers: "
-          f"{first.collectives[0].seconds * 1e3:.1f} ms emulated", flush=True)
-    for s in first.stages:
-        print(f"  {s.device} plays {s.gpu_type}: forward {s.fwd_s * 1e3:.1f} ms, backward {s.bwd_s * 1e3:.1f} ms "
-              f"per micro-batch (emulated)", flush=True)
+    setting = [f"emulation: time scale x{first.time_scale:.4g} (this CPU's time of {MODEL} over {args.reference}'s); "
+               f"all-reduce of the gradients {first.collectives[0].nbytes / 1e6:.3g} MB over {len(types)} workers: "
+               f"{allreduce_s * 1e3:.1f} ms emulated"]
+    setting += [f"  {s.device} plays {s.gpu_type}: forward {s.fwd_s * 1e3:.1f} ms, backward {s.bwd_s * 1e3:.1f} ms "
+                f"per micro-batch (emulated)" for s in first.stages]
+    print("\n".join(setting), flush=True)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in CASES}
     for rnd in range(args.rounds):
         order = CASES[rnd % len(CASES):] + CASES[:rnd % len(CASES)]  # rotate, so no case always runs first
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
              f"x{first.time_scale:.4g}; {MODEL}, micro-batch {BATCH}, {MICRO_BATCHES} micro-batches, text, lr "
              f"{args.lr:g}; one virtual worker per GPU; runs of {args.seconds:g} s; {args.rounds} interleaved rounds, "
              f"medians. 1-minute load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}. "
-             f"Wall time {time.monotonic() - t_start:.0f} s.", "",
+             f"Wall time {time.monotonic() - t_start:.0f} s.", "", *setting, "",
              f"| run | time to loss <= {args.target_loss:g}, s | speed-up over sync | range over rounds, s | waves "
              "per worker | measured iteration, ms | predicted iteration (simulator), ms | closed form, ms | "
              "measured iteration speed-up | predicted speed-up (simulator / closed form) | last loss |",
@@ -163,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         _plot(runs, args.target_loss, png)
         print(f"wrote {png}")
     if args.write:
-        body = "\n".join([f"## wsp: {__doc__.splitlines()[0]}", "", f"`python bench/wsp.py {' '.join(argv or sys.argv[1:])}`",
+        when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        body = "\n".join([f"## wsp: {__doc__.splitlines()[0]}", "",
+                          f"`python bench/wsp.py {' '.join(argv or sys.argv[1:])}` ({when}, torch {torch.__version__})",
                           "", "![wsp](img/wsp.png)", "", *lines])
         write_between(ROOT / "docs" / "results.md", "<!-- bench:wsp -->", "<!-- /bench:wsp -->", body)
         print("wrote docs/results.md (section wsp)")

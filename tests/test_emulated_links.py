@@ -244,3 +244,24 @@ def test_time_bounds_and_links_are_refused_where_the_runtime_cannot(tmp_path: Pa
         assert expect in err and "Traceback" not in err
     with pytest.raises(PartitionerError, match="max_seconds = -1"):
         TrainConfig("gpt2-tiny", max_seconds=-1)
+
+
+def test_cli_says_links_are_emulated_and_ends_by_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    _profile().save(tmp_path / "p.json")
+    CLUSTER.save(tmp_path / "c.json")
+    _plan("wsp", 1, DEVICES[:2]).save(tmp_path / "plan.json")
+    out = tmp_path / "m.json"
+    code = cli.main(["train", str(tmp_path / "plan.json"), "--profile", str(tmp_path / "p.json"), "--cluster",
+                     str(tmp_path / "c.json"), "--model", "gpt2-tiny", "--local", "--emulate", "--emulate-links",
+                     "--emulate-reference", "A100", "--steps", "1000", "--max-seconds", "1", "--threads", "1",
+                     "-o", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "all-reduces between virtual workers take the plan's links x100" in text
+    assert "the plan's links x100)" in text  # the prediction's line
+    m = json.loads(out.read_text())
+    assert m["emulated"]["links"]["time_scale"] == pytest.approx(100.0)
+    assert m["emulated"]["links"]["collectives"][0]["devices"] == ["n0:0", "n1:0"]
+    assert min(m["iterations_per_worker"]) >= 1 and max(m["iterations_per_worker"]) < 1000
