@@ -328,7 +328,8 @@ def emulation_for(plan: Plan, profile: Profile, cluster: Cluster, *, local: str 
                 stages.append(EmulatedStage(w, k, d, gpu, st.start, st.stop, factors[0], factors[1], *targets))
     if not links:
         return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule)
-    check(spec(plan.schedule).executor != "2bw", "--emulate-links", plan.schedule,
+    executor = spec(plan.schedule).executor  # (the runtime's executor: 2bw's all-reduce has no delay)
+    check(executor != "2bw", "--emulate-links", plan.schedule,
           "the 2bw all-reduce is not emulated: use a flushing schedule or wsp")
     scale = emulation_time_scale(profile, cluster, local=local, reference=reference, required=plan_types)
     return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule, scale,

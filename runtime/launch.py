@@ -676,6 +676,7 @@ def train_local(plan: Plan, config: TrainConfig, start_method: str = "spawn") ->
     if config.device == "cuda" and torch.cuda.device_count() < n:
         raise PartitionerError(f"the plan needs {n} GPUs on this machine; torch sees {torch.cuda.device_count()}")
     check_checkpoints(plan, config, n)
+    check_time_bound(plan, config, layout)
     make_data(chain, config.data, plan.micro_batch_size, plan.micro_batches, layout.workers, config.seed)
     with tempfile.TemporaryDirectory(prefix="partitioner-train-") as tmp:
         spawn_local(_local_worker, n, (plan.to_dict(), config, tmp),
