@@ -13,6 +13,8 @@ rule once) and medians over rounds reported, with the ratio between plans measur
 With ``--wsp``, also WSP against synchronous data parallelism on the emulated cluster: two
 virtual workers of one device each (the A100 and a T4), gpt2-tiny on the text task, synchronous
 (1f1b, gradient all-reduce) and ``wsp`` with staleness D = 0, 1, 2; loss against time (``--png``).
+Communication is this machine's and every run has the same wave count: bench/wsp.py measures WSP
+with the cluster's links emulated and runs that end by time.
 
     python bench/emulation.py [--rounds 3] [--steps 8] [--rules profiled,scaled] [--reference H100]
                               [--wsp [--wsp-steps 30] [--png loss_vs_time.png]]

@@ -34,9 +34,12 @@ profile's time of the stage), an action that computed for ``w`` seconds ends, by
 
 When the action takes its profiled local time, both rules give exactly the emulated profile's
 time of the stage, which is what the simulator is given to predict the emulated run
-(:func:`emulated_profile`, :func:`predict_emulated`). Communication is
-not emulated: sends and all-reduces are the real ones of this machine (gloo over loopback), so
-the prediction prices every link at this machine's speed (:func:`emulated_cluster`).
+(:func:`emulated_profile`, :func:`predict_emulated`). By default communication is not emulated:
+sends and all-reduces are the real ones of this machine (gloo over loopback), so the prediction
+prices every link at this machine's speed (:func:`emulated_cluster`). With ``links=True``
+(``train --emulate-links``) the all-reduces between virtual workers (and WSP's pushes) take the
+plan's cluster's time, dilated by the emulation's time scale
+(:mod:`partitioner.emulated_links`), and the prediction prices the links the same way.
 
 A factor below 1 cannot be played (emulation only adds time): with a named reference slower than
 a type of the plan on some stage, the emulation is refused.
@@ -56,15 +59,17 @@ import numpy as np
 
 from .cluster import Cluster, DeviceType, Node, resolve_gpu_type
 from .cost import CostModel
+from .emulated_links import EmulatedCollective, collectives, dilated_cluster, time_scale
 from .errors import FormatError, check
 from .plan import Plan
 from .pricing import CostOptions
 from .profile import LayerTime, Profile
+from .schedule import spec
 from .simulate import simulate_plan
 from .timeline import Timeline
 
 __all__ = ["EMULATION_RULES", "LOCAL_DEVICE", "LOCAL_LINK_GBPS", "EmulatedStage", "Emulation", "emulated_cluster",
-           "emulated_profile", "emulation_for", "predict_emulated"]
+           "emulated_profile", "emulation_for", "emulation_time_scale", "predict_emulated"]
 
 LOCAL_DEVICE = "cpu"  # the profile key of this machine's own times (partitioner profile --device cpu)
 # gloo over loopback on one machine, as examples/clusters/cpu4.yaml prices it
@@ -111,9 +116,18 @@ class Emulation:
     link_gbps: float
     stages: tuple[EmulatedStage, ...]
     rule: str = "profiled"
+    # link emulation (``links=True``): the time scale of the emulated run (local / reference) and
+    # every all-reduce between virtual workers with its emulated seconds; 0 and () when off
+    time_scale: float = 0.0
+    collectives: tuple[EmulatedCollective, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "collectives", tuple(self.collectives))
+        check(isinstance(self.time_scale, (int, float)) and math.isfinite(self.time_scale) and self.time_scale >= 0,
+              "time_scale", self.time_scale, "must be a finite number >= 0 (0: links not emulated)")
+        check(not self.collectives or self.time_scale > 0, "collectives", len(self.collectives),
+              "need the time scale of the emulated links")
         check(self.rule in EMULATION_RULES, "--emulate-rule", self.rule, f"must be one of {', '.join(EMULATION_RULES)}")
         check(bool(self.local), "local", self.local, "must name the profile's key of this machine's times")
         check(isinstance(self.link_gbps, (int, float)) and math.isfinite(self.link_gbps) and self.link_gbps > 0,
@@ -132,6 +146,16 @@ class Emulation:
     def gpu_type(self, device: str) -> str:
         return next((s.gpu_type for s in self.stages if s.device == device), "")
 
+    @property
+    def links(self) -> bool:
+        """Whether the all-reduces between virtual workers take the plan's cluster's time."""
+        return self.time_scale > 0
+
+    def collective_s(self, devices: Iterable[str]) -> float | None:
+        """Emulated seconds of the all-reduce over exactly ``devices`` (None: not emulated)."""
+        want = sorted(devices)
+        return next((c.seconds for c in self.collectives if sorted(c.devices) == want), None)
+
     def to_dict(self) -> dict[str, Any]:
         end = ("its measured compute time x the stage's factor" if self.rule == "scaled" else
                "the stage's emulated time, or its measured compute time when longer (an overrun)")
@@ -141,7 +165,13 @@ class Emulation:
                 "stages": [{"worker": s.worker, "stage": s.stage, "device": s.device, "gpu_type": s.gpu_type,
                             "layers": [s.start, s.stop], "fwd_factor": s.fwd_factor, "bwd_factor": s.bwd_factor,
                             "fwd_s": s.fwd_s, "bwd_s": s.bwd_s}
-                           for s in self.stages]}
+                           for s in self.stages],
+                "links": ({"time_scale": self.time_scale,
+                          "explained": "every all-reduce between virtual workers (and WSP's push) ends at its "
+                                       "last member's start + the cost model's time on the plan's cluster x "
+                                       "time_scale; sends between stages are this machine's",
+                          "collectives": [c.to_dict() for c in self.collectives]}
+                          if self.links else "not emulated: this machine's (gloo over loopback)")}
 
 
 # -- the rule -----------------------------------------------------------------------------------
@@ -253,10 +283,21 @@ def emulated_profile(profile: Profile, cluster: Cluster, *, local: str = LOCAL_D
     return replace(profile, layers=layers, meta={**profile.meta, "emulated": {"local": local, "reference": ref_name}})
 
 
+def emulation_time_scale(profile: Profile, cluster: Cluster, *, local: str = LOCAL_DEVICE,
+                         reference: str | None = None, required: Iterable[str] = ()) -> float:
+    """How much slower the emulated run is than the real cluster: the model's local time over
+    the reference's (:func:`partitioner.emulated_links.time_scale`)."""
+    types = _cluster_types(profile, cluster, required)
+    _, ref_f, ref_b = _reference(profile, types, reference, cluster.device_types)
+    return time_scale(_local_times(profile, local), (ref_f, ref_b))
+
+
 def emulation_for(plan: Plan, profile: Profile, cluster: Cluster, *, local: str = LOCAL_DEVICE,
-                  reference: str | None = None, link_gbps: float = LOCAL_LINK_GBPS, rule: str = "profiled") -> Emulation:
+                  reference: str | None = None, link_gbps: float = LOCAL_LINK_GBPS, rule: str = "profiled",
+                  links: bool = False) -> Emulation:
     """The stretch factors of every stage of ``plan`` (refused in one line: no local times, a
-    type of the plan or the reference without times, a factor below 1)."""
+    type of the plan or the reference without times, a factor below 1); with ``links``, the
+    emulated seconds of every all-reduce between virtual workers as well."""
     check(isinstance(link_gbps, (int, float)) and math.isfinite(link_gbps) and link_gbps > 0,
           "--emulate-link-GBps", link_gbps, "must be a number of GB/s > 0")
     plan_types = [cluster.device(d).gpu_type for vw in plan.virtual_workers for st in vw.stages for d in st.devices]
@@ -285,7 +326,14 @@ def emulation_for(plan: Plan, profile: Profile, cluster: Cluster, *, local: str 
                                           "leave --emulate-reference out (the fastest type per layer)")
                     factors.append(max(x, 1.0))
                 stages.append(EmulatedStage(w, k, d, gpu, st.start, st.stop, factors[0], factors[1], *targets))
-    return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule)
+    if not links:
+        return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule)
+    executor = spec(plan.schedule).executor  # (the runtime's executor: 2bw's all-reduce has no delay)
+    check(executor != "2bw", "--emulate-links", plan.schedule,
+          "the 2bw all-reduce is not emulated: use a flushing schedule or wsp")
+    scale = emulation_time_scale(profile, cluster, local=local, reference=reference, required=plan_types)
+    return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule, scale,
+                     collectives(plan, profile, dilated_cluster(cluster, scale)))
 
 
 def emulated_cluster(cluster: Cluster, link_gbps: float = LOCAL_LINK_GBPS) -> Cluster:
@@ -297,10 +345,16 @@ def emulated_cluster(cluster: Cluster, link_gbps: float = LOCAL_LINK_GBPS) -> Cl
 
 def predict_emulated(plan: Plan, profile: Profile, cluster: Cluster, *, local: str = LOCAL_DEVICE,
                      reference: str | None = None, link_gbps: float = LOCAL_LINK_GBPS,
-                     options: CostOptions | None = None, iterations: int | None = None) -> Timeline:
+                     options: CostOptions | None = None, iterations: int | None = None,
+                     links: bool = False) -> Timeline:
     """The simulator's timeline of ``plan`` as ``train --emulate`` runs it: the emulated times of
-    the plan's GPU types, every link at ``link_gbps``."""
+    the plan's GPU types, every link at ``link_gbps`` or, with ``links`` (``--emulate-links``),
+    the plan's cluster's links dilated by the emulation's time scale."""
     plan_types = [cluster.device(d).gpu_type for d in plan.devices]
     emu = emulated_profile(profile, cluster, local=local, reference=reference, required=plan_types)
-    links = emulated_cluster(cluster, link_gbps)
-    return simulate_plan(plan, emu, links, options, iterations, cost=CostModel(emu, links, options))
+    if links:
+        scale = emulation_time_scale(profile, cluster, local=local, reference=reference, required=plan_types)
+        net = dilated_cluster(cluster, scale)
+    else:
+        net = emulated_cluster(cluster, link_gbps)
+    return simulate_plan(plan, emu, net, options, iterations, cost=CostModel(emu, net, options))

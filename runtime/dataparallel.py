@@ -10,7 +10,8 @@ their worker's mean gradient: summing over all holders and dividing by the worke
 gradient of the global batch's mean loss, as one process computes it. Every rank visits the
 holder sets in the same (first-layer) order, so the collectives cannot wait on each other in a
 cycle. When every holder set is one rank (one virtual worker, nothing replicated) nothing is
-exchanged.
+exchanged. Under ``--emulate-links`` each all-reduce takes the emulated links' time
+(:class:`runtime.emulate.LinkDelay`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .emulate import LinkDelay
 from .layout import Layout
 
 __all__ = ["GradientAverager"]
@@ -36,7 +38,8 @@ class GradientAverager:
 
     def __init__(self, layout: Layout, rank: int, layers: Mapping[int, nn.Module]):
         self.workers = layout.workers
-        self.groups: list[tuple[Any, list[nn.Parameter]]] = []
+        self.groups: list[tuple[Any, list[nn.Parameter], tuple[int, ...]]] = []
+        self.delay: LinkDelay | None = None  # --emulate-links
         self.seconds = 0.0  # in the all-reduces (waiting for the other holders included), as the simulator counts
         sets = layout.holder_sets()
         if all(len(ranks) == 1 for ranks, _ in sets):
@@ -48,14 +51,17 @@ class GradientAverager:
             if rank in ranks:
                 params = [p for layer in held for p in layers[layer].parameters()]
                 if params:
-                    self.groups.append((group, params))
+                    self.groups.append((group, params, tuple(ranks)))
 
     def __call__(self) -> None:
-        for group, params in self.groups:
+        for group, params, ranks in self.groups:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             t0 = time.perf_counter()
-            dist.all_reduce(flat, group=group)
+            if self.delay is None:
+                dist.all_reduce(flat, group=group)
+            else:
+                self.delay.wait(self.delay.start(flat, group, ranks))
             self.seconds += time.perf_counter() - t0
             flat /= self.workers
             offset = 0

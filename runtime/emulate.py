@@ -7,16 +7,29 @@ action: the rank sleeps until the action's wall time, measured from its start, i
 the stage's emulated time when it computed faster than that (rule ``profiled``), or its measured
 compute time times the stage's factor (rule ``scaled``). Only this module sleeps; the
 executors stay unaware of GPU types.
+
+:class:`LinkDelay` emulates the links (``train --emulate-links``): a collective between virtual
+workers (the gradient all-reduce of synchronous data parallelism, WSP's push) that this machine
+completed faster than its emulated seconds completes, when its result is waited for, at the
+latest member's start plus those seconds. The members' starts are all-reduced (maximum) beside
+the data, stamped with ``time.time`` (one clock for every process of a machine). An
+asynchronous collective keeps overlapping the compute that runs until it is waited for, as on
+the real links.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from partitioner.emulation import EMULATION_RULES, Emulation
 
-__all__ = ["Stretch"]
+__all__ = ["LinkDelay", "PendingCollective", "Stretch"]
 
 
 class Stretch:
@@ -80,3 +93,61 @@ class Stretch:
             self.sleep(left)
             now = self.clock()
         return compute, now - started - compute
+
+
+@dataclass
+class PendingCollective:
+    """An all-reduce started by :meth:`LinkDelay.start`: its work, the work of the members'
+    latest start, and its emulated seconds (``None``: not emulated, this machine's time)."""
+
+    work: Any
+    stamp_work: Any
+    stamp: torch.Tensor | None
+    seconds: float | None
+
+
+class LinkDelay:
+    """Start all-reduces and wait for them as the emulated links would take them.
+
+    ``seconds_of(ranks)`` gives the emulated seconds of the all-reduce over those ranks (None
+    when it is not emulated). ``slept_s`` sums the seconds slept.
+    """
+
+    def __init__(self, seconds_of: Callable[[tuple[int, ...]], float | None],
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
+        self.seconds_of = seconds_of
+        self.clock = clock
+        self.sleep = sleep
+        self.slept_s = 0.0
+
+    def start(self, buf: torch.Tensor, group: Any, ranks: tuple[int, ...]) -> PendingCollective:
+        """Start the sum all-reduce of ``buf`` over ``group`` (``ranks``), and beside it the
+        maximum of the members' start times when it is emulated."""
+        seconds = self.seconds_of(ranks)
+        stamp = stamp_work = None
+        if seconds is not None:
+            stamp = torch.tensor([self.clock()], dtype=torch.float64, device=buf.device)
+            stamp_work = dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        return PendingCollective(work, stamp_work, stamp, seconds)
+
+    def wait(self, pending: PendingCollective) -> float:
+        """Wait for ``pending``; when emulated, sleep until the latest member's start plus its
+        seconds. Returns the seconds slept."""
+        if pending.work is not None:
+            pending.work.wait()
+        if pending.seconds is None or pending.stamp is None:
+            return 0.0
+        pending.stamp_work.wait()
+        deadline = float(pending.stamp.item()) + pending.seconds
+        slept = 0.0
+        while (left := deadline - self.clock()) > 0:
+            self.sleep(left)
+            slept += left
+        self.slept_s += slept
+        return slept
+
+    @classmethod
+    def for_ranks(cls, emulation: Emulation, devices: Mapping[int, str]) -> LinkDelay:
+        """The delays of ``emulation`` for a run whose rank ``r`` plays ``devices[r]``."""
+        return cls(lambda ranks: emulation.collective_s(devices[r] for r in ranks))

@@ -10,7 +10,10 @@ model's real task by default, cross-entropy on the last stage); checkpoints and 
 :mod:`runtime.checkpoint`.
 
 A step is timed between two barriers of all ranks; the reported iteration time is the median
-over the steps after ``warmup``.
+over the steps after ``warmup``. A run ends after ``steps`` steps, or with ``max_seconds`` at
+the first step (wave, under ``wsp``) that would start after that many seconds (at most
+``steps``); ``eval_global`` records the global weights and evaluates them after the run
+(:mod:`runtime.evaluate`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from partitioner.schedule import F, spec
 from .checkpoint import load_rank, plan_sha256, resume_step, save_rank, write_manifest
 from .data import DATA_KINDS, make_data
 from .dataparallel import GradientAverager
-from .emulate import Stretch
+from .emulate import LinkDelay, Stretch
+from .evaluate import evaluate_versions
 from .executor import PipelineExecutor
 from .layout import Layout, plan_layout
 from .model import is_model_ref, spec_chain
@@ -87,6 +91,12 @@ class TrainConfig:
     # replicated stages: worker -> stage -> the replica of each micro-batch
     # (partitioner.placement.replica_assignment; empty: equal times, round-robin)
     replica_assignment: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    # a run that ends by time: the first step (wsp: wave) that would start after this many seconds
+    # is not run (0: run every step); steps stays the most that are run
+    max_seconds: float = 0.0
+    # record the global weights after every step (wsp: pull) and report their held-out loss
+    # (runtime.evaluate); needs virtual worker 0 on one device
+    eval_global: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps >= 1):
@@ -103,6 +113,12 @@ class TrainConfig:
             raise PartitionerError(f"checkpoint_every = {self.checkpoint_every!r}: must be an integer >= 0")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise PartitionerError("checkpoint_every / resume need a checkpoint directory (--checkpoint-dir)")
+        if not (isinstance(self.max_seconds, (int, float)) and 0 <= self.max_seconds < float("inf")):
+            raise PartitionerError(f"max_seconds = {self.max_seconds!r}: must be a number of seconds >= 0 "
+                                   "(0: run every step)")
+        if self.max_seconds and self.checkpoint_dir:
+            raise PartitionerError("max_seconds: a run that ends by time is not checkpointed; leave out "
+                                   "--checkpoint-dir or --max-seconds")
         if self.emulation is not None and not isinstance(self.emulation, Emulation):
             raise PartitionerError(f"emulation = {self.emulation!r}: must be a partitioner.emulation.Emulation")
 
@@ -138,6 +154,37 @@ def check_checkpoints(plan: Plan, config: TrainConfig, world_size: int) -> int:
     return start
 
 
+def check_time_bound(plan: Plan, config: TrainConfig, layout: Layout) -> None:
+    """Refuse, in one line, a run ending by time or evaluating the global model that this
+    runtime cannot do for ``plan``."""
+    kind = spec(plan.schedule).executor
+    if config.max_seconds and kind == "2bw":
+        raise PartitionerError("--max-seconds: a 2bw run ends after --steps; time-bounded runs are for "
+                               "flushing schedules and wsp")
+    if config.max_seconds and kind == "wsp" and any(len(p) > 1 for p in layout.pipelines):
+        raise PartitionerError("--max-seconds with schedule wsp needs one device per virtual worker (a "
+                               "pipeline's ranks would have to agree on the wave they stop at); this plan's "
+                               f"virtual workers have {', '.join(str(len(p)) for p in layout.pipelines)} devices")
+    if config.eval_global and (len(layout.pipelines[0]) > 1 or layout.replicated(0)):
+        raise PartitionerError("eval_global: the global model is evaluated on virtual worker 0's device, which "
+                               "must hold every layer (one device, not replicated)")
+    if config.eval_global and kind == "2bw":
+        raise PartitionerError("eval_global: not recorded for 2bw; use a flushing schedule or wsp")
+    emulation = config.emulation
+    if emulation is not None and emulation.links and kind == "2bw":
+        raise PartitionerError("--emulate-links: the 2bw all-reduce is not emulated; use a flushing schedule or wsp")
+
+
+def _deadline(config: TrainConfig, device: torch.device) -> float:
+    """The common end of a run by time: rank 0's clock now plus ``max_seconds`` (every process
+    of a machine reads the same ``time.time``); infinite without ``max_seconds``."""
+    if not config.max_seconds:
+        return float("inf")
+    t = torch.tensor([time.time() + config.max_seconds], dtype=torch.float64, device=device)
+    dist.broadcast(t, 0)
+    return float(t.item())
+
+
 FAULT_ENV = "PARTITIONER_FAULT_KILL"  # "RANK:STEP": rank RANK kills itself (SIGKILL) as step STEP begins
 
 
@@ -154,6 +201,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
     chain = chain_for(plan, config)
     layout = plan_layout(plan, chain.num_layers, model=chain.name, assignment=config.replica_assignment)
     me = layout.ranks[rank]
+    check_time_bound(plan, config, layout)
     device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -203,15 +251,34 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                           layout=layout, rank=rank, lr=config.lr)
         executor = wsp
         _emulate(wsp, config, me.device, device)
+        if config.emulation is not None and config.emulation.links:
+            wsp.delay = LinkDelay.for_ranks(config.emulation, {r.rank: r.device for r in layout.ranks})
+        if config.eval_global:
+            wsp.snapshots = {}
         actions = layout.actions(rank, iterations=config.steps)
         dist.barrier()
-        t0 = time.perf_counter()
-        wsp.run(actions)
-        wsp.drain()
+        deadline = _deadline(config, device)
+        t0 = time.time()
+        if config.max_seconds:
+            waves = wsp.run_waves(actions, lambda c: time.time() < deadline)
+            last = wsp.finish(waves)
+        else:
+            wsp.run(actions)
+            wsp.drain()
+            waves, last = config.steps, config.steps - 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
-        extra["wave_end_s"] = [wsp.push_times[c] - t0 for c in range(config.steps)]
+        extra["wave_end_s"] = [wsp.push_times[c] - t0 for c in range(waves)]
+        extra["empty_wave_s"] = {str(c): t - t0 for c, t in wsp.zero_push_times.items()}
+        extra["pull_end_s"] = {str(c): t - t0 for c, t in wsp.pull_times.items()}
+        extra["start_time"] = t0  # time.time() of this rank's start (the clock of every process of a machine)
+        extra["last_wave"] = last
+        extra["link_slept_s"] = wsp.delay.slept_s if wsp.delay is not None else 0.0
+        if wsp.snapshots is not None and len(me.stages) == n_stages:
+            order = sorted(wsp.snapshots)
+            extra["global_eval"] = [[c, x] for c, x in zip(order, evaluate_versions(
+                modules, [wsp.snapshots[c] for c in order], data, b, device), strict=True)]
         wsp.load_into_modules()
     elif kind == "2bw":
         two = TwoBwExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, device,
@@ -245,6 +312,10 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                     optimizer.load_state_dict(state["optimizer"])
                 log.info("rank %d resumes from step %d", rank, first)
         averager = GradientAverager(layout, rank, by_layer)
+        if config.emulation is not None and config.emulation.links:
+            averager.delay = LinkDelay.for_ranks(config.emulation, {r.rank: r.device for r in layout.ranks})
+        versions: list[dict[int, dict[str, torch.Tensor]]] | None = [] if config.eval_global else None
+        end_s: list[float] = []
         executor = PipelineExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, optimizer,
                                     device, averager, batching=batching, slice_shapes=slice_shapes)
         _emulate(executor, config, me.device, device)
@@ -259,7 +330,15 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
         bar = tqdm(total=config.steps, initial=first, unit="step",
                    desc=f"train {chain.name}" + (" (emulated)" if config.emulation else ""),
                    dynamic_ncols=True) if show else None
+        dist.barrier()
+        deadline = _deadline(config, device)
+        run_start = time.time()
         for step in range(first, config.steps):
+            if step > first and config.max_seconds:  # every rank takes rank 0's decision
+                go = torch.tensor([1 if time.time() < deadline else 0], dtype=torch.int64, device=device)
+                dist.broadcast(go, 0)
+                if not go.item():
+                    break
             _fault(rank, step)
             if step - first == config.warmup:
                 executor.seconds = dict.fromkeys(executor.seconds, 0.0)
@@ -274,6 +353,10 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                 torch.cuda.synchronize(device)
             dist.barrier()
             step_s.append(time.perf_counter() - t0)
+            end_s.append(time.time() - run_start)
+            if versions is not None:
+                versions.append({s: {n: q.detach().clone() for n, q in mod.named_parameters()}
+                                 for s, mod in modules.items()})
             if bar is not None:
                 if executor.losses and not last_replicated:
                     bar.set_postfix(loss=f"{executor.losses[-1]:.4f}", refresh=False)
@@ -289,13 +372,18 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                     write_manifest(config.checkpoint_dir, done, plan_hash, layout.world_size)
         if bar is not None:
             bar.close()
+        extra_rank["end_s"] = end_s
+        extra_rank["link_slept_s"] = averager.delay.slept_s if averager.delay is not None else 0.0
+        if versions is not None and len(me.stages) == n_stages:
+            extra_rank["global_eval"] = [[first + k, x] for k, x in enumerate(
+                evaluate_versions(modules, versions, data, b, device))]
     # seconds are summed after the warm-up steps (flushing schedules) or over the whole run (wsp);
     # "allreduce" (part of "step") is the time in the gradient all-reduces between virtual workers
     seconds = dict(executor.seconds)
     if averager is not None:
         seconds["allreduce"] = averager.seconds
-    ran = config.steps - first
-    timed_steps = ran - config.warmup if ran > config.warmup and not extra else ran
+    ran = len(step_s) if not extra else len(extra["wave_end_s"])
+    timed_steps = ran - config.warmup if ran > config.warmup and not extra else max(ran, 1)
     if config.state_dir:
         torch.save({s: {k: v.cpu() for k, v in m.state_dict().items()} for s, m in modules.items()},
                    os.path.join(config.state_dir, f"rank{rank}.pt"))
@@ -321,12 +409,13 @@ def _emulate(executor: PipelineExecutor, config: TrainConfig, plan_device: str, 
 
 def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], backend: str) -> dict[str, Any]:
     if "wave_end_s" in per_rank[0]:  # wsp: the time between the ends (pushes) of successive waves
-        ends = [max(r["wave_end_s"][c] for r in per_rank) for c in range(config.steps)]
-        steps = [ends[0], *(b - a for a, b in itertools.pairwise(ends))]
+        common = min(len(r["wave_end_s"]) for r in per_rank)  # waves every worker ran
+        ends = [max(r["wave_end_s"][c] for r in per_rank) for c in range(common)]
+        steps = [ends[0], *(b - a for a, b in itertools.pairwise(ends))] if ends else []
     else:
         steps = [max(r["step_s"][k] for r in per_rank) for k in range(len(per_rank[0]["step_s"]))]
     timed = steps[config.warmup:] or steps
-    iteration = statistics.median(timed)
+    iteration = statistics.median(timed) if timed else float("nan")
     workers = len(plan.virtual_workers)
     # a worker's loss is the sum over the ranks that compute it (the replicas of a replicated last
     # stage each hold their micro-batches' share); the reported loss is the mean over workers
@@ -336,7 +425,10 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
             have = by_worker.setdefault(r["worker"], [0.0] * len(r["losses"]))
             by_worker[r["worker"]] = [a + b for a, b in zip(have, r["losses"], strict=True)]
     losses = list(by_worker.values())
-    mean_loss = [sum(ls[k] for ls in losses) / len(losses) for k in range(len(losses[0]))] if losses else []
+    # (a run ended by time: the waves every worker ran; a worker's own losses are in "worker_loss")
+    mean_loss = [sum(ls[k] for ls in losses) / len(losses) for k in range(min(len(ls) for ls in losses))] if losses else []
+    waves = {str(r["worker"]): len(r["wave_end_s"]) for r in per_rank if "wave_end_s" in r}
+    done = ([waves[str(w)] for w in range(workers)] if waves else [len(steps)] * workers)
     return {
         "format": "partitioner.train-metrics/1",
         "model": plan.model, "schedule": plan.schedule, "micro_batch_size": plan.micro_batch_size,
@@ -347,12 +439,42 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "measured_iteration_s": iteration,
         "samples_per_s": workers * plan.micro_batches * plan.micro_batch_size / iteration,
         "step_s": steps, "loss": mean_loss,
+        "worker_loss": {str(w): ls for w, ls in sorted(by_worker.items())},
+        "iterations_per_worker": done,
+        "samples": sum(done) * plan.micro_batches * plan.micro_batch_size,
+        **_global_eval(config, per_rank),
         "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads",
-                                          "seconds_per_step", "peak_memory_bytes", "replica", "micro_batches")
+                                          "seconds_per_step", "peak_memory_bytes", "replica", "micro_batches",
+                                          "start_time", "wave_end_s", "empty_wave_s", "pull_end_s")
                    if k in r}
                   for r in per_rank],
         **({"emulated": _emulated(config.emulation, per_rank)} if config.emulation else {}),
     }
+
+
+def _global_eval(config: TrainConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The metrics' ``global_eval``: the held-out loss of the global model against the time it
+    existed, from the start of the run. A flushing schedule's step ``k`` model exists at the end
+    of step ``k``; a WSP wave ``c`` model when the last virtual worker has pushed ``c`` (or its
+    empty update, in a run ended by time) and, under link emulation, the all-reduce's emulated
+    seconds later (the longest collective's)."""
+    if not config.eval_global or "global_eval" not in per_rank[0]:
+        return {}
+    evals = per_rank[0]["global_eval"]
+    if "wave_end_s" not in per_rank[0]:
+        ends = per_rank[0]["end_s"]
+        first = per_rank[0]["first_step"]
+        return {"global_eval": [{"iteration": k, "t_s": ends[k - first], "loss": x} for k, x in evals]}
+    emulation = config.emulation
+    link_s = max((c.seconds for c in emulation.collectives), default=0.0) if emulation is not None else 0.0
+    out = []
+    for c, x in evals:
+        pushed = [r["wave_end_s"][c] if c < len(r["wave_end_s"]) else r["empty_wave_s"].get(str(c))
+                  for r in per_rank]
+        if any(t is None for t in pushed):
+            continue
+        out.append({"iteration": c, "t_s": max(pushed) + link_s, "loss": x})
+    return {"global_eval": out}
 
 
 def _emulated(emulation: Emulation, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -362,6 +484,7 @@ def _emulated(emulation: Emulation, per_rank: list[dict[str, Any]]) -> dict[str,
             "ranks": [{"rank": r["rank"], "device": r["device"], "gpu_type": emulation.gpu_type(r["device"]),
                        "factors": {str(s): list(f) for s, f in emulation.factors(r["device"]).items()},
                        "slept_s_per_step": r["seconds_per_step"].get("emulation", 0.0),
+                       "link_slept_s": r.get("link_slept_s", 0.0),
                        "actions": r["emulated_actions"][0], "overruns": r["emulated_actions"][1]}
                       for r in per_rank]}
 
@@ -557,6 +680,7 @@ def train_local(plan: Plan, config: TrainConfig, start_method: str = "spawn") ->
     if config.device == "cuda" and torch.cuda.device_count() < n:
         raise PartitionerError(f"the plan needs {n} GPUs on this machine; torch sees {torch.cuda.device_count()}")
     check_checkpoints(plan, config, n)
+    check_time_bound(plan, config, layout)
     make_data(chain, config.data, plan.micro_batch_size, plan.micro_batches, layout.workers, config.seed)
     with tempfile.TemporaryDirectory(prefix="partitioner-train-") as tmp:
         spawn_local(_local_worker, n, (plan.to_dict(), config, tmp),

@@ -23,6 +23,15 @@ waves ``<= c - D`` plus its own later updates: it runs at most ``D`` waves ahead
 slowest one. With ``D = 0`` and one pipeline position per virtual worker (one device, or one
 stage over replicas), this is synchronous SGD on the global batch. At the end of a run every outstanding wave is pulled, so all virtual workers
 finish with the same weights.
+
+A run that ends by time (``train --max-seconds``, one device per virtual worker) lets a fast
+virtual worker run more waves than a slow one: :meth:`WspExecutor.run_waves` stops before the
+first wave that would start after the common deadline, and :meth:`WspExecutor.finish` makes
+the wave counts agree as a parameter server would, by pushing empty (zero) updates for the
+waves a worker did not run: the global weights are every worker's pushed updates, averaged
+over the workers. A stopped worker first pushes one empty wave at once, which is every wave a
+worker still running can wait for before it too reaches the deadline (it can only start a wave
+``D`` ahead of the last one it pulled), then all agree on the last wave with a blocking maximum.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from partitioner.schedule import Action, F
+
+from .emulate import LinkDelay
 from .executor import PipelineExecutor
 from .layout import Layout
 
@@ -61,12 +73,14 @@ class WspExecutor(PipelineExecutor):
         layer_of = {(s, n): int(n.split("_", 1)[0]) for s, mod in self.stages.items()
                     for n, _ in mod.named_parameters()}
         self.groups: list[tuple[Any, list[tuple[int, str]]]] = []
+        self.group_ranks: list[tuple[int, ...]] = []
         for ranks, layers in layout.holder_sets():  # (every rank makes the same groups: new_group is collective)
             group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
             if rank in ranks:
                 keys = [k for k, layer in layer_of.items() if layer in layers]
                 if keys:
                     self.groups.append((group, keys))
+                    self.group_ranks.append(tuple(ranks))
         # the replicas of this rank's stage in its virtual worker, when it is replicated
         self.replica_group: Any = None
         for held in layout.stage_ranks:
@@ -75,10 +89,16 @@ class WspExecutor(PipelineExecutor):
                     group = dist.new_group(list(ranks))
                     if rank in ranks:
                         self.replica_group = group
+        self.delay: LinkDelay | None = None  # --emulate-links: pushes take the emulated links' time
+        # a run that ends by time: the wave counts are agreed over this group (every rank)
+        self.stop_group = dist.new_group(list(range(layout.world_size))) if self.workers > 1 else None
+        self.zero_push_times: dict[int, float] = {}
+        self.pull_times: dict[int, float] = {}  # wave -> when this rank had its global weights
+        self.snapshots: dict[int, dict[int, dict[str, torch.Tensor]]] | None = None  # wave -> global weights
         self.global_flat = [self._flat(keys, lambda s, n: self.leaves[s][n].detach()) for _, keys in self.groups]
         self._grads: dict[int, dict[tuple[int, str], torch.Tensor]] = {}  # wave -> accumulated gradient
         self._own: dict[int, list[torch.Tensor]] = {}  # wave -> own update per group (pushed, not pulled)
-        self._works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+        self._works: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # wave -> (pending all-reduce, buffer)
         self._used: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     @staticmethod
@@ -135,10 +155,10 @@ class WspExecutor(PipelineExecutor):
         # sends still in flight may wait for a receiver that waits for another worker's push:
         # keep them, dropping only those already done (all are waited for in drain)
         self._pending = [(w, b) for w, b in self._pending if w is not None and not w.is_completed()]
-        self.push_times[wave] = time.perf_counter()
+        self.push_times[wave] = time.time()
         acc = self._grads.pop(wave, {})
         own, works = [], []
-        for group, keys in self.groups:
+        for (group, keys), ranks in zip(self.groups, self.group_ranks, strict=True):
             part = self._flat(keys, lambda s, n, acc=acc: acc.get((s, n), torch.zeros_like(self.leaves[s][n])))
             u = part
             if self.replica_group is not None:  # the worker's update: the sum of its replicas' parts
@@ -146,7 +166,10 @@ class WspExecutor(PipelineExecutor):
                 dist.all_reduce(u, group=self.replica_group)
             own.append(u)
             buf = part.clone()
-            work = dist.all_reduce(buf, group=group, async_op=True) if group is not None else None
+            work: Any = None
+            if group is not None:
+                work = (self.delay.start(buf, group, ranks) if self.delay is not None
+                        else dist.all_reduce(buf, group=group, async_op=True))
             works.append((work, buf))
             local = self._flat(keys, lambda s, n: self.leaves[s][n].detach()) - self.lr * u
             self._set_from_flat(keys, local)
@@ -156,18 +179,79 @@ class WspExecutor(PipelineExecutor):
             self.losses.append(float(self._loss_sum))
         self._loss_sum = 0.0
 
+    def _push_zero(self, wave: int) -> None:
+        """An empty update for ``wave``, which this worker did not run (a run ended by time)."""
+        self.zero_push_times[wave] = time.time()
+        own, works = [], []
+        for (group, keys), ranks in zip(self.groups, self.group_ranks, strict=True):
+            u = self._flat(keys, lambda s, n: torch.zeros_like(self.leaves[s][n]))
+            own.append(u)
+            buf = u.clone()
+            work: Any = None
+            if group is not None:
+                work = (self.delay.start(buf, group, ranks) if self.delay is not None
+                        else dist.all_reduce(buf, group=group, async_op=True))
+            works.append((work, buf))
+        self._own[wave] = own
+        self._works[wave] = works
+
+    def run_waves(self, actions: Sequence[Action], keep_going: Callable[[int], bool]) -> int:
+        """Run ``actions`` (one device per virtual worker) wave by wave, asking ``keep_going(c)``
+        before the first action of every wave ``c > 0``; returns the waves run."""
+        waves: list[list[Action]] = []
+        for a in actions:
+            if a.kind == F and (not waves or a.micro_batch // self.m >= len(waves)):
+                waves.append([])
+            waves[-1].append(a)
+        for c, part in enumerate(waves):
+            if c > 0 and not keep_going(c):
+                return c
+            self.run(part)
+        return len(waves)
+
+    def finish(self, waves: int) -> int:
+        """End a run in which this worker ran ``waves`` waves: push empty updates up to the last
+        wave of any worker plus one (agreed by a blocking maximum; see the module docstring),
+        then pull every outstanding wave. Returns that last wave."""
+        if self.stop_group is None:
+            self.drain()
+            return waves - 1
+        self._push_zero(waves)  # what a worker still running may wait for
+        last = torch.tensor([waves], dtype=torch.int64, device=self.device)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.stop_group)
+        for c in range(waves + 1, int(last.item()) + 1):
+            self._push_zero(c)
+        self.drain()
+        return int(last.item())
+
+    def global_weights(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The global weights (every pull so far), stage -> parameter name -> tensor (copies)."""
+        out: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.stages}
+        for gi, (_, keys) in enumerate(self.groups):
+            offset = 0
+            for s, n in keys:
+                k = self.leaves[s][n].numel()
+                out[s][n] = self.global_flat[gi][offset:offset + k].view_as(self.leaves[s][n]).clone()
+                offset += k
+        return out
+
     def pull(self, wave: int) -> None:
         works = self._works.pop(wave)
         self._own.pop(wave)
         for gi, (_, keys) in enumerate(self.groups):
             work, buf = works[gi]
-            if work is not None:
+            if self.delay is not None and work is not None:
+                self.delay.wait(work)
+            elif work is not None:
                 work.wait()
             self.global_flat[gi] = self.global_flat[gi] - self.lr * (buf / self.workers)
             local = self.global_flat[gi].clone()
             for later in sorted(self._own):
                 local -= self.lr * self._own[later][gi]
             self._set_from_flat(keys, local)
+        self.pull_times[wave] = time.time()
+        if self.snapshots is not None:
+            self.snapshots[wave] = self.global_weights()
 
     def drain(self) -> None:
         """Pull every wave pushed and not yet pulled (the end of a run)."""

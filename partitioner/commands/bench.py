@@ -128,6 +128,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               _script("emulation", "--rounds", "2"),
               _script("emulation", "--rounds", "5", "--wsp", "--png", "{img}/emulation_wsp.png"),
               figures=("emulation_wsp.png",), needs=("torch",), long=True, seeds={"weights_and_data": 0}),
+    Benchmark("wsp", "WSP against sync data parallelism on an emulated 3-type cluster (links emulated): time to "
+                     "a held-out loss, speed-up, predicted against measured",
+              _script("wsp", "--rounds", "1", "--seconds", "15", "--png", "{img}/wsp.png"),
+              _script("wsp", "--rounds", "3", "--png", "{img}/wsp.png"),
+              figures=("wsp.png",), needs=("torch",), long=True, seeds={"weights_and_data": 0}, timeout_s=1800.0),
     Benchmark("kill_resume", "a random rank killed at a random step, 20 times: every resume, no corrupt checkpoint",
               _script("kill_resume", "--runs", "5"), _script("kill_resume", "--runs", "20"), needs=("torch",),
               long=True, seeds={"kill": 0}),

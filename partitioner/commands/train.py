@@ -26,7 +26,13 @@ __all__ = ["register"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from runtime.launch import TrainConfig, chain_for, train_distributed, train_local
+    from runtime.launch import (
+        TrainConfig,
+        chain_for,
+        check_time_bound,
+        train_distributed,
+        train_local,
+    )
     from runtime.layout import plan_layout
     from runtime.model import is_model_ref
 
@@ -51,7 +57,7 @@ def _run(args: argparse.Namespace) -> int:
                          device=args.device, threads=args.threads, timeout_s=args.timeout, data=args.data,
                          model_options=options, node=args.plan_node or "",
                          checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
-                         resume=args.resume, emulation=emulation,
+                         resume=args.resume, emulation=emulation, max_seconds=args.max_seconds or 0.0,
                          replica_assignment=_replica_assignment(plan, profile, cluster))
     chain = chain_for(plan, config)
     n_layers = chain.num_layers
@@ -65,16 +71,17 @@ def _run(args: argparse.Namespace) -> int:
         raise PartitionerError(f"model '{args.model}' has {n_layers} layers but the profile has "
                                f"{profile.num_layers}: {where}; profile the same model and plan again")
     try:
-        plan_layout(plan, n_layers, model=chain.name)
+        layout = plan_layout(plan, n_layers, model=chain.name)
     except FormatError as err:
         raise err.in_file(args.plan) from None
+    check_time_bound(plan, config, layout)  # refused before any process starts
     if args.launch_lines:
         return _print_launch_lines(args, plan, n_layers, chain.name)
     if emulation is None:
         predicted = simulate_plan(plan, profile, cluster).iteration_s
     else:
         predicted = predict_emulated(plan, profile, cluster, local=emulation.local, reference=args.emulate_reference,
-                                     link_gbps=emulation.link_gbps).iteration_s
+                                     link_gbps=emulation.link_gbps, links=emulation.links).iteration_s
         _print_emulation(emulation, plan)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.local and under_torchrun:
@@ -94,7 +101,9 @@ def _run(args: argparse.Namespace) -> int:
     emulated = " (emulated)" if emulation else ""
     print(f"  measured iteration  {metrics['measured_iteration_s'] * 1e3:9.2f} ms{emulated}")
     print(f"  predicted iteration {predicted * 1e3:9.2f} ms  (simulator"
-          + (f", emulated times of {emulation.local} and links at {emulation.link_gbps:g} GB/s)" if emulation else ")"))
+          + ((f", emulated times of {emulation.local} and the plan's links x{emulation.time_scale:.3g})"
+              if emulation.links else f", emulated times of {emulation.local} and links at {emulation.link_gbps:g} GB/s)")
+             if emulation else ")"))
     if emulation is not None and emulation.rule == "profiled":
         ranks = metrics["emulated"]["ranks"]
         over, total = sum(r["overruns"] for r in ranks), sum(r["actions"] for r in ranks)
@@ -188,7 +197,8 @@ def _emulation(args: argparse.Namespace, plan: Plan, profile: Profile, cluster: 
     if not args.emulate:
         given = [o for o, v in (("--emulate-reference", args.emulate_reference), ("--emulate-local", args.emulate_local),
                                 ("--emulate-link-GBps", args.emulate_link_gbps),
-                                ("--emulate-rule", args.emulate_rule)) if v is not None]
+                                ("--emulate-rule", args.emulate_rule),
+                                ("--emulate-links", args.emulate_links or None)) if v is not None]
         if given:
             raise PartitionerError(f"{', '.join(given)}: only with --emulate")
         return None
@@ -198,7 +208,7 @@ def _emulation(args: argparse.Namespace, plan: Plan, profile: Profile, cluster: 
         return emulation_for(plan, profile, cluster, local=args.emulate_local or LOCAL_DEVICE,
                              reference=args.emulate_reference,
                              link_gbps=args.emulate_link_gbps if args.emulate_link_gbps is not None else LOCAL_LINK_GBPS,
-                             rule=args.emulate_rule or "profiled")
+                             rule=args.emulate_rule or "profiled", links=args.emulate_links)
     except FormatError as err:
         raise err.in_file(args.profile) from None
 
@@ -206,7 +216,8 @@ def _emulation(args: argparse.Namespace, plan: Plan, profile: Profile, cluster: 
 def _print_emulation(emulation: Any, plan: Plan) -> None:
     print(f"EMULATION: every rank plays its device's GPU type on this machine ({emulation.local}); "
           f"reference {emulation.reference} runs at this machine's speed; rule {emulation.rule}; "
-          "communication is real (gloo)")
+          + (f"all-reduces between virtual workers take the plan's links x{emulation.time_scale:.3g} (the emulation's "
+             "time scale), sends between stages are real (gloo)" if emulation.links else "communication is real (gloo)"))
     for d in plan.devices:
         factors = "; ".join(f"stage {s}: forward x{f:.3g}, backward x{b:.3g}"
                             for s, (f, b) in sorted(emulation.factors(d).items()))
@@ -243,7 +254,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "library's sources, bytes) for gpt2/bert, classes (a generated image classification "
                         "task) for CNNs, make_batch for a user's model; synthetic: random inputs, loss = mean "
                         "of the output (throughput only)")
-    p.add_argument("--steps", type=bounded_int(1, 1_000_000), default=10, help="training steps (default 10)")
+    p.add_argument("--steps", type=bounded_int(1, 1_000_000), default=10,
+                   help="training steps (default 10); with --max-seconds, the most that are run")
+    p.add_argument("--max-seconds", type=bounded_float(1e-3, 7 * 86400.0), default=None, metavar="SECONDS",
+                   help="end the run by time: no step (wsp: no wave of a virtual worker) starts after SECONDS, so "
+                        "a fast virtual worker runs more wsp waves than a slow one (wsp: one device per virtual "
+                        "worker; not 2bw, not with checkpoints)")
     p.add_argument("--warmup", type=bounded_int(0, 1_000_000), default=2, help="steps left out of the timing (default 2)")
     p.add_argument("--lr", type=bounded_float(1e-12, 1e6), default=0.01, help="SGD learning rate (default 0.01)")
     p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0, help="seed of the initial weights and the data (default 0)")
@@ -276,6 +292,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     emu.add_argument("--emulate-rule", choices=("profiled", "scaled"), default=None,
                      help="profiled (default): a forward or backward takes its stage's emulated time, or its compute "
                           "time when longer (an overrun); scaled: its measured compute time x its stage's factor")
+    emu.add_argument("--emulate-links", action="store_true",
+                     help="the all-reduces between virtual workers (and wsp's pushes) take the time the cost model "
+                          "gives them on the plan's cluster, times the emulation's time scale (this machine's time "
+                          "of the model over the reference's); sends between stages stay real")
     p.add_argument("-o", "--output", metavar="METRICS.json", help="write the metrics here")
     p.add_argument("--plan-node", metavar="NAME", help="under torchrun: the plan node this machine is (default: "
                                                         "the GROUP_RANK-th node the plan uses); see --launch-lines")
