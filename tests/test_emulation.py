@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -114,18 +115,23 @@ def test_prediction_uses_the_emulated_times_and_local_links() -> None:
 
 @pytest.mark.parametrize(("rule", "compute_s", "expect_s"), [("scaled", 0.02, 0.05), ("profiled", 0.01, 0.04)])
 def test_stretch_makes_an_action_last_its_target(rule: str, compute_s: float, expect_s: float) -> None:
+    """Never early; the median of five within 10 % (a loaded machine may oversleep one of them)."""
     stretch = Stretch({3: (2.5, 1.0)}, {3: (0.04, 0.0)}, rule)
-    for _ in range(3):
+    ratios, walls = [], []
+    for _ in range(5):
         t0 = time.perf_counter()
         time.sleep(compute_s)  # the action's compute, of a known length
         compute, slept = stretch.hold(3, False, t0)
         wall = time.perf_counter() - t0
         assert compute >= compute_s
         target = compute * 2.5 if rule == "scaled" else 0.04
-        assert abs(wall - target) <= 0.1 * target, (wall, target)
-        assert abs(wall - expect_s) <= 0.15 * expect_s
+        assert wall >= target - 1e-3, (wall, target)  # the hold never ends before its target
         assert slept == pytest.approx(wall - compute, abs=2e-3)
-    assert stretch.overruns == 0 and stretch.actions == 3
+        ratios.append(wall / target)
+        walls.append(wall)
+    assert abs(statistics.median(ratios) - 1.0) <= 0.1, ratios
+    assert abs(statistics.median(walls) - expect_s) <= 0.15 * expect_s, walls
+    assert stretch.overruns == 0 and stretch.actions == 5
 
 
 def test_profiled_rule_counts_overruns_and_never_shortens() -> None:
