@@ -645,13 +645,27 @@ class CostModel:
         """A bound no split over ``devices`` can beat, ignoring memory and transfers.
 
         The larger of: the slowest layer on the fastest type available, and the total work
-        spread over the devices' combined speed (each device does a share of the model in
-        inverse proportion to its whole-model time).
+        spread over the devices' combined speed. Per-layer speed ratios between GPU types need
+        not be one number (a projected profile's compute-bound and memory-bound layers scale
+        differently), so speeds are measured against a reference type ``r`` at each type's best
+        ratio ``rho_t = min_l c_t(l) / c_r(l)``: a device of type ``t`` holding reference work
+        ``w`` computes at least ``rho_t w``, so the bottleneck is at least ``W_r / sum_d 1 / rho_d``
+        (``W_r`` the whole model on ``r``). The best reference of the types present is taken;
+        where the ratios are one number this is the whole-model balance ``1 / sum_d 1 / T_d``.
         """
         types = list(dict.fromkeys(d.gpu_type for d in devices))
         per_layer = np.stack([np.diff(self._total_prefix(t)) for t in types])
         largest_layer = float(per_layer.min(axis=0).max())
-        whole = {t: float(self._total_prefix(t)[-1]) for t in types}
-        speed = sum(1.0 / whole[d.gpu_type] if whole[d.gpu_type] > 0 else np.inf for d in devices)
-        balanced = 0.0 if speed == np.inf else 1.0 / speed
+        counts = np.array([sum(d.gpu_type == t for d in devices) for t in types], dtype=float)
+        balanced = 0.0
+        for r in range(len(types)):
+            ref = per_layer[r]
+            work = float(ref.sum())
+            if work <= 0:
+                continue
+            held = ref > 0
+            rho = np.min(per_layer[:, held] / ref[held], axis=1)
+            if np.any(rho <= 0):
+                continue  # a type does some of this reference's work for free: no bound from it
+            balanced = max(balanced, work / float(np.sum(counts / rho)))
         return max(largest_layer, balanced)

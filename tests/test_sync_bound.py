@@ -174,3 +174,16 @@ def test_hetpipe_vgg19_certificate_includes_the_allreduce():
     assert value <= bound["samples_per_s"] * (1 + 1e-9)
     assert 1.0 / res.lower_bound <= bound["samples_per_s"] * (1 + 1e-9)  # the certificate uses it
     assert res.details["bound"]["samples_per_s"] > bound["samples_per_s"]  # tighter than the fleet bound
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lower_bound_holds_when_speed_ratios_differ_by_layer(seed):
+    """``CostModel.lower_bound_s`` (which lets the mapping search stop early) is below the best
+    bottleneck of every order, also when no type is uniformly k times another."""
+    from solvers.dp import chain_dp
+
+    cost = CostModel(uneven_profile(6, seed, 10.0), small_cluster([list(TYPES)], inter=2.0))
+    devs = list(cost.cluster.devices)
+    best = min(sol.bottleneck_s for order in itertools.permutations(devs)
+               if (sol := chain_dp(cost, list(order), "1f1b", 1)) is not None)
+    assert cost.lower_bound_s(devs) <= best * (1 + 1e-12)
