@@ -50,7 +50,7 @@ from .intervals import ChainProblem, dp_split, pipeline_lengths
 from .mapping import Label, device_labels, map_worker
 from .result import SolveResult, SolveStatus
 
-__all__ = ["JointData", "JointPlan", "diagnose", "finish_joint", "joint_data", "mapping_details", "needs_mapping"]
+__all__ = ["JointData", "JointPlan", "canonical", "diagnose", "finish_joint", "joint_data", "mapping_details", "needs_mapping"]
 
 
 def needs_mapping(problem: ChainProblem) -> bool:
@@ -226,7 +226,7 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int) ->
                         hint=start is not None, pruned=math.isfinite(upper))
     if start is None:
         return data
-    start = _canonical(data, start)
+    start = canonical(data, start)
     data.details["hint_s"] = start.solution.bottleneck_s
     return replace(data, start=start)
 
@@ -304,7 +304,7 @@ def _symmetric_nodes(cost: CostModel, labels: tuple[Label, ...], pools: dict[Lab
     return tuple(tuple(g) for g in groups)
 
 
-def _canonical(data: JointData, plan: JointPlan) -> JointPlan:
+def canonical(data: JointData, plan: JointPlan) -> JointPlan:
     """``plan`` with interchangeable nodes renamed so that they are first used in the cluster's
     order (the models' symmetry-breaking rule), priced again."""
     rename: dict[str, str] = {}

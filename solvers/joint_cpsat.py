@@ -21,6 +21,7 @@ Constraints (one line of maths per group):
     T[r] >= sum_{a in r} tick(work[a]) x[a] + s[r] + s[r-1]            additive (overlap: one row each,
                                                                        the transfers plus the wave sync)
     B >= T[r];  first use of node N_k before N_{k+1} for interchangeable nodes
+    B >= floor(LB / tick) - rounding        LB: the type-count DP relaxation (solvers/joint_bound.py)
     minimise B;   then  B <= B*, minimise W * stages + sum_r T[r]   (tie-break, as the chain models)
 
 Every time is rounded **down** to ticks (``tick = largest arc time / resolution``), term by
@@ -44,6 +45,7 @@ from partitioner.errors import PartitionerError
 
 from .intervals import cpsat_solver
 from .joint import JointData, JointPlan, finish_joint
+from .joint_bound import with_relaxation
 from .progress import solve_cpsat
 from .result import SolveResult, SolveStatus
 
@@ -59,7 +61,7 @@ def _ticks(values: np.ndarray, tick_s: float) -> list[int]:
 
 
 def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int, resolution: int,
-                tie_break: bool, t0: float, symmetry: bool = True) -> SolveResult:
+                tie_break: bool, t0: float, symmetry: bool = True, bound_dp: bool = True) -> SolveResult:
     """Order and split by CP-SAT; OPTIMAL means optimal over every order and split (to a tick)."""
     from ortools.sat.python import cp_model
 
@@ -67,13 +69,17 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
     details: dict[str, object] = {}
     if n_arcs == 0 or not data.lengths:
         return finish_joint(data, "cpsat", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
+    data, relaxed = with_relaxation(data) if bound_dp else (data, 0.0)  # solvers/joint_bound.py
+    if math.isinf(relaxed):  # not even the relaxation has a pipeline that fits
+        return finish_joint(data, "cpsat", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
     largest = float(max(data.work_s.max(), data.class_s.max(initial=0.0)))
     tick_s = largest / resolution if largest > 0 else 1.0
     work = _ticks(data.work_s, tick_s)
     wave = _ticks(data.wave_s, tick_s)
     msg = [_ticks(row, tick_s) for row in data.class_s]
     cheapest = _ticks(data.class_s.min(axis=0), tick_s) if len(data.class_s) else [0] * (data.num_layers + 1)
-    details.update(tick_s=tick_s, rounding_ticks=2 if data.overlap else 3)
+    rounding_ticks = 2 if data.overlap else 3  # rounded terms in a stage's time
+    details.update(tick_s=tick_s, rounding_ticks=rounding_ticks)
     top = max(work) + 2 * max((max(m) for m in msg), default=0) + 1
     L = data.num_layers
     by_r = [data.arcs_of(r).tolist() for r in range(positions)]
@@ -144,6 +150,9 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
         model.add(lin.weighted_sum([x[a] for a in sel], [work[a] for a in sel]) <= n_t * bottleneck)
     if not overlap:
         model.add(lin.sum(t_stage) <= sum(data.counts) * bottleneck)
+    # the relaxation's bound (solvers/joint_bound.py), less the rounding: no plan's model value is below it
+    if math.isfinite(relaxed) and relaxed > 0:
+        model.add(bottleneck >= max(0, math.floor(relaxed / tick_s) - rounding_ticks - 1))
     # interchangeable nodes are first used in the cluster's order (positions from the end: a
     # later node used at r needs the earlier one used at some r' > r)
     if symmetry:

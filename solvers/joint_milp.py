@@ -9,7 +9,7 @@ product of the class and the cut, linearised:
     s[r] >= sum_{c, i} msg_c[i] w[r, c, i]
 
 and the rest is as CP-SAT has it (flow, type of the label, label counts, link class, stage
-times, the redundant work rows, the node symmetry). The bound is CBC's, read from its log, less
+times, the redundant work rows, the node symmetry, the bound of :mod:`solvers.joint_bound`). The bound is CBC's, read from its log, less
 ``1e-6`` of the largest time (its tolerances); the plan is priced by the cost model.
 """
 
@@ -27,6 +27,7 @@ from partitioner.errors import PartitionerError
 
 from .cbc import cbc_bound, run_cbc
 from .joint import JointData, JointPlan, finish_joint
+from .joint_bound import with_relaxation
 from .result import SolveResult, SolveStatus
 
 __all__ = ["solve_joint"]
@@ -38,13 +39,16 @@ TOLERANCE_SLACK = 1e-6
 
 
 def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int, tie_break: bool,
-                t0: float, symmetry: bool = True) -> SolveResult:
+                t0: float, symmetry: bool = True, bound_dp: bool = True) -> SolveResult:
     """Order and split by CBC; OPTIMAL when CBC proves it (to its tolerances)."""
     import pulp
 
     n_arcs, positions, n_lab, n_cls = len(data.r), data.positions, len(data.labels), len(data.class_s)
     details: dict[str, object] = {}
     if n_arcs == 0 or not data.lengths:
+        return finish_joint(data, "milp", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
+    data, relaxed = with_relaxation(data) if bound_dp else (data, 0.0)  # solvers/joint_bound.py
+    if math.isinf(relaxed):  # not even the relaxation has a pipeline that fits
         return finish_joint(data, "milp", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
     largest = float(max(data.work_s.max(), data.class_s.max(initial=0.0)))
     unit_s = largest / SCALE_MAX if largest > 0 else 1.0
@@ -116,6 +120,8 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
         prob += sum_(work[a] * x[a] for a in range(n_arcs) if data.gpu[a] == t) <= n_t * bottleneck, f"work_{t}"
     if not data.overlap:
         prob += sum_(t_stage) <= sum(data.counts) * bottleneck, "total"
+    if math.isfinite(relaxed) and relaxed > 0:
+        prob += bottleneck >= relaxed / unit_s * (1 - 1e-9), "relaxed_bound"
     if symmetry:
         for group in data.symmetric_nodes:
             for early, late in itertools.pairwise(group):

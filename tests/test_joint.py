@@ -17,6 +17,7 @@ from solvers import SolveStatus, cpsat, milp
 from solvers.dp import chain_dp
 from solvers.intervals import prepare
 from solvers.joint import joint_data
+from solvers.joint_bound import relaxed_plan
 from solvers.mapping import device_labels
 
 GIB = 2**30
@@ -95,6 +96,14 @@ def _check(inst):
             assert r.objective == pytest.approx(want, rel=1e-6, abs=1e-12)
     if math.isinf(want):
         assert results[0].reason == results[1].reason
+    # the type-count relaxation is a valid bound, and its pipeline (when made real) a real plan
+    problem = prepare(profile, cluster, None, schedule, m, options, allow_fewer)
+    if len(problem.devices) <= profile.num_layers or allow_fewer:
+        data = joint_data(problem, hint=False, prune=False, max_arcs=10**6)
+        value, plan = relaxed_plan(data)
+        assert value <= want * (1 + 1e-12) + 1e-15
+        if plan is not None:
+            assert plan.solution.bottleneck_s >= want * (1 - 1e-12) - 1e-15
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
