@@ -27,7 +27,7 @@ from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
 
 from .intervals import DEFAULT_MAX_ARCS, check_limits, cpsat_solver, finish, model_arcs, prepare
-from .joint import mapping_details, needs_mapping
+from .joint import HINT_SHARE, mapping_details, needs_mapping
 from .progress import solve_cpsat
 from .result import SolveResult, SolveStatus
 
@@ -89,7 +89,9 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
         from .joint import joint_data
         from .joint_cpsat import solve_joint
 
-        return solve_joint(joint_data(problem, hint, prune, max_arcs), time_limit_s=time_limit_s, threads=threads,
+        # the heuristic mapping (the hint) gets at most a quarter of the time limit
+        data = joint_data(problem, hint, prune, max_arcs, deadline=t0 + HINT_SHARE * time_limit_s)
+        return solve_joint(data, time_limit_s=time_limit_s, threads=threads,
                            seed=seed, resolution=resolution, tie_break=tie_break, t0=t0)
     start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
     details["mapping"] = "given"

@@ -50,7 +50,11 @@ from .intervals import ChainProblem, dp_split, pipeline_lengths
 from .mapping import Label, device_labels, map_worker
 from .result import SolveResult, SolveStatus
 
-__all__ = ["JointData", "JointPlan", "canonical", "diagnose", "finish_joint", "joint_data", "mapping_details", "needs_mapping"]
+__all__ = ["HINT_SHARE", "JointData", "JointPlan", "canonical", "diagnose", "finish_joint", "joint_data", "mapping_details", "needs_mapping"]
+
+
+HINT_SHARE = 0.25  # of a solve's time limit, at most, for the heuristic mapping that gives the hint
+HINT_EVALUATIONS = 2000  # orders the heuristic mapping may price for the hint (HetPipe's 16 GPUs: ~560, 1.5 s)
 
 
 def needs_mapping(problem: ChainProblem) -> bool:
@@ -160,8 +164,10 @@ class JointData:
         return [self.labels.index(lab) for lab in plan.labels]
 
 
-def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int) -> JointData:
-    """The arcs, link classes, symmetric nodes and the heuristic mapping's plan of ``problem``."""
+def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
+               deadline: float | None = None) -> JointData:
+    """The arcs, link classes, symmetric nodes and the heuristic mapping's plan of ``problem``
+    (its search stops at ``deadline``, a ``time.perf_counter()`` value, keeping the best found)."""
     cost, devices = problem.cost, problem.devices
     if spec(problem.schedule).sync == "wave" and cost.cluster.inter_curve is not None:
         raise FormatError("schedule", problem.schedule, "WSP's wave sync over a size-dependent inter-node "
@@ -177,7 +183,7 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int) ->
     n, p = cost.num_layers, len(devices)
     lengths = pipeline_lengths(p, n, problem.allow_fewer)
     positions = max(lengths, default=0)
-    start = _start(problem, labels, pools, hint)
+    start = _start(problem, labels, pools, hint, deadline)
     upper = start.solution.bottleneck_s * (1 + 1e-9) if (start is not None and prune) else math.inf
 
     pair_class, class_s = _link_classes(cost, labels, pools)
@@ -232,15 +238,16 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int) ->
 
 
 def _start(problem: ChainProblem, labels: tuple[Label, ...], pools: dict[Label, list[Device]],
-           hint: bool) -> JointPlan | None:
+           hint: bool, deadline: float | None) -> JointPlan | None:
     """The heuristic mapping's plan (``map_worker``: exact over orders up to its limit, a local
-    search beyond), or with ``allow_fewer`` and nothing fitting, the DP's prefix of the given order."""
+    search of up to :data:`HINT_EVALUATIONS` orders beyond), or with ``allow_fewer`` and nothing fitting, the DP's prefix of the given order."""
     if not hint:
         return None
     cost = problem.cost
     sol = None
     if len(problem.devices) <= cost.num_layers:
-        sol = map_worker(cost, problem.devices, problem.schedule, problem.micro_batches).solution
+        sol = map_worker(cost, problem.devices, problem.schedule, problem.micro_batches,
+                         max_evaluations=HINT_EVALUATIONS, deadline=deadline).solution
     if sol is None and problem.allow_fewer:
         sol = dp_split(problem)
     if sol is None:

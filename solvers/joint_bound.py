@@ -1,22 +1,30 @@
-"""A lower bound for the joint mapping + split problem: an exact DP over GPU-type counts with
-every message priced on the cheapest link.
+"""A lower bound for the joint mapping + split problem: an exact DP over GPU-type counts and
+node runs, a relaxation of :mod:`solvers.joint`.
 
-Relax two things of :mod:`solvers.joint`: which GPU of a type (node) runs a position, and so
-which link joins two positions; price every message at the cheapest link class for its cut.
-A stage's time then depends only on its type, its layers and its position (memory), and the
-best pipeline is a DP from the end of the chain over (first layer of the suffix, GPUs used of
-each type):
+Relax which GPU of a type runs a position, keeping only the *runs*: maximal stretches of
+positions on one node. A run may use at most what some node has of each type; two positions
+in one run are joined by the cheapest link inside a node, two runs by the cheapest link between
+nodes (per cut: ``msg_in[c]``, ``msg_out[c]``). What the relaxation forgets is how many runs a
+node can host in total (its GPUs over all its runs). A stage's time then depends on its type,
+layers, position (memory) and the two links at its ends, and the best pipeline is a DP from the
+end of the chain over (first layer of the suffix, GPUs used of each type, the run of the
+suffix's first stage, the link at its first cut; that link is chosen with the state, so the
+message is added to both stages it joins):
 
-    f(L, 0) = 0
-    f(i, n) = min over t with n_t >= 1 and j > i of max(T_t(i, j), f(j, n - e_t)),
-    T_t(i, j) = work_t(i, j) + least[i] + least[j]   (additive; overlapped: max(...) + wave)
+    f(L, 0, -, -) = 0
+    f(i, n, R, b) = min over t, j, and what follows (the same run with link b' = in, if R + e_t
+                    fits a node; or a new run, b' = out) of max(T_t(i, j, b, b'), f(j, n - e_t, R', b'))
+    T_t(i, j, b, b') = work_t(i, j) + msg_b[i] + msg_b'[j]      (overlapped: max(...) + wave)
 
 where the stage ``[i, j)`` sits at position ``r = |n| - 1`` from the end (its activations in
-flight, hence its memory test, as the models have it) and ``least`` is 0 at both ends of the
-chain. The answer is the least ``f(0, n)`` over the count vectors ``n`` the devices allow (all of
-them, or any with ``allow_fewer``). Every real plan is a path of this DP whose stage times are
-at most its own, so the value is a valid lower bound on the joint optimum; the models take it as
-``B >= bound`` (less their rounding). States: ``prod(n_t + 1)`` count vectors by ``L + 1`` cuts.
+flight, hence its memory test, as the models have it) and messages are 0 at both ends of the
+chain. The answer is the least ``f(0, n, ., .)`` over the count vectors ``n`` the devices allow
+(all of them, or any with ``allow_fewer``). Every real plan is a path of this DP whose stage
+times are at least those the DP charges, so the value is a valid lower bound on the joint
+optimum; the models take it as ``B >= bound`` (less their rounding). When the runs make the DP
+too large (:data:`MAX_STEPS`), every message is charged at the cheapest link of all (one run).
+``relaxed_plan`` follows the DP's best path back and gives its runs nodes; when that works, the
+bound is a real plan's bottleneck (up to links cheaper than charged), and the models' start.
 """
 
 from __future__ import annotations
@@ -29,9 +37,9 @@ import numpy as np
 
 from .joint import JointData, JointPlan, canonical
 
-__all__ = ["MAX_STATES", "relaxed_plan", "type_count_bound_s", "with_relaxation"]
+__all__ = ["MAX_STEPS", "relaxed_plan", "type_count_bound_s", "with_relaxation"]
 
-MAX_STATES = 2_000_000  # count vectors x cuts; beyond this no bound is computed
+MAX_STEPS = 250_000  # DP steps (each a few numpy operations) with node runs; beyond, every link the cheapest
 
 
 class _Relaxation:
@@ -51,8 +59,13 @@ class _Relaxation:
         self.node_caps = caps
         self.runs = sorted({run for cap in caps.values() for run in itertools.product(*(range(c + 1) for c in cap))
                             if sum(run) > 0}, key=sum)
-        self.fits = set(self.runs)
-        self.too_big = len(self.vectors) * len(self.runs) * 2 * (L + 1) > MAX_STATES or len(data.r) == 0
+        steps = len(self.vectors) * n_types * len(self.runs) * 4
+        # too many runs: every message on the cheapest link, inside or between nodes (one "run")
+        self.flat = steps > MAX_STEPS
+        if self.flat:
+            self.runs = [(0,) * n_types]
+        self.fits = set() if self.flat else set(self.runs)
+        self.too_big = (self.flat and len(self.vectors) * n_types * 2 > MAX_STEPS) or len(data.r) == 0
         same = np.array([[a[0] == b[0] for b in data.labels] for a in data.labels])
         self.msg = []  # the cheapest message per cut inside a node (0) and between nodes (1)
         for want in (True, False):
@@ -60,6 +73,8 @@ class _Relaxation:
             row = data.class_s[classes].min(axis=0) if classes else np.full(L + 1, np.inf)
             row[[0, L]] = 0.0
             self.msg.append(row)
+        if self.flat:
+            self.msg[1] = np.minimum(self.msg[0], self.msg[1])
         self.by_rt = {}
         for r in range(data.positions):
             for t in range(n_types):
@@ -87,7 +102,7 @@ class _Relaxation:
         unit = tuple(int(k == t) for k in range(self.n_types))
         follow: list[tuple[tuple[int, ...], np.ndarray, int, object]] = []
         if sum(rest) == 0:
-            follow.append((unit, np.where(np.arange(L + 1) == L, 0.0, np.inf), 0, None))
+            follow.append((self.runs[0] if self.flat else unit, np.where(np.arange(L + 1) == L, 0.0, np.inf), 0, None))
         else:
             for run in self.runs:
                 for link in (0, 1):
@@ -98,11 +113,13 @@ class _Relaxation:
                         grown = tuple(a + b for a, b in zip(run, unit, strict=True))
                         if grown in self.fits:
                             follow.append((grown, nxt, 0, (rest, run, link)))
+                    elif self.flat:
+                        follow.append((run, nxt, 1, (rest, run, link)))
                     else:
                         follow.append((unit, nxt, 1, (rest, run, link)))
         for run, nxt, out_link, key_next in follow:
             out = np.where(jj < L, self.msg[out_link][jj], 0.0)
-            for back_link in (0, 1):
+            for back_link in (1,) if self.flat else (0, 1):
                 back = np.where(ii > 0, self.msg[back_link][ii], 0.0)
                 t_arc = np.maximum(work, wave + np.maximum(back, out)) if data.overlap else work + back + out
                 yield (vec, run, back_link), ii, np.maximum(t_arc, nxt[jj]), jj, key_next
@@ -158,7 +175,7 @@ class _Relaxation:
 
 
 def type_count_bound_s(data: JointData) -> float:
-    """The DP's value (seconds); 0.0 when the state space is above :data:`MAX_STATES`, and
+    """The DP's value (seconds); 0.0 when the DP is too large (see :data:`MAX_STEPS`), and
     inf when no pipeline of the relaxation fits (the models are then infeasible too)."""
     relax = _Relaxation(data)
     return 0.0 if relax.too_big else relax.value

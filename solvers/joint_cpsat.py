@@ -168,7 +168,8 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
     if data.start is not None:
         _hint(model, data, data.start, x, u, v)
 
-    solver = cpsat_solver(time_limit_s, threads, seed)
+    left = max(time_limit_s - (time.perf_counter() - t0), 0.1 * time_limit_s)  # the hint and model took the rest
+    solver = cpsat_solver(left, threads, seed)
     code = solve_cpsat(solver, model, "cpsat", tick_s)
     details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time,
                    branches=solver.num_branches)

@@ -133,7 +133,8 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
 
     if data.start is not None:
         _warm(data, data.start, x, u, v)
-    cbc_log = run_cbc(prob, time_limit_s, threads, seed, warm_start=data.start is not None)
+    left = max(time_limit_s - (time.perf_counter() - t0), 0.1 * time_limit_s)  # the hint and model took the rest
+    cbc_log = run_cbc(prob, left, threads, seed, warm_start=data.start is not None)
     details.update(cbc_status=pulp.LpStatus[prob.status], cbc_solution=prob.sol_status)
     if prob.status == pulp.LpStatusInfeasible:
         return finish_joint(data, "milp", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
