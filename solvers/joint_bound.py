@@ -37,7 +37,7 @@ import numpy as np
 
 from .joint import JointData, JointPlan, canonical
 
-__all__ = ["MAX_STEPS", "relaxed_plan", "type_count_bound_s", "with_relaxation"]
+__all__ = ["MAX_STEPS", "relaxed_floor", "relaxed_plan", "type_count_bound_s", "with_relaxation"]
 
 MAX_STEPS = 250_000  # DP steps (each a few numpy operations) with node runs; beyond, every link the cheapest
 
@@ -239,3 +239,9 @@ def with_relaxation(data: JointData) -> tuple[JointData, float]:
     plan = canonical(data, plan)
     data.details.update(hint_s=plan.solution.bottleneck_s, hint_from="relaxation")
     return replace(data, start=plan), value
+
+
+def relaxed_floor(value_s: float) -> float:
+    """The relaxation's value as a bound to report: less a relative 1e-12 for floating point
+    (0.0 when there is none)."""
+    return value_s * (1 - 1e-12) if math.isfinite(value_s) and value_s > 0 else 0.0

@@ -45,7 +45,7 @@ from partitioner.errors import PartitionerError
 
 from .intervals import cpsat_solver
 from .joint import JointData, JointPlan, finish_joint
-from .joint_bound import with_relaxation
+from .joint_bound import relaxed_floor, with_relaxation
 from .progress import solve_cpsat
 from .result import SolveResult, SolveStatus
 
@@ -177,7 +177,8 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
         raise PartitionerError(f"CP-SAT rejected the joint model: {model.validate()}")
     if code == cp_model.INFEASIBLE:
         return finish_joint(data, "cpsat", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
-    bound = max(0.0, (solver.best_objective_bound - FLOAT_SAFETY_TICKS) * tick_s)
+    # CP-SAT's bound, or the relaxation's where CP-SAT has not reached it yet (both are valid)
+    bound = max(0.0, (solver.best_objective_bound - FLOAT_SAFETY_TICKS) * tick_s, relaxed_floor(relaxed))
     details["bound_s"] = bound
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return finish_joint(data, "cpsat", SolveStatus.UNKNOWN, None, bound, time.perf_counter() - t0, details,

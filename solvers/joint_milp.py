@@ -27,7 +27,7 @@ from partitioner.errors import PartitionerError
 
 from .cbc import cbc_bound, run_cbc
 from .joint import JointData, JointPlan, finish_joint
-from .joint_bound import with_relaxation
+from .joint_bound import relaxed_floor, with_relaxation
 from .result import SolveResult, SolveStatus
 
 __all__ = ["solve_joint"]
@@ -140,6 +140,7 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
         return finish_joint(data, "milp", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
     raw = cbc_bound(cbc_log)
     bound = max(0.0, raw * unit_s - TOLERANCE_SLACK * largest) if math.isfinite(raw) else math.nan
+    bound = max(bound, relaxed_floor(relaxed)) if math.isfinite(bound) else relaxed_floor(relaxed) or math.nan
     details["bound_s"] = bound
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         if prob.status not in (pulp.LpStatusNotSolved, pulp.LpStatusOptimal):
