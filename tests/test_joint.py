@@ -187,3 +187,41 @@ def test_planner_request_fixed_order_flag():
     assert PlanRequest(solver="cpsat", fixed_order=True).solver_options()["fixed_order"] is True
     with pytest.raises(FormatError, match="--fixed-order"):
         PlanRequest(solver="dp", fixed_order=True)
+
+
+def test_cli_decides_the_order_unless_fixed(tmp_path, capsys):
+    from partitioner.cli import main
+    from partitioner.plan import Plan
+
+    prof, cl = _profile(), _two_node_cluster()
+    prof.save(tmp_path / "p.json")
+    cl.save(tmp_path / "c.json")
+    names = ",".join(reversed([d.name for d in cl.devices]))
+    base = ["plan", str(tmp_path / "p.json"), "--cluster", str(tmp_path / "c.json"), "--solver", "cpsat",
+            "--devices", names, "--time-limit", "20"]
+    assert main([*base, "-o", str(tmp_path / "joint.json")]) == 0
+    assert main([*base, "--fixed-order", "-o", str(tmp_path / "fixed.json")]) == 0
+    joint, fixed = Plan.load(tmp_path / "joint.json"), Plan.load(tmp_path / "fixed.json")
+    assert [st.device for st in fixed.virtual_workers[0].stages] == names.split(",")
+    assert joint.solver.objective <= fixed.solver.objective * (1 + 1e-9)
+    capsys.readouterr()
+    assert main(["plan", str(tmp_path / "p.json"), "--cluster", str(tmp_path / "c.json"), "--fixed-order"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--fixed-order = True: applies to the cpsat, milp solvers" in err
+
+
+def test_graph_profile_keeps_the_given_order_and_says_so():
+    import dataclasses
+
+    prof = _profile()
+    layers = tuple(dataclasses.replace(x, own_output_bytes=x.output_bytes) for x in prof.layers)
+    graph = dataclasses.replace(prof, layers=layers,
+                                edges=(*tuple((i, i + 1) for i in range(prof.num_layers - 1)), (0, 2)))
+    cl = _two_node_cluster()
+    for module in (cpsat, milp):
+        r = module.solve(graph, cl, time_limit_s=20.0)
+        assert r.ok and r.details["mapping"] == "given"
+        assert any("given order" in line for line in r.details["messages"])
+        assert [st.device for st in r.plan.virtual_workers[0].stages] == [d.name for d in cl.devices]
+        chain = module.solve(graph, cl, time_limit_s=20.0, dag=False)
+        assert chain.details["mapping"] == "model" and "messages" not in chain.details
