@@ -54,6 +54,7 @@ from bench._page import write_between  # noqa: E402
 from bench._results import emit  # noqa: E402
 from partitioner.cluster import GIB, Cluster, DeviceType, Node  # noqa: E402
 from partitioner.cost import CostOptions  # noqa: E402
+from partitioner.errors import PartitionerError  # noqa: E402
 from partitioner.importers.pipedream import import_pipedream  # noqa: E402
 from partitioner.profile import Profile  # noqa: E402
 from solvers import SolveResult, solve  # noqa: E402
@@ -158,7 +159,16 @@ def joint_main(args: argparse.Namespace) -> None:
         for solver in ("cpsat", "milp"):
             for limit in limits:
                 load0 = os.getloadavg()[0]
-                r = solve(prof, cluster, solver, time_limit_s=limit, threads=args.threads)
+                try:
+                    r = solve(prof, cluster, solver, time_limit_s=limit, threads=args.threads)
+                except PartitionerError as err:  # the model is larger than max_arcs
+                    print(f"{name}: {solver}: {err}", flush=True)
+                    table.append([name, str(prof.num_layers), str(len(cluster.devices)), "", "",
+                                  "CP-SAT" if solver == "cpsat" else "CBC", f"{limit:g}", "refused", "", "", "refused",
+                                  "", ""])
+                    rows.append({"instance": name, "solver": solver, "time_limit_s": limit, "status": "refused",
+                                 "gap": float("nan"), "reason": str(err)})
+                    continue
                 load = (load0 + os.getloadavg()[0]) / 2
                 relaxed = r.details.get("relaxed_bound_s", float("nan"))
                 bound = r.details.get("bound_s", float("nan"))

@@ -44,7 +44,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
           allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
           prune: bool = True, resolution: int = DEFAULT_RESOLUTION, max_arcs: int = DEFAULT_MAX_ARCS,
           tie_break: bool = True, seed: int = 0, dag: bool | None = None, fixed_order: bool = False,
-          **unused: object) -> SolveResult:
+          relaxation: bool = True, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` by CP-SAT, with a lower bound.
 
     ``hint`` runs the DP first and gives its split to CP-SAT as a solution hint; with
@@ -61,6 +61,8 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     devices of more than one label (:func:`solvers.mapping.device_labels`) the order is decided
     in the model too (:mod:`solvers.joint_cpsat`; ``details["mapping"] == "model"``), except on
     a graph profile, whose convex stages keep the given order (``details["mapping"] == "given"``).
+    ``relaxation``: the joint model's bound from :mod:`solvers.joint_bound` (off: the model alone,
+    for an independent check).
     Other arguments as :func:`solvers.dp.solve`.
     """
     from ortools.sat.python import cp_model
@@ -91,7 +93,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
 
         # the heuristic mapping (the hint) gets at most a quarter of the time limit
         data = joint_data(problem, hint, prune, max_arcs, deadline=t0 + HINT_SHARE * time_limit_s)
-        return solve_joint(data, time_limit_s=time_limit_s, threads=threads,
+        return solve_joint(data, time_limit_s=time_limit_s, threads=threads, bound_dp=relaxation,
                            seed=seed, resolution=resolution, tie_break=tie_break, t0=t0)
     start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
     details["mapping"] = "given"

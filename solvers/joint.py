@@ -50,9 +50,10 @@ from .intervals import ChainProblem, dp_split, pipeline_lengths
 from .mapping import Label, device_labels, map_worker
 from .result import SolveResult, SolveStatus
 
-__all__ = ["HINT_SHARE", "JointData", "JointPlan", "canonical", "diagnose", "finish_joint", "joint_data", "mapping_details", "needs_mapping"]
+__all__ = ["HINT_SHARE", "PROVEN_REL", "JointData", "JointPlan", "canonical", "diagnose", "finish_joint", "joint_data", "mapping_details", "needs_mapping"]
 
 
+PROVEN_REL = 1e-9  # a plan within this of a valid bound is optimal
 HINT_SHARE = 0.25  # of a solve's time limit, at most, for the heuristic mapping that gives the hint
 HINT_EVALUATIONS = 2000  # orders the heuristic mapping may price for the hint (HetPipe's 16 GPUs: ~560, 1.5 s)
 
@@ -355,6 +356,9 @@ def finish_joint(data: JointData, method: str, status: SolveStatus, found: Joint
         return SolveResult(status, None, lower_bound=lower_bound, runtime_s=runtime_s, method=method,
                            reason=reason or "no plan found within the time limit", details=details)
     details["order"] = [d.name for d in best.solution.devices]
+    if status is SolveStatus.FEASIBLE and best.solution.bottleneck_s <= lower_bound * (1 + PROVEN_REL):
+        status = SolveStatus.OPTIMAL  # the plan meets a valid bound (the relaxation's, usually)
+        details["proof"] = "bound"
     plan = dp.plan_from_cuts(problem.profile, problem.cost, best.solution, problem.schedule, problem.micro_batches,
                              solver_name=method)
     objective = best.solution.bottleneck_s

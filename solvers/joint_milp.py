@@ -26,7 +26,7 @@ import numpy as np
 from partitioner.errors import PartitionerError
 
 from .cbc import cbc_bound, run_cbc
-from .joint import JointData, JointPlan, finish_joint
+from .joint import PROVEN_REL, JointData, JointPlan, finish_joint
 from .joint_bound import relaxed_floor, with_relaxation
 from .result import SolveResult, SolveStatus
 
@@ -50,6 +50,10 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
     data, relaxed = with_relaxation(data) if bound_dp else (data, 0.0)  # solvers/joint_bound.py
     if math.isinf(relaxed):  # not even the relaxation has a pipeline that fits
         return finish_joint(data, "milp", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
+    if data.start is not None and data.start.solution.bottleneck_s <= relaxed_floor(relaxed) * (1 + PROVEN_REL):
+        details.update(bound_s=relaxed_floor(relaxed), tie_break="skipped: the start meets the relaxation's bound")
+        return finish_joint(data, "milp", SolveStatus.FEASIBLE, data.start, relaxed_floor(relaxed),
+                            time.perf_counter() - t0, details)
     largest = float(max(data.work_s.max(), data.class_s.max(initial=0.0)))
     unit_s = largest / SCALE_MAX if largest > 0 else 1.0
     work = (data.work_s / unit_s).tolist()

@@ -57,7 +57,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
           schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
           prune: bool = True, max_arcs: int = DEFAULT_MAX_ARCS, tie_break: bool = True, seed: int = 0,
-          dag: bool | None = None, fixed_order: bool = False, **unused: object) -> SolveResult:
+          dag: bool | None = None, fixed_order: bool = False, relaxation: bool = True, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` by CBC, with a lower bound where CBC gives one.
 
     ``hint`` runs the DP first and passes its split to CBC as a warm start; with ``prune`` as
@@ -68,7 +68,8 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     random seeds (0: CBC's defaults). ``dag``: plan convex stages of the profile's graph
     (:mod:`solvers.dag`) rather than ranges of its layer order; None (the default) does so when
     the profile has edges. ``fixed_order``: as :func:`solvers.cpsat.solve` (without it, the
-    device order of several labels is decided in the model, :mod:`solvers.joint_milp`).
+    device order of several labels is decided in the model, :mod:`solvers.joint_milp`), and
+    ``relaxation``.
     """
     import pulp
 
@@ -94,7 +95,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
 
         # the heuristic mapping (the hint) gets at most a quarter of the time limit
         data = joint_data(problem, hint, prune, max_arcs, deadline=t0 + HINT_SHARE * time_limit_s)
-        return solve_joint(data, time_limit_s=time_limit_s, threads=threads,
+        return solve_joint(data, time_limit_s=time_limit_s, threads=threads, bound_dp=relaxation,
                            seed=seed, tie_break=tie_break, t0=t0)
     start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
     details["mapping"] = "given"
