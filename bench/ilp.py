@@ -166,8 +166,9 @@ def joint_main(args: argparse.Namespace) -> None:
                     table.append([name, str(prof.num_layers), str(len(cluster.devices)), "", "",
                                   "CP-SAT" if solver == "cpsat" else "CBC", f"{limit:g}", "refused", "", "", "refused",
                                   "", ""])
-                    rows.append({"instance": name, "solver": solver, "time_limit_s": limit, "status": "refused",
-                                 "gap": float("nan"), "reason": str(err)})
+                    rows.append({"instance": name, "layers": prof.num_layers, "gpus": len(cluster.devices),
+                                 "solver": solver, "time_limit_s": limit, "status": "refused", "gap": float("nan"),
+                                 "reason": str(err)})
                     continue
                 load = (load0 + os.getloadavg()[0]) / 2
                 relaxed = r.details.get("relaxed_bound_s", float("nan"))
@@ -220,12 +221,13 @@ def _plot_joint(rows: list[dict], path: Path) -> None:
         for name in names:
             hit = [r for r in rows if r["instance"] == name and r["solver"] == solver and r["time_limit_s"] == limit]
             gap = hit[0]["gap"] if hit else float("nan")
-            gaps.append(100 * gap if gap == gap else 0.0)
+            gaps.append(100 * gap if gap == gap else float("nan"))  # refused: no bar
         label = f"{'CP-SAT' if solver == 'cpsat' else 'CBC'} {limit:g} s"
         ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(names))], gaps, width, label=label)
     ax.set_xticks(range(len(names)), [f"{n}\n({rows[[r['instance'] for r in rows].index(n)]['layers']} layers)"
                                       for n in names], fontsize=8)
     ax.set_ylabel("gap to the proven bound (%)")
+    ax.set_ylim(bottom=0)
     ax.set_title("joint device mapping + split: gap at the time limit (0: proven optimal)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)

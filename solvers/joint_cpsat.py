@@ -76,6 +76,11 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
         details.update(bound_s=relaxed_floor(relaxed), tie_break="skipped: the start meets the relaxation's bound")
         return finish_joint(data, "cpsat", SolveStatus.FEASIBLE, data.start, relaxed_floor(relaxed),
                             time.perf_counter() - t0, details)
+    if time.perf_counter() - t0 >= 0.9 * time_limit_s:  # the hint and the relaxation took the time: no model
+        details.update(bound_s=relaxed_floor(relaxed), model="skipped: the time limit was spent before it")
+        return finish_joint(data, "cpsat", SolveStatus.UNKNOWN, None, relaxed_floor(relaxed),
+                            time.perf_counter() - t0, details,
+                            reason=f"no model solved within the time limit of {time_limit_s:g} s")
     largest = float(max(data.work_s.max(), data.class_s.max(initial=0.0)))
     tick_s = largest / resolution if largest > 0 else 1.0
     work = _ticks(data.work_s, tick_s)
