@@ -109,6 +109,15 @@ class JointData:
     start: JointPlan | None  # the heuristic mapping's plan (hint, upper bound)
     details: dict[str, object] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        n_arcs, n_lab = len(self.r), len(self.labels)
+        if not all(len(a) == n_arcs for a in (self.gpu, self.i, self.j, self.work_s, self.wave_s)):
+            raise PartitionerError("joint model data: the arc arrays differ in length")
+        if len(self.counts) != n_lab or len(self.types) != n_lab or self.pair_class.shape != (n_lab, n_lab):
+            raise PartitionerError("joint model data: labels, counts, types and link classes do not match")
+        if n_arcs and not (self.i.min() >= 0 and (self.j > self.i).all() and self.j.max() <= self.num_layers):
+            raise PartitionerError("joint model data: an arc is not a layer range")
+
     @property
     def num_layers(self) -> int:
         return self.problem.cost.num_layers
@@ -122,22 +131,6 @@ class JointData:
 
     def arcs_of(self, r: int) -> np.ndarray:
         return np.flatnonzero(self.r == r)
-
-    def stage_times_s(self, plan_labels: Sequence[int], cuts: Sequence[int]) -> list[float]:
-        """What the model prices for labels (indices, pipeline order) and cuts, in exact seconds,
-        term by term as the models add them (for the agreement checks)."""
-        q = len(plan_labels)
-        out = []
-        for k in range(q):
-            a, b = cuts[k], cuts[k + 1]
-            t = self.type_names.index(self.types[plan_labels[k]])
-            hit = np.flatnonzero((self.r == q - 1 - k) & (self.gpu == t) & (self.i == a) & (self.j == b))
-            work = float(self.work_s[hit[0]]) if len(hit) else math.nan
-            wave = float(self.wave_s[hit[0]]) if len(hit) else math.nan
-            back = float(self.class_s[self.pair_class[plan_labels[k - 1], plan_labels[k]], a]) if k else 0.0
-            out_s = float(self.class_s[self.pair_class[plan_labels[k], plan_labels[k + 1]], b]) if k + 1 < q else 0.0
-            out.append(max(work - wave, back, out_s) + wave if self.overlap else work + back + out_s)
-        return out
 
     def realise(self, plan_labels: Sequence[int], cuts: Sequence[int]) -> JointPlan:
         """The plan for labels (indices, pipeline order) and cuts: each label's devices in their

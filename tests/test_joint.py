@@ -229,3 +229,15 @@ def test_graph_profile_keeps_the_given_order_and_says_so():
         assert [st.device for st in r.plan.virtual_workers[0].stages] == [d.name for d in cl.devices]
         chain = module.solve(graph, cl, time_limit_s=20.0, dag=False)
         assert chain.details["mapping"] == "model" and "messages" not in chain.details
+
+
+def test_wsp_over_a_size_dependent_network_is_refused_in_one_line():
+    import dataclasses
+
+    from partitioner.bandwidth import Bandwidth
+
+    cl = dataclasses.replace(_two_node_cluster(), inter_curve=Bandwidth(1.0, latency_s=1e-5, name="inter_node"))
+    with pytest.raises(FormatError) as err:
+        cpsat.solve(_profile(), cl, schedule="wsp", time_limit_s=5.0)
+    assert "schedule = 'wsp'" in str(err.value) and "\n" not in str(err.value)
+    assert cpsat.solve(_profile(), cl, schedule="wsp", time_limit_s=5.0, fixed_order=True).ok
