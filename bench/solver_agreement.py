@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         for solver in ("cpsat", "milp"):
             try:
                 got[solver] = solve(profile, cluster, solver, time_limit_s=args.time_limit, hint=args.hint,
-                                    dag=False)  # the chain problem the DP solves
+                                    dag=False, fixed_order=True)  # the chain problem the DP solves
             except PartitionerError as err:  # the interval model refuses sizes it cannot hold
                 print(f"{name}: {solver}: {err}", file=sys.stderr)
                 got[solver] = None

@@ -102,7 +102,8 @@ def compare(profile: Profile, cluster: Cluster, *, virtual_workers: int | str | 
     if virtual_workers is None:
         for name in CHAIN_SOLVERS:
             if want(name):
-                limit = {} if name == "dp" else {"time_limit_s": time_limit_s}
+                # the given order for every solver, as the baselines split it (the same problem)
+                limit = {} if name == "dp" else {"time_limit_s": time_limit_s, "fixed_order": True}
                 out.append(_entry(name, "solver", lambda n=name, lim=limit: solve(profile, cluster, n, **common,
                                                                                     **lim)))
         for name in BASELINE_NAMES:

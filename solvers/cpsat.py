@@ -27,6 +27,7 @@ from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
 
 from .intervals import DEFAULT_MAX_ARCS, check_limits, cpsat_solver, finish, model_arcs, prepare
+from .joint import HINT_SHARE, mapping_details, needs_mapping
 from .progress import solve_cpsat
 from .result import SolveResult, SolveStatus
 
@@ -42,7 +43,8 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
           schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
           prune: bool = True, resolution: int = DEFAULT_RESOLUTION, max_arcs: int = DEFAULT_MAX_ARCS,
-          tie_break: bool = True, seed: int = 0, dag: bool | None = None, **unused: object) -> SolveResult:
+          tie_break: bool = True, seed: int = 0, dag: bool | None = None, fixed_order: bool = False,
+          relaxation: bool = True, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` by CP-SAT, with a lower bound.
 
     ``hint`` runs the DP first and gives its split to CP-SAT as a solution hint; with
@@ -55,6 +57,12 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     the DP does (``details["tie_break"]`` is its CP-SAT status).
     ``dag``: plan convex stages of the profile's graph (:mod:`solvers.dag`) rather than ranges
     of its layer order; None (the default) does so when the profile has edges.
+    ``fixed_order``: split over ``devices`` in the given order. Without it (the default), on
+    devices of more than one label (:func:`solvers.mapping.device_labels`) the order is decided
+    in the model too (:mod:`solvers.joint_cpsat`; ``details["mapping"] == "model"``), except on
+    a graph profile, whose convex stages keep the given order (``details["mapping"] == "given"``).
+    ``relaxation``: the joint model's bound from :mod:`solvers.joint_bound` (off: the model alone,
+    for an independent check).
     Other arguments as :func:`solvers.dp.solve`.
     """
     from ortools.sat.python import cp_model
@@ -68,13 +76,27 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     problem = prepare(profile, cluster, devices, schedule, micro_batches, options, allow_fewer)
     if dag is not None and not isinstance(dag, bool):
         raise FormatError("dag", dag, "must be true, false or None (None: the graph when the profile has edges)")
-    if dag or (dag is None and profile.edges):
+    if not isinstance(fixed_order, bool):
+        raise FormatError("fixed_order", fixed_order, "must be true or false")
+    graph = bool(dag or (dag is None and profile.edges))
+    mapping = "model" if not (fixed_order or graph) and needs_mapping(problem) else "given"
+    if graph:
         from .dag import dag_data
         from .dag_cpsat import solve_dag
 
         return solve_dag(dag_data(problem, hint), time_limit_s=time_limit_s, threads=threads, seed=seed,
-                         prune=prune, resolution=resolution, tie_break=tie_break, t0=t0, details={})
+                         prune=prune, resolution=resolution, tie_break=tie_break, t0=t0,
+                         details=mapping_details(problem, fixed_order))
+    if mapping == "model":
+        from .joint import joint_data
+        from .joint_cpsat import solve_joint
+
+        # the heuristic mapping (the hint) gets at most a quarter of the time limit
+        data = joint_data(problem, hint, prune, max_arcs, deadline=t0 + HINT_SHARE * time_limit_s)
+        return solve_joint(data, time_limit_s=time_limit_s, threads=threads, bound_dp=relaxation,
+                           seed=seed, resolution=resolution, tie_break=tie_break, t0=t0)
     start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
+    details["mapping"] = "given"
     if not arcs.lengths:  # more devices than layers and no shorter pipeline allowed
         return finish(problem, "cpsat", SolveStatus.INFEASIBLE, None, math.nan,
                       time.perf_counter() - t0, details)

@@ -43,6 +43,7 @@ from .intervals import (
     model_arcs,
     prepare,
 )
+from .joint import HINT_SHARE, mapping_details, needs_mapping
 from .result import SolveResult, SolveStatus
 
 __all__ = ["cbc_bound", "solve"]
@@ -56,7 +57,7 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
           schedule: str = "1f1b", micro_batches: int | None = None, options: CostOptions | None = None,
           allow_fewer: bool = False, time_limit_s: float = 10.0, threads: int = 1, hint: bool = True,
           prune: bool = True, max_arcs: int = DEFAULT_MAX_ARCS, tie_break: bool = True, seed: int = 0,
-          dag: bool | None = None, **unused: object) -> SolveResult:
+          dag: bool | None = None, fixed_order: bool = False, relaxation: bool = True, **unused: object) -> SolveResult:
     """Optimal single-pipeline plan over ``devices`` by CBC, with a lower bound where CBC gives one.
 
     ``hint`` runs the DP first and passes its split to CBC as a warm start; with ``prune`` as
@@ -66,7 +67,9 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     arguments as :func:`solvers.dp.solve` and :func:`solvers.cpsat.solve`; ``seed`` sets CBC's
     random seeds (0: CBC's defaults). ``dag``: plan convex stages of the profile's graph
     (:mod:`solvers.dag`) rather than ranges of its layer order; None (the default) does so when
-    the profile has edges.
+    the profile has edges. ``fixed_order``: as :func:`solvers.cpsat.solve` (without it, the
+    device order of several labels is decided in the model, :mod:`solvers.joint_milp`), and
+    ``relaxation``.
     """
     import pulp
 
@@ -77,13 +80,25 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     problem = prepare(profile, cluster, devices, schedule, micro_batches, options, allow_fewer)
     if dag is not None and not isinstance(dag, bool):
         raise FormatError("dag", dag, "must be true, false or None (None: the graph when the profile has edges)")
-    if dag or (dag is None and profile.edges):
+    if not isinstance(fixed_order, bool):
+        raise FormatError("fixed_order", fixed_order, "must be true or false")
+    graph = bool(dag or (dag is None and profile.edges))
+    if graph:
         from .dag import dag_data
         from .dag_milp import solve_dag
 
         return solve_dag(dag_data(problem, hint), time_limit_s=time_limit_s, threads=threads, seed=seed,
-                         prune=prune, tie_break=tie_break, t0=t0, details={})
+                         prune=prune, tie_break=tie_break, t0=t0, details=mapping_details(problem, fixed_order))
+    if not fixed_order and needs_mapping(problem):
+        from .joint import joint_data
+        from .joint_milp import solve_joint
+
+        # the heuristic mapping (the hint) gets at most a quarter of the time limit
+        data = joint_data(problem, hint, prune, max_arcs, deadline=t0 + HINT_SHARE * time_limit_s)
+        return solve_joint(data, time_limit_s=time_limit_s, threads=threads, bound_dp=relaxation,
+                           seed=seed, tie_break=tie_break, t0=t0)
     start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
+    details["mapping"] = "given"
     if not arcs.lengths:  # more devices than layers and no shorter pipeline allowed
         return finish(problem, "milp", SolveStatus.INFEASIBLE, None, math.nan,
                       time.perf_counter() - t0, details)

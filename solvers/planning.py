@@ -56,7 +56,9 @@ class PlanRequest:
     (an integer as text or ``"auto"``). ``virtual_workers`` (a count or ``"auto"``), ``policy``
     and ``replication`` ask for the cluster planner. ``threads`` and ``seed`` are the search
     workers and random seed of cpsat / milp; ``chain_order`` has them split the profile's layer
-    order into ranges rather than plan convex stages of its graph (:mod:`solvers.dag`).
+    order into ranges rather than plan convex stages of its graph (:mod:`solvers.dag`);
+    ``fixed_order`` has them keep the devices' given order rather than decide the mapping in the
+    model (:mod:`solvers.joint`).
     """
 
     solver: str = "dp"
@@ -76,6 +78,7 @@ class PlanRequest:
     threads: int | None = None
     seed: int | None = None
     chain_order: bool = False  # cpsat / milp: ranges of the profile's order, not convex stages of its graph
+    fixed_order: bool = False  # cpsat / milp: split over the devices in the given order (no mapping in the model)
 
     def __post_init__(self) -> None:
         if self.devices is not None:
@@ -112,6 +115,9 @@ class PlanRequest:
         if self.chain_order and self.planner not in SEARCHED:
             raise FormatError("--chain-order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
                               f"{self.planner} solver plans the chain order already)")
+        if self.fixed_order and self.planner not in SEARCHED:
+            raise FormatError("--fixed-order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
+                              f"{self.planner} solver keeps the given order already or chooses it itself)")
         if self.micro_batches == "auto" and self.global_batch is None:
             raise FormatError("--microbatches", "auto", "needs --global-batch (samples per virtual worker "
                               "per iteration) to choose the micro-batch size and count")
@@ -158,6 +164,8 @@ class PlanRequest:
             kw["seed"] = self.seed
         if self.chain_order:
             kw["dag"] = False
+        if self.fixed_order:
+            kw["fixed_order"] = True
         if isinstance(self.micro_batches, int):
             kw["micro_batches"] = self.micro_batches
         return kw

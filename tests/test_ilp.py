@@ -82,11 +82,12 @@ def _check_agreement(inst, hint):
     profile, cluster, devices, schedule, m, options, allow_fewer, resolution = inst
     names = [d.name for d in devices]
     kw = dict(schedule=schedule, micro_batches=m, options=options, allow_fewer=allow_fewer)
+    kw_fixed = dict(kw, fixed_order=True)  # the chain models over this order (tests/test_joint.py: the mapping)
     truth = brute_force(profile, cluster, devices, schedule, m, options, allow_fewer)
-    kw_cp = dict(kw, resolution=resolution)
+    kw_cp = dict(kw_fixed, resolution=resolution)
     r_dp = dp.solve(profile, cluster, names, **kw)
     r_cp = cpsat.solve(profile, cluster, names, hint=hint, time_limit_s=20.0, **kw_cp)
-    r_mi = milp.solve(profile, cluster, names, hint=hint, time_limit_s=20.0, **kw)
+    r_mi = milp.solve(profile, cluster, names, hint=hint, time_limit_s=20.0, **kw_fixed)
     if math.isinf(truth):
         for r in (r_dp, r_cp, r_mi):
             assert r.status is SolveStatus.INFEASIBLE, (r.method, r.status, r.objective)
@@ -156,12 +157,12 @@ def test_hint_is_at_least_as_good_as_dp():
     profile, cluster = _chain(40, ["gA", "gB", "gA", "gB"])
     ref = dp.solve(profile, cluster)
     for prune in (False, True):
-        r = cpsat.solve(profile, cluster, hint=True, prune=prune, time_limit_s=5.0)
+        r = cpsat.solve(profile, cluster, hint=True, prune=prune, time_limit_s=5.0, fixed_order=True)
         assert r.details["hint"] is True
         assert r.ok
         assert r.objective <= ref.objective + r.details["tick_s"]
         assert r.lower_bound <= ref.objective
-        w = milp.solve(profile, cluster, hint=True, prune=prune, time_limit_s=5.0)
+        w = milp.solve(profile, cluster, hint=True, prune=prune, time_limit_s=5.0, fixed_order=True)
         assert w.ok and w.objective <= ref.objective * (1 + 2e-6)
 
 
@@ -197,7 +198,7 @@ def test_registered_in_front_door():
     profile, cluster = _chain(6, ["gA", "gB", "gA"])
     ref = dp.solve(profile, cluster)
     for name in ("cpsat", "milp"):
-        r = front_door(profile, cluster, name, hint=False)
+        r = front_door(profile, cluster, name, hint=False, fixed_order=True)
         assert r.method == name and r.objective == pytest.approx(ref.objective, rel=1e-6)
 
 
@@ -281,8 +282,8 @@ def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
     assert r_dp.objective == pytest.approx(best, rel=1e-12, abs=1e-15)
     q_dp, total_dp = _stage_total(r_dp, profile, cluster, options)
     assert q_dp == q_best and total_dp == pytest.approx(total_best, rel=1e-9, abs=1e-15)
-    for r, slack in ((cpsat.solve(profile, cluster, names, time_limit_s=20.0, hint=hint, **kw), None),
-                     (milp.solve(profile, cluster, names, time_limit_s=20.0, hint=hint, **kw), 2e-6)):
+    for r, slack in ((cpsat.solve(profile, cluster, names, time_limit_s=20.0, hint=hint, fixed_order=True, **kw), None),
+                     (milp.solve(profile, cluster, names, time_limit_s=20.0, hint=hint, fixed_order=True, **kw), 2e-6)):
         assert r.status is SolveStatus.OPTIMAL, (r.method, r.details)
         per_stage = r.details["tick_s"] if slack is None else slack * r.details["unit_s"] * milp.SCALE_MAX
         q_r, total_r = _stage_total(r, profile, cluster, options)
@@ -295,7 +296,8 @@ def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
 @pytest.mark.parametrize("module", [cpsat, milp])
 def test_fixed_seed_and_workers_give_the_same_plan(module):
     profile, cluster = _chain(24, ["gA", "gB", "gA", "gB"], seed=5)
-    runs = [module.solve(profile, cluster, hint=False, threads=2, seed=11, time_limit_s=30.0) for _ in range(2)]
+    runs = [module.solve(profile, cluster, hint=False, threads=2, seed=11, time_limit_s=30.0, fixed_order=True)
+            for _ in range(2)]
     assert all(r.status is SolveStatus.OPTIMAL for r in runs)
     assert runs[0].plan.virtual_workers == runs[1].plan.virtual_workers
     assert runs[0].objective == runs[1].objective

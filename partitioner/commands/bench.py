@@ -84,6 +84,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               _script("solver_agreement", "--no-write"), seeds={"random_chains": 0}),
     Benchmark("ilp", "convex stages of ResNet-50's and GNMT's graphs (CP-SAT, CBC) against the chain DP",
               _script("ilp", "--quick", "--time-limit", "20"), _script("ilp")),
+    Benchmark("ilp_joint", "device mapping + split in one model (CP-SAT, CBC) on the HetPipe cluster: gap at 10 s "
+              "and 60 s", _script("ilp", "--joint", "--quick", "--png", "{img}/ilp_joint.png"),
+              _script("ilp", "--joint", "--png", "{img}/ilp_joint.png"), figures=("ilp_joint.png",)),
     Benchmark("dp_scaling", "solve time of the exact chain DP against layers x devices (log axes)",
               _script("dp_scaling", "--repeats", "3"), _script("dp_scaling", "--repeats", "5"),
               figures=("dp_scaling.png",), seeds={"instance": 0}),

@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
         virtual_workers=_count(args.virtual_workers, "--virtual-workers", MAX_GPUS),
         policy=args.policy, replication=bool(args.replication), objective=args.objective,
         simulate_top=args.simulate_top, time_limit_s=args.time_limit, threads=args.workers, seed=args.seed,
-        chain_order=bool(args.chain_order))
+        chain_order=bool(args.chain_order), fixed_order=bool(args.fixed_order))
     with shown():  # a status line (incumbent, bound, gap) for solves past two seconds, on a terminal
         result = plan(profile, cluster, request)
     if not result.ok or result.plan is None:
@@ -147,8 +147,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--chain-order", action="store_true",
                         help="cpsat / milp on a profile with edges: stages as ranges of its layer order, as the dp "
                              "solver plans (default: convex stages of the graph)")
+    parser.add_argument("--fixed-order", action="store_true",
+                        help="cpsat / milp: split over --devices in the given order (default: on GPUs of several "
+                             "(node, type) groups the order is decided in the model with the split)")
     parser.add_argument("--devices", default=None,
-                        help="comma-separated device names in pipeline order (default: all, in file order)")
+                        help="comma-separated device names in pipeline order (default: all, in file order; "
+                             "cpsat / milp choose the order unless --fixed-order)")
     parser.add_argument("--allow-fewer", action="store_true", help="let the solver use fewer devices than given")
     add_cost_arguments(parser)
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
