@@ -240,7 +240,7 @@ def brute_force_tie_break(profile, cluster, devices, schedule, m, options, allow
     # optima tied up to float rounding (one sum of layer times in another order), which a solver
     # working in ticks or with a tolerance cannot tell apart: the least total among them
     loose = min(total for b, q, total in found if q == exact[1] and b <= best + 1e-12 * best + 1e-15)
-    return (*exact, loose)
+    return (*exact, loose, found)
 
 
 @st.composite
@@ -277,7 +277,7 @@ def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
     truth = brute_force_tie_break(profile, cluster, devices, schedule, m, options, allow_fewer)
     if truth is None:
         return
-    best, q_best, total_best, total_loose = truth
+    best, q_best, total_best, total_loose, found = truth
     r_dp = dp.solve(profile, cluster, names, **kw)
     assert r_dp.objective == pytest.approx(best, rel=1e-12, abs=1e-15)
     q_dp, total_dp = _stage_total(r_dp, profile, cluster, options)
@@ -288,7 +288,12 @@ def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
         per_stage = r.details["tick_s"] if slack is None else slack * r.details["unit_s"] * milp.SCALE_MAX
         q_r, total_r = _stage_total(r, profile, cluster, options)
         assert r.objective == pytest.approx(best, rel=1e-9, abs=per_stage + 1e-15), r.method
-        assert q_r == q_best, (r.method, q_r, q_best)
+        # the fewest stages among splits tied with the optimum up to the solver's resolution (a
+        # tick per stage, or CBC's tolerance), which it cannot tell apart from the optimum
+        q_tied = min(q for b, q, _ in found if b <= best + per_stage + 1e-15)
+        assert q_tied <= q_r <= q_best, (r.method, q_r, q_tied, q_best)
+        if q_r != q_best:
+            continue  # a shorter pipeline within the resolution: its total is not the DP's to compare
         assert total_loose - 1e-12 <= total_r + 1e-15 and total_r <= total_best + q_r * per_stage + 1e-12, \
             (r.method, total_r, total_best)
 
