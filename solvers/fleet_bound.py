@@ -57,7 +57,7 @@ from partitioner.cluster import Device
 from partitioner.cost import CostModel
 from partitioner.schedule import spec
 
-__all__ = ["FleetBound", "fleet_bound", "largest_layer_s", "type_counts", "worker_memory_bytes", "worker_time_bound_s"]
+__all__ = ["FleetBound", "effective_whole_s", "fleet_bound", "largest_layer_s", "type_counts", "worker_memory_bytes", "worker_time_bound_s"]
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,37 @@ class FleetBound:
             raise ValueError(f"FleetBound: negative rate {self.samples_per_s}, {self.perfect_speedup}")
 
 
+def effective_whole_s(cost: CostModel, types: Sequence[str]) -> dict[str, float]:
+    """Whole-model seconds per type that the bounds may treat as proportional speeds.
+
+    The bounds spread "the model's work" over GPUs as if every layer ran ``T_t / T_r`` times
+    slower on type ``t`` than on ``r``. Profiles do not promise that (a projected profile scales
+    compute-bound and memory-bound layers differently), so each type is taken at its best
+    per-layer ratio to a reference type ``r``: ``T'_t = W_r min_l c_t(l) / c_r(l)`` (``W_r`` the
+    whole model on ``r``). A stage holding reference work ``w`` then computes at least
+    ``T'_t w / W_r`` on type ``t``, which is all the bounds use, so they hold for any profile. The
+    reference kept is the one that loses least (the largest ``min_t T'_t / T_t``); where the
+    ratios are one number, ``T'_t = T_t``."""
+    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
+    if len(types) < 2:
+        return whole
+    per = {t: np.array([cost.compute_s(t, i, i + 1) for i in range(cost.num_layers)]) for t in types}
+    best: dict[str, float] | None = None
+    best_keep = -1.0
+    for r in types:
+        held = per[r] > 0
+        if not held.any():
+            continue
+        w_r = float(per[r].sum())
+        eff = {t: min(whole[t], w_r * float(np.min(per[t][held] / per[r][held]))) for t in types}
+        keep = min(eff[t] / whole[t] if whole[t] > 0 else 1.0 for t in types)
+        if keep > best_keep:
+            best, best_keep = eff, keep
+    return best if best is not None else {t: 0.0 for t in types}
+
+
 def _whole_s(cost: CostModel, types: Sequence[str]) -> dict[str, float]:
-    return {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
+    return effective_whole_s(cost, types)
 
 
 def largest_layer_s(cost: CostModel, types: Sequence[str]) -> float:

@@ -235,8 +235,11 @@ def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str
 
 
 def throughput_upper_bound(cost: CostModel, devices: Sequence[Device]) -> float:
-    """No plan on ``devices`` beats ``micro_batch_size * sum_d 1 / T_d`` samples per second."""
-    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devices}}
+    """No plan on ``devices`` beats ``micro_batch_size * sum_d 1 / T_d`` samples per second (``T_d``
+    from :func:`solvers.fleet_bound.effective_whole_s`)."""
+    from .fleet_bound import effective_whole_s
+
+    whole = effective_whole_s(cost, sorted({d.gpu_type for d in devices}))  # valid for any profile
     return cost.profile.micro_batch_size * sum(1.0 / whole[d.gpu_type] if whole[d.gpu_type] > 0 else math.inf
                                                for d in devices)
 
@@ -446,7 +449,7 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
                     time_limit_s: float, t0: float, largest: int) -> _Found | None:
     """:func:`solvers.symmetric.plan_counts`, with the baselines' groupings as competitors."""
     planner.progress.note("counts of worker templates over node classes")
-    from .fleet_bound import largest_layer_s, worker_memory_bytes
+    from .fleet_bound import effective_whole_s, largest_layer_s, worker_memory_bytes
     from .symmetric import node_classes, plan_counts
 
     cost, m = planner.cost, planner.micro_batches
@@ -482,7 +485,7 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     baseline = compete([k] if k is not None else _candidate_ks(len(devs), nodes), None) if n_small else None
     types = sorted({d.gpu_type for d in devs})
     memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
-    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
+    whole = effective_whole_s(cost, types)  # the templates' rate bounds hold for any profile
     res = plan_counts(devs, classes, rater.throughput, rater.exact, whole.__getitem__, memory.__getitem__,
                       worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size, objective,
                       fill=spec(planner.schedule).flushes and not replication,

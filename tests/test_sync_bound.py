@@ -187,3 +187,31 @@ def test_lower_bound_holds_when_speed_ratios_differ_by_layer(seed):
     best = min(sol.bottleneck_s for order in itertools.permutations(devs)
                if (sol := chain_dp(cost, list(order), "1f1b", 1)) is not None)
     assert cost.lower_bound_s(devs) <= best * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fleet_bound_holds_when_speed_ratios_differ_by_layer(seed):
+    """The fleet bound and the perfect speed-up take each type at its best per-layer ratio, so
+    they stay above every plan when no type is uniformly k times another (enumerated)."""
+    from solvers.fleet_bound import effective_whole_s, fleet_bound
+    from solvers.hetero import throughput_upper_bound
+
+    cost = CostModel(uneven_profile(5, seed, 50.0), small_cluster([["TITAN-V", "RTX-2060"], ["RTX-3090"]], inter=2.0))
+    devs = list(cost.cluster.devices)
+    eff = effective_whole_s(cost, TYPES)
+    assert all(0 < eff[t] <= cost.compute_s(t, 0, 5) for t in TYPES)
+    # a type's effective time is its best ratio to the reference times the reference's whole model
+    for m in (1, 3):
+        best = best_by_enumeration(cost, m)
+        assert fleet_bound(cost, devs, "1f1b", m, "sync").samples_per_s >= best * (1 - 1e-9)
+        assert throughput_upper_bound(cost, devs) >= best * (1 - 1e-9)
+
+
+def test_effective_whole_times_equal_the_whole_model_where_ratios_are_one_number():
+    from solvers.fleet_bound import effective_whole_s
+    from tests._hetero_fixtures import synthetic_profile
+
+    cost = CostModel(synthetic_profile(8, seed=2, types=TYPES), small_cluster([list(TYPES)]))
+    eff = effective_whole_s(cost, TYPES)
+    for t in TYPES:
+        assert eff[t] == pytest.approx(cost.compute_s(t, 0, 8), rel=1e-9)
