@@ -22,7 +22,9 @@ worker's pipeline:
 
 * ``P(S) >= (m - 1) max(l, W / |S|) + W`` (always; no solver), with ``W`` the model's work with
   every layer on its fastest type of ``S`` and ``l`` the largest such layer: the fill crosses
-  every layer once and the pace is at least every stage's compute;
+  every layer once and the pace is at least every stage's compute; and ``P(S) >= G(S)``, the
+  fleet bound's ``min_q (m - 1 + q) / S_q`` over the types' effective whole-model times
+  (:func:`solvers.fleet_bound.effective_whole_s`);
 * the LP of :func:`pipeline_floor_s` over ``S``'s mix of GPU types (layers assigned
   fractionally, no GPU computing more than the pace);
 * where the orders of ``S`` are few enough to enumerate, the least ``fill + (m - 1) x
@@ -54,6 +56,7 @@ GPUs may stay idle in the bound (a plan need not use them all).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -67,7 +70,7 @@ from partitioner.cluster import Device
 from partitioner.cost import CostModel, activations_in_flight
 from partitioner.schedule import spec
 
-from .fleet_bound import worker_memory_bytes
+from .fleet_bound import effective_whole_s, worker_memory_bytes, worker_time_bound_s
 from .mapping import device_labels, label_orders, map_worker, num_label_orders
 from .symmetric import (
     NodeClass,
@@ -82,6 +85,8 @@ from .symmetric import (
 __all__ = ["SyncBound", "allreduce_floor", "exact_pipeline_floor_s", "pipeline_floor_s", "sync_bound"]
 
 log = logging.getLogger(__name__)
+
+GRID = 48  # paces priced per order by exact_pipeline_floor_s where the window holds more
 
 
 @dataclass(frozen=True)
@@ -259,6 +264,9 @@ def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule:
         free = _least_fill(times, fills, math.inf)
         if not math.isfinite(free):
             continue  # nothing fits in this order
+        if m == 1:
+            best = min(best, free)  # one micro-batch: the fill alone, at any pace
+            continue
         paces = np.unique(np.concatenate([t[np.isfinite(t)] for t in times])).tolist()
         lo, hi = 0, len(paces) - 1  # the least pace with a split (feasibility grows with the pace)
         while lo < hi:
@@ -267,12 +275,21 @@ def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule:
                 hi = mid
             else:
                 lo = mid + 1
-        for pace in paces[lo:]:
-            if (m - 1) * pace + free >= best:
-                break
-            fill = _least_fill(times, fills, pace)
-            if math.isfinite(fill):
-                best = min(best, (m - 1) * pace + fill)
+        if (m - 1) * paces[lo] + free >= best:
+            continue  # this order cannot beat the best order found
+        first = (m - 1) * paces[lo] + _least_fill(times, fills, paces[lo])
+        # beyond this pace even the least fill cannot beat the first candidate
+        last = bisect.bisect_right(paces, (min(first, best) - free) / (m - 1), lo)
+        window = paces[lo:max(last, lo + 1)]
+        if len(window) > GRID:  # a grid of paces: between two, the fill is at least the next one's
+            picks = sorted({round(i * (len(window) - 1) / (GRID - 1)) for i in range(GRID)})
+            grid = [window[i] for i in picks]
+            fill = [_least_fill(times, fills, pace) for pace in grid]
+            low = min(min((m - 1) * p + f for p, f in zip(grid, fill, strict=True)),
+                      min((m - 1) * grid[i] + fill[i + 1] for i in range(len(grid) - 1)))
+        else:
+            low = min((m - 1) * pace + _least_fill(times, fills, pace) for pace in window)
+        best = min(best, low, first)
     return best
 
 
@@ -341,6 +358,7 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
         return mixes[tp]
 
     least = {t: per_layer[t] for t in types}
+    eff = effective_whole_s(cost, types)
 
     def cheap_floor(mx: tuple[tuple[str, int], ...]) -> float:
         """Step 0: memory, then every layer once on its fastest type of the mix, the pace at
@@ -351,7 +369,10 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
             return m * whole[mx[0][0]]  # one GPU: exactly its whole model m times
         fastest = np.min([least[t] for t, _ in mx], axis=0)
         work = float(fastest.sum())
-        return (m - 1) * max(float(fastest.max()), work / sum(c for _, c in mx)) + work
+        spread = (m - 1) * max(float(fastest.max()), work / sum(c for _, c in mx)) + work
+        # the fleet bound's G over the types' effective whole-model times (valid for any profile)
+        g = worker_time_bound_s([eff[t] for t, c in mx for _ in range(c)], m, True, float(fastest.max()))
+        return max(spread, g)
 
     by_mix: dict[tuple[tuple[str, int], ...], float] = {}
 
