@@ -350,11 +350,23 @@ class CostModel:
         """The all-reduces of ``plan``: maximal layer ranges with one set of holders (>= 2 devices),
         ordered by first layer (every device runs its groups in this order, so no cycle forms).
 
-        Under ``wsp`` there is none: WSP pushes and pulls instead (:meth:`wave_sync_s`).
+        Under ``wsp`` there is none: WSP pushes and pulls instead (:meth:`wave_groups`).
         """
         self.check_order(plan)
         if spec(plan.schedule).sync != "allreduce" or not self.options.sync:
             return ()
+        return self.holder_groups(plan)
+
+    def wave_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
+        """WSP's asynchronous all-reduces: ``PUSH(c)`` starts one per holder set for wave ``c``
+        (:meth:`holder_groups`, the sets ``runtime.layout.Layout.holder_sets`` makes); none for
+        other schedules."""
+        self.check_order(plan)
+        return self.holder_groups(plan) if spec(plan.schedule).sync == "wave" else ()
+
+    def holder_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
+        """Maximal layer ranges with one set of holders (>= 2 devices, over every virtual worker
+        and replica), ordered by first layer, whatever the schedule."""
         holders: list[list[str]] = [[] for _ in range(self.num_layers)]
         for vw in plan.virtual_workers:
             for st in vw.stages:
