@@ -218,23 +218,19 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
                             heappush(heap, (max(done, blocked[q]), q))
                         limit = heap[0][0] if heap else inf
             elif code == _PULL and wave_groups is not None:
-                when = 0.0
-                for g in wave_groups.of_rank[r]:
-                    done_at = ar_done.get((g, key))
-                    if done_at is None:
-                        ar_wait.setdefault((g, key), []).append(r)
-                        break
-                    when = max(when, done_at)
-                else:
-                    st[i] = blocked[r] if blocked[r] >= 0 else t
-                    blocked[r] = -1.0
-                    t = max(t, when) + dur
-                    en[i] = t
-                    done_at = 0.0
-                if done_at is None:
+                ready = 0.0
+                missing = next((g for g in wave_groups.of_rank[r] if (g, key) not in ar_done), -1)
+                if missing >= 0:  # resumed when that all-reduce completes; then checked again
+                    ar_wait.setdefault((missing, key), []).append(r)
                     if blocked[r] < 0:
                         blocked[r] = t
                     break
+                for g in wave_groups.of_rank[r]:
+                    ready = max(ready, ar_done[(g, key)])
+                st[i] = blocked[r] if blocked[r] >= 0 else t  # a resumed wait starts where it blocked
+                blocked[r] = -1.0
+                t = max(t, ready) + dur
+                en[i] = t
             elif code == _PUSH:
                 st[i] = t
                 t += dur

@@ -63,10 +63,11 @@ log = logging.getLogger(__name__)
 
 def default_iterations(schedule: str, staleness: int = 0) -> int:
     """Iterations simulated by default: one for flushing schedules; enough for a steady state
-    (and for the WSP staleness bound to bind) for ``2bw`` and ``wsp``."""
+    for ``2bw``, and for ``wsp`` a measured window of ``D + 1`` waves after the first ``D + 1``
+    (where the all-reduce binds, the pulls' waits repeat every ``D + 1`` waves)."""
     sp = spec(schedule)
     if sp.sync == "wave":
-        return staleness + 4
+        return 2 * staleness + 4
     return 1 if sp.flushes else 4
 
 
