@@ -584,7 +584,7 @@ class CostModel:
             out.append(self.wave_stage_s(base, max(ar[d] for d in st.devices), plan.micro_batches, plan.staleness))
         return out
 
-    def worker_iteration_s(self, plan: Plan, worker: int = 0) -> float:
+    def worker_iteration_s(self, plan: Plan, worker: int = 0, holders_known: bool = True) -> float:
         """Closed-form time of one iteration of virtual worker ``worker``'s pipeline, before any
         all-reduce: with ``f, b`` a stage's forward and backward compute, ``a`` its activation
         send and ``g`` its gradient send (one micro-batch each), and ``t`` its steady-state time
@@ -598,14 +598,15 @@ class CostModel:
         * 2BW (no flush): ``m max(t)``;
         * WSP: ``m max(t')`` with ``t'`` each stage's time with the plan's own push and pull
           (:meth:`wave_stage_s`: the holder sets' all-reduce and the staleness ``D``), not the
-          solvers' conservative charge in :meth:`plan_stage_times_s`.
+          solvers' conservative charge in :meth:`plan_stage_times_s`; ``holders_known`` False
+          (a worker planned alone, to be one of several) keeps that conservative charge.
 
         A replicated stage counts at its replicas' combined pace (its fastest replica's times
         scaled by that pace), exact for a stage replicated alone.
         """
         vw = plan.virtual_workers[worker]
         m = plan.micro_batches
-        if spec(plan.schedule).sync == "wave":
+        if spec(plan.schedule).sync == "wave" and holders_known:
             return m * max(self._wave_stage_times_s(plan, worker))
         times = self.plan_stage_times_s(plan, worker, allreduce_apart=True)
         if not spec(plan.schedule).flushes:
