@@ -16,9 +16,9 @@ every schedule (runtime/evaluate.py), against the time that version existed. Rep
 ``--target-loss`` (the first evaluated version at or below it; median over interleaved rounds),
 the speed-up over sync, the waves each worker ran, the measured iteration (median interval
 between wave ends) and the simulator's prediction of each (emulated times, the cluster's links
-dilated; it prices WSP's push and pull as blocking parameter-server transfers, HetPipe's
-model), beside a closed form of what this runtime does (sync's prediction less its all-reduce
-for D >= 1: the push hidden under the next wave), a loss-against-time plot (``--png``). ``--write`` writes docs/img/wsp.png and this
+dilated; WSP's push is an asynchronous all-reduce over the holders that ``PULL(c - D)`` waits
+for, as this runtime runs it), beside the closed form (``CostModel.plan_iteration_s`` with the
+same emulated times), a loss-against-time plot (``--png``). ``--write`` writes docs/img/wsp.png and this
 benchmark's section of docs/results.md; without it nothing in the tree is written.
 
     python bench/wsp.py [--rounds 3] [--seconds 30] [--target-loss 3.6] [--lr 0.1] [--png wsp.png] [--write]
@@ -43,7 +43,7 @@ from bench._machine import machine_line
 from bench._page import write_between
 from bench._results import emit
 from partitioner.cluster import Cluster
-from partitioner.emulation import emulation_for, predict_emulated
+from partitioner.emulation import emulated_cost, emulation_for, predict_emulated
 from partitioner.models import build_model
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profiler import profile_model
@@ -99,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                  for label, plan in plans.items()}
     first = emulations[CASES[0][0]]
     allreduce_s = first.collectives[0].seconds
-    # this runtime's WSP: the push is an asynchronous all-reduce pulled D waves later, so with D >= 1
-    # it hides under the next wave's compute (when shorter); with D = 0 the pull waits for it at once
-    hidden = {label: predicted[CASES[0][0]] - (allreduce_s if d >= 1 else 0.0) for label, _, d in CASES}
+    # the closed form (CostModel.plan_iteration_s) with the emulated times and links: for wsp a
+    # period per wave of max(C, (C + A) / (D + 1)), the push an asynchronous all-reduce pulled D waves later
+    hidden = {label: emulated_cost(plan, profile, cluster, reference=args.reference, links=True).plan_iteration_s(plan)
+              for label, plan in plans.items()}
     types = {d.name: d.gpu_type for d in cluster.devices}
     setting = [f"emulation: time scale x{first.time_scale:.4g} (this CPU's time of {MODEL} over {args.reference}'s); "
                f"all-reduce of the gradients {first.collectives[0].nbytes / 1e6:.3g} MB over {len(types)} workers: "

@@ -350,11 +350,23 @@ class CostModel:
         """The all-reduces of ``plan``: maximal layer ranges with one set of holders (>= 2 devices),
         ordered by first layer (every device runs its groups in this order, so no cycle forms).
 
-        Under ``wsp`` there is none: WSP pushes and pulls instead (:meth:`wave_sync_s`).
+        Under ``wsp`` there is none: WSP pushes and pulls instead (:meth:`wave_groups`).
         """
         self.check_order(plan)
         if spec(plan.schedule).sync != "allreduce" or not self.options.sync:
             return ()
+        return self.holder_groups(plan)
+
+    def wave_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
+        """WSP's asynchronous all-reduces: ``PUSH(c)`` starts one per holder set for wave ``c``
+        (:meth:`holder_groups`, the sets ``runtime.layout.Layout.holder_sets`` makes); none for
+        other schedules."""
+        self.check_order(plan)
+        return self.holder_groups(plan) if spec(plan.schedule).sync == "wave" else ()
+
+    def holder_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
+        """Maximal layer ranges with one set of holders (>= 2 devices, over every virtual worker
+        and replica), ordered by first layer, whatever the schedule."""
         holders: list[list[str]] = [[] for _ in range(self.num_layers)]
         for vw in plan.virtual_workers:
             for st in vw.stages:
@@ -457,13 +469,45 @@ class CostModel:
         return float(self._sync_prefix[stop] - self._sync_prefix[start])
 
     def wave_sync_s(self, start: int, stop: int, micro_batches: int) -> float:
-        """WSP's per-wave PUSH + PULL of layers ``[start, stop)``, spread over the wave's micro-batches.
+        """WSP's charge per micro-batch for layers ``[start, stop)`` where the plan is not known
+        (the solvers' stage times: :meth:`pipeline_stage_time_s` and its matrix).
 
-        Every rank pushes its stage's update and pulls the global weights once per wave of
-        ``m`` micro-batches, blocking meanwhile, so in steady state its period per micro-batch
-        grows by ``2 * parameter_sync_s / m``. Added to a stage's time under the ``wsp`` schedule.
+        ``PUSH(c)`` starts an all-reduce of the wave's update over the holders of the same layers
+        in the other virtual workers and ``PULL(c - D)`` waits for the one of wave ``c - D``
+        (:meth:`wave_stage_s` prices that for a known plan). Without the plan neither the holders
+        nor ``D`` are known, so this charges the most conservative case: ``D = 0`` (the whole
+        all-reduce blocks, once per wave of ``m`` micro-batches) and a ring over any number of
+        holders across the inter-node network, whose bandwidth term is below ``2 x`` the bytes
+        over the inter-node bandwidth: ``2 * parameter_sync_s / m``.
         """
         return 2.0 * self.parameter_sync_s(start, stop) / micro_batches
+
+    @staticmethod
+    def wave_stage_s(stage_s: float, allreduce_s: float, micro_batches: int, staleness: int) -> float:
+        """Steady-state time per micro-batch of a WSP rank whose stage takes ``stage_s`` per
+        micro-batch and whose holder sets' all-reduce takes ``allreduce_s`` per wave.
+
+        ``PUSH(c)`` starts the all-reduce as the wave's last backward ends (the all-reduces of
+        successive waves run side by side); ``PULL(c - D)``, right after ``PUSH(c)``, waits for
+        the one started ``D`` pushes earlier. With a period ``P`` per wave and ``C = m stage_s``
+        of compute, that one started ``D P`` before, so the rank waits ``max(0, A - D P)`` and
+        ``P = C + max(0, A - D P)``: ``P = max(C, (C + A) / (D + 1))``. With ``D = 0`` that is
+        ``C + A``, the whole all-reduce every wave; with ``D >= 1`` the all-reduce is hidden while
+        ``A <= D C``. (Where the all-reduce binds, waits alternate over ``D + 1`` waves: ``P``
+        is their mean.)
+        """
+        return max(stage_s, (stage_s + allreduce_s / micro_batches) / (staleness + 1))
+
+    def wave_allreduce_s(self, plan: Plan) -> dict[str, float]:
+        """Per device of a WSP plan: the all-reduce time per wave of its holder sets
+        (:meth:`wave_groups`, started together at ``PUSH``, so the longest counts); 0 where the
+        device holds no layer with another holder (one virtual worker)."""
+        out = {d: 0.0 for vw in plan.virtual_workers for st in vw.stages for d in st.devices}
+        for g in self.wave_groups(plan):
+            t = self.sync_s(g)
+            for d in g.devices:
+                out[d] = max(out[d], t)
+        return out
 
     def wave_sync_matrix(self, micro_batches: int, rows: slice = slice(None)) -> np.ndarray:
         """``wave_sync_s(i, j, m)`` for every ``i`` in ``rows`` and every ``j`` (same operations)."""
@@ -503,7 +547,10 @@ class CostModel:
     def plan_stage_times_s(self, plan: Plan, worker: int = 0, allreduce_apart: bool = False) -> list[float]:
         """Per-micro-batch time of each stage of virtual worker ``worker``. A replicated stage
         includes its all-reduce spread over the micro-batches unless ``allreduce_apart`` (when the
-        caller prices the all-reduce after the pipeline, as :meth:`plan_iteration_s` does)."""
+        caller prices the all-reduce after the pipeline, as :meth:`plan_iteration_s` does).
+        Under ``wsp`` each stage carries the solvers' conservative charge (:meth:`wave_sync_s`),
+        so these are the times the solvers optimise; :meth:`worker_iteration_s` prices the
+        plan's own push and pull."""
         self.check_order(plan)
         stages = plan.virtual_workers[worker].stages
         out = []
@@ -521,7 +568,23 @@ class CostModel:
             out.append(t)
         return out
 
-    def worker_iteration_s(self, plan: Plan, worker: int = 0) -> float:
+    def _wave_stage_times_s(self, plan: Plan, worker: int) -> list[float]:
+        """Per-micro-batch time of each stage of a WSP worker with the plan's own holder sets and
+        staleness (:meth:`wave_stage_s`); a replicated stage's blocking all-reduce over its
+        replicas (the first thing its ``PUSH`` does) is spread over the micro-batches."""
+        self.check_order(plan)
+        stages = plan.virtual_workers[worker].stages
+        ar = self.wave_allreduce_s(plan)
+        out = []
+        for k, st in enumerate(stages):
+            prev = stages[k - 1].device if k > 0 else None
+            nxt = stages[k + 1].device if k + 1 < len(stages) else None
+            base = (self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches)
+                    if st.replicas else self.stage_time_s(st.start, st.stop, st.device, prev, nxt))
+            out.append(self.wave_stage_s(base, max(ar[d] for d in st.devices), plan.micro_batches, plan.staleness))
+        return out
+
+    def worker_iteration_s(self, plan: Plan, worker: int = 0, holders_known: bool = True) -> float:
         """Closed-form time of one iteration of virtual worker ``worker``'s pipeline, before any
         all-reduce: with ``f, b`` a stage's forward and backward compute, ``a`` its activation
         send and ``g`` its gradient send (one micro-batch each), and ``t`` its steady-state time
@@ -532,14 +595,20 @@ class CostModel:
           ``sum(f + a + b + g) + (m - 1) max(t)``;
         * GPipe: a forward flow shop, then a backward one: ``sum(f + a) + (m - 1) max(t_f) +
           sum(b + g) + (m - 1) max(t_b)`` with ``t_f = f + a`` (``max(f, a)`` with overlap);
-        * 2BW and WSP (no flush): ``m max(t)``.
+        * 2BW (no flush): ``m max(t)``;
+        * WSP: ``m max(t')`` with ``t'`` each stage's time with the plan's own push and pull
+          (:meth:`wave_stage_s`: the holder sets' all-reduce and the staleness ``D``), not the
+          solvers' conservative charge in :meth:`plan_stage_times_s`; ``holders_known`` False
+          (a worker planned alone, to be one of several) keeps that conservative charge.
 
         A replicated stage counts at its replicas' combined pace (its fastest replica's times
         scaled by that pace), exact for a stage replicated alone.
         """
         vw = plan.virtual_workers[worker]
-        times = self.plan_stage_times_s(plan, worker, allreduce_apart=True)
         m = plan.micro_batches
+        if spec(plan.schedule).sync == "wave" and holders_known:
+            return m * max(self._wave_stage_times_s(plan, worker))
+        times = self.plan_stage_times_s(plan, worker, allreduce_apart=True)
         if not spec(plan.schedule).flushes:
             return m * max(times)
         fill_f, fill_b, tf, tb = 0.0, 0.0, [], []
@@ -597,6 +666,8 @@ class CostModel:
             end = max(finish[d] for d in g.devices) + self.sync_s(g)
             for d in g.devices:
                 finish[d] = end
+        if spec(plan.schedule).sync == "wave":  # WSP applies its update inside PUSH (plain SGD): no step
+            return max(finish.values())
         return max(t + sum(self.update_s(self.cluster.device(d).gpu_type, a, b) for a, b in layers_of[d])
                    for d, t in finish.items())
 

@@ -69,7 +69,7 @@ from .simulate import simulate_plan
 from .timeline import Timeline
 
 __all__ = ["EMULATION_RULES", "LOCAL_DEVICE", "LOCAL_LINK_GBPS", "EmulatedStage", "Emulation", "emulated_cluster",
-           "emulated_profile", "emulation_for", "emulation_time_scale", "predict_emulated"]
+           "emulated_cost", "emulated_profile", "emulation_for", "emulation_time_scale", "predict_emulated"]
 
 LOCAL_DEVICE = "cpu"  # the profile key of this machine's own times (partitioner profile --device cpu)
 # gloo over loopback on one machine, as examples/clusters/cpu4.yaml prices it
@@ -350,6 +350,16 @@ def predict_emulated(plan: Plan, profile: Profile, cluster: Cluster, *, local: s
     """The simulator's timeline of ``plan`` as ``train --emulate`` runs it: the emulated times of
     the plan's GPU types, every link at ``link_gbps`` or, with ``links`` (``--emulate-links``),
     the plan's cluster's links dilated by the emulation's time scale."""
+    cost = emulated_cost(plan, profile, cluster, local=local, reference=reference, link_gbps=link_gbps,
+                         options=options, links=links)
+    return simulate_plan(plan, cost.profile, cost.cluster, options, iterations, cost=cost)
+
+
+def emulated_cost(plan: Plan, profile: Profile, cluster: Cluster, *, local: str = LOCAL_DEVICE,
+                  reference: str | None = None, link_gbps: float = LOCAL_LINK_GBPS,
+                  options: CostOptions | None = None, links: bool = False) -> CostModel:
+    """The cost model :func:`predict_emulated` simulates with (its closed forms price the plan
+    as ``train --emulate`` runs it)."""
     plan_types = [cluster.device(d).gpu_type for d in plan.devices]
     emu = emulated_profile(profile, cluster, local=local, reference=reference, required=plan_types)
     if links:
@@ -357,4 +367,4 @@ def predict_emulated(plan: Plan, profile: Profile, cluster: Cluster, *, local: s
         net = dilated_cluster(cluster, scale)
     else:
         net = emulated_cluster(cluster, link_gbps)
-    return simulate_plan(plan, emu, net, options, iterations, cost=CostModel(emu, net, options))
+    return CostModel(emu, net, options)

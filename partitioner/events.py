@@ -12,8 +12,14 @@ runtime implements):
   served. Without ``CostOptions.overlap_comm`` the sender waits for its transfer to finish
   (the additive model); with it, the sender goes on computing.
 * A receive blocks the rank until the matching transfer has arrived.
-* ``PUSH`` / ``PULL`` (WSP) take :meth:`CostModel.parameter_sync_s` each; a ``PULL`` also waits
-  until the other virtual workers have pushed the wave it names.
+* ``PUSH(c)`` (WSP) starts an asynchronous all-reduce of the wave's update over each holder set
+  the rank belongs to (:class:`WaveGroups`: the holders of the same layers in every virtual
+  worker) and goes on at once (the op's own duration is the local work: applying the update,
+  and a replicated stage's blocking all-reduce over its replicas). The all-reduce of a holder
+  set for wave ``c`` completes when its last holder has pushed ``c``, plus its all-reduce time.
+  ``PULL(c)`` waits until every all-reduce of wave ``c`` the rank belongs to is complete. Without
+  holder sets (:func:`simulate_programs`), ``PULL(c)`` waits until the other virtual workers have
+  pushed ``c``.
 * ``ALLREDUCE`` is a collective: a member blocks until every member of its group has arrived,
   then all finish together after the all-reduce time (:meth:`CostModel.sync_s`).
 * ``STEP`` takes the optimizer step of the rank's layers (``LayerTime.update_s``; 0 where the
@@ -30,6 +36,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from .errors import PartitionerError
 from .schedule import (
@@ -46,7 +53,8 @@ from .schedule import (
     match_key,
 )
 
-__all__ = ["KIND_CODE", "OP_OF_KIND", "DeadlockError", "Op", "raise_deadlock", "run_ops", "simulate_programs"]
+__all__ = ["KIND_CODE", "OP_OF_KIND", "DeadlockError", "Op", "WaveGroups", "raise_deadlock", "run_ops",
+           "simulate_programs"]
 
 KIND_CODE = {k: i for i, k in enumerate(ACTION_KINDS)}
 # op codes of the event loop
@@ -66,12 +74,35 @@ class DeadlockError(PartitionerError):
 Op = tuple[int, float, int, int]
 
 
+@dataclass(frozen=True)
+class WaveGroups:
+    """WSP's asynchronous all-reduces: ``of_rank[r]`` lists the holder sets rank ``r`` belongs to,
+    ``size[g]`` is the number of ranks in set ``g`` and ``seconds[g]`` its all-reduce time."""
+
+    of_rank: tuple[tuple[int, ...], ...]
+    size: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.size) != len(self.seconds):
+            raise ValueError(f"size has {len(self.size)} entries and seconds {len(self.seconds)}; one each per set")
+        for r, groups in enumerate(self.of_rank):
+            for g in groups:
+                if not 0 <= g < len(self.size):
+                    raise ValueError(f"of_rank[{r}] names set {g}; valid: 0..{len(self.size) - 1}")
+        for g, (n, t) in enumerate(zip(self.size, self.seconds, strict=True)):
+            if n < 1 or not (t >= 0.0 and math.isfinite(t)):
+                raise ValueError(f"set {g}: size {n} and seconds {t}; need size >= 1 and finite seconds >= 0")
+
+
 def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bool, n_links: int,
-            collective_size: Mapping[int, int] | None = None,
+            collective_size: Mapping[int, int] | None = None, wave_groups: WaveGroups | None = None,
             ) -> tuple[list[list[float]], list[list[float]], list[int]]:
     """Time every op; returns per-rank start and end lists and each rank's program counter.
 
-    ``collective_size[key]`` is the number of members of the all-reduce ``key``."""
+    ``collective_size[key]`` is the number of members of the all-reduce ``key``; ``wave_groups``
+    the holder sets of WSP's asynchronous all-reduces (``None``: a ``PULL`` waits for the other
+    virtual workers' pushes, with no all-reduce time)."""
     coll_size = collective_size or {}
     coll_count: dict[int, int] = {}
     coll_latest: dict[int, float] = {}
@@ -92,6 +123,11 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
     pushes: dict[int, list[int]] = {}  # wave -> pushes counted per worker
     push_end: dict[int, list[float]] = {}  # wave -> latest push end per worker
     pull_wait: dict[int, list[int]] = {}
+    # WSP with holder sets: (set, wave) -> pushes so far, latest push end, completion time
+    ar_count: dict[tuple[int, int], int] = {}
+    ar_latest: dict[tuple[int, int], float] = {}
+    ar_done: dict[tuple[int, int], float] = {}
+    ar_wait: dict[tuple[int, int], list[int]] = {}
     heap = [(0.0, r) for r in range(n_ranks)]
     heappush, heappop = heapq.heappush, heapq.heappop
     inf = math.inf
@@ -167,6 +203,33 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
                 st[i] = blocked[r] if blocked[r] >= 0 else t
                 blocked[r] = -1.0
                 t = finish
+                en[i] = t
+            elif code == _PUSH and wave_groups is not None:
+                st[i] = t
+                t += dur
+                en[i] = t
+                for g in wave_groups.of_rank[r]:
+                    k = (g, key)
+                    ar_count[k] = ar_count.get(k, 0) + 1
+                    ar_latest[k] = max(ar_latest.get(k, 0.0), t)
+                    if ar_count[k] == wave_groups.size[g]:
+                        done = ar_done[k] = ar_latest[k] + wave_groups.seconds[g]
+                        for q in ar_wait.pop(k, []):
+                            heappush(heap, (max(done, blocked[q]), q))
+                        limit = heap[0][0] if heap else inf
+            elif code == _PULL and wave_groups is not None:
+                ready = 0.0
+                missing = next((g for g in wave_groups.of_rank[r] if (g, key) not in ar_done), -1)
+                if missing >= 0:  # resumed when that all-reduce completes; then checked again
+                    ar_wait.setdefault((missing, key), []).append(r)
+                    if blocked[r] < 0:
+                        blocked[r] = t
+                    break
+                for g in wave_groups.of_rank[r]:
+                    ready = max(ready, ar_done[(g, key)])
+                st[i] = blocked[r] if blocked[r] >= 0 else t  # a resumed wait starts where it blocked
+                blocked[r] = -1.0
+                t = max(t, ready) + dur
                 en[i] = t
             elif code == _PUSH:
                 st[i] = t

@@ -2,7 +2,7 @@
 
 :func:`simulate_plan` builds every rank's action list from :mod:`partitioner.schedule`,
 prices each action with :class:`partitioner.cost.CostModel` (compute per GPU type, boundary
-transfers per link, WSP push/pull), runs them with the event engine of
+transfers per link, WSP's asynchronous all-reduces), runs them with the event engine of
 :mod:`partitioner.events` (whose docstring states the semantics the runtime implements) and
 summarises the result as a :class:`partitioner.timeline.Timeline`: iteration time,
 throughput, bubbles, peak memory, weight versions and WSP clock gaps.
@@ -22,6 +22,7 @@ from .events import (
     OP_OF_KIND,
     DeadlockError,
     Op,
+    WaveGroups,
     raise_deadlock,
     run_ops,
     simulate_programs,
@@ -62,10 +63,11 @@ log = logging.getLogger(__name__)
 
 def default_iterations(schedule: str, staleness: int = 0) -> int:
     """Iterations simulated by default: one for flushing schedules; enough for a steady state
-    (and for the WSP staleness bound to bind) for ``2bw`` and ``wsp``."""
+    for ``2bw``, and for ``wsp`` a measured window of ``D + 1`` waves after the first ``D + 1``
+    (where the all-reduce binds, the pulls' waits repeat every ``D + 1`` waves)."""
     sp = spec(schedule)
     if sp.sync == "wave":
-        return staleness + 4
+        return 2 * staleness + 4
     return 1 if sp.flushes else 4
 
 
@@ -109,6 +111,11 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     pipes = place(plan)
     notes: list[str] = []
     groups = cost.sync_groups(plan)
+    wave = cost.wave_groups(plan)
+    wave_of: dict[str, list[int]] = {}
+    for gi, g in enumerate(wave):
+        for holder in g.devices:
+            wave_of.setdefault(holder, []).append(gi)
     group_s = [cost.sync_s(g) for g in groups]
     groups_of: dict[str, list[int]] = {}
     for gi, g in enumerate(groups):
@@ -166,8 +173,9 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
             lnk = np.full(len(kind), -1, dtype=np.int64)
             d = np.where(kind == 0, fb[stage, 0], np.where(kind == 1, fb[stage, 1], d))
             d = np.where(kind == KIND_CODE[STEP], sum(cost.update_s(gpu, a, b) for a, b in held), d)
-            sync = sum(cost.parameter_sync_s(a, b) for a, b in held)
-            d = np.where((kind == KIND_CODE[PUSH]) | (kind == KIND_CODE[PULL]), sync, d)
+            if pipe.replicas and len(pipe.replicas[r]) > 1:  # PUSH first sums the replicas' parts (blocking)
+                local = cost.allreduce_s(sum(cost.param_bytes(a, b) for a, b in held), pipe.replicas[r])
+                d = np.where(kind == KIND_CODE[PUSH], local, d)
             for send, nbytes in ((KIND_CODE[SEND_ACT], boundary_out), (KIND_CODE[SEND_GRAD], boundary_in)):
                 rows = np.flatnonzero(kind == send)
                 if not len(rows):
@@ -197,11 +205,15 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
             act_bytes.append(saved)
             weights.append(list(held))
         del n_st
-    starts, ends, pc = run_ops(ops, rank_worker, cost.options.overlap_comm, len(links), coll_size)
+    wave_groups = None
+    if spec(sched).sync == "wave":
+        wave_groups = WaveGroups(tuple(tuple(wave_of.get(dev, ())) for dev in names),
+                                 tuple(len(g.devices) for g in wave), tuple(cost.sync_s(g) for g in wave))
+    starts, ends, pc = run_ops(ops, rank_worker, cost.options.overlap_comm, len(links), coll_size, wave_groups)
     if any(pc[r] < len(ops[r]) for r in range(len(ops))):
         raise_deadlock([to_actions(c) for c in columns], pc, names, rank_worker)
     return _summarise(plan, cost, n_iter, columns, starts, ends, names, rank_worker, act_bytes,
-                      weights, notes)
+                      weights, notes, wave_groups)
 
 
 def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
@@ -222,7 +234,7 @@ def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
 def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
                starts: list[list[float]], ends: list[list[float]], names: list[str],
                rank_worker: list[int], act_bytes: list[np.ndarray], weights: list[list[tuple[int, int]]],
-               notes: list[str]) -> Timeline:
+               notes: list[str], wave_groups: WaveGroups | None = None) -> Timeline:
     sched, m = plan.schedule, plan.micro_batches
     batching = plan.micro_batching
     n_workers = max(rank_worker) + 1
@@ -275,7 +287,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         peak_mem[name] = w_bytes + (float(held.max()) if len(held) else 0.0) + cost.options.reserved_bytes
         peak_act[name] = int(count.max()) if len(count) else 0
         versions[name] = live
-    gaps = _clock_gaps(columns, en_col, rank_worker) if wave else ()
+    gaps = _clock_gaps(columns, en_col, wave_groups) if wave else ()
     for line in notes:
         log.info(line)
     cat = np.concatenate
@@ -314,24 +326,25 @@ def _live_versions(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, version:
     return peak
 
 
-def _clock_gaps(columns: list[Columns], ends: list[np.ndarray], rank_worker: list[int]) -> tuple[int, ...]:
-    """At each PULL's end: the rank's virtual-worker clock minus the slowest one's."""
-    n_workers = max(rank_worker) + 1
-    size = [rank_worker.count(w) for w in range(n_workers)]
-    done: dict[tuple[int, int], list[float]] = {}  # (worker, wave) -> push ends
-    pulls: list[tuple[float, int]] = []
+def _clock_gaps(columns: list[Columns], ends: list[np.ndarray], groups: WaveGroups | None) -> tuple[int, ...]:
+    """At each PULL's end: the rank's clock (waves it has pushed) minus the least clock of the
+    holders of its layers (the ranks of its holder sets, over every virtual worker)."""
     push, pull = KIND_CODE[PUSH], KIND_CODE[PULL]
-    for r, (kind, _, _, _, version) in enumerate(columns):
-        for i in np.flatnonzero(kind == push):
-            done.setdefault((rank_worker[r], int(version[i])), []).append(float(ends[r][i]))
-        pulls += [(float(ends[r][i]), rank_worker[r]) for i in np.flatnonzero(kind == pull)]
-    finished = [sorted(max(t) for (w2, _), t in done.items() if w2 == w and len(t) == size[w])
-                for w in range(n_workers)]
-
-    def clock(w: int, t: float) -> int:
-        return int(np.searchsorted(finished[w], t, side="right"))
-
-    return tuple(clock(w, t) - min(clock(b, t) for b in range(n_workers)) for t, w in pulls)
+    pushed = [np.sort(ends[r][kind == push]) for r, (kind, *_) in enumerate(columns)]
+    members: dict[int, set[int]] = {}
+    if groups is not None:
+        for r, gs in enumerate(groups.of_rank):
+            for g in gs:
+                members.setdefault(g, set()).add(r)
+    out: list[int] = []
+    for r, (kind, *_) in enumerate(columns):
+        peers = sorted(set().union(*(members[g] for g in groups.of_rank[r])) if groups is not None
+                       and groups.of_rank[r] else {r})
+        for t in ends[r][kind == pull].tolist():
+            own = int(np.searchsorted(pushed[r], t, side="right"))
+            least = min(int(np.searchsorted(pushed[q], t, side="right")) for q in peers)
+            out.append(own - least)
+    return tuple(out)
 
 
 def predict(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None = None,

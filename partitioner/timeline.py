@@ -28,8 +28,9 @@ class Timeline:
     for flushing schedules, and the steady-state period for ``2bw`` and ``wsp`` (between
     iteration ends, leaving out the final drain and, under WSP, the first ``D + 1`` waves);
     with several virtual workers it is the slowest one's. Bubble fractions are measured over
-    the same window. ``clock_gaps`` (WSP) is, at every ``PULL`` that lets a rank go on,
-    its virtual worker's clock minus the slowest virtual worker's clock.
+    the same window. ``clock_gaps`` (WSP) is, at every ``PULL`` that lets a rank go on, its
+    clock (waves it has pushed) minus the least clock of the holders of its layers in every
+    virtual worker (the ranks its all-reduces wait for).
     """
 
     schedule: str

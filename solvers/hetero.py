@@ -211,18 +211,21 @@ def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, m
         cost.check_plan_memory(plan)
     except FormatError:
         return -math.inf
-    it = cost.worker_iteration_s(plan)
+    it = cost.worker_iteration_s(plan, holders_known=False)  # the other workers are not known yet
     return micro_batches * cost.profile.micro_batch_size / it if it > 0 else math.inf
 
 
 def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str, float]:
     """Predicted figures of a multi-worker plan: total samples/s under ``objective``, the slowest
     worker's iteration and the largest bottleneck stage. Under ``sync`` the iteration is the
-    closed form with the gradient all-reduce and the optimizer step (:meth:`CostModel.plan_iteration_s`)."""
+    closed form with the gradient all-reduce and the optimizer step (:meth:`CostModel.plan_iteration_s`).
+    Under ``wsp`` every worker keeps the conservative push and pull the search optimised
+    (:meth:`CostModel.wave_sync_s`), so the figures agree with the search's values and bounds;
+    ``CostModel.plan_iteration_s`` prices the plan's own holder sets and staleness."""
     thr, its, necks = [], [], []
     for w in range(len(plan.virtual_workers)):
         times = cost.plan_stage_times_s(plan, w)
-        it = cost.worker_iteration_s(plan, w)
+        it = cost.worker_iteration_s(plan, w, holders_known=False)
         its.append(it)
         necks.append(max(times))
         thr.append(plan.micro_batches * plan.micro_batch_size / it if it > 0 else math.inf)

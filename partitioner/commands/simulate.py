@@ -94,6 +94,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--png", metavar="OUT.png", help="write a timeline image here")
     p.add_argument("--waits", action="store_true", help="show receive waits in the trace")
     p.add_argument("--iterations", type=bounded_int(1, 1000), default=None,
-                   help="iterations to simulate (default: 1; 2bw 4; wsp staleness + 4)")
+                   help="iterations to simulate (default: 1; 2bw 4; wsp 2 x staleness + 4)")
     add_cost_arguments(p)
     p.set_defaults(func=_run)
