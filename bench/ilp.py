@@ -189,13 +189,8 @@ def joint_main(args: argparse.Namespace) -> None:
     lines = [f"Machine: {machine_line()}. CP-SAT and CBC with {args.threads} worker(s)/thread(s); each time limit "
              "covers the whole solve (hint, relaxation, model, second solve); `load` is the 1-minute load average "
              "during the solve (other work shared the machine). Objective: bottleneck stage time per micro-batch "
-             "(ms), 1F1B, micro-batches = GPUs; `listed order DP` splits the cluster's own device order.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in table]
-    text = "\n".join(lines)
-    print()
-    print(text)
-    emit(rows, seeds={})
+             "(ms), 1F1B, micro-batches = GPUs; `listed order DP` splits the cluster's own device order."]
+    text = _report(lines, header, table, rows)
     png = JOINT_FIGURE if args.write else (Path(args.png) if args.png else None)
     if png is not None:
         _plot_joint(rows, png)
@@ -281,17 +276,21 @@ def main(argv: list[str] | None = None) -> None:
                 print(" | ".join(cells), flush=True)
     lines = [f"Machine: {machine_line()}. CP-SAT and CBC single-threaded, time limit {args.time_limit:g} s per "
              "solve (first solve and the least-total second solve together), the DP's split as hint. "
-             "Objective: bottleneck stage time per micro-batch (ms).", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in table]
-    text = "\n".join(lines)
-    print()
-    print(text)
-    emit(rows, seeds={})
+             "Objective: bottleneck stage time per micro-batch (ms)."]
+    text = _report(lines, header, table, rows)
     if args.write:
         write_between(DOC, *MARKERS, text)
         print(f"wrote {DOC}")
 
+
+def _report(intro: list[str], header: list[str], table: list[list[str]], rows: list[dict]) -> str:
+    """The intro, a blank line and the table as Markdown: printed, its rows emitted, returned."""
+    text = "\n".join([*intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                      *("| " + " | ".join(r) + " |" for r in table)])
+    print()
+    print(text)
+    emit(rows, seeds={})
+    return text
 
 if __name__ == "__main__":
     main()

@@ -221,6 +221,10 @@ class CostModel:
         return float(total[stop] - total[start])
 
     @functools.cache  # noqa: B019
+    def layer_compute_s(self, gpu_type: str) -> np.ndarray:
+        """Forward+backward seconds of every layer on ``gpu_type`` (the differences of the prefix sums)."""
+        return np.diff(self._total_prefix(gpu_type))
+
     def compute_matrix(self, gpu_type: str) -> np.ndarray:
         """``C[i, j]`` = forward+backward seconds of layers ``[i, j)`` (meaningful for i < j)."""
         total = self._total_prefix(gpu_type)
@@ -725,7 +729,7 @@ class CostModel:
         where the ratios are one number this is the whole-model balance ``1 / sum_d 1 / T_d``.
         """
         types = list(dict.fromkeys(d.gpu_type for d in devices))
-        per_layer = np.stack([np.diff(self._total_prefix(t)) for t in types])
+        per_layer = np.stack([self.layer_compute_s(t) for t in types])
         largest_layer = float(per_layer.min(axis=0).max())
         counts = np.array([sum(d.gpu_type == t for d in devices) for t in types], dtype=float)
         balanced = 0.0

@@ -165,12 +165,7 @@ class WspExecutor(PipelineExecutor):
                 u = part.clone()
                 dist.all_reduce(u, group=self.replica_group)
             own.append(u)
-            buf = part.clone()
-            work: Any = None
-            if group is not None:
-                work = (self.delay.start(buf, group, ranks) if self.delay is not None
-                        else dist.all_reduce(buf, group=group, async_op=True))
-            works.append((work, buf))
+            works.append(self._start_push(part, group, ranks))
             local = self._flat(keys, lambda s, n: self.leaves[s][n].detach()) - self.lr * u
             self._set_from_flat(keys, local)
         self._own[wave] = own
@@ -186,14 +181,19 @@ class WspExecutor(PipelineExecutor):
         for (group, keys), ranks in zip(self.groups, self.group_ranks, strict=True):
             u = self._flat(keys, lambda s, n: torch.zeros_like(self.leaves[s][n]))
             own.append(u)
-            buf = u.clone()
-            work: Any = None
-            if group is not None:
-                work = (self.delay.start(buf, group, ranks) if self.delay is not None
-                        else dist.all_reduce(buf, group=group, async_op=True))
-            works.append((work, buf))
+            works.append(self._start_push(u, group, ranks))
         self._own[wave] = own
         self._works[wave] = works
+
+    def _start_push(self, part: torch.Tensor, group: Any, ranks: tuple[int, ...]) -> tuple[Any, torch.Tensor]:
+        """The asynchronous all-reduce of this rank's ``part`` over a holder set (over the emulated
+        links' time when they are emulated): (its handle or None without a group, the buffer)."""
+        buf = part.clone()
+        if group is None:
+            return None, buf
+        work = (self.delay.start(buf, group, ranks) if self.delay is not None
+                else dist.all_reduce(buf, group=group, async_op=True))
+        return work, buf
 
     def run_waves(self, actions: Sequence[Action], keep_going: Callable[[int], bool]) -> int:
         """Run ``actions`` (one device per virtual worker) wave by wave, asking ``keep_going(c)``

@@ -91,7 +91,7 @@ def effective_whole_s(cost: CostModel, types: Sequence[str]) -> dict[str, float]
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
     if len(types) < 2:
         return whole
-    per = {t: np.array([cost.compute_s(t, i, i + 1) for i in range(cost.num_layers)]) for t in types}
+    per = {t: cost.layer_compute_s(t) for t in types}
     best: dict[str, float] | None = None
     best_keep = -1.0
     for r in types:
@@ -112,7 +112,7 @@ def _whole_s(cost: CostModel, types: Sequence[str]) -> dict[str, float]:
 
 def largest_layer_s(cost: CostModel, types: Sequence[str]) -> float:
     """The slowest layer on the fastest of ``types`` for it (a floor on any pace)."""
-    per = np.stack([[cost.compute_s(t, i, i + 1) for i in range(cost.num_layers)] for t in types])
+    per = np.stack([cost.layer_compute_s(t) for t in types])
     return float(per.min(axis=0).max())
 
 

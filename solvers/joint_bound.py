@@ -35,9 +35,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from .joint import JointData, JointPlan, canonical
+from .joint import PROVEN_REL, JointData, JointPlan, canonical, finish_joint
+from .result import SolveResult, SolveStatus
 
-__all__ = ["MAX_STEPS", "relaxed_floor", "relaxed_plan", "type_count_bound_s", "with_relaxation"]
+__all__ = ["MAX_STEPS", "before_model", "relaxed_floor", "relaxed_plan", "type_count_bound_s", "with_relaxation"]
 
 MAX_STEPS = 250_000  # DP steps (each a few numpy operations) with node runs; beyond, every link the cheapest
 
@@ -245,3 +246,31 @@ def relaxed_floor(value_s: float) -> float:
     """The relaxation's value as a bound to report: less a relative 1e-12 for floating point
     (0.0 when there is none)."""
     return value_s * (1 - 1e-12) if math.isfinite(value_s) and value_s > 0 else 0.0
+
+
+def before_model(data: JointData, method: str, bound_dp: bool, time_limit_s: float, t0: float
+                 ) -> tuple[JointData, float, SolveResult | None]:
+    """What both joint models do before building one: the relaxation (``bound_dp``) and its start,
+    and the answer when no model is needed: nothing fits, the start meets the relaxation's bound
+    (optimal), or the hint and the relaxation spent the time limit. Returns the data with the
+    relaxation's start, the relaxation's value (0 without it) and that answer or ``None``."""
+    import time
+
+    if len(data.r) == 0 or not data.lengths:
+        return data, 0.0, finish_joint(data, method, SolveStatus.INFEASIBLE, None, math.nan,
+                                       time.perf_counter() - t0, {})
+    data, relaxed = with_relaxation(data) if bound_dp else (data, 0.0)
+    if math.isinf(relaxed):  # not even the relaxation has a pipeline that fits
+        return data, relaxed, finish_joint(data, method, SolveStatus.INFEASIBLE, None, math.nan,
+                                           time.perf_counter() - t0, {})
+    floor = relaxed_floor(relaxed)
+    if data.start is not None and data.start.solution.bottleneck_s <= floor * (1 + PROVEN_REL):
+        return data, relaxed, finish_joint(data, method, SolveStatus.FEASIBLE, data.start, floor,
+                                           time.perf_counter() - t0,
+                                           {"bound_s": floor,
+                                            "tie_break": "skipped: the start meets the relaxation's bound"})
+    if time.perf_counter() - t0 >= 0.9 * time_limit_s:  # the hint and the relaxation took the time: no model
+        return data, relaxed, finish_joint(data, method, SolveStatus.UNKNOWN, None, floor, time.perf_counter() - t0,
+                                           {"bound_s": floor, "model": "skipped: the time limit was spent before it"},
+                                           reason=f"no model solved within the time limit of {time_limit_s:g} s")
+    return data, relaxed, None

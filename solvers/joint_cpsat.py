@@ -47,8 +47,8 @@ import numpy as np
 from partitioner.errors import PartitionerError
 
 from .intervals import cpsat_solver
-from .joint import PROVEN_REL, JointData, JointPlan, finish_joint
-from .joint_bound import relaxed_floor, with_relaxation
+from .joint import JointData, JointPlan, finish_joint
+from .joint_bound import before_model, relaxed_floor
 from .progress import solve_cpsat
 from .result import SolveResult, SolveStatus
 
@@ -69,21 +69,10 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
     from ortools.sat.python import cp_model
 
     n_arcs, positions, n_lab = len(data.r), data.positions, len(data.labels)
+    data, relaxed, done = before_model(data, "cpsat", bound_dp, time_limit_s, t0)
+    if done is not None:
+        return done
     details: dict[str, object] = {}
-    if n_arcs == 0 or not data.lengths:
-        return finish_joint(data, "cpsat", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
-    data, relaxed = with_relaxation(data) if bound_dp else (data, 0.0)  # solvers/joint_bound.py
-    if math.isinf(relaxed):  # not even the relaxation has a pipeline that fits
-        return finish_joint(data, "cpsat", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
-    if data.start is not None and data.start.solution.bottleneck_s <= relaxed_floor(relaxed) * (1 + PROVEN_REL):
-        details.update(bound_s=relaxed_floor(relaxed), tie_break="skipped: the start meets the relaxation's bound")
-        return finish_joint(data, "cpsat", SolveStatus.FEASIBLE, data.start, relaxed_floor(relaxed),
-                            time.perf_counter() - t0, details)
-    if time.perf_counter() - t0 >= 0.9 * time_limit_s:  # the hint and the relaxation took the time: no model
-        details.update(bound_s=relaxed_floor(relaxed), model="skipped: the time limit was spent before it")
-        return finish_joint(data, "cpsat", SolveStatus.UNKNOWN, None, relaxed_floor(relaxed),
-                            time.perf_counter() - t0, details,
-                            reason=f"no model solved within the time limit of {time_limit_s:g} s")
     largest = float(max(data.work_s.max(), data.class_s.max(initial=0.0)))
     tick_s = largest / resolution if largest > 0 else 1.0
     work = _ticks(data.work_s, tick_s)

@@ -36,7 +36,7 @@ from partitioner.cost import CostModel
 
 from .dp import ChainSolution, chain_dp
 
-__all__ = ["MappingResult", "device_labels", "label_orders", "map_worker", "num_label_orders"]
+__all__ = ["MappingResult", "device_labels", "label_orders", "map_worker", "num_label_orders", "realise_order"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def label_orders(labels: Sequence[Label]) -> Iterator[tuple[Label, ...]]:
     yield from rec()
 
 
-def _realise(order: Sequence[Label], pools: dict[Label, list[Device]]) -> list[Device]:
+def realise_order(order: Sequence[Label], pools: dict[Label, list[Device]]) -> list[Device]:
     """Devices for a label sequence: each label's devices taken in their listed order."""
     used: Counter[Label] = Counter()
     out = []
@@ -122,7 +122,7 @@ def map_worker(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b
     def consider(order: Sequence[Label]) -> ChainSolution | None:
         nonlocal best, evaluated
         # orders compete on the bottleneck; the winner's split is refined once, at the end
-        sol = chain_dp(cost, _realise(order, pools), schedule, micro_batches, refine=False)
+        sol = chain_dp(cost, realise_order(order, pools), schedule, micro_batches, refine=False)
         evaluated += 1
         if sol is not None and (best is None or sol.bottleneck_s < best.bottleneck_s):
             best = sol

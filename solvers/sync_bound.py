@@ -71,7 +71,7 @@ from partitioner.cost import CostModel, activations_in_flight
 from partitioner.schedule import spec
 
 from .fleet_bound import effective_whole_s, worker_memory_bytes, worker_time_bound_s
-from .mapping import device_labels, label_orders, map_worker, num_label_orders
+from .mapping import device_labels, label_orders, map_worker, num_label_orders, realise_order
 from .symmetric import (
     NodeClass,
     Template,
@@ -245,11 +245,7 @@ def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule:
     upper = np.triu(np.ones((n_layers + 1, n_layers + 1), bool), 1)
     best = math.inf
     for order in label_orders(labels):
-        used: dict[tuple[str, str], int] = {}
-        devs = []
-        for lab in order:
-            devs.append(pools[lab][used.get(lab, 0)])
-            used[lab] = used.get(lab, 0) + 1
+        devs = realise_order(order, pools)
         q = len(devs)
         times, fills = [], []
         for k, d in enumerate(devs):
@@ -330,7 +326,7 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
     n = len(devices)
     types = sorted({d.gpu_type for d in devices})
     whole = {t: cost.compute_s(t, 0, n_layers) for t in types}
-    per_layer = {t: np.diff([cost.compute_s(t, 0, j) for j in range(n_layers + 1)]) for t in types}
+    per_layer = {t: cost.layer_compute_s(t) for t in types}
     reserved = cost.options.reserved_bytes
     cap = {t: next(d for d in devices if d.gpu_type == t).memory_bytes - reserved for t in types}
     need = worker_memory_bytes(cost, schedule)
@@ -357,7 +353,6 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
             mixes[tp] = tuple(sorted(out.items()))
         return mixes[tp]
 
-    least = {t: per_layer[t] for t in types}
     eff = effective_whole_s(cost, types)
 
     def cheap_floor(mx: tuple[tuple[str, int], ...]) -> float:
@@ -367,7 +362,7 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
             return math.inf
         if len(mx) == 1 and mx[0][1] == 1:
             return m * whole[mx[0][0]]  # one GPU: exactly its whole model m times
-        fastest = np.min([least[t] for t, _ in mx], axis=0)
+        fastest = np.min([per_layer[t] for t, _ in mx], axis=0)
         work = float(fastest.sum())
         spread = (m - 1) * max(float(fastest.max()), work / sum(c for _, c in mx)) + work
         # the fleet bound's G over the types' effective whole-model times (valid for any profile)
@@ -376,11 +371,15 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
 
     by_mix: dict[tuple[tuple[str, int], ...], float] = {}
 
+    def largest_layer_s(mx: tuple[tuple[str, int], ...]) -> float:
+        """The slowest layer on its fastest type of the mix: a floor on any pace."""
+        return float(np.max(np.min([per_layer[t] for t, _ in mx], axis=0)))
+
     def mix_floor(mx: tuple[tuple[str, int], ...]) -> float:
         """Step 1: the LP of :func:`pipeline_floor_s` for the mix (computed once per mix)."""
         if mx not in by_mix:
             counts = dict(mx)
-            low = float(np.max(np.min([per_layer[t] for t in counts], axis=0)))
+            low = largest_layer_s(mx)
             by_mix[mx] = pipeline_floor_s(per_layer, counts, m, low)
         return by_mix[mx]
 
@@ -425,7 +424,7 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
             pipeline[tp] = math.inf  # nothing fits these GPUs
             return
         counts = dict(mix(tp))
-        low = max(res.solution.bottleneck_s, float(np.max(np.min([per_layer[t] for t in counts], axis=0))))
+        low = max(res.solution.bottleneck_s, largest_layer_s(mix(tp)))
         pipeline[tp] = max(pipeline[tp], pipeline_floor_s(per_layer, counts, m, low))
 
     best_value, best_grouping = beat_samples_per_s, None
@@ -470,7 +469,7 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
                 bound, result_k = value, k
             break
     refined = sum(v == 2 for v in step.values())
-    details: dict[str, Any] = {"beaten_by_workers": result_k} if result_k else {}
+    details: dict[str, Any] = {}
     if best_grouping is not None:
         details.update(grouping=best_grouping, samples_per_s=best_value)
     return SyncBound(max(bound, best_value), result_k, len(templates), refined, affine, True, details)
