@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -508,14 +508,31 @@ def train_distributed(plan: Plan, config: TrainConfig) -> dict[str, Any] | None:
     rank = me.rank
     backend = "nccl" if config.device == "cuda" else "gloo"
     torch.set_num_threads(_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=config.timeout_s))
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    dist.init_process_group(backend, store=attempt_store(os.environ, timeout), rank=rank, world_size=world,
+                            timeout=timeout)
     try:
         mine = run_rank(plan, config, rank, me.gpu_index)
         gathered = gather_json(mine, world, _collective_device(config, me.gpu_index))
     finally:
         dist.destroy_process_group()
     return _summary(plan, config, gathered, backend) if rank == 0 else None
+
+
+def attempt_store(env: Mapping[str, str], timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store of this torchrun attempt: torchrun's store, under a prefix of its own.
+
+    torchrun keeps one store for every attempt of a job (the agent's, or the one rank 0 serves),
+    and the process group's keys carry no attempt: after a restart, a process could read the
+    address the previous attempt's rank 0 published before the new rank 0 replaced it, and dial
+    a process that is gone, or pass a barrier counted by the dead attempt. The attempt number
+    (``TORCHELASTIC_RESTART_COUNT``) in the prefix keeps each attempt's keys apart.
+    """
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    host = env.get("RANK", "0") == "0" and not agent  # without the agent's store, torchrun's rank 0 serves it
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, host, timeout,
+                          wait_for_workers=False)
+    return dist.PrefixStore(f"partitioner/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _collective_device(config: TrainConfig, local_rank: int) -> torch.device:

@@ -143,19 +143,41 @@ def test_a_failing_or_exiting_rank_is_one_line() -> None:
         spawn_local(_exits_on_rank_0, 2, timeout_s=60, start_method="fork")
 
 
+def test_each_torchrun_attempt_rendezvous_under_its_own_keys() -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from runtime.launch import _loopback_store, attempt_store
+
+    timeout = datetime.timedelta(seconds=10)
+    server = _loopback_store(10.0)  # stands for the torchrun agent's store, shared by every attempt
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "RANK": "1",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    first = attempt_store({**env, "TORCHELASTIC_RESTART_COUNT": "0"}, timeout)
+    second = attempt_store({**env, "TORCHELASTIC_RESTART_COUNT": "1"}, timeout)
+    first.set("rank_0", "address of the dead attempt")
+    second.set("other", "x")
+    assert second.check(["other"]) and not second.check(["rank_0"])  # the restart never reads the old address
+    assert first.get("rank_0") == b"address of the dead attempt"
+    assert isinstance(first, dist.PrefixStore)
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="intermittent: the restarted group's gloo mesh sometimes dials the "
-                   "first attempt's rank 0 (docs/runtime.md, open in issue 12)")
-def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path, rendezvous: str) -> None:
     import subprocess
     import sys
 
     from runtime.launch import free_port
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "metrics.json"
+    port = str(free_port())
+    where = (["--master-port", port] if rendezvous == "static" else
+             ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "restart-test"])
     # the same command line for the first attempt and the restart: --resume starts fresh without a checkpoint
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--master-port", str(free_port()), "-m", "partitioner", *(a for a in _cli_args(tmp_path) if a != "--local"),
+           *where, "-m", "partitioner", *(a for a in _cli_args(tmp_path) if a != "--local"),
            "--steps", "5", "--lr", "0.3", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
            "--resume", "-o", str(out)]
     assert "--local" not in cmd
