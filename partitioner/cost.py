@@ -230,6 +230,12 @@ class CostModel:
         total = self._total_prefix(gpu_type)
         return total[None, :] - total[:, None]
 
+    def direction_matrices(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
+        """``F[i, j]`` and ``B[i, j]``: forward and backward seconds of layers ``[i, j)`` apart
+        (:meth:`fwd_bwd_s` for every range; meaningful for i < j)."""
+        f, b = self._prefixes(gpu_type)
+        return f[None, :] - f[:, None], b[None, :] - b[:, None]
+
     # -- transfers ---------------------------------------------------------------------------
 
     def transfer_s(self, nbytes: float, a: str | Device, b: str | Device) -> float:

@@ -44,6 +44,20 @@ the nodes (members of a node kept together in the ring, which is the best order 
 inside a node are at least as fast as between nodes, and no link override names a device or a
 node pair). Where these conditions fail, ``F`` is taken as 0 (the bound stays valid, only looser).
 
+**Every stage, and the chain to the first common cut** (:mod:`solvers.tail_floor`, for
+templates whose orders and splits can be enumerated). Stage ``k`` of a worker finishes
+``B_k`` (the backward of the stages before it) ahead of the worker's pipeline and then
+all-reduces what it holds, so every stage, not only stage 0, bounds the iteration. And the
+groups run in the order of their first layer on every device: the group of layer 0 holds every
+worker's stage 0, so it starts after the last pipeline ends, and each next group shares a
+device with the one before it, up to the first layer ``c`` at which every worker has a stage
+boundary (``L`` where there is none; a single-GPU worker has none). So a plan whose first
+common boundary is ``c`` takes at least ``T_w + F_K(w[0, c))`` beyond each worker's pipeline
+``T_w``. For each ``c`` the bound asks which ``K`` workers could fit with these values
+(a worker must have a boundary at ``c``); the least over ``c`` bounds the plans of ``K``
+workers. When two kinds of worker want different cuts, this is what they pay: VGG-19's fully
+connected layers, on the last stage, are all-reduced after the other kind's stage 0 finishes.
+
 **The cluster.** The plan's rate is ``K m b / iteration <= K m b / max_w L(S_w, K)``. For each
 ``K``, a worker set can beat a plan of ``V`` samples/s only if every worker has
 ``L(S, K) < K m b / V``; whether ``K`` disjoint such workers fit the cluster is a
@@ -81,12 +95,15 @@ from .symmetric import (
     realise,
     template_usage,
 )
+from .tail_floor import TailTable, worker_tail_table
 
 __all__ = ["SyncBound", "allreduce_floor", "exact_pipeline_floor_s", "pipeline_floor_s", "sync_bound"]
 
 log = logging.getLogger(__name__)
 
 GRID = 48  # paces priced per order by exact_pipeline_floor_s where the window holds more
+CURVE_POINTS = 64  # byte counts at which the all-reduce floor is computed exactly for the tail tables
+TABLE_LIMIT = 100_000  # order-and-split pairs a template's tail table may enumerate
 
 
 @dataclass(frozen=True)
@@ -396,6 +413,29 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
             floor_cache[key] = allreduce_floor(cost, devices, members, nbytes) if affine else 0.0
         return floor_cache[key]
 
+    curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def floor_curve_s(members: int, nbytes: np.ndarray) -> np.ndarray:
+        """``F_K`` for an array of byte counts, interpolated below a grid of exact values (a
+        chord lies below a concave function: still a floor)."""
+        if members not in curves:
+            top = cost.param_bytes(0, n_layers)
+            low = max(min((x for x in np.diff(cost.param_prefix) if x > 0), default=top), top * 1e-9)
+            grid = np.unique(np.concatenate([[0.0], np.geomspace(low, top, CURVE_POINTS)]))
+            curves[members] = grid, np.array([floor_s(members, float(x)) if x > 0 else 0.0 for x in grid])
+        grid, vals = curves[members]
+        return np.interp(np.minimum(nbytes, grid[-1]), grid, vals)
+
+    tables: dict[tuple[Template, int], TailTable | None] = {}
+
+    def table(tp: Template, k: int) -> TailTable | None:
+        """The template's :class:`~solvers.tail_floor.TailTable` among ``k`` workers (None: too many
+        orders and splits, or no floor to charge)."""
+        if (tp, k) not in tables:
+            tables[tp, k] = (worker_tail_table(cost, realise(tp, classes, pools), schedule, m,
+                                               lambda x: floor_curve_s(k, x), TABLE_LIMIT) if affine else None)
+        return tables[tp, k]
+
     def tail_s(tp: Template, k: int) -> float:
         """What stage 0's device pays after the pipeline: its all-reduces and its step."""
         mx = mix(tp)
@@ -426,6 +466,46 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
         counts = dict(mix(tp))
         low = max(res.solution.bottleneck_s, largest_layer_s(mix(tp)))
         pipeline[tp] = max(pipeline[tp], pipeline_floor_s(per_layer, counts, m, low))
+
+    def common_cut_floor_s(k: int, target: float, rated: Sequence[Template],
+                           base: dict[Template, float]) -> tuple[float, dict[Template, int] | None] | None:
+        """The least iteration ``k`` workers of ``rated`` could have: for each layer ``c`` where
+        the plan's workers all have a stage boundary first (``L``: none has), every worker is at
+        least its :attr:`TailTable.by_common_cut_s` there; the least over ``c`` of the slowest of
+        the first ``k`` that fit, and those ``k``. Tables are built for the templates of those
+        ``k`` only. ``None`` past the deadline."""
+        rated = list(rated)
+        base_s = np.array([base[tp] for tp in rated])
+        least, where = math.inf, None
+        failed: list[np.ndarray] = []
+        for c in range(n_layers, 0, -1):
+            while True:
+                vals = base_s.copy()
+                for i, tp in enumerate(rated):
+                    tab = tables.get((tp, k))
+                    if tab is not None:
+                        vals[i] = max(vals[i], tab.by_common_cut_s[c])
+                # only workers faster than the least found so far can lower it; whether k of them fit
+                # depends on the set alone, so a subset of a set that did not fit is skipped
+                can = vals < min(target, least)
+                if any(not (can & ~f).any() for f in failed):
+                    fit = None
+                    break
+                order = [i for i in np.argsort(vals, kind="stable") if can[i]]
+                fit = _first_fit([rated[i] for i in order], usage, supply, k)
+                if fit is None:
+                    failed.append(can)
+                todo = [tp for tp in fit or () if (tp, k) not in tables]
+                if not todo:
+                    break
+                for tp in todo:
+                    if deadline is not None and time.perf_counter() > deadline:
+                        return None
+                    table(tp, k)
+            if fit is not None:
+                at = {tp: float(vals[i]) for i, tp in enumerate(rated)}
+                least, where = max(at[tp] for tp in fit), fit
+        return least, where
 
     best_value, best_grouping = beat_samples_per_s, None
     result_k, bound = 0, 0.0
@@ -462,9 +542,24 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
                     log.debug("K = %d: a better grouping, %.6g samples/s", k, value)
                     best_value, best_grouping = value, grouping
                     continue
-            slowest = max(chosen, key=lambda tp: pipeline[tp] + tails[tp])
-            value = k * samples / (pipeline[slowest] + tails[slowest])
-            log.debug("K = %d: workers up to %s fit, %.6g samples/s against %.6g", k, slowest, value, best_value)
+            # every stage's all-reduce, and the chain of all-reduces up to the first common cut
+            by_cut = common_cut_floor_s(k, target, rated, {tp: pipeline[tp] + tails[tp] for tp in rated})
+            if by_cut is None:
+                return SyncBound(fallback_samples_per_s, 0, len(templates), sum(v == 2 for v in step.values()), affine,
+                                 False, {"grouping": best_grouping, "samples_per_s": best_value} if best_grouping else {})
+            least_s, fit = by_cut
+            if fit is None:
+                log.debug("K = %d: no common cut lets %d workers beat %.6g samples/s", k, k, best_value)
+                break
+            if price is not None and (key := tuple(sorted(fit.items()))) not in priced:
+                priced.add(key)  # the workers that could come closest: priced as a plan too
+                grouping = _pack(fit, classes, pools)
+                if grouping is not None and (value := price(grouping)) > best_value * (1 + 1e-9):
+                    log.debug("K = %d: a better grouping, %.6g samples/s", k, value)
+                    best_value, best_grouping = value, grouping
+                    continue
+            value = k * samples / least_s
+            log.debug("K = %d: workers fit at %.6g s, %.6g samples/s against %.6g", k, least_s, value, best_value)
             if value > bound:
                 bound, result_k = value, k
             break
