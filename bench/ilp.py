@@ -43,6 +43,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             for setting in settings:
                 compute_only = setting == "compute"
                 prof, cluster = load(name, compute_only), cluster_of(gpus, compute_only)
-                kw = {"schedule": "gpipe", "micro_batches": 1} if compute_only else {"schedule": "1f1b"}
+                kw: dict[str, Any] = {"schedule": "gpipe", "micro_batches": 1} if compute_only else {"schedule": "1f1b"}
                 kw["options"] = CostOptions(reserved_bytes=0.0)
                 chain = solve(prof, cluster, "dp", **kw)
                 t0 = time.perf_counter()
