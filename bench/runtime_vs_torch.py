@@ -1,6 +1,7 @@
 """This project's pipeline runtime against torch.distributed.pipelining, side by side.
 
-    python bench/runtime_vs_torch.py [--models vgg19-tiny:32,gpt2-tiny:16] [--schedules gpipe,1f1b]
+    python bench/runtime_vs_torch.py [--models vgg19-tiny:32,gpt2-tiny:16,bench.runtime_models:mlp:64]
+                                     [--schedules gpipe,1f1b]
                                      [--micro-batches 8] [--rounds 5] [--steps 4]
 
 Two gloo ranks on this machine (one thread each), one pipeline of two stages cut at the
@@ -38,14 +39,15 @@ from partitioner.schedule import build_schedule  # noqa: E402
 from runtime.data import SyntheticData  # noqa: E402
 from runtime.executor import PipelineExecutor  # noqa: E402
 from runtime.launch import spawn_local  # noqa: E402
-from runtime.stage import boundary_shapes, build_stage, zoo_chain  # noqa: E402
+from runtime.model import is_model_ref, spec_chain  # noqa: E402
+from runtime.stage import LayerChain, boundary_shapes, build_stage, zoo_chain  # noqa: E402
 
 
 def _rank(rank: int, world: int, plan_dict: dict, rounds: int, steps: int, out: str) -> None:
     from runtime.torch_pipelining import build_rank
 
     plan = Plan.from_dict(plan_dict)
-    chain = zoo_chain(plan.model, plan.micro_batch_size)
+    chain = _chain(plan.model, plan.micro_batch_size)
     (a, b) = plan.virtual_workers[0].stages[rank].layers
     m, mb = plan.micro_batches, plan.micro_batch_size
     data = SyntheticData(chain.make_input, mb, m, 1, 0)
@@ -85,13 +87,18 @@ def _rank(rank: int, world: int, plan_dict: dict, rounds: int, steps: int, out: 
         Path(out).write_text(json.dumps({"ours": mine, "torch": other}))
 
 
+def _chain(model: str, mbs: int) -> LayerChain:
+    """A zoo model, or a user's ``module:function`` (e.g. ``bench.runtime_models:mlp``)."""
+    return spec_chain(model) if is_model_ref(model) else zoo_chain(model, mbs)
+
+
 def stage_times_s(model: str, mbs: int, m: int, cut: int, repeats: int = 5) -> tuple[float, float]:
     """Median seconds per micro-batch of each stage's forward and backward (the loss and SGD step
     included in the last), in one process on one thread, the two stages run one after the other."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        chain = zoo_chain(model, mbs)
+        chain = _chain(model, mbs)
         first, last = build_stage(chain, 0, cut, seed=0), build_stage(chain, cut, chain.num_layers, seed=0)
         opt = torch.optim.SGD([*first.parameters(), *last.parameters()], lr=1e-3)
         batch = SyntheticData(chain.make_input, mbs, m, 1, 0).global_batch(0)[0]
@@ -122,7 +129,8 @@ def stage_times_s(model: str, mbs: int, m: int, cut: int, repeats: int = 5) -> t
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="vgg19-tiny:32,gpt2-tiny:16", help="MODEL:MICRO_BATCH_SIZE, comma-separated")
+    ap.add_argument("--models", default="vgg19-tiny:32,gpt2-tiny:16,bench.runtime_models:mlp:64",
+                    help="MODEL:MICRO_BATCH_SIZE, comma-separated (MODEL: a zoo name or a module:function)")
     ap.add_argument("--schedules", default="gpipe,1f1b")
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
@@ -134,8 +142,8 @@ def main() -> int:
     print(f"{'model':>12} {'mbs':>4} {'schedule':>8} {'bound ms':>9} {'ours ms':>9} {'torch ms':>9} "
           f"{'torch/ours':>10} {'ours/bound':>10}")
     for item in args.models.split(","):
-        model, mbs = item.split(":")
-        n = zoo_chain(model).num_layers
+        model, mbs = item.rsplit(":", 1)
+        n = _chain(model, int(mbs)).num_layers
         t1, t2 = stage_times_s(model, int(mbs), args.micro_batches, n // 2)
         bound = (args.micro_batches - 1) * max(t1, t2) + t1 + t2  # fill, then the slower stage paces
         for schedule in args.schedules.split(","):
@@ -146,7 +154,7 @@ def main() -> int:
                 spawn_local(_rank, 2, (plan.to_dict(), args.rounds, args.steps, out), threads=1, timeout_s=600)
                 times = json.loads(Path(out).read_text())
             ours, theirs = statistics.median(times["ours"]), statistics.median(times["torch"])
-            print(f"{model:>12} {mbs:>4} {schedule:>8} {bound * 1e3:9.2f} {ours * 1e3:9.2f} {theirs * 1e3:9.2f} "
+            print(f"{model.rpartition(':')[2]:>12} {mbs:>4} {schedule:>8} {bound * 1e3:9.2f} {ours * 1e3:9.2f} {theirs * 1e3:9.2f} "
                   f"{theirs / ours:10.3f} {ours / bound:10.3f}")
     return 0
 

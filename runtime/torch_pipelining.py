@@ -2,7 +2,8 @@
 
 :func:`build_rank` turns the export (``partitioner.export/1``, target ``torch-pipelining``) into
 this rank's ``torch.distributed.pipelining.PipelineStage`` objects -- one per stage the rank
-holds, each an ``nn.Sequential`` of the zoo model's layers built by :func:`runtime.stage.build_stage`
+holds, each an ``nn.Sequential`` of the model's layers (a zoo model, or a user's
+``module:function``, :mod:`runtime.model`) built by :func:`runtime.stage.build_stage`
 (so every layer starts from the same per-layer seed as in this project's runtime) -- and the
 torch schedule named by the export (``ScheduleGPipe``, ``Schedule1F1B``,
 ``ScheduleInterleaved1F1B`` or ``ScheduleLoopedBFS``) over the rank's pipeline process group.
@@ -28,6 +29,7 @@ from torch import nn
 from partitioner.errors import PartitionerError
 from partitioner.export import EXPORT_FORMAT, TORCH_SCHEDULE_CLASSES
 
+from .model import is_model_ref, spec_chain
 from .stage import build_stage, zoo_chain
 
 __all__ = ["TorchPipelineRank", "build_rank", "mean_output_loss"]
@@ -113,7 +115,9 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
     device = torch.device(device)
     me = export["ranks"][rank]
     pipe = export["pipelines"][me["virtual_worker"]]
-    chain = zoo_chain(export["model"], export["micro_batch_size"], **dict(model_options or {}))
+    model = export["model"]  # a zoo name, or a user's module:function (runtime.model)
+    chain = (spec_chain(model) if is_model_ref(model)
+             else zoo_chain(model, export["micro_batch_size"], **dict(model_options or {})))
     if chain.num_layers != export["num_layers"]:
         raise PartitionerError(f"model '{export['model']}' has {chain.num_layers} layers, the export "
                                f"{export['num_layers']}")

@@ -19,7 +19,8 @@ from partitioner.plan import Plan, Stage, VirtualWorker
 from runtime.data import SyntheticData
 from runtime.launch import TrainConfig, spawn_local, train_local
 from runtime.layout import plan_layout
-from runtime.stage import build_stage, zoo_chain
+from runtime.model import is_model_ref, spec_chain
+from runtime.stage import LayerChain, build_stage, zoo_chain
 
 
 def worker(cuts: list[int], devices: list[str]) -> VirtualWorker:
@@ -27,12 +28,16 @@ def worker(cuts: list[int], devices: list[str]) -> VirtualWorker:
                                for k, (a, b) in enumerate(itertools.pairwise(cuts))))
 
 
+def _chain(model: str, micro_batch_size: int = 1) -> LayerChain:
+    return spec_chain(model) if is_model_ref(model) else zoo_chain(model, micro_batch_size)
+
+
 def _torch_rank(rank: int, world: int, export: dict[str, Any], steps: int, lr: float, seed: int, out: str) -> None:
     from runtime.torch_pipelining import build_rank
 
     me = build_rank(export, rank, seed=seed)
     opt = torch.optim.SGD(list(me.parameters()), lr=lr)
-    chain = zoo_chain(export["model"], export["micro_batch_size"])
+    chain = _chain(export["model"], export["micro_batch_size"])
     workers = len(export["pipelines"])
     data = SyntheticData(chain.make_input, export["micro_batch_size"], export["n_microbatches"], workers, seed)
     losses = []
@@ -67,7 +72,7 @@ def _run_runtime(plan: Plan, tmp: Path, steps: int, lr: float, seed: int) -> tup
     cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=90,
                       state_dir=str(tmp), data="synthetic")  # torch's side: the same inputs, loss = mean output
     metrics = train_local(plan, cfg, start_method="fork")
-    layout = plan_layout(plan, zoo_chain(plan.model).num_layers)
+    layout = plan_layout(plan, _chain(plan.model).num_layers)
     weights: list[dict] = [{} for _ in plan.virtual_workers]
     for r in layout.ranks:
         for state in torch.load(tmp / f"rank{r.rank}.pt").values():
@@ -87,6 +92,9 @@ CASES = {
     # two virtual workers of two ranks, cut differently: gradients averaged per set of holders
     "gpt2-two-workers": Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]), worker([0, 1, 4], ["n0:2", "n0:3"])),
                              schedule="gpipe", micro_batch_size=2, micro_batches=2),
+    # a user's module:function model, exported and built on torch's side through the same reference
+    "user-mlp-1f1b": Plan("tests._user_models:mlp", (worker([0, 2, 5], ["n0:0", "n0:1"]),), schedule="1f1b",
+                          micro_batch_size=4, micro_batches=3),
 }
 
 
@@ -99,7 +107,7 @@ def test_torch_pipelining_trains_like_the_runtime(case: str, tmp_path: Path) -> 
     got_w, got_loss = _run_torch(plan, tmp_path / "torch", steps, lr, seed)
     ref_w, ref_loss = _run_runtime(plan, tmp_path / "runtime", steps, lr, seed)
     assert got_loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
-    chain = zoo_chain(plan.model)
+    chain = _chain(plan.model)
     init = build_stage(chain, 0, chain.num_layers, seed=seed).state_dict()
     for got, ref in zip(got_w, ref_w, strict=True):
         assert set(got) == set(ref) == set(init)
