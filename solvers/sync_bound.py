@@ -479,6 +479,8 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
         least, where = math.inf, None
         failed: list[np.ndarray] = []
         for c in range(n_layers, 0, -1):
+            if deadline is not None and time.perf_counter() > deadline:
+                return None
             while True:
                 vals = base_s.copy()
                 for i, tp in enumerate(rated):
