@@ -1,6 +1,6 @@
 """This project's pipeline runtime against torch.distributed.pipelining, side by side.
 
-    python bench/runtime_vs_torch.py [--models vgg19-tiny:32,gpt2-tiny:16,bench.runtime_models:mlp:64]
+    python bench/runtime_vs_torch.py [--models vgg19-tiny:32,gpt2-tiny:16,bench._runtime_models:mlp:64]
                                      [--schedules gpipe,1f1b]
                                      [--micro-batches 8] [--rounds 5] [--steps 4]
 
@@ -88,7 +88,7 @@ def _rank(rank: int, world: int, plan_dict: dict, rounds: int, steps: int, out: 
 
 
 def _chain(model: str, mbs: int) -> LayerChain:
-    """A zoo model, or a user's ``module:function`` (e.g. ``bench.runtime_models:mlp``)."""
+    """A zoo model, or a user's ``module:function`` (e.g. ``bench._runtime_models:mlp``)."""
     return spec_chain(model) if is_model_ref(model) else zoo_chain(model, mbs)
 
 
@@ -129,7 +129,7 @@ def stage_times_s(model: str, mbs: int, m: int, cut: int, repeats: int = 5) -> t
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="vgg19-tiny:32,gpt2-tiny:16,bench.runtime_models:mlp:64",
+    ap.add_argument("--models", default="vgg19-tiny:32,gpt2-tiny:16,bench._runtime_models:mlp:64",
                     help="MODEL:MICRO_BATCH_SIZE, comma-separated (MODEL: a zoo name or a module:function)")
     ap.add_argument("--schedules", default="gpipe,1f1b")
     ap.add_argument("--micro-batches", type=int, default=8)

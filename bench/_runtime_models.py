@@ -1,6 +1,6 @@
 """Models the runtime benchmarks name as ``module:function`` (a user's model, :mod:`runtime.model`).
 
-``bench.runtime_models:mlp``: eight fully connected layers of 1,024 units with ReLUs between
+``bench._runtime_models:mlp``: eight fully connected layers of 1,024 units with ReLUs between
 them (16 layers in the chain), on 1,024 random features, ten classes.
 """
 
