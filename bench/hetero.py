@@ -7,8 +7,8 @@ projected to the HetPipe GPU types: examples/profiles/*_hetpipe.json) on the Het
 (examples/clusters/hetpipe.yaml), and Sailor's OPT-350M measurements (micro-batch 2) on a mixed
 RTX-3090 / RTX-2080 / TITAN-RTX cluster. Every plan is checked with ``Plan.validate``.
 
-Two figures per plan, in samples/s: the solvers' model objective (closed form: ``wsp`` = sum of
-the virtual workers' throughputs, ``sync`` = K x the slowest) and the discrete-event
+Two figures per plan, in samples/s: the solvers' model objective (closed form: K x the slowest
+virtual worker, ``sync`` with the gradient all-reduce and step, ``wsp`` without) and the discrete-event
 simulator's prediction. ``opt`` must be at least as good as every baseline on the model
 objective, and the bench asserts it. Then planning times for a 150-layer model.
 """

@@ -29,17 +29,17 @@ to at least the whole model's (``cost.weight_bytes(0, L) + cost.activation_bytes
 cutting a layer's shared input only duplicates it), so ``sum_{d in S} (mem_d - reserved) >= M``.
 
 **The cluster.** A plan's workers have ``iteration_w >= G(S_w)``; under ``sync`` the plan's
-rate is at most ``K m b / max_w iteration_w`` (the all-reduce and the step only add), under
-``wsp`` at most ``sum_w m b / iteration_w``. Relax each worker to its *core*, the ``q_w``
+rate is at most ``K m b / max_w iteration_w`` (the all-reduce and the step only add); so it is
+under ``wsp``, whose staleness bound holds every worker to the slowest's pace in the long run
+(:func:`solvers.grouping.combine`). Relax each worker to its *core*, the ``q_w``
 fastest GPUs at which ``G`` is reached (``S_q >= (m - 1 + q) / B`` when ``G(S) <= B``), and its
 memory, and let GPUs be shared fractionally: a linear program over ``K_q`` (workers whose core
 has ``q`` GPUs), ``y_qt`` (their core GPUs of type ``t``) and ``z_qt`` (all their GPUs of type
 ``t``), with ``sum_q z_qt <= N_t``. Every plan is a feasible point, so
 
-* ``sync``: for an iteration ``B``, ``K <= K_LP(B)``; the bound is ``max_B floor(K_LP(B)) m b /
-  B``, taken over intervals ``[B_i, B_i+1]`` as ``floor(K_LP(B_i+1)) m b / B_i`` (``K_LP`` grows
-  with ``B``) and refined where it could exceed the best point value;
-* ``wsp``: ``m b / iteration <= m b S_q / (m - 1 + q)``, linear in the core's speed: one LP.
+for an iteration ``B``, ``K <= K_LP(B)``; the bound is ``max_B floor(K_LP(B)) m b / B``, taken
+over intervals ``[B_i, B_i+1]`` as ``floor(K_LP(B_i+1)) m b / B_i`` (``K_LP`` grows with ``B``)
+and refined where it could exceed the best point value.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class FleetBound:
     perfect_speedup: float  # micro_batch_size * sum_d 1 / T_d, the old certificate
     memory_bytes_per_worker: float  # M: what every worker's GPUs must hold between them
     pipeline_fill: bool  # whether the fill term applies (flushing schedule, no replication)
-    workers: float  # the K (sync) or LP worker count (wsp) at which the bound is reached
+    workers: float  # the K at which the bound is reached
 
     def __post_init__(self) -> None:
         if not (self.samples_per_s >= 0 and self.perfect_speedup >= 0):
@@ -182,12 +182,12 @@ class _NoLpAnswer(Exception):
 
 
 def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
-                objective: str, **options: Any) -> FleetBound:
-    """The bound of the module docstring over ``devices`` (options: ``replication``,
+                **options: Any) -> FleetBound:
+    """The bound of the module docstring over ``devices``, under ``sync`` and ``wsp`` alike (options: ``replication``,
     ``virtual_workers`` to fix K, ``small_worker_gpus``, ``max_core``, ``rel_tol``). Should a linear
     program get no answer from the solver, the perfect speed-up (still a valid bound) is returned."""
     try:
-        return _fleet_bound(cost, devices, schedule, micro_batches, objective, **options)
+        return _fleet_bound(cost, devices, schedule, micro_batches, **options)
     except _NoLpAnswer as why:
         counts = type_counts(devices)
         perfect = _perfect(cost, counts, _whole_s(cost, sorted(counts)))
@@ -198,7 +198,7 @@ def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro
 
 
 def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
-                 objective: str, *, replication: bool = False, virtual_workers: int | None = None,
+                 *, replication: bool = False, virtual_workers: int | None = None,
                  small_worker_gpus: int = 4, max_core: int = 16, rel_tol: float = 2e-3) -> FleetBound:
     """The bound of the module docstring over ``devices``; ``virtual_workers`` fixes K.
 
@@ -221,7 +221,7 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micr
     ell = largest_layer_s(cost, types)
     if len(types) == 1:
         return _one_type_bound(counts[types[0]], whole[types[0]], cap[types[0]], need, b, m, fill, ell,
-                               objective, virtual_workers, perfect)
+                               virtual_workers, perfect)
     from .lp import linprog
 
     nt = len(types)
@@ -306,14 +306,6 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micr
         return -res.fun if res.ok else None  # infeasible: no worker fits
 
     free = np.full(nv, np.inf)
-    if objective == "wsp":
-        c = np.zeros(nv)
-        c[:ns] = [-m * b / g for _, g in small]
-        for i, q in enumerate(qs):  # rate <= m b S_core / (m - 1 + q), or b S without a fill
-            c[[yi(i, j) for j in range(nt)]] = -(m * b / (m - 1 + q) if q else b) * inv
-        val = lp(c, [], free)
-        return FleetBound(min(perfect, val if val is not None else 0.0), perfect, need, fill,
-                          float(virtual_workers or 0))
 
     def k_lp(iteration_s: float) -> float:
         """Most workers (fractionally) whose iteration can be <= ``iteration_s``."""
@@ -368,22 +360,16 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micr
 
 
 def _one_type_bound(n: int, whole_s: float, cap_bytes: float, need_bytes: float, b: int, m: int, fill: bool,
-                    ell: float, objective: str, virtual_workers: int | None, perfect: float) -> FleetBound:
+                    ell: float, virtual_workers: int | None, perfect: float) -> FleetBound:
     """The bound for ``n`` GPUs of one type, in closed form (no LP). Every worker needs
     ``p_min = ceil(M / mem)`` GPUs; ``G`` falls as a worker grows, so under ``sync`` K workers
-    are at best the most even split (the smallest holds ``floor(n / K)``); under ``wsp`` the rate
-    ``m b p / ((m - 1 + p) T)`` is concave in ``p``, so an equal (fractional) split ``n / K`` is
-    best for each K (Jensen), and without a fill the sum is at most ``b n / T``."""
+    are at best the most even split (the smallest holds ``floor(n / K)``)."""
     p_min = 1 if need_bytes <= 0 else (math.ceil(need_bytes / cap_bytes) if cap_bytes > 0 else n + 1)
     ks = range(1, n // p_min + 1) if virtual_workers is None else (
         [virtual_workers] if virtual_workers * p_min <= n else [])
     best, at = 0.0, 0
     for k in ks:
-        if objective == "sync":
-            val = k * m * b / worker_time_bound_s([whole_s] * (n // k), m, fill, ell)
-        else:
-            p = n / k
-            val = k * (m * b * p / ((m - 1 + p) * whole_s) if fill else b * p / whole_s)
+        val = k * m * b / worker_time_bound_s([whole_s] * (n // k), m, fill, ell)
         if val > best:
             best, at = val, k
     return FleetBound(min(perfect, best), perfect, need_bytes, fill, float(at))

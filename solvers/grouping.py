@@ -11,9 +11,11 @@ HetPipe's policies, as named baselines:
   virtual workers and is dealt out evenly over them. K must divide by the number of pairs and
   every type's count by its pair's share.
 
-``opt`` searches groupings for the best objective: ``wsp`` (wave synchronous parallel,
-virtual workers run at their own pace: the sum of their throughputs) or ``sync``
-(synchronous data parallelism: K times the slowest). It is **exact** when the cluster is
+``opt`` searches groupings for the best long-run throughput, K times the slowest virtual
+worker's, under either objective: ``sync`` (synchronous data parallelism; the planner adds the
+gradient all-reduce when it prices the plan) and ``wsp`` (wave synchronous parallel: a worker
+runs at most D waves ahead of the slowest, so in the long run every worker keeps the slowest's
+pace, and the all-reduce is hidden behind the next waves). It is **exact** when the cluster is
 small (every partition of the GPUs into K groups is enumerated, up to relabelling
 interchangeable GPUs); otherwise it is a local search that starts from every baseline
 grouping that applies (so it is never worse than them) and moves or swaps single GPUs
@@ -43,14 +45,14 @@ Value = Callable[[Sequence[Device]], float]  # throughput of one virtual worker,
 
 
 def combine(values: Sequence[float], objective: str) -> float:
-    """Total throughput of virtual workers with these throughputs under ``objective``."""
+    """Long-run throughput of virtual workers with these throughputs under ``objective``: K
+    times the slowest under both (synchronous steps wait for it; WSP's staleness bound keeps
+    every worker within D waves of it, so a faster worker's own rate is not sustained)."""
+    if objective not in OBJECTIVES:
+        raise FormatError("objective", objective, f"must be one of {', '.join(OBJECTIVES)}")
     if not values or any(not math.isfinite(v) for v in values):
         return -math.inf
-    if objective == "wsp":
-        return float(sum(values))
-    if objective == "sync":
-        return len(values) * float(min(values))
-    raise FormatError("objective", objective, f"must be one of {', '.join(OBJECTIVES)}")
+    return len(values) * float(min(values))
 
 
 def _check_k(k: int, n: int) -> None:

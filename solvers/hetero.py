@@ -8,11 +8,13 @@ cost model. The objective is the total throughput in samples per second; the
 lower bound from the cluster's total speed: ``1 / (micro_batch_size * sum_d 1 / T_d)``,
 ``T_d`` the whole model's time on GPU ``d``.
 
-Objectives: ``sync`` (the default) is K times the slowest worker's rate. That is the long-run
-rate of synchronous data parallelism, and of WSP too: its staleness bound D keeps every
-worker within D waves of the slowest, so fast workers end up waiting. ``wsp`` is the sum of
-the workers' own rates (HetPipe's figure of merit), reached only while fast workers may still
-run ahead; the simulator's prediction in ``Plan.predicted`` shows the long-run rate.
+Objectives: both are K times the slowest worker's rate, the long-run rate of synchronous
+data parallelism and of WSP alike (WSP's staleness bound D keeps every worker within D waves
+of the slowest, so a faster worker's own rate is not sustained; the sum of the workers' own
+rates, HetPipe's figure of merit, rewards unbalanced workers that then wait). ``sync`` (the
+default) adds the gradient all-reduce and the optimizer step when it prices a plan, as
+synchronous training pays them; ``wsp`` leaves them out, as WSP hides its all-reduce behind
+the next waves while it is no longer than ``D`` waves' compute.
 
 A virtual worker's throughput is ``m * micro_batch_size / iteration_s`` with the closed-form
 iteration time of the schedule (:meth:`partitioner.cost.CostModel.worker_iteration_s`); the mapping
@@ -219,7 +221,8 @@ def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str
     """Predicted figures of a multi-worker plan: total samples/s under ``objective``, the slowest
     worker's iteration and the largest bottleneck stage. Under ``sync`` the iteration is the
     closed form with the gradient all-reduce and the optimizer step (:meth:`CostModel.plan_iteration_s`).
-    Under ``wsp`` every worker keeps the conservative push and pull the search optimised
+    Under ``wsp``, K times the slowest worker's rate without them. A plan of the ``wsp``
+    schedule keeps, in every worker, the conservative push and pull the search optimised
     (:meth:`CostModel.wave_sync_s`), so the figures agree with the search's values and bounds;
     ``CostModel.plan_iteration_s`` prices the plan's own holder sets and staleness."""
     thr, its, necks = [], [], []
@@ -284,8 +287,8 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     """Group, map and split ``profile`` over ``cluster`` (see the module docstring).
 
     ``virtual_workers``: K, or ``"auto"`` (np: one per node; ed/hd: the largest K the policy
-    allows; opt: the best K). ``objective``: ``wsp`` (sum of worker throughputs) or ``sync``
-    (K times the slowest). Infeasible problems are returned as ``SolveStatus.INFEASIBLE``.
+    allows; opt: the best K). ``objective``: ``sync`` or ``wsp`` (the module docstring).
+    Infeasible problems are returned as ``SolveStatus.INFEASIBLE``.
     Policy ``opt`` enumerates groupings exactly on up to 8 GPUs; on larger clusters whose GPUs
     are interchangeable within node classes it plans over counts (:mod:`solvers.symmetric`),
     otherwise it runs a local search. ``simulate_top = N > 0`` (policy ``opt``): the N best
@@ -492,7 +495,7 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
     whole = effective_whole_s(cost, types)  # the templates' rate bounds hold for any profile
     res = plan_counts(devs, classes, rater.throughput, rater.exact, whole.__getitem__, memory.__getitem__,
-                      worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size, objective,
+                      worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size,
                       fill=spec(planner.schedule).flushes and not replication,
                       largest_layer_s=largest_layer_s(cost, types), virtual_workers=k,
                       max_worker_gpus=min(largest, cost.num_layers, len(devs) if complete else 16),
@@ -614,7 +617,7 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     plan, mapped_exactly = _plan_of(g, found.used, profile, schedule, micro_batches)
     exact = found.exact and mapped_exactly
     predicted = price_plan(cost, plan, objective)
-    bound = fleet_bound(cost, devs, schedule, micro_batches, objective, replication=replication,
+    bound = fleet_bound(cost, devs, schedule, micro_batches, replication=replication,
                         virtual_workers=k)
     upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s)
     with_sync = found.details.get("sync_bound", {})

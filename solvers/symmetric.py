@@ -9,8 +9,8 @@ once (the real mapping DP and cost model) and reused by every worker of that tem
 
 Choosing how many workers of each template is an integer program over counts:
 
-* ``sync``: maximise ``K * R`` with ``R`` the least rate of a template in use;
-* ``wsp``: maximise the sum of the rates (a multi-dimensional knapsack).
+maximise ``K * R`` with ``R`` the least rate of a template in use (the long-run rate under
+``sync`` and under ``wsp`` alike: :func:`solvers.grouping.combine`).
 
 Small clusters (up to 32 GPUs) solve it exactly, every GPU used once, by a DP over (GPUs used
 of each class and type, workers): templates join in falling rate order and each prefix's most
@@ -293,29 +293,26 @@ def _shift(arr: np.ndarray, vec: Sequence[int], j: int) -> tuple[tuple[slice, ..
     return tuple(tgt), tuple(src)
 
 
-def add_template(table: np.ndarray, vec: Sequence[int], gain: float | None) -> np.ndarray:
-    """The DP table after allowing any number of copies of one more template: reachability
-    (``gain`` None) or best value (``gain`` per copy), over (GPU counts used, workers)."""
+def add_template(table: np.ndarray, vec: Sequence[int]) -> np.ndarray:
+    """The reachability table after allowing any number of copies of one more template, over
+    (GPU counts used, workers)."""
     new = table.copy()
     j = 1
     while (sl := _shift(table, vec, j)) is not None:
         tgt, src = sl
-        if gain is None:
-            new[tgt] |= table[src]
-        else:
-            np.maximum(new[tgt], table[src] + j * gain, out=new[tgt])
+        new[tgt] |= table[src]
         j += 1
     return new
 
 
 def _solve_dp(templates: Sequence[Template], rates: Sequence[float], supply: dict[tuple[int, str], int],
-              objective: str, k: int | None, max_cells: int = 2_000_000) -> dict[int, int] | None:
+              k: int | None, max_cells: int = 2_000_000) -> dict[int, int] | None:
     """Exact over the counts, every GPU used once, by dynamic programming over (GPUs used of
     each kind, workers); ``None`` when the table would exceed ``max_cells`` or nothing fits.
 
-    ``sync``: templates join in falling rate order; after each, the most workers that cover
-    every GPU with templates of at least its rate, times that rate, is a candidate (the best
-    candidate is the optimum of ``K * least rate``). ``wsp``: the best sum of rates."""
+    Templates join in falling rate order; after each, the most workers that cover every GPU
+    with templates of at least its rate, times that rate, is a candidate (the best candidate is
+    the optimum of ``K * least rate``)."""
     keys = sorted(supply)
     n = sum(supply.values())
     shape = (*[supply[key] + 1 for key in keys], n + 1)
@@ -326,20 +323,11 @@ def _solve_dp(templates: Sequence[Template], rates: Sequence[float], supply: dic
     cols = [i for i in cols if all(v <= supply[key] for v, key in zip(vecs[i], keys, strict=True))]
     full = tuple(supply[key] for key in keys)
     ks = range(1, n + 1) if k is None else [k]
-    if objective == "wsp":
-        table = np.full(shape, -np.inf)
-        table[(0,) * len(shape)] = 0.0
-        for i in cols:
-            table = add_template(table, vecs[i], rates[i])
-        kk = max(ks, key=lambda x: table[_cell(full, x)])
-        if not table[_cell(full, kk)] > -np.inf:
-            return None
-        return _backtrack(table, full, kk, cols, vecs, lambda i, s, x: table[_cell(s, x)] + rates[i])
     reach = np.zeros(shape, bool)
     reach[(0,) * len(shape)] = True
     best: tuple[float, int, np.ndarray, float] | None = None
     for i in sorted(cols, key=lambda i: -rates[i]):
-        reach = add_template(reach, vecs[i], None)
+        reach = add_template(reach, vecs[i])
         got = [x for x in ks if reach[_cell(full, x)]]
         if got and (best is None or max(got) * rates[i] > best[0]):
             best = (max(got) * rates[i], max(got), reach, rates[i])
@@ -390,12 +378,11 @@ def _undominated(a: np.ndarray, rate: np.ndarray) -> list[int]:
 
 
 def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: dict[tuple[int, str], int],
-                 objective: str, k: int | None, rel_tol: float = 3e-3, near: float | None = None,
+                 k: int | None, rel_tol: float = 3e-3, near: float | None = None,
                  floor_value: float = 0.0) -> dict[int, int] | None:
     """Counts for a large cluster, GPUs used at most once, by linear programming.
 
-    ``wsp``: the LP of the knapsack, rounded down, then filled greedily. ``sync``: for a rate
-    level ``R`` the LP gives ``K_LP(R)``, at least the most workers of rate ``>= R`` (it grows as
+    For a rate level ``R`` the LP gives ``K_LP(R)``, at least the most workers of rate ``>= R`` (it grows as
     ``R`` falls); intervals of levels are refined while ``R_hi * floor(K_LP(R_lo))`` could beat the
     best rounded solution, and the best level's LP is rounded down and filled greedily. Rounding
     loses at most as many workers as the LP has constraints. ``near``: a rate whose level is
@@ -451,12 +438,6 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
         out[on] = res.x
         return out
 
-    if objective == "wsp":
-        xs = lp(np.ones(len(cols), bool), rate)
-        if xs is None:
-            return None
-        x = rounded(xs, np.ones(len(cols), bool), rate)
-        return {cols[j]: int(x[j]) for j in np.flatnonzero(x)}
     levels = rate[order]
     levels = levels[np.r_[True, np.diff(levels) < 0]]  # distinct, falling
     memo: dict[int, tuple[float, np.ndarray | None]] = {}
@@ -515,7 +496,7 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
 def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: Callable[[Sequence[Device]], float],
                 rate_exact: Callable[[Sequence[Device]], bool], whole_s: Callable[[str], float],
                 capacity: Callable[[str], float], need_bytes: float, micro_batches: int, micro_batch_size: int,
-                objective: str, *, fill: bool = True, largest_layer_s: float = 0.0, virtual_workers: int | None = None,
+                *, fill: bool = True, largest_layer_s: float = 0.0, virtual_workers: int | None = None,
                 max_worker_gpus: int = 16, max_classes: int = 3, complete_limit: int = 20_000,
                 covers_all: bool = False, batch: int = 16, wave_s: float = 0.0, max_stale: int = 3, deadline: float | None = None) -> SymmetricResult | None:
     """Best grouping over counts (see the module docstring); ``None`` when no template fits.
@@ -568,11 +549,11 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
     while left() > 0:
         rounds += 1
         est = [rates.est(t) for t in templates]
-        sol = _solve_dp(templates, est, dict(supply), objective, virtual_workers) if exact_counts else None
+        sol = _solve_dp(templates, est, dict(supply), virtual_workers) if exact_counts else None
         optimal = sol is not None
         if sol is None:
             exact_counts = False
-            sol = _solve_large(templates, est, dict(supply), objective, virtual_workers, near=best_level,
+            sol = _solve_large(templates, est, dict(supply), virtual_workers, near=best_level,
                                floor_value=best[0] if best is not None else 0.0)
         if sol is None:  # nothing (else) fits: what was found is the best there is
             proven = optimal
@@ -581,7 +562,7 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
         new = [t for t in chosen if t not in rates.planned]
         level = min(rates.est(t) for t in chosen)
         more = sorted((t for t in templates if t not in rates.planned and t not in chosen
-                       and (objective == "wsp" or rates.est(t) >= level)), key=lambda t: -rates.est(t))
+                       and rates.est(t) >= level), key=lambda t: -rates.est(t))
         for t in new + more[:batch if new and exact_counts else 0]:
             devs = realise(t, classes, pools)
             rates.planned[t] = max(rate(devs), 0.0)
@@ -589,7 +570,7 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
         settled = all(rates.planned[t] >= rates.bound[t] * (1 - 1e-12) for t in new)
         vals = [rates.planned[t] for t in chosen for _ in range(chosen[t])]
         best_level = level
-        value = (len(vals) * min(vals) if objective == "sync" else sum(vals)) if vals and min(vals) > 0 else 0.0
+        value = len(vals) * min(vals) if vals and min(vals) > 0 else 0.0
         improved = False
         if value > 0 and (settled or best is None or value > best[0]):
             grouping = _pack(chosen, classes, pools)

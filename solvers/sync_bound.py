@@ -586,7 +586,7 @@ def _first_fit(rated: Sequence[Template], usage: dict[Template, list[int]], supp
     tables[0][(0,) * tables[0].ndim] = True
     last = None
     for i, tp in enumerate(rated):
-        tables.append(add_template(tables[-1], usage[tp], None))
+        tables.append(add_template(tables[-1], usage[tp]))
         if tables[-1][..., k].any():
             last = i
             break

@@ -206,7 +206,7 @@ def test_fleet_bound_holds_when_speed_ratios_differ_by_layer(seed):
     # a type's effective time is its best ratio to the reference times the reference's whole model
     for m in (1, 3):
         best = best_by_enumeration(cost, m)
-        assert fleet_bound(cost, devs, "1f1b", m, "sync").samples_per_s >= best * (1 - 1e-9)
+        assert fleet_bound(cost, devs, "1f1b", m).samples_per_s >= best * (1 - 1e-9)
         assert throughput_upper_bound(cost, devs) >= best * (1 - 1e-9)
 
 

@@ -129,9 +129,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--policy", default=None, choices=("np", "ed", "hd", "opt"),
                         help="virtual-worker grouping: HetPipe's np, ed, hd, or opt (default: opt)")
     parser.add_argument("--objective", default="sync", choices=("sync", "wsp"),
-                        help="what opt maximises: K x the slowest virtual worker (sync, default: the long-run "
-                             "rate under data parallelism, and under WSP's staleness bound) or the sum of the "
-                             "workers' own rates (wsp: reached only while fast workers may run ahead)")
+                        help="what opt maximises: K x the slowest virtual worker's rate, the long-run rate under "
+                             "data parallelism and under WSP's staleness bound alike; sync (default) adds the "
+                             "gradient all-reduce and optimizer step as synchronous training pays them, wsp leaves "
+                             "them out (WSP hides its all-reduce behind the next waves)")
     parser.add_argument("--simulate-top", type=bounded_int(0, 1000), default=4, metavar="N",
                         help="opt: simulate the N best groupings by the closed form (any K) and keep the fastest "
                              "simulated one (default 4; 0: trust the closed form)")
