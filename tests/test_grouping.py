@@ -165,3 +165,19 @@ def test_equivalent_workers_share_one_mapping_relabelled_onto_their_own_gpus():
         assert worker_throughput(cost, vw.stages, "1f1b", 8) == pytest.approx(fresh.throughput, rel=1e-12)
     layouts = {tuple((st.layers, st.gpu_type) for st in vw.stages) for vw in res.plan.virtual_workers}
     assert len(layouts) == 2  # one per node kind
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_wsp_objective_is_the_long_run_rate_the_simulator_runs(seed):
+    """Without the all-reduce priced, the wsp objective (K x the slowest worker) is what the
+    simulator runs in the long run, within the closed form's known pessimism on uneven stages;
+    the sum of the workers' own rates was up to 2x above it."""
+    from partitioner.pricing import CostOptions
+
+    prof = synthetic_profile(12, seed=seed)
+    res = plan_cluster(prof, hetpipe_cluster(), "auto", "opt", objective="wsp", micro_batches=4,
+                       options=CostOptions(sync=False), time_limit_s=20)
+    assert res.ok
+    model, simulated = 1.0 / res.objective, res.plan.predicted["samples_per_s"]
+    assert model == pytest.approx(res.plan.meta["closed_form"]["samples_per_s"], rel=1e-9)
+    assert 0.9 * simulated <= model <= simulated * (1 + 1e-6)
