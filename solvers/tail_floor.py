@@ -17,10 +17,18 @@ device per worker), and steps. So the plan's iteration is at least
 
 with ``w_k`` the stage's parameter bytes, ``F_K`` :func:`solvers.sync_bound.allreduce_floor`
 (subadditive where it applies, so the groups of a device together take at least ``F_K`` of
-their bytes) and ``U`` the stage's optimizer step. ``T_w`` is at least the pipeline's fill
-plus ``m - 1`` times its slowest stage (under GPipe, the forward and the backward flow shops
-apart). :func:`worker_tail_floor_s` takes the least of that over every order of the worker's
-GPUs and every split, enumerated; it is ``None`` where they are too many.
+their bytes) and ``U`` the stage's optimizer step. ``T_w`` is the closed form's own iteration
+of the split (:meth:`~partitioner.cost.CostModel.worker_iteration_s`: the fill, then ``m - 1``
+times the pace, the slowest stage or under 1F1B a round trip over the stages left; under GPipe
+the forward and the backward flow shops apart). :func:`worker_tail_floor_s` takes the least of
+that over every order of the worker's GPUs and every split, enumerated; it is ``None`` where
+they are too many.
+
+The groups of a device run in the order of their first layer, and the group of layer 0 holds
+every worker's stage 0, which finishes at its worker's ``T_w``; each next group shares a device
+with the one before it up to the first layer ``c`` at which every worker has a stage boundary.
+So where that layer is ``c`` the plan's iteration is also at least ``T_w + F_K(w[0, c))`` for
+every worker: :attr:`TailTable.by_common_cut_s`, which :mod:`solvers.sync_bound` takes per ``c``.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ class TailTable:
     over the splits with a stage boundary at layer ``c`` (every split where ``c = L``); inf
     where none. Where every worker of a plan has a boundary at ``c``, the first such layer,
     the all-reduces of layers ``[0, c)`` run one after another after the last pipeline ends
-    (see :func:`worker_tail_table`), so the plan's iteration is at least this for every worker.
+    (the module docstring), so the plan's iteration is at least this for every worker.
     """
 
     own_s: float
