@@ -142,7 +142,10 @@ def main() -> int:
     print(f"{'model':>12} {'mbs':>4} {'schedule':>8} {'bound ms':>9} {'ours ms':>9} {'torch ms':>9} "
           f"{'torch/ours':>10} {'ours/bound':>10}")
     for item in args.models.split(","):
-        model, mbs = item.rsplit(":", 1)
+        model, _, mbs = item.rpartition(":")
+        if not model or not mbs.isdigit() or int(mbs) < 1:
+            ap.error(f"--models: '{item}' is not MODEL:MICRO_BATCH_SIZE (a zoo name or module:function, then "
+                     "an integer >= 1)")
         n = _chain(model, int(mbs)).num_layers
         t1, t2 = stage_times_s(model, int(mbs), args.micro_batches, n // 2)
         bound = (args.micro_batches - 1) * max(t1, t2) + t1 + t2  # fill, then the slower stage paces
