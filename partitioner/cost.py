@@ -225,11 +225,13 @@ class CostModel:
         """Forward+backward seconds of every layer on ``gpu_type`` (the differences of the prefix sums)."""
         return np.diff(self._total_prefix(gpu_type))
 
+    @functools.cache  # noqa: B019
     def compute_matrix(self, gpu_type: str) -> np.ndarray:
         """``C[i, j]`` = forward+backward seconds of layers ``[i, j)`` (meaningful for i < j)."""
         total = self._total_prefix(gpu_type)
         return total[None, :] - total[:, None]
 
+    @functools.cache  # noqa: B019
     def direction_matrices(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
         """``F[i, j]`` and ``B[i, j]``: forward and backward seconds of layers ``[i, j)`` apart
         (:meth:`fwd_bwd_s` for every range; meaningful for i < j)."""

@@ -251,8 +251,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                           layout=layout, rank=rank, lr=config.lr)
         executor = wsp
         _emulate(wsp, config, me.device, device)
-        if config.emulation is not None and config.emulation.links:
-            wsp.delay = LinkDelay.for_ranks(config.emulation, {r.rank: r.device for r in layout.ranks})
+        wsp.delay = _link_delay(config, layout)
         if config.eval_global:
             wsp.snapshots = {}
         actions = layout.actions(rank, iterations=config.steps)
@@ -312,8 +311,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
                     optimizer.load_state_dict(state["optimizer"])
                 log.info("rank %d resumes from step %d", rank, first)
         averager = GradientAverager(layout, rank, by_layer)
-        if config.emulation is not None and config.emulation.links:
-            averager.delay = LinkDelay.for_ranks(config.emulation, {r.rank: r.device for r in layout.ranks})
+        averager.delay = _link_delay(config, layout)
         versions: list[dict[int, dict[str, torch.Tensor]]] | None = [] if config.eval_global else None
         end_s: list[float] = []
         executor = PipelineExecutor(modules, n_stages, peers, input_shapes, m, micro_batch, loss_fn, optimizer,
@@ -405,6 +403,13 @@ def _emulate(executor: PipelineExecutor, config: TrainConfig, plan_device: str, 
         return
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     executor.emulate(Stretch.for_device(config.emulation, plan_device, sync))
+
+
+def _link_delay(config: TrainConfig, layout: Layout) -> LinkDelay | None:
+    """The emulated links' delays (``--emulate-links``), or None."""
+    if config.emulation is None or not config.emulation.links:
+        return None
+    return LinkDelay.for_ranks(config.emulation, {r.rank: r.device for r in layout.ranks})
 
 
 def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], backend: str) -> dict[str, Any]:

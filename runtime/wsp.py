@@ -37,7 +37,7 @@ worker still running can wait for before it too reaches the deadline (it can onl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -105,13 +105,17 @@ class WspExecutor(PipelineExecutor):
     def _flat(keys: list[tuple[int, str]], get: Any) -> torch.Tensor:
         return torch.cat([get(s, n).reshape(-1) for s, n in keys])
 
-    def _set_from_flat(self, keys: list[tuple[int, str]], flat: torch.Tensor) -> None:
+    def _unflat(self, keys: list[tuple[int, str]], flat: torch.Tensor) -> Iterator[tuple[int, str, torch.Tensor]]:
+        """``(stage, name, view)``: ``flat``'s part of each parameter in ``keys``, shaped like it."""
         offset = 0
         for s, n in keys:
-            old = self.leaves[s][n]
-            k = old.numel()
-            self.leaves[s][n] = flat[offset:offset + k].view_as(old).clone().requires_grad_(True)
-            offset += k
+            like = self.leaves[s][n]
+            yield s, n, flat[offset:offset + like.numel()].view_as(like)
+            offset += like.numel()
+
+    def _set_from_flat(self, keys: list[tuple[int, str]], flat: torch.Tensor) -> None:
+        for s, n, part in self._unflat(keys, flat):
+            self.leaves[s][n] = part.clone().requires_grad_(True)
 
     # -- compute with stashed weights ------------------------------------------------------
 
@@ -228,11 +232,8 @@ class WspExecutor(PipelineExecutor):
         """The global weights (every pull so far), stage -> parameter name -> tensor (copies)."""
         out: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.stages}
         for gi, (_, keys) in enumerate(self.groups):
-            offset = 0
-            for s, n in keys:
-                k = self.leaves[s][n].numel()
-                out[s][n] = self.global_flat[gi][offset:offset + k].view_as(self.leaves[s][n]).clone()
-                offset += k
+            for s, n, part in self._unflat(keys, self.global_flat[gi]):
+                out[s][n] = part.clone()
         return out
 
     def pull(self, wave: int) -> None:

@@ -330,11 +330,12 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
     ``details["grouping"]``), so the bound also searches, branch-and-bound style.
     ``workers``: only plans of this many virtual workers (``None``: any number).
 
-    Templates are bounded in three steps, each only where the one before leaves them able to
-    beat the plan: memory; the LP of :func:`pipeline_floor_s` (per mix of GPU types, with the
+    Templates are bounded in steps, each only where the one before leaves them able to beat
+    the plan: memory; the LP of :func:`pipeline_floor_s` (per mix of GPU types, with the
     slowest layer on its fastest type as the least pace); the same LP with the least
     bottleneck of an exhaustive mapping search as the least pace (per template, where the
-    search is exhaustive: at most ``exact_limit`` orders)."""
+    search is exhaustive: at most ``exact_limit`` orders); then, for the templates of the
+    workers that still fit, their :class:`~solvers.tail_floor.TailTable` among ``K``."""
     if not spec(schedule).flushes or spec(schedule).sync != "allreduce":
         raise ValueError(f"sync_bound: schedule {schedule} is not a flushing all-reduce schedule")
     m, b = micro_batches, cost.profile.micro_batch_size
@@ -420,7 +421,8 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
         chord lies below a concave function: still a floor)."""
         if members not in curves:
             top = cost.param_bytes(0, n_layers)
-            low = max(min((x for x in np.diff(cost.param_prefix) if x > 0), default=top), top * 1e-9)
+            sizes = np.diff(cost.param_prefix)
+            low = max(float(sizes[sizes > 0].min()) if (sizes > 0).any() else top, top * 1e-9)
             grid = np.unique(np.concatenate([[0.0], np.geomspace(low, top, CURVE_POINTS)]))
             curves[members] = grid, np.array([floor_s(members, float(x)) if x > 0 else 0.0 for x in grid])
         grid, vals = curves[members]
@@ -478,15 +480,20 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
         base_s = np.array([base[tp] for tp in rated])
         least, where = math.inf, None
         failed: list[np.ndarray] = []
+
+        def tabled() -> tuple[np.ndarray, np.ndarray]:
+            """The rated templates with a table (their indices) and their tables' values by cut."""
+            have = [(i, tab) for i, tp in enumerate(rated) if (tab := tables.get((tp, k))) is not None]
+            return (np.array([i for i, _ in have], dtype=np.int64),
+                    np.array([tab.by_common_cut_s for _, tab in have]).reshape(len(have), n_layers + 1))
+
+        idx, by_cut = tabled()
         for c in range(n_layers, 0, -1):
             if deadline is not None and time.perf_counter() > deadline:
                 return None
             while True:
                 vals = base_s.copy()
-                for i, tp in enumerate(rated):
-                    tab = tables.get((tp, k))
-                    if tab is not None:
-                        vals[i] = max(vals[i], tab.by_common_cut_s[c])
+                vals[idx] = np.maximum(vals[idx], by_cut[:, c])
                 # only workers faster than the least found so far can lower it; whether k of them fit
                 # depends on the set alone, so a subset of a set that did not fit is skipped
                 can = vals < min(target, least)
@@ -504,20 +511,43 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
                     if deadline is not None and time.perf_counter() > deadline:
                         return None
                     table(tp, k)
+                idx, by_cut = tabled()
             if fit is not None:
-                at = {tp: float(vals[i]) for i, tp in enumerate(rated)}
-                least, where = max(at[tp] for tp in fit), fit
+                least, where = max(float(vals[i]) for i in order if rated[i] in fit), fit
         return least, where
 
     best_value, best_grouping = beat_samples_per_s, None
     result_k, bound = 0, 0.0
     priced: set[tuple[tuple[Template, int], ...]] = set()
+
+    def gave_up() -> SyncBound:
+        """Past the deadline: the fallback, with a better grouping found so far."""
+        return SyncBound(fallback_samples_per_s, 0, len(templates), sum(v == 2 for v in step.values()), affine, False,
+                         {"grouping": best_grouping, "samples_per_s": best_value} if best_grouping else {})
+
+    def better(k: int, chosen: dict[Template, int]) -> bool:
+        """Price ``chosen`` as a plan (once); whether it beats the plan to beat (it then becomes it)."""
+        nonlocal best_value, best_grouping
+        key = tuple(sorted(chosen.items()))
+        if price is None or key in priced:
+            return False
+        priced.add(key)
+        grouping = _pack(chosen, classes, pools)
+        if grouping is None:
+            return False
+        value = price(grouping)
+        log.debug("K = %d: priced %s at %.6g", k, chosen, value)
+        if value <= best_value * (1 + 1e-9):
+            return False
+        log.debug("K = %d: a better grouping, %.6g samples/s", k, value)
+        best_value, best_grouping = value, grouping
+        return True
+
     for k in range(1, n + 1) if workers is None else [workers]:
         tails = {tp: tail_s(tp, k) for tp in templates}
         while True:
             if deadline is not None and time.perf_counter() > deadline:
-                return SyncBound(fallback_samples_per_s, 0, len(templates), sum(v == 2 for v in step.values()), affine, False,
-                                 {"grouping": best_grouping, "samples_per_s": best_value} if best_grouping else {})
+                return gave_up()
             target = k * samples / best_value * (1 - 1e-9)  # the iteration K workers must beat
             rated = sorted((tp for tp in templates if pipeline[tp] + tails[tp] < target),
                            key=lambda tp: pipeline[tp] + tails[tp])
@@ -534,32 +564,18 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
             if coarse or loose:
                 continue
             # K workers of settled bounds fit: price them if we can, else this K bounds the gap
-            key = tuple(sorted(chosen.items()))
-            grouping = _pack(chosen, classes, pools) if price is not None and key not in priced else None
-            priced.add(key)
-            if grouping is not None and price is not None:
-                value = price(grouping)
-                log.debug("K = %d: priced %s at %.6g", k, chosen, value)
-                if value > best_value * (1 + 1e-9):
-                    log.debug("K = %d: a better grouping, %.6g samples/s", k, value)
-                    best_value, best_grouping = value, grouping
-                    continue
+            if better(k, chosen):
+                continue
             # every stage's all-reduce, and the chain of all-reduces up to the first common cut
             by_cut = common_cut_floor_s(k, target, rated, {tp: pipeline[tp] + tails[tp] for tp in rated})
             if by_cut is None:
-                return SyncBound(fallback_samples_per_s, 0, len(templates), sum(v == 2 for v in step.values()), affine,
-                                 False, {"grouping": best_grouping, "samples_per_s": best_value} if best_grouping else {})
+                return gave_up()
             least_s, fit = by_cut
             if fit is None:
                 log.debug("K = %d: no common cut lets %d workers beat %.6g samples/s", k, k, best_value)
                 break
-            if price is not None and (key := tuple(sorted(fit.items()))) not in priced:
-                priced.add(key)  # the workers that could come closest: priced as a plan too
-                grouping = _pack(fit, classes, pools)
-                if grouping is not None and (value := price(grouping)) > best_value * (1 + 1e-9):
-                    log.debug("K = %d: a better grouping, %.6g samples/s", k, value)
-                    best_value, best_grouping = value, grouping
-                    continue
+            if better(k, fit):  # the workers that could come closest: priced as a plan too
+                continue
             value = k * samples / least_s
             log.debug("K = %d: workers fit at %.6g s, %.6g samples/s against %.6g", k, least_s, value, best_value)
             if value > bound:
