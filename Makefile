@@ -24,9 +24,9 @@ test-slow: install
 	$(PYTHON) -m pytest -m slow
 
 lint:
-	$(PYTHON) -m ruff check . && $(PYTHON) -m mypy partitioner solvers runtime
+	$(PYTHON) -m ruff check . && $(PYTHON) -m mypy partitioner partitioner_cli solvers runtime
 
 # The quick set of benchmarks; `make bench BENCH="dp_scaling fidelity --write"` picks and writes.
 BENCH ?=
 bench: install
-	$(PYTHON) -m partitioner bench $(BENCH)
+	$(PYTHON) -m partitioner_cli bench $(BENCH)

@@ -19,3 +19,7 @@ def machine_line() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
+
+
+if __name__ == "__main__":
+    print(machine_line())

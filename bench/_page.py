@@ -8,12 +8,18 @@ time against size on log axes) and its printed table.
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from partitioner._io import atomic_write_text
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from partitioner._io import atomic_write_text  # noqa: E402
 
 __all__ = ["HEADER", "render_section", "update_section"]
 
@@ -106,3 +112,10 @@ def write_between(page: Path, begin: str, end: str, body: str, header: str = "")
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     page.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(page, text)
+
+
+if __name__ == "__main__":
+    # python bench/_page.py RECORD.json PAGE.md IMG_DIR: write the record's section and its
+    # figures; print the figures shown (JSON), which the record keeps
+    record_path, page_path, img = sys.argv[1:4]
+    print(json.dumps(update_section(json.loads(Path(record_path).read_text()), Path(page_path), Path(img))))

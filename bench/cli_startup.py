@@ -2,7 +2,7 @@
 
     python bench/cli_startup.py [--runs 5] [--pyc] [--pipedream DIR]
 
-Each command runs as a fresh ``python -m partitioner`` process from the repository root, ``--runs``
+Each command runs as a fresh ``python -m partitioner_cli`` process from the repository root, ``--runs``
 times; the table gives the median, min and max wall time of the whole process (interpreter start,
 imports, reading the inputs, solving, writing the plan) and whether torch was loaded (checked in one
 extra run with ``-X importtime``). Inputs: PipeDream's profiles of vgg16, resnet50 and gnmt
@@ -42,13 +42,13 @@ def cluster_yaml(path: Path, num_gpus: int) -> Path:
 
 def run(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "partitioner", *argv], cwd=ROOT, env=env,
+    res = subprocess.run([sys.executable, "-m", "partitioner_cli", *argv], cwd=ROOT, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - t0, res.returncode
 
 
 def loads_torch(argv: list[str], env: dict[str, str]) -> bool:
-    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "partitioner", *argv], cwd=ROOT, env=env,
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "partitioner_cli", *argv], cwd=ROOT, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return any(line.startswith("import time:") and line.rsplit("|", 1)[-1].strip() == "torch"
                for line in res.stderr.splitlines())
@@ -88,7 +88,7 @@ def main() -> None:
                                              "--solver", "dp", *flags, "-o", str(tmp / "plan.json")]))
 
         print(f"machine: {machine_line()}")
-        print(f"python -m partitioner from {ROOT.name}/, median of {args.runs} runs, bytecode {bytecode}\n")
+        print(f"python -m partitioner_cli from {ROOT.name}/, median of {args.runs} runs, bytecode {bytecode}\n")
         header = f"{'command':<44} {'median_s':>9} {'min_s':>7} {'max_s':>7}  {'exit':>4}  torch"
         print(header)
         print("-" * len(header))

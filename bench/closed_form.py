@@ -27,7 +27,7 @@ from partitioner.cost import CostModel, CostOptions  # noqa: E402
 from partitioner.importers.pipedream import import_pipedream  # noqa: E402
 from partitioner.simulate import simulate_plan  # noqa: E402
 from solvers import solve  # noqa: E402
-from solvers.hetero import plan_cluster  # noqa: E402
+from solvers.cluster.planner import plan_cluster  # noqa: E402
 
 PIPEDREAM = ROOT.parent / "shared" / "data" / "pipedream"
 if not PIPEDREAM.exists():

@@ -3,7 +3,7 @@
     python bench/dp_optimality.py
 
 Identical devices, transfers and memory ignored: the setting in which an independent exact
-method exists (parametric search, solvers/bisection.py). Prints one row per profile and
+method exists (parametric search, solvers/pipeline/bisection.py). Prints one row per profile and
 pipeline depth; the two columns must agree.
 """
 
@@ -21,7 +21,7 @@ from bench._machine import machine_line  # noqa: E402
 from partitioner.cluster import GIB, Cluster, DeviceType, Node  # noqa: E402
 from partitioner.importers.pipedream import import_pipedream  # noqa: E402
 from solvers import solve  # noqa: E402
-from solvers.bisection import identical_optimum  # noqa: E402
+from solvers.pipeline.bisection import identical_optimum  # noqa: E402
 
 PROFILES = ROOT / "tests" / "data" / "pipedream"
 

@@ -55,7 +55,7 @@ def make_plans(emu_profile: Path, micro_batches: int, tmp: Path) -> dict[str, Pl
     plans = {}
     for label, extra in PLANS:
         out = tmp / f"plan_{len(plans)}.json"
-        cmd = [sys.executable, "-m", "partitioner", "plan", str(emu_profile), "--cluster", str(CLUSTER),
+        cmd = [sys.executable, "-m", "partitioner_cli", "plan", str(emu_profile), "--cluster", str(CLUSTER),
                "--micro-batches", str(micro_batches), *extra, "-o", str(out)]
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if res.returncode != 0:

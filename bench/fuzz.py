@@ -382,9 +382,9 @@ class Outcome:
 
 
 def run_in_process(argv: Sequence[str]) -> tuple[int, str, str, float]:
-    """``partitioner.cli.main(argv)`` here, stdout and stderr captured: (status, stdout, stderr, seconds).
+    """``partitioner_cli.main.main(argv)`` here, stdout and stderr captured: (status, stdout, stderr, seconds).
     An exception escaping ``main`` is written to the captured stderr as a traceback, status 99."""
-    from partitioner.cli import main
+    from partitioner_cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     t0 = time.perf_counter()
@@ -443,8 +443,8 @@ def run_forked(argv: Sequence[str], timeout_s: float, scratch: Path, mem_bytes: 
 # -- the campaign ------------------------------------------------------------------------------
 
 
-PRELOAD = ("partitioner.cli", "partitioner.commands.import_", "partitioner.commands.plan",
-           "partitioner.commands.profile", "partitioner.commands.simulate", "partitioner.commands.train",
+PRELOAD = ("partitioner_cli.main", "partitioner_cli.import_", "partitioner_cli.plan",
+           "partitioner_cli.profile", "partitioner_cli.simulate", "partitioner_cli.train",
            "partitioner.simulate", "partitioner.trace", "runtime.launch", "runtime.stage", "solvers", "yaml")
 
 

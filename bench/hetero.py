@@ -30,7 +30,7 @@ from partitioner.cost import CostModel  # noqa: E402
 from partitioner.importers.sailor import import_sailor  # noqa: E402
 from partitioner.profile import Profile  # noqa: E402
 from solvers import solve  # noqa: E402
-from solvers.hetero import plan_cluster  # noqa: E402
+from solvers.cluster.planner import plan_cluster  # noqa: E402
 from tests._hetero_fixtures import synthetic_profile  # noqa: E402
 
 SAILOR = ROOT.parent / "shared" / "data" / "sailor_opt350"

@@ -21,7 +21,7 @@ CBC's graph models (objective, proven bound, status, seconds, including their se
 for the least total stage time), and the graph plan's gain over the chain. Prints the table;
 ``--write`` puts it into docs/solvers.md between its markers.
 
-``--joint``: the joint mapping models (:mod:`solvers.joint_cpsat`, :mod:`solvers.joint_milp`) on
+``--joint``: the joint mapping models (:mod:`solvers.exact.cpsat.joint`, :mod:`solvers.exact.cbc.joint`) on
 ResNet-152 (``examples/profiles/resnet152_hetpipe.json``: 52 layers, measured on a CPU and
 projected to the four GPU types by the calibrated roofline) over the HetPipe cluster
 (``examples/clusters/hetpipe.yaml``: 16 GPUs of 4 types on 4 nodes) and over that cluster doubled

@@ -9,7 +9,7 @@ chain (layer times 0.5-1.5x a mean, speeds per type fixed). Each row is one run 
 ``plan_cluster(..., "auto", "opt", micro_batches=8, time_limit_s=...)``: wall time (the median of
 ``--repeat`` solves, after one warm-up solve of a small instance so that no row pays the first
 import of SciPy's solvers), status, the certified gap (against the fleet bound,
-:func:`solvers.fleet_bound.fleet_bound`), the gap against the old perfect-speed-up bound
+:func:`solvers.cluster.bounds.fleet.fleet_bound`), the gap against the old perfect-speed-up bound
 (``throughput_upper_bound``) and what the bound is made of (K at the bound, the bound as a share
 of perfect speed-up), and the process's peak RSS. ``--heap`` adds the peak Python heap of one more
 solve traced by tracemalloc (tracing slows Python down, so it is never timed). ``--write`` also
@@ -35,7 +35,7 @@ from bench._machine import machine_line  # noqa: E402
 from partitioner.cluster import Cluster, Node  # noqa: E402
 from partitioner.cost import CostModel  # noqa: E402
 from partitioner.profile import LayerProfile, LayerTime, Profile  # noqa: E402
-from solvers.hetero import plan_cluster, throughput_upper_bound  # noqa: E402
+from solvers.cluster.planner import plan_cluster, throughput_upper_bound  # noqa: E402
 
 TYPES = (("TITAN-V", 1.0), ("TITAN-RTX", 0.9), ("RTX-2060", 2.2), ("Quadro-P4000", 3.0),
          ("V100-SXM2-16GB", 0.8), ("RTX-3090", 0.6))

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT_DIR:-out}
 mkdir -p "$OUT"
-run() { echo "\$ partitioner $*"; $PY -m partitioner "$@"; echo; }
+run() { echo "\$ partitioner $*"; $PY -m partitioner_cli "$@"; echo; }
 
 echo "== 1. a real per-layer profile: VGG-16 measured by PipeDream's profiler on a V100 (minibatch 128)"
 run import pipedream examples/profiles/vgg16_pipedream_graph.txt --gpu-type V100-SXM2-16GB --model vgg16 \

@@ -60,7 +60,7 @@ import numpy as np
 from .cluster import Cluster, DeviceType, Node, resolve_gpu_type
 from .cost import CostModel
 from .emulated_links import EmulatedCollective, collectives, dilated_cluster, time_scale
-from .errors import FormatError, check
+from .errors import FormatError, OptionError, check
 from .plan import Plan
 from .pricing import CostOptions
 from .profile import LayerTime, Profile
@@ -128,7 +128,8 @@ class Emulation:
               "time_scale", self.time_scale, "must be a finite number >= 0 (0: links not emulated)")
         check(not self.collectives or self.time_scale > 0, "collectives", len(self.collectives),
               "need the time scale of the emulated links")
-        check(self.rule in EMULATION_RULES, "--emulate-rule", self.rule, f"must be one of {', '.join(EMULATION_RULES)}")
+        check(self.rule in EMULATION_RULES, "emulate_rule", self.rule, f"must be one of {', '.join(EMULATION_RULES)}",
+              error=OptionError)
         check(bool(self.local), "local", self.local, "must name the profile's key of this machine's times")
         check(isinstance(self.link_gbps, (int, float)) and math.isfinite(self.link_gbps) and self.link_gbps > 0,
               "link_gbps", self.link_gbps, "must be a finite number of GB/s > 0")
@@ -198,10 +199,10 @@ def _have(profile: Profile) -> str:
 
 def _local_times(profile: Profile, local: str) -> tuple[np.ndarray, np.ndarray]:
     if local not in profile.gpu_types:
-        raise FormatError("--emulate-local", local,
+        raise OptionError("emulate_local", local,
                           f"profile '{profile.model}' has no times for this machine's device '{local}' on every "
-                          f"layer (it has: {_have(profile)}); measure them with `partitioner profile "
-                          f"{profile.model} --device cpu` and merge (`partitioner profile merge`)")
+                          f"layer (it has: {_have(profile)}); measure them on the CPU (`partitioner "
+                          f"profile {profile.model}`) and merge them into it (`partitioner profile merge`)")
     return profile.times_for(local)
 
 
@@ -212,7 +213,7 @@ def _reference(profile: Profile, types: Mapping[str, str], reference: str | None
     if reference is not None:
         key = _profile_key(profile, reference, device_types)
         if key is None:
-            raise FormatError("--emulate-reference", reference,
+            raise OptionError("emulate_reference", reference,
                               f"profile '{profile.model}' has no times for this GPU type (it has: {_have(profile)}); "
                               "name one of them")
         f, b = profile.times_for(key)
@@ -232,7 +233,7 @@ def _ratio(profile: Profile, gpu: str, times: np.ndarray, ref: np.ndarray, ref_n
         raise FormatError(f"layers[{layer}].times.{ref_name}.{what}_s", float(ref[layer]),
                           f"the emulation's reference takes no time on layer {layer} "
                           f"({profile.layers[layer].name}) while {gpu} takes {times[layer]:.3g} s: no ratio to "
-                          "play; name another --emulate-reference")
+                          "play; name another `emulate_reference`")
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(ref > 0, times / np.where(ref > 0, ref, 1.0), 1.0)
 
@@ -244,10 +245,10 @@ def _cluster_types(profile: Profile, cluster: Cluster, required: Iterable[str]) 
     for t in dict.fromkeys(required):
         key = _profile_key(profile, t, cluster.device_types)
         if key is None:
-            raise FormatError("--emulate", t,
+            raise OptionError("emulate", t,
                               f"the plan's GPU type {t} has no times in profile '{profile.model}' (it has: "
-                              f"{_have(profile)}); project them: `partitioner profile project PROFILE "
-                              f"--gpu-type {t}`")
+                              f"{_have(profile)}); project them to {t} (`partitioner profile "
+                              f"project`)")
         out[t] = key
     for t in cluster.gpu_types:
         key = _profile_key(profile, t, cluster.device_types)
@@ -263,9 +264,9 @@ def emulated_profile(profile: Profile, cluster: Cluster, *, local: str = LOCAL_D
     among them). Optimizer-step times are the local ones (the step is not stretched)."""
     local_f, local_b = _local_times(profile, local)
     types = _cluster_types(profile, cluster, required)
-    check(bool(types), "--emulate", cluster.name,
+    check(bool(types), "emulate", cluster.name,
           f"profile '{profile.model}' has times for no GPU type of cluster '{cluster.name}' "
-          f"(it has: {_have(profile)})")
+          f"(it has: {_have(profile)})", error=OptionError)
     ref_name, ref_f, ref_b = _reference(profile, types, reference, cluster.device_types)
     update = profile.update_times_for(local)
     emulated: dict[str, list[LayerTime]] = {}
@@ -299,7 +300,7 @@ def emulation_for(plan: Plan, profile: Profile, cluster: Cluster, *, local: str 
     type of the plan or the reference without times, a factor below 1); with ``links``, the
     emulated seconds of every all-reduce between virtual workers as well."""
     check(isinstance(link_gbps, (int, float)) and math.isfinite(link_gbps) and link_gbps > 0,
-          "--emulate-link-GBps", link_gbps, "must be a number of GB/s > 0")
+          "emulate_link_gbps", link_gbps, "must be a number of GB/s > 0", error=OptionError)
     plan_types = [cluster.device(d).gpu_type for vw in plan.virtual_workers for st in vw.stages for d in st.devices]
     emu = emulated_profile(profile, cluster, local=local, reference=reference, required=plan_types)
     ref_name = str(emu.meta["emulated"]["reference"])
@@ -319,18 +320,18 @@ def emulation_for(plan: Plan, profile: Profile, cluster: Cluster, *, local: str 
                     targets.append(target)
                     x = target / base if base > 0 else 1.0
                     if x < 1.0 - 1e-9:
-                        raise FormatError("--emulate-reference", reference,
+                        raise OptionError("emulate_reference", reference,
                                           f"device {d} ({gpu}) would run stage {k} of virtual worker {w} "
                                           f"({what}) in {x:.3g}x this machine's time: emulation can only slow "
                                           "down; name a type at least as fast as every type of the plan, or "
-                                          "leave --emulate-reference out (the fastest type per layer)")
+                                          "leave `emulate_reference` out (the fastest type per layer)")
                     factors.append(max(x, 1.0))
                 stages.append(EmulatedStage(w, k, d, gpu, st.start, st.stop, factors[0], factors[1], *targets))
     if not links:
         return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule)
     executor = spec(plan.schedule).executor  # (the runtime's executor: 2bw's all-reduce has no delay)
-    check(executor != "2bw", "--emulate-links", plan.schedule,
-          "the 2bw all-reduce is not emulated: use a flushing schedule or wsp")
+    check(executor != "2bw", "emulate_links", plan.schedule,
+          "the 2bw all-reduce is not emulated: use a flushing schedule or wsp", error=OptionError)
     scale = emulation_time_scale(profile, cluster, local=local, reference=reference, required=plan_types)
     return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule, scale,
                      collectives(plan, profile, dilated_cluster(cluster, scale)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
-__all__ = ["FormatError", "PartitionerError", "check"]
+__all__ = ["FormatError", "OptionError", "PartitionerError", "check"]
 
 
 class PartitionerError(Exception):
@@ -44,11 +44,18 @@ class FormatError(PartitionerError, ValueError):
         """The same error, attributed to ``file`` (kept if a file was already named)."""
         if self.file:
             return self
-        return FormatError(self.field, self.value, self.expected, file=str(file))
+        return type(self)(self.field, self.value, self.expected, file=str(file))
 
     def under(self, prefix: str) -> FormatError:
         """The same error with ``prefix`` prepended to the field path (``layers[3].`` ...)."""
-        return FormatError(f"{prefix}{self.field}", self.value, self.expected, file=self.file)
+        return type(self)(f"{prefix}{self.field}", self.value, self.expected, file=self.file)
+
+
+class OptionError(FormatError):
+    """An option of a call (a keyword argument: ``micro_batches``) with a bad value. The library
+    names the option by its keyword; the command line names it by the flag that gives it
+    (``--micro-batches``). In any error's text, an option written ```keyword``` is shown the same
+    way."""
 
 
 _REPR = reprlib.Repr()
@@ -67,7 +74,9 @@ def _short_repr(value: Any) -> str:
     return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
-def check(condition: bool, field: str, value: Any, expected: str) -> None:
-    """Raise :class:`FormatError` unless ``condition`` holds."""
+def check(condition: bool, field: str, value: Any, expected: str,
+          error: type[FormatError] = FormatError) -> None:
+    """Raise ``error`` (:class:`FormatError`, or :class:`OptionError` for an option) unless
+    ``condition`` holds."""
     if not condition:
-        raise FormatError(field, value, expected)
+        raise error(field, value, expected)

@@ -67,8 +67,8 @@ def _check_plan(plan: Plan, target: str) -> int:
     """Refuse what no target runs; check the stages cover ``[0, L)`` in order. Returns ``L``."""
     if plan.layer_order is not None:
         raise ExportError(target, "layer_order: the stages are convex sets of the model's graph, not ranges of its "
-                                  f"layer list, which {target} splits; plan the chain order (--solver dp, or "
-                                  "--chain-order)")
+                                  f"layer list, which {target} splits; plan the chain order (the dp solver, or "
+                                  "`chain_order`)")
     sp = spec(plan.schedule)
     if not sp.flushes:
         what = ("bounded staleness between virtual workers (Wave Synchronous Parallel)" if sp.sync == "wave"

@@ -130,7 +130,7 @@ def supports(plan: Plan, target: str) -> str | None:
         return None
     if plan.layer_order is not None:
         return ("layer_order: the stages are convex sets of the model's graph, not ranges of its layer list; the "
-                "runtime runs ranges of the layer list; plan the chain order (--solver dp, or --chain-order)")
+                "runtime runs ranges of the layer list; plan the chain order (the dp solver, or `chain_order`)")
     sp = spec(plan.schedule)
     if plan.staleness != 0 and sp.sync != "wave":
         return (f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
@@ -141,5 +141,5 @@ def supports(plan: Plan, target: str) -> str | None:
                 return (f"virtual_workers[{w}].stages[{k}] has replicas {list(st.replicas)}: the runtime executes "
                         f"replicated stages with schedule {', '.join(REPLICATED_SCHEDULES[:-1])} or "
                         f"{REPLICATED_SCHEDULES[-1]}, not "
-                        f"'{plan.schedule}'; re-plan without --replication or with one of those schedules")
+                        f"'{plan.schedule}'; re-plan without `replication` or with one of those schedules")
     return None

@@ -308,7 +308,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
     chain = _as_layer_list(layers)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise PartitionerError("device 'cuda' requested but torch sees no CUDA device (use --device cpu)")
+        raise PartitionerError("device 'cuda' requested but torch sees no CUDA device (use `device` cpu)")
     if dev.type == "meta":
         raise PartitionerError("the meta device cannot be timed; use analyze_layers or the analytic mode")
     if threads:

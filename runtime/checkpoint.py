@@ -108,7 +108,7 @@ def resume_step(root: str, plan: Plan, world_size: int) -> int:
     if manifest.get("plan_sha256") != plan_sha256(plan):
         raise PartitionerError(f"{where}: plan_sha256 = {str(manifest.get('plan_sha256'))[:12]}...: the checkpoint "
                                f"is of another plan (this plan's is {plan_sha256(plan)[:12]}...); resume with the "
-                               f"plan it was trained with, or use another --checkpoint-dir")
+                               f"plan it was trained with, or use another `checkpoint_dir`")
     if manifest.get("world_size") != world_size:
         raise PartitionerError(f"{where}: world_size = {manifest.get('world_size')}: this run has {world_size} "
                                f"processes")

@@ -105,7 +105,7 @@ def corpus_bytes(max_bytes: int = 8 << 20) -> torch.Tensor:
             break
     if total < 1 << 16:
         raise PartitionerError(f"the text corpus (the .py files of {root}) has only {total} bytes; "
-                               f"use --data classes or synthetic")
+                               f"use `data` classes or synthetic")
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).clone()
 
 
@@ -117,7 +117,7 @@ class TextData(DataSource):
     def __init__(self, seq_len: int, vocab: int, global_size: int, seed: int = 0, causal: bool = True):
         if vocab < MASK_ID + (0 if causal else 1):
             raise PartitionerError(f"vocab = {vocab}: the text task needs {MASK_ID + (0 if causal else 1)} token ids "
-                                   f"(bytes{'' if causal else ' and a mask id'}); use a larger vocab or --data synthetic")
+                                   f"(bytes{'' if causal else ' and a mask id'}); use a larger vocab or `data` synthetic")
         self.seq, self.vocab, self.global_size, self.seed, self.causal = seq_len, vocab, global_size, seed, causal
         self.corpus = corpus_bytes()
 

@@ -24,7 +24,7 @@ def planned_pipeline_module(layers: Sequence[Any], export: Mapping[str, Any], **
     ``[parts[s], parts[s + 1])`` of the export (``kwargs`` go to ``PipelineModule``)."""
     if export.get("format") != EXPORT_FORMAT or export.get("target") != "deepspeed":
         raise PartitionerError(f"not a deepspeed export (format {export.get('format')!r}, target "
-                               f"{export.get('target')!r}); make one with `partitioner export PLAN --to deepspeed`")
+                               f"{export.get('target')!r}); make one with `partitioner export` (target deepspeed)")
     parts = [int(x) for x in export["parts"]]
     if len(layers) != parts[-1]:
         raise PartitionerError(f"{len(layers)} layers given; the export partitions {parts[-1]}")

@@ -112,13 +112,13 @@ class TrainConfig:
         if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
             raise PartitionerError(f"checkpoint_every = {self.checkpoint_every!r}: must be an integer >= 0")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
-            raise PartitionerError("checkpoint_every / resume need a checkpoint directory (--checkpoint-dir)")
+            raise PartitionerError("checkpoint_every / resume need a checkpoint directory (`checkpoint_dir`)")
         if not (isinstance(self.max_seconds, (int, float)) and 0 <= self.max_seconds < float("inf")):
             raise PartitionerError(f"max_seconds = {self.max_seconds!r}: must be a number of seconds >= 0 "
                                    "(0: run every step)")
         if self.max_seconds and self.checkpoint_dir:
-            raise PartitionerError("max_seconds: a run that ends by time is not checkpointed; leave out "
-                                   "--checkpoint-dir or --max-seconds")
+            raise PartitionerError("`max_seconds`: a run that ends by time is not checkpointed; leave out "
+                                   "`checkpoint_dir` or `max_seconds`")
         if self.emulation is not None and not isinstance(self.emulation, Emulation):
             raise PartitionerError(f"emulation = {self.emulation!r}: must be a partitioner.emulation.Emulation")
 
@@ -150,7 +150,7 @@ def check_checkpoints(plan: Plan, config: TrainConfig, world_size: int) -> int:
     start = resume_step(config.checkpoint_dir, plan, world_size) if config.resume else 0
     if start >= config.steps:
         raise PartitionerError(f"{config.checkpoint_dir}: the last complete checkpoint is of step {start}, "
-                               f"not before --steps {config.steps}; ask for more steps")
+                               f"not before `steps` {config.steps}; ask for more steps")
     return start
 
 
@@ -159,10 +159,10 @@ def check_time_bound(plan: Plan, config: TrainConfig, layout: Layout) -> None:
     runtime cannot do for ``plan``."""
     kind = spec(plan.schedule).executor
     if config.max_seconds and kind == "2bw":
-        raise PartitionerError("--max-seconds: a 2bw run ends after --steps; time-bounded runs are for "
+        raise PartitionerError("`max_seconds`: a 2bw run ends after `steps`; time-bounded runs are for "
                                "flushing schedules and wsp")
     if config.max_seconds and kind == "wsp" and any(len(p) > 1 for p in layout.pipelines):
-        raise PartitionerError("--max-seconds with schedule wsp needs one device per virtual worker (a "
+        raise PartitionerError("`max_seconds` with schedule wsp needs one device per virtual worker (a "
                                "pipeline's ranks would have to agree on the wave they stop at); this plan's "
                                f"virtual workers have {', '.join(str(len(p)) for p in layout.pipelines)} devices")
     if config.eval_global and (len(layout.pipelines[0]) > 1 or layout.replicated(0)):
@@ -172,7 +172,7 @@ def check_time_bound(plan: Plan, config: TrainConfig, layout: Layout) -> None:
         raise PartitionerError("eval_global: not recorded for 2bw; use a flushing schedule or wsp")
     emulation = config.emulation
     if emulation is not None and emulation.links and kind == "2bw":
-        raise PartitionerError("--emulate-links: the 2bw all-reduce is not emulated; use a flushing schedule or wsp")
+        raise PartitionerError("`emulate_links`: the 2bw all-reduce is not emulated; use a flushing schedule or wsp")
 
 
 def _deadline(config: TrainConfig, device: torch.device) -> float:

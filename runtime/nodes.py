@@ -1,26 +1,25 @@
-"""Across machines: which plan device a torchrun process plays, and the torchrun line of each node.
+"""Across machines: which plan device a torchrun process plays on its node.
 
 torchrun numbers its processes node after node (``RANK``), but a plan's devices are in virtual
 worker order, which may alternate between nodes (worker 0 on ``n0:0, n1:0``, worker 1 on
 ``n0:1, n1:1``). So a process does not take the plan device ``RANK``: it takes the ``LOCAL_RANK``-th
 device (by index) that the plan uses on its own node, and joins the process group under that
-device's rank of the layout. Its node is ``--plan-node NAME`` (the torchrun lines printed by
-``partitioner train --launch-lines`` give it on every machine) or, without it, the
-``GROUP_RANK``-th node of the plan (nodes in the order the plan first uses them). With
-``--device cuda`` the process uses the GPU whose index the device name gives (``n1:3``: GPU 3).
+device's rank of the layout. Its node is named (``plan_node``: the torchrun lines that
+``partitioner train --launch-lines`` prints name it on every machine) or, without a name, the
+``GROUP_RANK``-th node of the plan (nodes in the order the plan first uses them). On a GPU the
+process uses the GPU whose index the device name gives (``n1:3``: GPU 3).
 """
 
 from __future__ import annotations
 
-import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from partitioner.errors import PartitionerError
 
 from .layout import Layout
 
-__all__ = ["NodeSeat", "launch_lines", "plan_nodes", "seat"]
+__all__ = ["NodeSeat", "plan_nodes", "seat"]
 
 
 def _split(device: str) -> tuple[str, int]:
@@ -58,10 +57,10 @@ def seat(layout: Layout, env: Mapping[str, str], node: str | None = None) -> Nod
         group = int(env.get("GROUP_RANK", "0"))
         if not 0 <= group < len(names):
             raise PartitionerError(f"GROUP_RANK = {group}, but the plan uses {len(names)} node(s) "
-                                   f"({', '.join(names)}); start one torchrun agent per node, or give --plan-node")
+                                   f"({', '.join(names)}); start one torchrun agent per node, or name the node (`plan_node`)")
         node = names[group]
     if node not in nodes:
-        raise PartitionerError(f"--plan-node {node}: the plan uses no device there; its nodes are {', '.join(names)}")
+        raise PartitionerError(f"`plan_node` {node}: the plan uses no device there; its nodes are {', '.join(names)}")
     ranks = nodes[node]
     local = int(env.get("LOCAL_RANK", "0"))
     local_world = int(env.get("LOCAL_WORLD_SIZE", str(len(ranks))))
@@ -71,16 +70,3 @@ def seat(layout: Layout, env: Mapping[str, str], node: str | None = None) -> Nod
                                f"--nproc-per-node {len(ranks)} (LOCAL_WORLD_SIZE = {local_world})")
     r = layout.ranks[ranks[local]]
     return NodeSeat(r.rank, r.device, _split(r.device)[1])
-
-
-def launch_lines(layout: Layout, train_args: Sequence[str], rdzv_endpoint: str, rdzv_id: str = "partitioner"
-                 ) -> list[str]:
-    """One torchrun command line per node of the plan (run each on its machine)."""
-    nodes = plan_nodes(layout)
-    lines = []
-    for name, ranks in nodes.items():
-        cmd = ["torchrun", "--nnodes", str(len(nodes)), "--nproc-per-node", str(len(ranks)),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id,
-               "-m", "partitioner", "train", *train_args, "--plan-node", name]
-        lines.append(f"# node {name}: {', '.join(layout.ranks[k].device for k in ranks)}\n" + shlex.join(cmd))
-    return lines

@@ -94,8 +94,8 @@ class TorchPipelineRank:
 def _check_export(export: Mapping[str, Any]) -> None:
     if export.get("format") != EXPORT_FORMAT or export.get("target") != "torch-pipelining":
         raise PartitionerError(f"not a torch-pipelining export (format {export.get('format')!r}, target "
-                               f"{export.get('target')!r}); make one with `partitioner export PLAN --to "
-                               f"torch-pipelining`")
+                               f"{export.get('target')!r}); make one with `partitioner export` "
+                               f"(target torch-pipelining)")
     if export.get("schedule_class") not in TORCH_SCHEDULE_CLASSES.values():
         raise PartitionerError(f"schedule_class = {export.get('schedule_class')!r}: must be one of "
                                f"{', '.join(TORCH_SCHEDULE_CLASSES.values())}")

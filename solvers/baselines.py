@@ -16,7 +16,7 @@ Each splits every virtual worker's layers over its GPUs *in the cluster's listed
 
 The ``parameters``, ``blockpartition`` and ``pipedream`` rules see one GPU type (the worker's
 first GPU), as those tools do. Grouping: ``virtual_workers`` (default 1) and ``policy``
-(np, ed, hd) as in :func:`solvers.hetero.plan_cluster`. A split that does not fit in memory
+(np, ed, hd) as in :func:`solvers.cluster.planner.plan_cluster`. A split that does not fit in memory
 is returned as INFEASIBLE with the device and the numbers, never as a plan.
 """
 
@@ -26,7 +26,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from functools import partial
 
 import numpy as np
 
@@ -35,12 +35,11 @@ from partitioner.cost import CostModel, CostOptions, activations_in_flight
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
-
-from .dp import chain_dp
-from .grouping import group
-from .hetero import price_plan, throughput_upper_bound
-from .predictions import with_predictions
-from .result import SolveResult, SolveStatus
+from solvers.cluster.grouping import group
+from solvers.cluster.planner import price_plan, throughput_upper_bound
+from solvers.pipeline.dp import chain_dp
+from solvers.predictions import with_predictions
+from solvers.result import SolveResult, SolveStatus
 
 __all__ = ["BASELINES", "blockpartition_cuts", "minmax_cuts", "solve", "solve_blockpartition",
            "solve_parameters", "solve_pipedream", "solve_uniform", "uniform_cuts"]
@@ -126,10 +125,8 @@ def _cuts(rule: str, cost: CostModel, devices: Sequence[Device], schedule: str, 
 
 def solve(profile: Profile, cluster: Cluster, *, rule: str, virtual_workers: int = 1, policy: str | None = None,
           schedule: str = "1f1b", micro_batches: int = 8, options: CostOptions | None = None,
-          objective: str = "sync", devices: Sequence[str] | None = None, **unused: Any) -> SolveResult:
+          objective: str = "sync", devices: Sequence[str] | None = None) -> SolveResult:
     """Plan with the baseline ``rule`` (see the module docstring)."""
-    if unused:
-        raise FormatError("solver option", sorted(unused), f"not understood by the {rule} baseline")
     t0 = time.perf_counter()
     activations_in_flight(schedule, 1, micro_batches)
     cost = CostModel(profile, cluster, options)
@@ -166,17 +163,7 @@ def solve(profile: Profile, cluster: Cluster, *, rule: str, virtual_workers: int
     return replace(result, plan=plan)
 
 
-def solve_uniform(profile: Profile, cluster: Cluster, **options: Any) -> SolveResult:
-    return solve(profile, cluster, rule="uniform", **options)
-
-
-def solve_parameters(profile: Profile, cluster: Cluster, **options: Any) -> SolveResult:
-    return solve(profile, cluster, rule="parameters", **options)
-
-
-def solve_blockpartition(profile: Profile, cluster: Cluster, **options: Any) -> SolveResult:
-    return solve(profile, cluster, rule="blockpartition", **options)
-
-
-def solve_pipedream(profile: Profile, cluster: Cluster, **options: Any) -> SolveResult:
-    return solve(profile, cluster, rule="pipedream", **options)
+solve_uniform = partial(solve, rule="uniform")
+solve_parameters = partial(solve, rule="parameters")
+solve_blockpartition = partial(solve, rule="blockpartition")
+solve_pipedream = partial(solve, rule="pipedream")

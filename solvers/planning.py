@@ -5,15 +5,16 @@ chunks, micro-batches, virtual workers, ...); :func:`plan` routes it to the one 
 that answers it and returns a :class:`~solvers.result.SolveResult`:
 
 * ``micro_batches="auto"``: the micro-batch size and count for ``global_batch``, each candidate
-  planned by the cluster planner (:func:`solvers.microbatch.choose_micro_batches` over
-  :func:`solvers.hetero.plan_cluster`);
+  planned by the cluster planner (:func:`solvers.cluster.microbatch.choose_micro_batches` over
+  :func:`solvers.cluster.planner.plan_cluster`);
 * virtual workers, a grouping policy or replication: the cluster planner (solver ``hetero``);
 * otherwise the named solver through :func:`solvers.solve` (``dp`` also covers multi-chunk
-  schedules and ``schedule="auto"``, :mod:`solvers.chain`).
+  schedules and ``schedule="auto"``, :mod:`solvers.pipeline.router`).
 
 An infeasible request is ``SolveStatus.INFEASIBLE`` with a reason, never ``None``; a request
 that contradicts itself is a :class:`~partitioner.errors.FormatError` when it is made. The
-request's fields are the options of ``partitioner plan``, and its errors name those options.
+request's fields are the options of ``partitioner plan``; its errors name the fields (the
+command shows them as its flags, ``micro_batches`` as ``--micro-batches``).
 """
 
 from __future__ import annotations
@@ -24,15 +25,14 @@ from typing import Any
 
 from partitioner.cluster import MAX_GPUS, Cluster
 from partitioner.cost import CostOptions
-from partitioner.errors import FormatError
+from partitioner.errors import OptionError
 from partitioner.plan import MAX_MICRO_BATCHES
 from partitioner.profile import Profile
 from partitioner.schedule import spec
-
-from . import solve
-from .chunked import parse_chunks
-from .progress import shown
-from .result import SolveResult
+from solvers import solve
+from solvers.pipeline.chunked import parse_chunks
+from solvers.progress import shown
+from solvers.result import SolveResult
 
 __all__ = ["SEARCHED", "TIME_LIMITED", "PlanRequest", "plan", "shown"]
 
@@ -40,11 +40,11 @@ TIME_LIMITED = ("cpsat", "milp", "hetero")  # solvers that take a time limit
 SEARCHED = ("cpsat", "milp")  # solvers with search workers and a random seed
 
 
-def _count(value: int | str | None, flag: str, most: int) -> None:
+def _count(value: int | str | None, name: str, most: int) -> None:
     ok = value is None or value == "auto" or (
         isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most)
     if not ok:
-        raise FormatError(flag, value, f"must be an integer in [1, {most:,}] or 'auto'")
+        raise OptionError(name, value, f"must be an integer in [1, {most:,}] or 'auto'")
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,9 @@ class PlanRequest:
     (an integer as text or ``"auto"``). ``virtual_workers`` (a count or ``"auto"``), ``policy``
     and ``replication`` ask for the cluster planner. ``threads`` and ``seed`` are the search
     workers and random seed of cpsat / milp; ``chain_order`` has them split the profile's layer
-    order into ranges rather than plan convex stages of its graph (:mod:`solvers.dag`);
+    order into ranges rather than plan convex stages of its graph (:mod:`solvers.exact.graph`);
     ``fixed_order`` has them keep the devices' given order rather than decide the mapping in the
-    model (:mod:`solvers.joint`).
+    model (:mod:`solvers.exact.joint`).
     """
 
     solver: str = "dp"
@@ -83,43 +83,44 @@ class PlanRequest:
     def __post_init__(self) -> None:
         if self.devices is not None:
             object.__setattr__(self, "devices", tuple(self.devices))
-        _count(self.micro_batches, "--microbatches", MAX_MICRO_BATCHES)
-        _count(self.virtual_workers, "--virtual-workers", MAX_GPUS)
+        _count(self.micro_batches, "micro_batches", MAX_MICRO_BATCHES)
+        _count(self.virtual_workers, "virtual_workers", MAX_GPUS)
         if self.multi_chunk:
-            parse_chunks(self.chunks or "auto", self.schedule, "--chunks")
+            parse_chunks(self.chunks or "auto", self.schedule, "chunks")
             if self.solver != "dp" or self.cluster_planner_asked:
-                raise FormatError("--schedule", self.schedule, "multi-chunk plans are made by the dp solver for one "
-                                  "virtual worker; leave --solver, --virtual-workers, --policy and --replication out")
+                raise OptionError("schedule", self.schedule, "multi-chunk plans are made by the dp solver for one "
+                                  "virtual worker; leave `solver`, `virtual_workers`, `policy` and `replication` out")
             if self.micro_batches == "auto" or self.allow_fewer:
-                raise FormatError("--microbatches auto" if self.micro_batches == "auto" else "--allow-fewer",
-                                  self.schedule, "not supported with multi-chunk schedules; give a count and the devices")
+                name = "micro_batches" if self.micro_batches == "auto" else "allow_fewer"
+                raise OptionError(name, getattr(self, name), f"not supported with the multi-chunk schedule "
+                                  f"{self.schedule}; give a count and the devices")
         if self.uses_cluster_planner and self.solver not in ("dp", "hetero"):
-            raise FormatError("--solver", self.solver, "--virtual-workers/--policy/--replication/--microbatches auto "
-                              "plan with the hetero planner; leave --solver out or use --solver hetero")
+            raise OptionError("solver", self.solver, "`virtual_workers`, `policy`, `replication` and `micro_batches` auto "
+                              "plan with the hetero planner; leave `solver` out or use hetero")
         if self.uses_cluster_planner and self.allow_fewer:
-            raise FormatError("--allow-fewer", True, "applies to one pipeline (the dp, cpsat and milp solvers); the "
-                              "cluster planner chooses its devices itself (name them with --devices)")
+            raise OptionError("allow_fewer", True, "applies to one pipeline (the dp, cpsat and milp solvers); the "
+                              "cluster planner chooses its devices itself (name them with `devices`)")
         if self.time_limit_s is not None:
             if not self.time_limit_s > 0:
-                raise FormatError("--time-limit", self.time_limit_s, "must be > 0 seconds")
+                raise OptionError("time_limit_s", self.time_limit_s, "must be > 0 seconds")
             if self.planner not in TIME_LIMITED:
-                raise FormatError("--time-limit", self.time_limit_s, f"applies to the {', '.join(TIME_LIMITED)} "
+                raise OptionError("time_limit_s", self.time_limit_s, f"applies to the {', '.join(TIME_LIMITED)} "
                                   f"solvers; {self.planner} needs none")
-        for flag, value, least in (("--workers", self.threads, 1), ("--seed", self.seed, 0)):
+        for flag, value, least in (("threads", self.threads, 1), ("seed", self.seed, 0)):
             if value is None:
                 continue
             if self.planner not in SEARCHED:
-                raise FormatError(flag, value, f"applies to the {', '.join(SEARCHED)} solvers, not {self.planner}")
+                raise OptionError(flag, value, f"applies to the {', '.join(SEARCHED)} solvers, not {self.planner}")
             if value < least:
-                raise FormatError(flag, value, f"must be an integer >= {least}")
+                raise OptionError(flag, value, f"must be an integer >= {least}")
         if self.chain_order and self.planner not in SEARCHED:
-            raise FormatError("--chain-order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
+            raise OptionError("chain_order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
                               f"{self.planner} solver plans the chain order already)")
         if self.fixed_order and self.planner not in SEARCHED:
-            raise FormatError("--fixed-order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
+            raise OptionError("fixed_order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
                               f"{self.planner} solver keeps the given order already or chooses it itself)")
         if self.micro_batches == "auto" and self.global_batch is None:
-            raise FormatError("--microbatches", "auto", "needs --global-batch (samples per virtual worker "
+            raise OptionError("micro_batches", "auto", "needs `global_batch` (samples per virtual worker "
                               "per iteration) to choose the micro-batch size and count")
 
     @property
@@ -177,8 +178,8 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
     choice (``micro_batch_choice``) and the lines that explain it (``messages``)."""
     if request.micro_batches != "auto":
         return solve(profile, cluster, solver=request.planner, **request.solver_options())
-    from .hetero import plan_cluster
-    from .microbatch import choose_micro_batches
+    from solvers.cluster.microbatch import choose_micro_batches
+    from solvers.cluster.planner import plan_cluster
 
     assert request.global_batch is not None  # checked by PlanRequest
     choice = choose_micro_batches(profile, cluster, request.global_batch, plan_cluster,

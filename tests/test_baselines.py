@@ -10,7 +10,7 @@ import pytest
 from partitioner.cost import CostModel
 from solvers import solve
 from solvers.baselines import blockpartition_cuts, minmax_cuts, uniform_cuts
-from solvers.hetero import plan_cluster
+from solvers.cluster.planner import plan_cluster
 from tests._hetero_fixtures import small_cluster, synthetic_profile
 
 

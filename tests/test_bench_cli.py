@@ -7,14 +7,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from partitioner.cli import main
-from partitioner.commands import bench as bench_cmd
+from partitioner_cli import bench as bench_cmd
+from partitioner_cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_list_names_every_benchmark_without_importing_torch():
-    code = ("import sys\nfrom partitioner.cli import main\nrc = main(['bench', '--list'])\n"
+    code = ("import sys\nfrom partitioner_cli.main import main\nrc = main(['bench', '--list'])\n"
             "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'matplotlib'}))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner import cli
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner_cli import main as cli
 from runtime.checkpoint import latest_complete, load_rank, plan_sha256, save_rank, step_dir
 from runtime.launch import FAULT_ENV, TrainConfig, train_local
 
@@ -93,7 +93,7 @@ def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
         train_local(other, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=str(ckpt), resume=True),  # type: ignore[arg-type]
                     start_method="fork")
     # and one that already reached --steps
-    with pytest.raises(PartitionerError, match="the last complete checkpoint is of step 5, not before --steps 5"):
+    with pytest.raises(PartitionerError, match="the last complete checkpoint is of step 5, not before `steps` 5"):
         train_local(PLAN, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=str(ckpt), resume=True),  # type: ignore[arg-type]
                     start_method="fork")
 
@@ -177,7 +177,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path
              ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "restart-test"])
     # the same command line for the first attempt and the restart: --resume starts fresh without a checkpoint
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           *where, "-m", "partitioner", *(a for a in _cli_args(tmp_path) if a != "--local"),
+           *where, "-m", "partitioner_cli", *(a for a in _cli_args(tmp_path) if a != "--local"),
            "--steps", "5", "--lr", "0.3", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
            "--resume", "-o", str(out)]
     assert "--local" not in cmd

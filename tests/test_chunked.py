@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.cli import main
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError
 from partitioner.simulate import simulate_plan
+from partitioner_cli.main import main
 from solvers import solve
-from solvers.chunked import solve_chunked
-from solvers.dp import chain_dp
+from solvers.pipeline.chunked import solve_chunked
+from solvers.pipeline.dp import chain_dp
 from solvers.result import SolveStatus
 
 from .conftest import flat_cluster, make_profile

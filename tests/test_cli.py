@@ -2,11 +2,11 @@ import json
 
 import pytest
 
-from partitioner.cli import main
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel
 from partitioner.plan import Plan
 from partitioner.profile import Profile
+from partitioner_cli.main import main
 
 from .conftest import DATA
 
@@ -69,7 +69,7 @@ def test_module_entry_point():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "partitioner", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "partitioner_cli", "--help"], capture_output=True, text=True, check=True)
     assert "plan" in out.stdout and "import" in out.stdout
 
 
@@ -91,14 +91,14 @@ def test_version(capsys):
     (["profile", "project", "p.json", "--gpu-type", "T4", "-o", "q.json", "-v"], 1),
 ])
 def test_verbose_before_or_after_the_subcommand(argv, count):
-    from partitioner.cli import build_parser, verbosity
+    from partitioner_cli.main import build_parser, verbosity
 
     assert verbosity(build_parser().parse_args(argv)) == count
 
 
 _NO_HEAVY_IMPORTS = r"""
 import sys
-from partitioner.cli import build_parser, main
+from partitioner_cli.main import build_parser, main
 
 parser = build_parser()
 for argv in (["plan", "p.json", "--cluster", "c.yaml"], ["simulate", "plan.json", "--profile", "p.json",

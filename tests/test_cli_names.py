@@ -3,8 +3,8 @@
 
 import pytest
 
-from partitioner.cli import build_parser, main
-from partitioner.commands._args import canonical_names
+from partitioner_cli._args import canonical_names
+from partitioner_cli.main import build_parser, main
 
 PLAN = ["plan", "examples/profiles/vgg16_v100.json", "--cluster", "examples/clusters/v100x8.yaml"]
 COMPARE = ["compare", "examples/profiles/vgg16_v100.json", "--cluster", "examples/clusters/v100x8.yaml"]
@@ -37,7 +37,7 @@ def test_name_does_not_warn(capsys, argv, name, old, value, attr, parsed):
 def test_plan_error_names_the_option_by_its_name(capsys, spelling):
     assert main([*PLAN, spelling, "0"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("partitioner plan: error: --micro-batches = '0': must be an integer in [1, ")
+    assert err[-1].startswith("partitioner plan: error: --micro-batches = 0: must be an integer in [1, ")
     assert "--microbatches" not in err[-1]
 
 

@@ -1,4 +1,4 @@
-"""partitioner compare / solvers.compare: every solver on the same inputs, one table."""
+"""partitioner compare / solvers.analysis.compare: every solver on the same inputs, one table."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.cli import main
 from partitioner.cost import CostModel
-from solvers.compare import BASELINE_NAMES, CHAIN_SOLVERS, POLICIES, compare
+from partitioner_cli.main import main
+from solvers.analysis.compare import BASELINE_NAMES, CHAIN_SOLVERS, POLICIES, compare
 
 from .conftest import flat_cluster, make_profile
 

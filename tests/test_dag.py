@@ -19,7 +19,10 @@ from partitioner.placement import supports
 from partitioner.plan import Plan
 from partitioner.profile import LayerProfile, LayerTime, Profile, crossing_bytes
 from partitioner.simulate import simulate_plan
-from solvers import SolveStatus, cpsat, dp, milp
+from solvers import SolveStatus
+from solvers.exact.cbc.chain import SCALE_MAX as CBC_SCALE_MAX
+from solvers.exact.router import solve_cbc, solve_cpsat
+from solvers.pipeline import dp
 
 from .conftest import big_type
 
@@ -118,14 +121,14 @@ def test_graph_models_equal_exhaustive_enumeration(inst, hint):
     devices = list(cluster.devices)
     truth, optimal = enumerate_best(profile, cluster, devices, schedule, m, options)
     kw = dict(schedule=schedule, micro_batches=m, options=options, hint=hint, time_limit_s=20.0, dag=True)
-    for module in (cpsat, milp):
-        r = module.solve(profile, cluster, **kw)
+    for module in (solve_cpsat, solve_cbc):
+        r = module(profile, cluster, **kw)
         if math.isinf(truth):
             assert r.status is SolveStatus.INFEASIBLE and r.plan is None and r.reason, (r.method, r.objective)
             continue
         assert r.status is SolveStatus.OPTIMAL, (r.method, r.status, r.reason)
-        slack = (r.details["tick_s"] * (profile.num_layers + 4) if module is cpsat
-                 else 2e-6 * r.details["unit_s"] * milp.SCALE_MAX)
+        slack = (r.details["tick_s"] * (profile.num_layers + 4) if module is solve_cpsat
+                 else 2e-6 * r.details["unit_s"] * CBC_SCALE_MAX)
         assert truth - 1e-12 <= r.objective <= truth + slack + 1e-12, (r.method, r.objective, truth)
         assert r.details["bound_s"] <= truth * (1 + 1e-12) + 1e-15
         # the plan validates against the original profile and prices as the solver says
@@ -167,11 +170,11 @@ def test_graph_models_equal_the_dp_on_chains(seed, overlap):
     profile, cluster = chain_instance(10, 2 + seed % 3, seed)
     options = CostOptions(overlap_comm=overlap, reserved_bytes=0.0)
     ref = dp.solve(profile, cluster, options=options)
-    for module in (cpsat, milp):
-        r = module.solve(profile, cluster, options=options, dag=True, hint=False, time_limit_s=20.0)
+    for module in (solve_cpsat, solve_cbc):
+        r = module(profile, cluster, options=options, dag=True, hint=False, time_limit_s=20.0)
         assert r.status is ref.status, (r.method, r.reason, ref.reason)
         if ref.ok:
-            slack = (r.details["tick_s"] * 14 if module is cpsat else 2e-6 * r.details["unit_s"] * milp.SCALE_MAX)
+            slack = (r.details["tick_s"] * 14 if module is solve_cpsat else 2e-6 * r.details["unit_s"] * CBC_SCALE_MAX)
             assert ref.objective - 1e-12 <= r.objective <= ref.objective + slack + 1e-12
             assert r.plan.layer_order is None  # a chain has one topological order
             CostModel(profile, cluster, options).validate_plan(r.plan)
@@ -243,7 +246,7 @@ def test_plan_layer_order_round_trips_and_is_checked(tmp_path):
     (tmp_path / "g.txt").write_text(GRAPH)
     prof = import_pipedream(tmp_path / "g.txt", micro_batch_size=1)
     cluster = Cluster("c", (Node("n0", ("V100",) * 3, 10.0),), 1.0, {"V100": big_type("V100")})
-    r = cpsat.solve(prof, cluster, schedule="gpipe", micro_batches=1)
+    r = solve_cpsat(prof, cluster, schedule="gpipe", micro_batches=1)
     assert r.status is SolveStatus.OPTIMAL
     plan = r.plan
     again = Plan.from_dict(plan.to_dict())
@@ -273,7 +276,7 @@ def test_resnet_graph_plan_beats_the_chain(pipedream_dir):
                                                   for x in prof.layers))
     cluster = Cluster("same", (Node("n0", ("V100",) * 8, 10.0),), 1.0, {"V100": big_type("V100")})
     chain = dp.solve(prof, cluster, schedule="gpipe", micro_batches=1)
-    graph = cpsat.solve(prof, cluster, schedule="gpipe", micro_batches=1, time_limit_s=30.0)
+    graph = solve_cpsat(prof, cluster, schedule="gpipe", micro_batches=1, time_limit_s=30.0)
     assert graph.status is SolveStatus.OPTIMAL
     assert graph.objective <= chain.objective
     view = graph.plan.profile_view(prof)
@@ -284,20 +287,20 @@ def test_graph_model_refusals():
     prof = graph_profile(4, [(0, 1), (0, 2), (1, 3), (2, 3)], [1e6] * 4, {"gA": [1e-3] * 4})
     cluster = Cluster("c", (Node("n0", ("gA", "gA"), 10.0),), 1.0, {"gA": big_type("gA")})
     with pytest.raises(FormatError, match="allow_fewer = True: the graph model plans exactly one stage per device"):
-        cpsat.solve(prof, cluster, allow_fewer=True)
+        solve_cpsat(prof, cluster, allow_fewer=True)
     with pytest.raises(FormatError, match="dag = 'yes'"):
-        milp.solve(prof, cluster, dag="yes")
+        solve_cbc(prof, cluster, dag="yes")
     old = dataclasses.replace(prof, layers=tuple(dataclasses.replace(x, own_output_bytes=None) for x in prof.layers))
     with pytest.raises(FormatError, match=r"layers\[0\].own_output_bytes"):
-        cpsat.solve(old, cluster)
+        solve_cpsat(old, cluster)
     # the chain order stays available
-    assert cpsat.solve(old, cluster, dag=False).status is SolveStatus.OPTIMAL
+    assert solve_cpsat(old, cluster, dag=False).status is SolveStatus.OPTIMAL
 
 
 def test_cli_plans_the_graph_or_the_chain_order(tmp_path, capsys, pipedream_dir):
     from pathlib import Path
 
-    from partitioner.cli import main
+    from partitioner_cli.main import main
     from solvers.planning import PlanRequest
 
     cluster = str(Path(__file__).resolve().parents[1] / "examples" / "clusters" / "v100x8.yaml")
@@ -317,5 +320,5 @@ def test_cli_plans_the_graph_or_the_chain_order(tmp_path, capsys, pipedream_dir)
         assert main(["simulate", str(tmp_path / "g.json"), "--profile", str(prof), "--cluster", cluster]) == 0
         assert main(["export", str(tmp_path / "g.json"), "--to", "deepspeed", "-o", str(tmp_path / "x.json")]) == 2
         assert "layer_order" in capsys.readouterr().err
-    with pytest.raises(FormatError, match="--chain-order = True: applies to the cpsat, milp solvers"):
+    with pytest.raises(FormatError, match="chain_order = True: applies to the cpsat, milp solvers"):
         PlanRequest(solver="dp", chain_order=True)

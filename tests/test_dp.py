@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from partitioner.cost import CostModel, CostOptions, activations_in_flight
 from solvers import SolveStatus, solve
-from solvers.dp import best_prefix_dp, chain_dp
+from solvers.pipeline.dp import best_prefix_dp, chain_dp
 
 from .conftest import GIB, flat_cluster, make_profile
 

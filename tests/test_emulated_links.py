@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from partitioner import cli
 from partitioner.cluster import Cluster, Node
 from partitioner.cost import CostModel
 from partitioner.emulated_links import collectives, dilated_cluster, time_scale
@@ -20,6 +19,7 @@ from partitioner.emulation import emulation_for, predict_emulated
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner_cli import main as cli
 from runtime.emulate import LinkDelay
 from runtime.launch import TrainConfig, spawn_local, train_local
 
@@ -102,7 +102,7 @@ def test_prediction_with_links_prices_the_plan_cluster_dilated() -> None:
 
 
 def test_2bw_links_are_refused() -> None:
-    with pytest.raises(FormatError, match="--emulate-links = '2bw'"):
+    with pytest.raises(FormatError, match="emulate_links = '2bw'"):
         emulation_for(_plan("2bw"), _profile(), CLUSTER, reference="A100", links=True)
 
 

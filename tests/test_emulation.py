@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner import cli
 from partitioner.cluster import Cluster, Node
 from partitioner.emulation import (
     emulated_cluster,
@@ -23,6 +22,7 @@ from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner.simulate import simulate_plan
+from partitioner_cli import main as cli
 from runtime.emulate import Stretch
 from runtime.launch import TrainConfig, train_local
 
@@ -75,7 +75,7 @@ def test_stage_factors_and_targets() -> None:
 
 
 def test_a_named_reference_slower_than_a_plan_type_is_refused() -> None:
-    with pytest.raises(FormatError, match=r"--emulate-reference = 'T4': device n0:0 \(A100-SXM4-40GB\) would run "
+    with pytest.raises(FormatError, match=r"emulate_reference = 'T4': device n0:0 \(A100-SXM4-40GB\) would run "
                                           r"stage 0 of virtual worker 0 \(forward\) in 0.333x this machine.s time"):
         emulation_for(PLAN, _profile(), CLUSTER, reference="T4")
     # a reference faster than every type: every factor grows by the same per-layer ratio
@@ -86,10 +86,10 @@ def test_a_named_reference_slower_than_a_plan_type_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("profile", "reference", "expect"), [
-    (_profile(types=("A100", "T4")), None, "--emulate-local = 'cpu': profile 'gpt2-tiny' has no times for this "
+    (_profile(types=("A100", "T4")), None, "emulate_local = 'cpu': profile 'gpt2-tiny' has no times for this "
                                            "machine's device 'cpu'"),
-    (_profile(types=("cpu", "A100")), None, "--emulate = 'T4': the plan's GPU type T4 has no times in profile"),
-    (_profile(), "V100", "--emulate-reference = 'V100': profile 'gpt2-tiny' has no times for this GPU type "
+    (_profile(types=("cpu", "A100")), None, "emulate = 'T4': the plan's GPU type T4 has no times in profile"),
+    (_profile(), "V100", "emulate_reference = 'V100': profile 'gpt2-tiny' has no times for this GPU type "
                          "(it has: cpu, A100, T4)"),
 ])
 def test_missing_times_are_refused(profile: Profile, reference: str | None, expect: str) -> None:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.cli import main
 from partitioner.cost import CostModel, CostOptions
 from partitioner.simulate import simulate_plan
+from partitioner_cli.main import main
 from solvers import solve
-from solvers.explain import add_gpu, explain_plan, format_explanation
-from solvers.hetero import plan_cluster
+from solvers.analysis.explain import add_gpu, explain_plan, format_explanation
+from solvers.cluster.planner import plan_cluster
 
 from .conftest import flat_cluster, make_profile
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.cli import main
 from partitioner.errors import PartitionerError
 from partitioner.export import TARGETS, ExportError, deepspeed_uniform_parts, export_plan
 from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner_cli.main import main
 
 
 def worker(cuts: list[int], devices: list[str]) -> VirtualWorker:

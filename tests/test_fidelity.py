@@ -170,7 +170,7 @@ def test_a_saved_plan_is_priced_as_it_was_planned(tmp_path):
 
 
 def test_simulate_command_uses_the_plans_pricing_and_says_when_there_is_none(tmp_path, capsys):
-    from partitioner.cli import main
+    from partitioner_cli.main import main
     from solvers import solve
 
     cl = cluster(1, 2)
@@ -280,8 +280,8 @@ def test_profile_at_measured_and_interpolated_sizes_never_extrapolated(tmp_path)
 
 def test_micro_batch_choice_tries_only_measured_ranges():
     from partitioner.importers.sailor import import_sailor
-    from solvers.hetero import plan_cluster
-    from solvers.microbatch import choose_micro_batches
+    from solvers.cluster.microbatch import choose_micro_batches
+    from solvers.cluster.planner import plan_cluster
 
     prof = import_sailor(DATA / "sailor_opt350", micro_batch_size=2, tensor_parallel=4, gpu_types=("GH-96",),
                          all_sizes=True)

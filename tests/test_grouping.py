@@ -10,9 +10,15 @@ import pytest
 
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError
-from solvers.dp import chain_dp
-from solvers.grouping import count_set_partitions, group_ed, group_hd, group_np, set_partitions
-from solvers.hetero import plan_cluster
+from solvers.cluster.grouping import (
+    count_set_partitions,
+    group_ed,
+    group_hd,
+    group_np,
+    set_partitions,
+)
+from solvers.cluster.planner import plan_cluster
+from solvers.pipeline.dp import chain_dp
 from solvers.result import SolveStatus
 from tests._hetero_fixtures import hetpipe_cluster, small_cluster, synthetic_profile
 
@@ -134,7 +140,7 @@ def test_set_partitions_has_no_depth_limit():
 
 
 def test_time_limit_and_worker_size_limits_are_one_line_errors(monkeypatch):
-    import solvers.hetero as hetero
+    import solvers.cluster.planner as hetero
 
     prof = synthetic_profile(10)
     cl = small_cluster([["TITAN-V", "TITAN-V", "RTX-2060"], ["RTX-2060"]])
@@ -151,7 +157,7 @@ def test_time_limit_and_worker_size_limits_are_one_line_errors(monkeypatch):
 def test_equivalent_workers_share_one_mapping_relabelled_onto_their_own_gpus():
     """Workers on nodes of the same kind get the same split, each on its own GPUs (relabelled,
     not re-searched), and every worker's priced time equals a fresh mapping of its GPUs."""
-    from solvers.hetero import WorkerPlanner, worker_throughput
+    from solvers.cluster.planner import WorkerPlanner, worker_throughput
 
     prof = synthetic_profile(12, seed=3)
     cl = small_cluster([["TITAN-V", "RTX-2060", "TITAN-V"]] * 4 + [["RTX-2060", "Quadro-P4000"]] * 2)

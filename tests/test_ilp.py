@@ -9,13 +9,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import solvers
 from partitioner.cluster import Cluster, DeviceType, Node
 from partitioner.cost import CostModel, CostOptions, activations_in_flight
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import LayerProfile, LayerTime, Profile
-from solvers import SOLVERS, SolveStatus, cpsat, dp, milp
+from solvers import SOLVERS, SolveStatus
 from solvers import solve as front_door
-from solvers.milp import cbc_bound
+from solvers.exact.cbc.chain import SCALE_MAX as CBC_SCALE_MAX
+from solvers.exact.cbc.run import cbc_bound
+from solvers.exact.router import DEFAULT_RESOLUTION, solve_cbc, solve_cpsat
+from solvers.pipeline import dp
 
 GIB = 2**30
 TYPES = ("gA", "gB", "gC")
@@ -74,7 +78,7 @@ def instances(draw):
     m = draw(st.integers(1, 6))
     options = CostOptions(overlap_comm=draw(st.booleans()), reserved_bytes=0.05 * GIB)
     allow_fewer = draw(st.booleans())
-    resolution = draw(st.sampled_from([100, 1000, cpsat.DEFAULT_RESOLUTION]))
+    resolution = draw(st.sampled_from([100, 1000, DEFAULT_RESOLUTION]))
     return profile, cluster, devices, schedule, m, options, allow_fewer, resolution
 
 
@@ -86,8 +90,8 @@ def _check_agreement(inst, hint):
     truth = brute_force(profile, cluster, devices, schedule, m, options, allow_fewer)
     kw_cp = dict(kw_fixed, resolution=resolution)
     r_dp = dp.solve(profile, cluster, names, **kw)
-    r_cp = cpsat.solve(profile, cluster, names, hint=hint, time_limit_s=20.0, **kw_cp)
-    r_mi = milp.solve(profile, cluster, names, hint=hint, time_limit_s=20.0, **kw_fixed)
+    r_cp = solve_cpsat(profile, cluster, names, hint=hint, time_limit_s=20.0, **kw_cp)
+    r_mi = solve_cbc(profile, cluster, names, hint=hint, time_limit_s=20.0, **kw_fixed)
     if math.isinf(truth):
         for r in (r_dp, r_cp, r_mi):
             assert r.status is SolveStatus.INFEASIBLE, (r.method, r.status, r.objective)
@@ -101,7 +105,7 @@ def _check_agreement(inst, hint):
     assert r_cp.details["bound_s"] <= truth * (1 + 1e-12)
     # MILP: CBC proves optimality (a stop at the time limit must still carry a sound bound).
     assert r_mi.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
-    slack = 2e-6 * r_mi.details["unit_s"] * milp.SCALE_MAX
+    slack = 2e-6 * r_mi.details["unit_s"] * CBC_SCALE_MAX
     assert truth - 1e-15 <= r_mi.objective <= truth + slack + 1e-15
     if not math.isnan(r_mi.details["bound_s"]):
         assert r_mi.details["bound_s"] <= truth * (1 + 1e-12)
@@ -157,44 +161,44 @@ def test_hint_is_at_least_as_good_as_dp():
     profile, cluster = _chain(40, ["gA", "gB", "gA", "gB"])
     ref = dp.solve(profile, cluster)
     for prune in (False, True):
-        r = cpsat.solve(profile, cluster, hint=True, prune=prune, time_limit_s=5.0, fixed_order=True)
+        r = solve_cpsat(profile, cluster, hint=True, prune=prune, time_limit_s=5.0, fixed_order=True)
         assert r.details["hint"] is True
         assert r.ok
         assert r.objective <= ref.objective + r.details["tick_s"]
         assert r.lower_bound <= ref.objective
-        w = milp.solve(profile, cluster, hint=True, prune=prune, time_limit_s=5.0, fixed_order=True)
+        w = solve_cbc(profile, cluster, hint=True, prune=prune, time_limit_s=5.0, fixed_order=True)
         assert w.ok and w.objective <= ref.objective * (1 + 2e-6)
 
 
 def test_more_devices_than_layers():
     profile, cluster = _chain(2, ["gA", "gB", "gA"])
-    for mod in (cpsat, milp):
-        r = mod.solve(profile, cluster, hint=False)
+    for mod in (solve_cpsat, solve_cbc):
+        r = mod(profile, cluster, hint=False)
         assert r.status is SolveStatus.INFEASIBLE and "3 devices but only 2 layers" in r.reason
-        r = mod.solve(profile, cluster, hint=False, allow_fewer=True)
+        r = mod(profile, cluster, hint=False, allow_fewer=True)
         assert r.status is SolveStatus.OPTIMAL and r.plan.num_stages <= 2
 
 
 def test_size_limit_refuses_clearly():
     profile, cluster = _chain(30, ["gA", "gB", "gA", "gB"])
-    for mod in (cpsat, milp):
+    for mod in (solve_cpsat, solve_cbc):
         with pytest.raises(PartitionerError, match="candidate stages; use the dp solver"):
-            mod.solve(profile, cluster, hint=False, max_arcs=100)
+            mod(profile, cluster, hint=False, max_arcs=100)
 
 
 def test_options_are_checked():
     profile, cluster = _chain(4, ["gA", "gB"])
-    for mod in (cpsat, milp):
-        with pytest.raises(FormatError, match="not understood"):
-            mod.solve(profile, cluster, bogus=1)
+    for name in ("cpsat", "milp"):
+        with pytest.raises(FormatError, match=f"bogus.*not understood by the {name} solver"):
+            solvers.solve(profile, cluster, solver=name, bogus=1)
         with pytest.raises(FormatError, match="time_limit_s"):
-            mod.solve(profile, cluster, time_limit_s=0)
+            solvers.solve(profile, cluster, solver=name, time_limit_s=0)
         with pytest.raises(FormatError, match="micro_batches"):
-            mod.solve(profile, cluster, micro_batches=0)
+            solvers.solve(profile, cluster, solver=name, micro_batches=0)
 
 
 def test_registered_in_front_door():
-    assert SOLVERS["cpsat"] == "solvers.cpsat:solve" and SOLVERS["milp"] == "solvers.milp:solve"
+    assert SOLVERS["cpsat"] == "solvers.exact.router:solve_cpsat" and SOLVERS["milp"] == "solvers.exact.router:solve_cbc"
     profile, cluster = _chain(6, ["gA", "gB", "gA"])
     ref = dp.solve(profile, cluster)
     for name in ("cpsat", "milp"):
@@ -258,7 +262,7 @@ def tied_instances(draw):
     gpus = [draw(st.sampled_from(TYPES)) for _ in range(n_dev)]
     cluster = Cluster("c", (Node("n0", tuple(gpus), 16.0),), 1.0, types)
     return (Profile("m", 1, tuple(layers)), cluster, list(cluster.devices), "1f1b", 2,
-            CostOptions(reserved_bytes=0.0), draw(st.booleans()), cpsat.DEFAULT_RESOLUTION)
+            CostOptions(reserved_bytes=0.0), draw(st.booleans()), DEFAULT_RESOLUTION)
 
 
 def _stage_total(result, profile, cluster, options):
@@ -282,10 +286,10 @@ def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
     assert r_dp.objective == pytest.approx(best, rel=1e-12, abs=1e-15)
     q_dp, total_dp = _stage_total(r_dp, profile, cluster, options)
     assert q_dp == q_best and total_dp == pytest.approx(total_best, rel=1e-9, abs=1e-15)
-    for r, slack in ((cpsat.solve(profile, cluster, names, time_limit_s=20.0, hint=hint, fixed_order=True, **kw), None),
-                     (milp.solve(profile, cluster, names, time_limit_s=20.0, hint=hint, fixed_order=True, **kw), 2e-6)):
+    for r, slack in ((solve_cpsat(profile, cluster, names, time_limit_s=20.0, hint=hint, fixed_order=True, **kw), None),
+                     (solve_cbc(profile, cluster, names, time_limit_s=20.0, hint=hint, fixed_order=True, **kw), 2e-6)):
         assert r.status is SolveStatus.OPTIMAL, (r.method, r.details)
-        per_stage = r.details["tick_s"] if slack is None else slack * r.details["unit_s"] * milp.SCALE_MAX
+        per_stage = r.details["tick_s"] if slack is None else slack * r.details["unit_s"] * CBC_SCALE_MAX
         q_r, total_r = _stage_total(r, profile, cluster, options)
         assert r.objective == pytest.approx(best, rel=1e-9, abs=per_stage + 1e-15), r.method
         # the fewest stages among splits tied with the optimum up to the solver's resolution (a
@@ -298,10 +302,10 @@ def test_tie_break_matches_the_dp_and_brute_force(inst, hint):
             (r.method, total_r, total_best)
 
 
-@pytest.mark.parametrize("module", [cpsat, milp])
+@pytest.mark.parametrize("module", [solve_cpsat, solve_cbc])
 def test_fixed_seed_and_workers_give_the_same_plan(module):
     profile, cluster = _chain(24, ["gA", "gB", "gA", "gB"], seed=5)
-    runs = [module.solve(profile, cluster, hint=False, threads=2, seed=11, time_limit_s=30.0, fixed_order=True)
+    runs = [module(profile, cluster, hint=False, threads=2, seed=11, time_limit_s=30.0, fixed_order=True)
             for _ in range(2)]
     assert all(r.status is SolveStatus.OPTIMAL for r in runs)
     assert runs[0].plan.virtual_workers == runs[1].plan.virtual_workers
@@ -310,11 +314,11 @@ def test_fixed_seed_and_workers_give_the_same_plan(module):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--seed", "3"], "--seed = 3: applies to the cpsat, milp solvers"),
-    (["--solver", "cpsat", "--workers", "0"], "--workers = 0: must be an integer >= 1"),
+    (["--solver", "cpsat", "--threads", "0"], "--threads = 0: must be an integer >= 1"),
     (["--solver", "milp", "--seed", "-1"], "--seed = -1: must be an integer >= 0"),
 ])
 def test_workers_and_seed_bad_input_is_one_line(capsys, argv, needle):
-    from partitioner.cli import main
+    from partitioner_cli.main import main
 
     rc = main(["plan", "examples/profiles/vgg16_v100.json", "--cluster", "examples/clusters/v100x8.yaml", *argv])
     err = capsys.readouterr().err
@@ -324,7 +328,7 @@ def test_workers_and_seed_bad_input_is_one_line(capsys, argv, needle):
 def test_seed_out_of_range_is_refused():
     profile, cluster = _chain(4, ["gA", "gB"])
     with pytest.raises(FormatError, match="seed"):
-        cpsat.solve(profile, cluster, seed=-2)
+        solve_cpsat(profile, cluster, seed=-2)
 
 
 def test_a_long_solve_shows_its_incumbent_bound_and_gap_only_when_asked(capsys: pytest.CaptureFixture[str]) -> None:

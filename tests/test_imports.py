@@ -3,7 +3,7 @@
 Read from the sources with ``ast``: every ``import`` and ``from ... import``, at module level or
 inside functions (a lazy import is still a dependency), except under ``if TYPE_CHECKING:``
 (annotations only, never executed). Registries that name modules as strings
-(``"solvers.dp:solve"``, ``"partitioner.commands.plan"``) are imports too. An import of a
+(``"solvers.pipeline.dp:solve"``, ``"partitioner_cli.plan"``) are imports too. An import of a
 package's name (``from partitioner import Plan``) is an edge to its ``__init__``; importing
 ``a.b`` is not counted as importing ``a``'s ``__init__`` (which Python runs first) so that a
 package re-exporting its own modules is not read as a cycle.
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("partitioner", "solvers", "runtime")
-_NAMED = re.compile(r"^((?:partitioner|solvers|runtime)(?:\.\w+)+)(?::\w+)?$")
+PACKAGES = ("partitioner", "partitioner_cli", "solvers", "runtime")
+_NAMED = re.compile(r"^((?:partitioner_cli|partitioner|solvers|runtime)(?:\.\w+)+)(?::\w+)?$")
 
 # The CLI: the top layer, which nothing below imports.
-CLI = ("partitioner.cli", "partitioner.__main__", "partitioner.commands")
+CLI = ("partitioner_cli",)
 
 
 def _modules() -> dict[str, Path]:
@@ -146,9 +146,9 @@ def _in(module: str, prefixes: tuple[str, ...]) -> bool:
 def test_the_graph_is_read():
     # the walker sees module-level, lazy (in a function) and registry imports, not TYPE_CHECKING ones
     assert "partitioner.cost" in GRAPH["partitioner.simulate"]
-    assert "solvers.chain" in GRAPH["solvers"]  # SOLVERS = {"dp": "solvers.chain:solve", ...}
-    assert "partitioner.commands.plan" in GRAPH["partitioner.cli"]  # COMMAND_MODULES
-    assert "solvers" in GRAPH["partitioner.commands.plan"]  # inside _run
+    assert "solvers.pipeline.router" in GRAPH["solvers"]  # SOLVERS = {"dp": "solvers.pipeline.router:solve", ...}
+    assert "partitioner_cli.plan" in GRAPH["partitioner_cli.main"]  # COMMAND_MODULES
+    assert "solvers" in GRAPH["partitioner_cli.plan"]  # inside _run
     assert "partitioner.cluster" not in GRAPH["partitioner.plan"]  # under TYPE_CHECKING only
 
 
@@ -183,9 +183,70 @@ def test_the_runtime_never_imports_solvers_or_the_cli(module):
     assert up == [], f"{module} imports {up}"
 
 
+# solvers/ by floors: a module imports only modules of its own sub-package or of a lower floor
+# (docs/ARCHITECTURE.md). ``solvers`` is the front door's __init__ itself.
+SOLVER_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("solvers.result", "solvers.progress", "solvers.predictions"),
+    ("solvers.pipeline",),
+    ("solvers.exact", "solvers.cluster"),
+    ("solvers.baselines",),
+    ("solvers.__init__",),
+    ("solvers.planning",),
+    ("solvers.analysis",),
+)
+
+
+def _solver_room(module: str) -> tuple[int, str]:
+    """(floor, sub-package or module) of a module of ``solvers``."""
+    name = "solvers.__init__" if module == "solvers" else module
+    for floor, rooms in enumerate(SOLVER_FLOORS):
+        for room in rooms:
+            if name == room or name.startswith(room + "."):
+                return floor, room
+    raise AssertionError(f"{module} is on no floor of SOLVER_FLOORS; add it")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _in(m, ("solvers",))))
+def test_solvers_import_only_downward(module):
+    floor, room = _solver_room(module)
+    bad = []
+    for target in GRAPH[module]:
+        if not _in(target, ("solvers",)):
+            continue
+        t_floor, t_room = _solver_room(target)
+        if t_room != room and t_floor >= floor:
+            bad.append(target)
+    assert not bad, f"{module} (floor {floor}) imports {sorted(bad)} on its own floor or above"
+
+
+# Modules below the command line that spell other programs' flags: Megatron-LM's arguments in its
+# export, torchrun's --nproc-per-node in the advice of runtime.nodes.
+FOREIGN_FLAGS = {"partitioner.export", "runtime.nodes"}
+_FLAG = re.compile(r"(?:^|[\s(`/])--[a-zA-Z]")
+
+
+@pytest.mark.parametrize("package", ["partitioner", "solvers", "runtime"])
+def test_no_cli_flag_is_spelled_below_the_cli(package):
+    """Below the command line an option is named by its keyword (``micro_batches``); the CLI shows
+    its flag (partitioner_cli._args.cli_message). Docstrings may say which flag gives a value."""
+    found = []
+    for name, path in MODULES.items():
+        if not _in(name, (package,)) or name in FOREIGN_FLAGS:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                    and _FLAG.search(node.value):
+                found.append(f"{name}:{node.lineno}: {node.value[:60]!r}")
+    assert not found, "CLI flags spelled below the CLI:\n" + "\n".join(found)
+
+
 def test_the_plan_command_plans_through_one_front_door():
     # solvers.planning.plan; ``solvers`` itself for the --solver choices
-    assert {t for t in GRAPH["partitioner.commands.plan"] if _in(t, ("solvers",))} == {"solvers", "solvers.planning"}
+    assert {t for t in GRAPH["partitioner_cli.plan"] if _in(t, ("solvers",))} == {"solvers", "solvers.planning"}
 
 
 def test_only_the_cli_imports_the_cli():

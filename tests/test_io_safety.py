@@ -47,7 +47,7 @@ def test_plan_refuses_to_overwrite_its_profile_before_solving(tmp_path: Path) ->
     prof = tmp_path / "p.json"
     prof.write_bytes((ROOT / "examples/profiles/vgg16_v100.json").read_bytes())
     before = prof.read_bytes()
-    from partitioner.cli import main
+    from partitioner_cli.main import main
 
     assert main(["plan", str(prof), "--cluster", str(ROOT / "examples/clusters/v100x8.yaml"), "-o", str(prof)]) == 2
     assert prof.read_bytes() == before
@@ -94,7 +94,7 @@ def test_json_input_with_nan_or_a_huge_integer_is_refused(tmp_path: Path) -> Non
 
 def test_plan_piped_into_head_writes_the_plan_and_prints_no_traceback(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    cmd = (f"{sys.executable} -m partitioner plan examples/profiles/vgg16_v100.json "
+    cmd = (f"{sys.executable} -m partitioner_cli plan examples/profiles/vgg16_v100.json "
            f"--cluster examples/clusters/v100x8.yaml --allow-fewer -o {out} | head -1")
     proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)

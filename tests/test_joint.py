@@ -13,12 +13,13 @@ from partitioner.cluster import Cluster, DeviceType, Node
 from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.profile import LayerProfile, LayerTime, Profile
-from solvers import SolveStatus, cpsat, milp
-from solvers.dp import chain_dp
-from solvers.intervals import prepare
-from solvers.joint import joint_data
-from solvers.joint_bound import relaxed_plan
-from solvers.mapping import device_labels
+from solvers import SolveStatus
+from solvers.exact.intervals import prepare
+from solvers.exact.joint import joint_data
+from solvers.exact.joint_bound import relaxed_plan
+from solvers.exact.router import solve_cbc, solve_cpsat
+from solvers.pipeline.dp import chain_dp
+from solvers.pipeline.mapping import device_labels
 
 GIB = 2**30
 TYPES = ("gA", "gB", "gC")
@@ -77,7 +78,7 @@ def _check(inst):
     kw = dict(schedule=schedule, micro_batches=m, options=options, allow_fewer=allow_fewer, hint=hint,
               time_limit_s=30.0, relaxation=relax)
     cost = CostModel(profile, cluster, options)
-    results = [cpsat.solve(profile, cluster, **kw), milp.solve(profile, cluster, **kw)]
+    results = [solve_cpsat(profile, cluster, **kw), solve_cbc(profile, cluster, **kw)]
     for r in results:
         if len(set(device_labels(cost, cluster.devices))) > 1:
             assert r.details["mapping"] == "model"
@@ -137,12 +138,12 @@ def _profile(n_layers=6):
 def test_order_of_the_device_list_does_not_matter_and_fixed_order_keeps_it():
     prof, cl = _profile(), _two_node_cluster()
     names = [d.name for d in cl.devices]
-    a = cpsat.solve(prof, cl, names, time_limit_s=20.0)
-    b = cpsat.solve(prof, cl, list(reversed(names)), time_limit_s=20.0)
+    a = solve_cpsat(prof, cl, names, time_limit_s=20.0)
+    b = solve_cpsat(prof, cl, list(reversed(names)), time_limit_s=20.0)
     assert a.status is b.status is SolveStatus.OPTIMAL
     assert a.objective == pytest.approx(b.objective, rel=1e-9)
     assert a.details["mapping"] == "model" and a.details["symmetric_nodes"] == [["n0", "n1"]]
-    given_order = cpsat.solve(prof, cl, names, time_limit_s=20.0, fixed_order=True)
+    given_order = solve_cpsat(prof, cl, names, time_limit_s=20.0, fixed_order=True)
     assert given_order.details["mapping"] == "given"
     assert [st.device for st in given_order.plan.virtual_workers[0].stages] == names
     assert a.objective <= given_order.objective
@@ -151,14 +152,14 @@ def test_order_of_the_device_list_does_not_matter_and_fixed_order_keeps_it():
 def test_infeasible_memory_gives_the_same_reason_in_both():
     prof, cl = _profile(), _two_node_cluster(mem_gib=0.5)
     reasons = []
-    for module in (cpsat, milp):
-        r = module.solve(prof, cl, time_limit_s=10.0)
+    for module in (solve_cpsat, solve_cbc):
+        r = module(prof, cl, time_limit_s=10.0)
         assert r.status is SolveStatus.INFEASIBLE and r.plan is None
         reasons.append(r.reason)
     assert reasons[0] == reasons[1] and "GiB" in reasons[0]
 
 
-@pytest.mark.parametrize("module", [cpsat, milp])
+@pytest.mark.parametrize("module", [solve_cpsat, solve_cbc])
 @pytest.mark.parametrize("kw, needle", [
     ({"time_limit_s": 0.0}, "time_limit_s = 0.0: must be > 0 seconds"),
     ({"time_limit_s": -1.0}, "time_limit_s = -1.0"),
@@ -167,7 +168,7 @@ def test_infeasible_memory_gives_the_same_reason_in_both():
 ])
 def test_bad_options_are_one_line(module, kw, needle):
     with pytest.raises(FormatError) as err:
-        module.solve(_profile(), _two_node_cluster(), **kw)
+        module(_profile(), _two_node_cluster(), **kw)
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
@@ -189,13 +190,13 @@ def test_planner_request_fixed_order_flag():
     from solvers.planning import PlanRequest
 
     assert PlanRequest(solver="cpsat", fixed_order=True).solver_options()["fixed_order"] is True
-    with pytest.raises(FormatError, match="--fixed-order"):
+    with pytest.raises(FormatError, match="fixed_order"):
         PlanRequest(solver="dp", fixed_order=True)
 
 
 def test_cli_decides_the_order_unless_fixed(tmp_path, capsys):
-    from partitioner.cli import main
     from partitioner.plan import Plan
+    from partitioner_cli.main import main
 
     prof, cl = _profile(), _two_node_cluster()
     prof.save(tmp_path / "p.json")
@@ -222,12 +223,12 @@ def test_graph_profile_keeps_the_given_order_and_says_so():
     graph = dataclasses.replace(prof, layers=layers,
                                 edges=(*tuple((i, i + 1) for i in range(prof.num_layers - 1)), (0, 2)))
     cl = _two_node_cluster()
-    for module in (cpsat, milp):
-        r = module.solve(graph, cl, time_limit_s=20.0)
+    for module in (solve_cpsat, solve_cbc):
+        r = module(graph, cl, time_limit_s=20.0)
         assert r.ok and r.details["mapping"] == "given"
         assert any("given order" in line for line in r.details["messages"])
         assert [st.device for st in r.plan.virtual_workers[0].stages] == [d.name for d in cl.devices]
-        chain = module.solve(graph, cl, time_limit_s=20.0, dag=False)
+        chain = module(graph, cl, time_limit_s=20.0, dag=False)
         assert chain.details["mapping"] == "model" and "messages" not in chain.details
 
 
@@ -238,6 +239,6 @@ def test_wsp_over_a_size_dependent_network_is_refused_in_one_line():
 
     cl = dataclasses.replace(_two_node_cluster(), inter_curve=Bandwidth(1.0, latency_s=1e-5, name="inter_node"))
     with pytest.raises(FormatError) as err:
-        cpsat.solve(_profile(), cl, schedule="wsp", time_limit_s=5.0)
+        solve_cpsat(_profile(), cl, schedule="wsp", time_limit_s=5.0)
     assert "schedule = 'wsp'" in str(err.value) and "\n" not in str(err.value)
-    assert cpsat.solve(_profile(), cl, schedule="wsp", time_limit_s=5.0, fixed_order=True).ok
+    assert solve_cpsat(_profile(), cl, schedule="wsp", time_limit_s=5.0, fixed_order=True).ok

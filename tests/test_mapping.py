@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from partitioner.cost import CostModel
-from solvers.dp import chain_dp
-from solvers.mapping import device_labels, label_orders, map_worker, num_label_orders
+from solvers.pipeline.dp import chain_dp
+from solvers.pipeline.mapping import device_labels, label_orders, map_worker, num_label_orders
 from tests._hetero_fixtures import small_cluster, synthetic_profile
 
 CLUSTERS = [

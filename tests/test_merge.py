@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner import cli
 from partitioner.errors import PartitionerError
 from partitioner.merge import merge_profiles
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner_cli import main as cli
 
 
 def _p(gpu, t, model="m", names=("a", "b"), flops=(1.0, 2.0), projected=False, saved=(5.0, 6.0)):
@@ -49,7 +49,7 @@ def test_small_saved_bytes_difference_keeps_the_larger():
 
 
 def test_cli_merge(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("partitioner.commands.profile",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("partitioner_cli.profile",))
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "m.json"
     _p("T4", 1.0).save(a)
     _p("V100", 1.0, model="x").save(b)

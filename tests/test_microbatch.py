@@ -6,8 +6,8 @@ import pytest
 
 from partitioner.cost import CostModel, pipeline_iteration_s
 from partitioner.errors import FormatError
-from solvers.hetero import plan_cluster
-from solvers.microbatch import choose_micro_batches
+from solvers.cluster.microbatch import choose_micro_batches
+from solvers.cluster.planner import plan_cluster
 from tests._hetero_fixtures import small_cluster, synthetic_profile
 
 

@@ -48,7 +48,7 @@ def test_two_torchrun_nodes_train_what_local_trains(tmp_path: Path) -> None:
             str(tmp_path / "two.yaml"), "--model", "gpt2-tiny", "--steps", "3", "--warmup", "1", "--threads", "1",
             "--timeout", "120", "-o", str(out)]
     endpoint = f"127.0.0.1:{free_port()}"
-    printed = subprocess.run([sys.executable, "-m", "partitioner", "train", *args, "--launch-lines",
+    printed = subprocess.run([sys.executable, "-m", "partitioner_cli", "train", *args, "--launch-lines",
                               "--rdzv-endpoint", endpoint], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert printed.returncode == 0, printed.stderr
     lines = [ln for ln in printed.stdout.splitlines() if ln.startswith("torchrun ")]

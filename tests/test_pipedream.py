@@ -8,7 +8,7 @@ from partitioner.errors import FormatError
 from partitioner.importers.pipedream import import_pipedream, parse_graph
 from partitioner.profile import Profile
 from solvers import solve
-from solvers.bisection import identical_optimum
+from solvers.pipeline.bisection import identical_optimum
 
 from .conftest import big_type
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.errors import FormatError
+from partitioner.errors import OptionError
+from partitioner_cli._args import OPTION_FLAGS, cli_message
 from solvers import SolveStatus, solve
-from solvers.hetero import plan_cluster
-from solvers.microbatch import choose_micro_batches
+from solvers.cluster.microbatch import choose_micro_batches
+from solvers.cluster.planner import plan_cluster
 from solvers.planning import PlanRequest, plan
 from tests._hetero_fixtures import small_cluster, synthetic_profile
 
@@ -78,19 +79,22 @@ def test_nothing_fits_is_infeasible_with_a_reason_not_none():
 
 
 @pytest.mark.parametrize(("kwargs", "flag"), [
-    ({"schedule": "bfs", "solver": "cpsat"}, "--schedule"),
-    ({"schedule": "interleaved", "allow_fewer": True}, "--allow-fewer"),
-    ({"chunks": "2"}, "--chunks"),
-    ({"virtual_workers": 2, "solver": "milp"}, "--solver"),
-    ({"virtual_workers": 2, "allow_fewer": True}, "--allow-fewer"),
-    ({"time_limit_s": 5.0}, "--time-limit"),
-    ({"seed": 3}, "--seed"),
-    ({"solver": "cpsat", "threads": 0}, "--workers"),
-    ({"micro_batches": "auto"}, "--microbatches"),
-    ({"micro_batches": 0}, "--microbatches"),
-    ({"virtual_workers": "two"}, "--virtual-workers"),
+    ({"schedule": "bfs", "solver": "cpsat"}, "schedule"),
+    ({"schedule": "interleaved", "allow_fewer": True}, "allow_fewer"),
+    ({"chunks": "2"}, "chunks"),
+    ({"virtual_workers": 2, "solver": "milp"}, "solver"),
+    ({"virtual_workers": 2, "allow_fewer": True}, "allow_fewer"),
+    ({"time_limit_s": 5.0}, "time_limit_s"),
+    ({"seed": 3}, "seed"),
+    ({"solver": "cpsat", "threads": 0}, "threads"),
+    ({"micro_batches": "auto"}, "micro_batches"),
+    ({"micro_batches": 0}, "micro_batches"),
+    ({"virtual_workers": "two"}, "virtual_workers"),
 ])
 def test_a_contradictory_request_is_one_line_naming_the_option(kwargs, flag):
-    with pytest.raises(FormatError) as err:
+    with pytest.raises(OptionError) as err:
         PlanRequest(**kwargs)
-    assert str(err.value).startswith(flag) and "\n" not in str(err.value)
+    assert err.value.field == flag and "\n" not in str(err.value)
+    # the command line names the option by its flag
+    shown = cli_message(err.value)
+    assert shown.startswith(OPTION_FLAGS[flag] + " = ") and "`" not in shown

@@ -9,18 +9,18 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner import cli
 from partitioner.errors import PartitionerError
 from partitioner.models import build_model
 from partitioner.profile import Profile
 from partitioner.profiler import analyze_layers, profile_model
+from partitioner_cli import main as cli
 
 B, IN, OUT = 4, 32, 16
 
 
 @pytest.fixture()
 def run_cli(monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("partitioner.commands.profile",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("partitioner_cli.profile",))
     return cli.main
 
 

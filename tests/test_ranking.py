@@ -8,7 +8,7 @@ from partitioner.cluster import Cluster
 from partitioner.cost import CostModel, CostOptions, pipeline_iteration_s
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from solvers import solve
-from solvers.ranking import rank_plans
+from solvers.pipeline.ranking import rank_plans
 
 GIB = 2**30
 
@@ -65,7 +65,7 @@ def test_rank_plans_orders_by_simulated_throughput() -> None:
 
 
 def test_cluster_planner_ranks_groupings_of_several_k_by_simulation():
-    from solvers.hetero import plan_cluster
+    from solvers.cluster.planner import plan_cluster
     from tests._hetero_fixtures import small_cluster, synthetic_profile
 
     prof = synthetic_profile(12, seed=3)

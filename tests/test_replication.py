@@ -8,9 +8,9 @@ import pytest
 
 from partitioner.cost import CostModel, ring_allreduce_s
 from partitioner.plan import Plan, Stage, VirtualWorker
-from solvers.dp import chain_dp
-from solvers.hetero import plan_cluster
-from solvers.replication import replicate_chain
+from solvers.cluster.planner import plan_cluster
+from solvers.cluster.replication import replicate_chain
+from solvers.pipeline.dp import chain_dp
 from tests._hetero_fixtures import small_cluster, synthetic_profile
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner import cli
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner_cli import main as cli
 from runtime.data import make_data
 from runtime.launch import TrainConfig, check_world_size, train_local
 from runtime.layout import plan_layout
@@ -222,7 +222,7 @@ def test_torchrun_and_local_train_the_same(tmp_path: Path) -> None:
     args = _paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4))
     out = tmp_path / "torchrun.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "partitioner", "train", *args, "--model", "gpt2-tiny", "--steps", "3", "--warmup", "1",
+           "-m", "partitioner_cli", "train", *args, "--model", "gpt2-tiny", "--steps", "3", "--warmup", "1",
            "--threads", "1", "-o", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -370,7 +370,7 @@ def test_2bw_follows_its_update_rule(cuts: list[list[int]], m: int, tmp_path: Pa
 
 
 def test_train_builds_the_zoo_model_with_the_profiled_shape() -> None:
-    from partitioner.commands.train import zoo_options
+    from partitioner_cli.train import zoo_options
 
     profile = _cpu_profile("gpt2-tiny", 4)
     assert zoo_options(profile) == {}

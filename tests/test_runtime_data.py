@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner import cli
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner_cli import main as cli
 from runtime.data import MASK_ID, corpus_bytes, make_data
 from runtime.launch import TrainConfig, train_local
 from runtime.model import ModelSpec, load_model_spec

@@ -15,12 +15,12 @@ import pytest
 import torch
 import yaml
 
-from partitioner import cli
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.placement import replica_assignment, replica_shares, supports
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner.schedule import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, B, F
+from partitioner_cli import main as cli
 from runtime.layout import plan_layout
 
 if TYPE_CHECKING:
@@ -177,8 +177,8 @@ def _mixed(tmp_path: Path) -> tuple[Profile, Cluster]:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_ranks_run_what_the_simulator_times(schedule: str, tmp_path: Path) -> None:
-    from partitioner.commands.train import _replica_assignment
     from partitioner.simulate import simulate_plan
+    from partitioner_cli.train import _replica_assignment
 
     profile, cluster = _mixed(tmp_path)
     plan = Plan("gpt2-tiny", (_stages([0, 1, 4], [("n0:1", "n0:2"), ("n0:0",)]),), schedule=schedule,

@@ -60,8 +60,8 @@ def test_micro_batching_refuses_what_cannot_be_sliced() -> None:
 @pytest.mark.parametrize("replicated", [False, True])
 def test_ranks_run_the_sliced_lists_the_simulator_times(schedule: str, slices: int, replicated: bool,
                                                         tmp_path: Path) -> None:
-    from partitioner.commands.train import _replica_assignment
     from partitioner.simulate import simulate_plan
+    from partitioner_cli.train import _replica_assignment
 
     profile, cluster = _mixed(tmp_path)  # n0:0 and n0:1 fast, n0:2 slow
     vw = (_replicated([0, 1, 4], [("n0:1", "n0:2"), ("n0:0",)]) if replicated

@@ -73,8 +73,8 @@ def test_broken_file_is_named(tmp_path):
 
 
 def test_cli_import_sailor(tmp_path, capsys):
-    from partitioner import cli
     from partitioner.profile import Profile
+    from partitioner_cli import main as cli
 
     out = tmp_path / "opt.json"
     assert cli.main(["import", "sailor", str(DATA), "--micro-batch-size", "2", "-o", str(out)]) == 0

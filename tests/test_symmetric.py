@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 from partitioner.cluster import Cluster, Node
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError
-from solvers.fleet_bound import (
+from solvers.cluster.bounds.fleet import (
     fleet_bound,
     largest_layer_s,
     worker_memory_bytes,
     worker_time_bound_s,
 )
-from solvers.grouping import combine, search_opt
-from solvers.hetero import WorkerPlanner, plan_cluster, price_plan
-from solvers.symmetric import node_classes, plan_counts
+from solvers.cluster.grouping import combine, search_opt
+from solvers.cluster.planner import WorkerPlanner, plan_cluster, price_plan
+from solvers.cluster.templates import node_classes, plan_counts
 from tests._hetero_fixtures import small_cluster, synthetic_profile
 
 TYPES = ("TITAN-V", "RTX-2060", "RTX-3090", "Quadro-P4000")
@@ -176,11 +176,11 @@ def test_one_type_bound_in_closed_form_holds(objective, param_mb):
 
 
 def test_the_planner_linear_programs_give_optimal_primal_and_dual_solutions() -> None:
-    """solvers.lp (GLOP): max w.x s.t. a x <= cap, x >= 0, against its dual min cap.y s.t. a^T y >= w:
+    """solvers.cluster.lp (GLOP): max w.x s.t. a x <= cap, x >= 0, against its dual min cap.y s.t. a^T y >= w:
     equal objectives (strong duality), and the dual's row duals a primal optimum."""
     import numpy as np
 
-    from solvers.lp import linprog
+    from solvers.cluster.lp import linprog
 
     rng = np.random.default_rng(3)
     for _ in range(30):
@@ -201,7 +201,7 @@ def test_a_linear_program_without_an_answer_leaves_a_valid_bound(monkeypatch: py
     """The solver giving up is not infeasibility: the bound falls back to the perfect speed-up."""
     import numpy as np
 
-    import solvers.lp as lp
+    import solvers.cluster.lp as lp
 
     profile = synthetic_profile(8, seed=1, types=TYPES, param_mb=20.0)
     cluster = small_cluster([["TITAN-V"], ["TITAN-V", "RTX-2060"]], inter=2.0)

@@ -16,9 +16,14 @@ from partitioner.cost import CostModel
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
-from solvers.hetero import WorkerPlanner, plan_cluster, price_plan
-from solvers.symmetric import node_classes
-from solvers.sync_bound import allreduce_floor, exact_pipeline_floor_s, pipeline_floor_s, sync_bound
+from solvers.cluster.bounds.sync import (
+    allreduce_floor,
+    exact_pipeline_floor_s,
+    pipeline_floor_s,
+    sync_bound,
+)
+from solvers.cluster.planner import WorkerPlanner, plan_cluster, price_plan
+from solvers.cluster.templates import node_classes
 from tests._hetero_fixtures import small_cluster
 
 TYPES = ("TITAN-V", "RTX-2060", "RTX-3090")
@@ -183,7 +188,7 @@ def test_hetpipe_vgg19_plan_is_proven_optimal_with_the_allreduce():
 def test_lower_bound_holds_when_speed_ratios_differ_by_layer(seed):
     """``CostModel.lower_bound_s`` (which lets the mapping search stop early) is below the best
     bottleneck of every order, also when no type is uniformly k times another."""
-    from solvers.dp import chain_dp
+    from solvers.pipeline.dp import chain_dp
 
     cost = CostModel(uneven_profile(6, seed, 10.0), small_cluster([list(TYPES)], inter=2.0))
     devs = list(cost.cluster.devices)
@@ -196,8 +201,8 @@ def test_lower_bound_holds_when_speed_ratios_differ_by_layer(seed):
 def test_fleet_bound_holds_when_speed_ratios_differ_by_layer(seed):
     """The fleet bound and the perfect speed-up take each type at its best per-layer ratio, so
     they stay above every plan when no type is uniformly k times another (enumerated)."""
-    from solvers.fleet_bound import effective_whole_s, fleet_bound
-    from solvers.hetero import throughput_upper_bound
+    from solvers.cluster.bounds.fleet import effective_whole_s, fleet_bound
+    from solvers.cluster.planner import throughput_upper_bound
 
     cost = CostModel(uneven_profile(5, seed, 50.0), small_cluster([["TITAN-V", "RTX-2060"], ["RTX-3090"]], inter=2.0))
     devs = list(cost.cluster.devices)
@@ -211,7 +216,7 @@ def test_fleet_bound_holds_when_speed_ratios_differ_by_layer(seed):
 
 
 def test_effective_whole_times_equal_the_whole_model_where_ratios_are_one_number():
-    from solvers.fleet_bound import effective_whole_s
+    from solvers.cluster.bounds.fleet import effective_whole_s
     from tests._hetero_fixtures import synthetic_profile
 
     cost = CostModel(synthetic_profile(8, seed=2, types=TYPES), small_cluster([list(TYPES)]))

@@ -15,8 +15,13 @@ from partitioner.cost import CostModel
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
-from solvers.sync_bound import allreduce_floor
-from solvers.tail_floor import TailTable, count_splits, worker_tail_floor_s, worker_tail_table
+from solvers.cluster.bounds.sync import allreduce_floor
+from solvers.cluster.bounds.tail import (
+    TailTable,
+    count_splits,
+    worker_tail_floor_s,
+    worker_tail_table,
+)
 from tests._hetero_fixtures import small_cluster
 
 TYPES = ("TITAN-V", "RTX-2060", "RTX-3090")

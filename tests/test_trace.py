@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from partitioner.cluster import Cluster
-from partitioner.commands import simulate as simulate_command
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner.simulate import simulate_plan
 from partitioner.trace import chrome_trace, summary_text
+from partitioner_cli import simulate as simulate_command
 
 
 def _setup(tmp_path: Path, schedule: str = "1f1b", m: int = 4) -> tuple[Path, Path, Path]:

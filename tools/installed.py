@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("partitioner", "solvers", "runtime")
+PACKAGES = ("partitioner", "partitioner_cli", "solvers", "runtime")
 
 
 def requirements(extra: str = "dev") -> list[str]:

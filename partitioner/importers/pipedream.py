@@ -166,7 +166,7 @@ def import_pipedream(path: str | os.PathLike[str], gpu_type: str = "V100",
             size = inputs[0].activation_bytes / _IMAGE_SAMPLE_BYTES if inputs else 0.0
             if not inputs or not 1 <= size <= MAX_MICRO_BATCH_SIZE or size != int(size):
                 raise FormatError("micro_batch_size", None, "cannot be derived from the input node (not a "
-                                  "3x224x224 fp32 image batch); pass it explicitly (--micro-batch-size)")
+                                  "3x224x224 fp32 image batch); pass it explicitly (`micro_batch_size`)")
             micro_batch_size = int(size)
     except FormatError as err:
         raise err.in_file(str(p)) from None

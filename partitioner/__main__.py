@@ -1,9 +1,0 @@
-import sys
-
-try:
-    from .cli import main
-except KeyboardInterrupt:  # Ctrl-C while the libraries load
-    print("partitioner: interrupted", file=sys.stderr)
-    sys.exit(130)
-
-sys.exit(main())

@@ -1,1 +1,0 @@
-"""Subcommands of the ``partitioner`` CLI, one module each (see ``partitioner.cli``)."""

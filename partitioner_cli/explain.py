@@ -1,0 +1,62 @@
+"""``partitioner explain PLAN --profile P --cluster C``: why a plan is as fast as it is."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from partitioner.cluster import Cluster
+from partitioner.errors import FormatError, PartitionerError
+from partitioner.plan import Plan
+from partitioner.profile import Profile
+from partitioner_cli.plan import add_cost_arguments, cost_options_from_args
+
+__all__ = ["register"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from partitioner._io import write_json
+    from solvers.analysis.explain import explain_plan, format_explanation
+
+    if args.json and os.path.realpath(args.json) in {os.path.realpath(p) for p in (args.plan, args.profile,
+                                                                                      args.cluster)}:
+        raise PartitionerError(f"--json {args.json} is one of the input files; name a new output file")
+    if not args.time_limit > 0:
+        raise FormatError("--time-limit", args.time_limit, "must be > 0 seconds")
+    plan = Plan.load(args.plan)
+    profile = Profile.load(args.profile)
+    cluster = Cluster.load(args.cluster)
+    saved = plan.cost_options()
+    options = cost_options_from_args(args, saved)
+    if saved is None:
+        print("note: the plan does not record the options it was priced with (an older plan); "
+              "priced with the defaults and the flags given")
+    elif options != saved:
+        print("note: the flags given override the options the plan was priced with")
+    try:
+        plan.validate(profile, cluster)
+    except FormatError as err:
+        raise err.in_file(args.plan) from None
+    e = explain_plan(plan, profile, cluster, options, what_if=not args.no_what_if, time_limit_s=args.time_limit)
+    print(format_explanation(e))
+    if args.json:
+        write_json(args.json, e.to_dict())
+        print(f"wrote {args.json}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="bottleneck, time, memory headroom, gap and one-more-GPU gains of a plan",
+                       description="Explain PLAN: its bottleneck stage (compute / activation send / gradient "
+                                   "send) or link, where the simulated iteration goes (bubble, all-reduce, "
+                                   "optimizer step), memory headroom per GPU, the gap to the best bound known, "
+                                   "and the samples/s one more GPU of each timed type would give.")
+    p.add_argument("plan", help="plan JSON (from `partitioner plan`)")
+    p.add_argument("--profile", required=True, help="the profile the plan was made for")
+    p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
+    p.add_argument("--json", metavar="OUT.json", default=None, help="write the same figures as JSON here")
+    p.add_argument("--no-what-if", action="store_true", help="skip re-planning with one more GPU of each type")
+    p.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
+                   help="limit of each cluster-planner re-plan for several virtual workers (default 10)")
+    add_cost_arguments(p)
+    p.set_defaults(func=_run)

@@ -1,0 +1,109 @@
+"""``partitioner export PLAN --to TARGET -o OUT``: a plan as torch.distributed.pipelining,
+DeepSpeed or Megatron-LM take it (docs/export.md).
+
+    partitioner export plan.json --to torch-pipelining -o plan.torch.json
+    partitioner export plan.json --to deepspeed -o plan.ds.json --snippet ds_module.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from partitioner.errors import PartitionerError
+from partitioner.export import TARGETS, export_plan
+from partitioner.plan import Plan
+
+__all__ = ["register"]
+
+
+def _layer_names(plan: Plan, profile_path: str | None, n_layers: int) -> list[str] | None:
+    """Module names of the plan's layers: the profile's, else the zoo model's (None if neither)."""
+    if profile_path:
+        from partitioner.profile import Profile
+
+        profile = Profile.load(profile_path)
+        if profile.num_layers != n_layers:
+            raise PartitionerError(f"{profile_path}: the profile has {profile.num_layers} layers, the plan "
+                                   f"{n_layers}; give the profile the plan was made for")
+        return [layer.name for layer in profile.layers]
+    from partitioner.models import MODEL_NAMES, build_model
+
+    if plan.model not in MODEL_NAMES:
+        return None
+    zoo = build_model(plan.model, plan.micro_batch_size, device="meta")
+    if len(zoo.layers) != n_layers:
+        return None
+    return [name for name, _ in zoo.layers]
+
+
+def _summary(e: dict) -> list[str]:
+    t = e["target"]
+    if t == "torch-pipelining":
+        lines = [f"{e['model']} for torch.distributed.pipelining: {e['world_size']} ranks, {e['schedule_class']}, "
+                 f"n_microbatches {e['n_microbatches']}, {e['stages_per_rank']} stage(s) per rank"]
+        for p in e["pipelines"]:
+            lines.append(f"  pipeline {p['virtual_worker']} (ranks {p['ranks'][0]}-{p['ranks'][-1]}, batch rows "
+                         f"[{p['batch_rows'][0]}, {p['batch_rows'][1]})): "
+                         + ", ".join(f"stage {s['stage']} layers [{s['layers'][0]}, {s['layers'][1]}) on rank "
+                                     f"{s['rank']} ({s['device']})" for s in p["stages"]))
+            if p["split_spec"] is not None:
+                lines.append(f"    split_spec: {', '.join(f'{k}: BEGINNING' for k in p['split_spec'])}")
+        if e["grad_sync"]:
+            lines.append(f"  gradients averaged over {len(e['grad_sync'])} rank set(s) (grad_sync)")
+        return lines
+    if t == "deepspeed":
+        how = ("partition_method='uniform'" if e["partition_method"] == "uniform"
+               else "PipelineModule._partition_layers overridden (see snippet)")
+        return [f"{e['model']} for DeepSpeed PipelineModule: num_stages {e['num_stages']}, data parallel "
+                f"{e['data_parallel']}, parts {e['parts']} ({how})",
+                "  ranks (pipe-major): " + ", ".join(f"{r['rank']}={r['device']}" for r in e["ranks"])]
+    lines = [f"{e['model']} for Megatron-LM: pipeline {e['pipeline_parallel']} x data {e['data_parallel']}, "
+             f"transformer layers per stage {e['transformer_layers_per_stage']}",
+             f"  --pipeline-model-parallel-layout '{e['layout']}'"]
+    if e["uneven_args"] is not None:
+        lines.append("  or: " + " ".join(e["uneven_args"]))
+    else:
+        lines.append(f"  (no --decoder-first/last-pipeline-num-layers form: {e['uneven_args_unavailable']})")
+    return lines
+
+
+def _run(args: argparse.Namespace) -> int:
+    from partitioner._io import atomic_write_text, write_json
+
+    if args.to not in TARGETS:
+        raise PartitionerError(f"unknown target '{args.to}'; valid targets: {', '.join(TARGETS)}")
+    inputs = {os.path.realpath(p) for p in (args.plan, args.profile) if p}
+    for flag, out in (("-o", args.output), ("--snippet", args.snippet)):
+        if out and os.path.realpath(out) in inputs:
+            raise PartitionerError(f"{flag} {out} is one of the input files; name a new output file")
+    plan = Plan.load(args.plan)
+    n_layers = plan.virtual_workers[0].stages[-1].stop
+    names = _layer_names(plan, args.profile, n_layers) if args.to == "torch-pipelining" else None
+    try:
+        exported = export_plan(plan, args.to, names)
+    except PartitionerError as err:
+        raise PartitionerError(f"{args.plan}: {err}") from None
+    write_json(args.output, exported)
+    for line in _summary(exported):
+        print(line)
+    print(f"wrote {args.output}")
+    if args.snippet:
+        atomic_write_text(args.snippet, exported["snippet"])
+        print(f"wrote {args.snippet}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a plan as torch.distributed.pipelining, DeepSpeed or Megatron-LM take it",
+                       description="Turn PLAN into what another framework needs to run it: stage layer ranges, "
+                                   "split points and schedule for torch.distributed.pipelining; PipelineModule "
+                                   "parts for DeepSpeed; pipeline layout and uneven-stage arguments for "
+                                   "Megatron-LM. A plan the target cannot run is refused with the reason.")
+    p.add_argument("plan", help="plan JSON (from `partitioner plan`)")
+    p.add_argument("--to", required=True, metavar="TARGET", help=f"one of: {', '.join(TARGETS)}")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.json", help="write the export here")
+    p.add_argument("--profile", help="profile whose layer names give torch's split_spec (default: the zoo "
+                                     "model's layer names, when the plan's model is in the zoo)")
+    p.add_argument("--snippet", metavar="FILE", help="also write the ready code snippet here")
+    p.set_defaults(func=_run)

@@ -1,0 +1,123 @@
+"""``partitioner import FORMAT ...``: other tools' profiles -> partitioner.profile/1 JSON."""
+
+from __future__ import annotations
+
+import argparse
+
+from partitioner.profile import MAX_MICRO_BATCH_SIZE
+from partitioner_cli._args import bounded_int
+
+__all__ = ["register"]
+
+
+def _pipedream(args: argparse.Namespace) -> int:
+    from partitioner._io import check_outputs
+    from partitioner.importers.pipedream import import_pipedream
+
+    check_outputs({"-o": args.output}, (args.graph,))
+    profile = import_pipedream(args.graph, gpu_type=args.gpu_type, micro_batch_size=args.micro_batch_size,
+                               model=args.model)
+    profile.save(args.output)
+    kind = "DAG linearised to a chain" if profile.edges else "chain"
+    print(f"imported {profile.model}: {profile.num_layers} layers ({kind}), micro-batch "
+          f"{profile.micro_batch_size}, timed on {args.gpu_type} -> {args.output}")
+    return 0
+
+
+def _sailor(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from partitioner._io import check_outputs
+    from partitioner.importers.sailor import import_sailor
+
+    check_outputs({"-o": args.output}, sorted(Path(args.directory).glob("*.json")))
+    profile = import_sailor(args.directory, micro_batch_size=args.micro_batch_size,
+                            tensor_parallel=args.tensor_parallel, model=args.model, all_sizes=args.all_sizes)
+    profile.save(args.output)
+    sizes = profile.measured_sizes
+    also = f" (times also at sizes {', '.join(str(x) for x in sizes if x != profile.micro_batch_size)})" \
+        if len(sizes) > 1 else ""
+    print(f"imported {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}{also}, "
+          f"measured on {', '.join(profile.gpu_types)} -> {args.output}")
+    return 0
+
+
+def _sailor_run(args: argparse.Namespace) -> int:
+    import os
+    from dataclasses import replace
+
+    from partitioner.importers.sailor_runs import import_sailor_run
+
+    run = import_sailor_run(args.plan_config, args.profiles, args.network)
+    os.makedirs(args.output, exist_ok=True)
+    measured = {"iteration_s": run.measured_iteration_s, "peak_memory_bytes": run.measured_peak_bytes}
+    plan = replace(run.plan, pricing=run.options.to_dict(), meta={**run.plan.meta, "measured": measured})
+    paths = [os.path.join(args.output, name) for name in ("plan.json", "profile.json", "cluster.json")]
+    plan.save(paths[0])
+    run.profile.save(paths[1])
+    run.cluster.save(paths[2])
+    print(f"imported {run.name}: {len(plan.virtual_workers)} virtual worker(s) of "
+          f"{len(plan.virtual_workers[0].stages)} stage(s), {plan.micro_batches} micro-batches of "
+          f"{plan.micro_batch_size}, {len(run.cluster.devices)} tensor-parallel groups of "
+          f"{run.profile.meta.get('tensor_parallel', 1)} GPUs; measured {run.measured_iteration_s:.3f} s per "
+          f"iteration, peak {run.measured_peak_bytes / 2**30:.2f} GiB -> {', '.join(paths)}")
+    return 0
+
+
+def _sailor_network(args: argparse.Namespace) -> int:
+    from partitioner.cluster import Cluster, Node
+    from partitioner.importers.sailor_runs import sailor_bandwidth
+
+    inter = sailor_bandwidth(args.file, "inter", args.gpu_type, args.gpus_per_node)
+    intra = sailor_bandwidth(args.intra, "intra", args.gpu_type, args.gpus_per_node) if args.intra else None
+    from partitioner.importers.sailor import sailor_gpu_name
+
+    gpu = sailor_gpu_name(args.gpu_type)
+    from partitioner.importers.sailor_runs import _EXTRA_TYPES
+
+    extra = {gpu: _EXTRA_TYPES[args.gpu_type]} if args.gpu_type in _EXTRA_TYPES else {}
+    nodes = tuple(Node(f"n{i}", (gpu,) * args.gpus_per_node, intra.gbps if intra else args.intra_gbps,
+                       intra_curve=intra) for i in range(args.nodes))
+    cluster = Cluster(f"{args.gpu_type}-{args.nodes}x{args.gpus_per_node}", nodes, inter.gbps, extra,
+                      inter_curve=inter)
+    cluster.save(args.output)
+    print(f"wrote {args.output}: {args.nodes} node(s) of {args.gpus_per_node} {gpu}, inter-node curve "
+          f"{inter.gbps_at(1e8):.1f} GB/s at 100 MB (cap {inter.gbps:.1f})")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("import", help="convert another tool's profile to this project's format")
+    formats = parser.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    pd = formats.add_parser("pipedream", help="PipeDream profiler graph.txt")
+    pd.add_argument("graph", help="PipeDream graph.txt")
+    pd.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    pd.add_argument("--gpu-type", default="V100", help="GPU type the profile was measured on (default: V100)")
+    pd.add_argument("--micro-batch-size", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=None,
+                    help="samples per profiled batch (default: derived from an ImageNet-sized input)")
+    pd.add_argument("--model", default=None, help="model name (default: the file's name)")
+    pd.set_defaults(func=_pipedream)
+    sl = formats.add_parser("sailor", help="Sailor per-layer LLM profiles (a directory of <GPU>.json)")
+    sl.add_argument("directory", help="Sailor profile directory (<GPU>.json, llm_info_*.json, training_config*.json)")
+    sl.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    sl.add_argument("--micro-batch-size", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=1, help="micro-batch size to import (default 1)")
+    sl.add_argument("--tensor-parallel", type=bounded_int(1, 4096), default=1, help="tensor-parallel degree to import (default 1)")
+    sl.add_argument("--model", default=None, help="model name (default: the training config's)")
+    sl.add_argument("--all-sizes", action="store_true",
+                    help="also keep the times of every other measured micro-batch size (for plan --micro-batches auto)")
+    sl.set_defaults(func=_sailor)
+    sr = formats.add_parser("sailor-run", help="one of Sailor's measured training runs -> plan, profile, cluster")
+    sr.add_argument("plan_config", help="Sailor plan_config_*.json (with the measured 'real' and 'max_mem')")
+    sr.add_argument("--profiles", required=True, help="Sailor profile directory of the run's GPU type")
+    sr.add_argument("--network", required=True, help="Sailor network_coeffs_all_homo.json")
+    sr.add_argument("-o", "--output", required=True, help="directory for plan.json, profile.json, cluster.json")
+    sr.set_defaults(func=_sailor_run)
+    sn = formats.add_parser("sailor-network", help="Sailor's fitted NCCL curves -> a cluster file")
+    sn.add_argument("file", help="Sailor network_coeffs_all_homo.json")
+    sn.add_argument("--gpu-type", required=True, help="Sailor's GPU name (GH-96, A100-40, V100-16, ...)")
+    sn.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    sn.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (a key of the curves)")
+    sn.add_argument("--intra", metavar="FILE", help="Sailor intra_node_bandwidths.json for the intra-node curve")
+    sn.add_argument("--intra-gbps", type=float, default=100.0, help="flat intra-node GB/s without --intra")
+    sn.add_argument("-o", "--output", required=True, help="cluster file to write (.yaml or .json)")
+    sn.set_defaults(func=_sailor_network)

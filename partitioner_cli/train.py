@@ -1,0 +1,327 @@
+"""``partitioner train PLAN --profile P --cluster C --model NAME``: train with a plan, measured
+against the simulator's prediction.
+
+    partitioner train plan.json --profile p.json --cluster c.yaml --model gpt2-tiny --local
+    partitioner train plan.json ... --model mymodels:mlp --local        (a user's model, runtime.model)
+    torchrun --nnodes 2 --nproc-per-node 4 ... -m partitioner_cli train plan.json ...   (one rank per device)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from partitioner._io import check_outputs
+from partitioner.cluster import Cluster
+from partitioner.errors import FormatError, PartitionerError
+from partitioner.plan import Plan
+from partitioner.profile import Profile
+from partitioner.schedule import spec
+from partitioner_cli._args import bounded_float, bounded_int, check_simulation_size
+from partitioner_cli.simulate import profile_for_plan
+
+if TYPE_CHECKING:
+    from runtime.layout import Layout
+
+__all__ = ["launch_lines", "register"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from partitioner.emulation import predict_emulated
+    from partitioner.simulate import simulate_plan
+    from runtime.launch import (
+        TrainConfig,
+        chain_for,
+        check_time_bound,
+        train_distributed,
+        train_local,
+    )
+    from runtime.layout import plan_layout
+    from runtime.model import is_model_ref
+
+    check_outputs({"-o": args.output}, (args.plan, args.profile, args.cluster))
+    plan = Plan.load(args.plan)
+    if plan.model != args.model and not is_model_ref(args.model):
+        raise PartitionerError(f"{args.plan}: the plan is for model '{plan.model}', not '{args.model}'")
+    profile = Profile.load(args.profile)
+    cluster = Cluster.load(args.cluster)
+    check_simulation_size(plan, None, args.plan)
+    profile = profile_for_plan(plan, profile, args.profile)
+    try:
+        plan.validate(profile, cluster)
+    except FormatError as err:
+        raise err.in_file(args.plan) from None
+    emulation = _emulation(args, plan, profile, cluster)
+    options = {} if is_model_ref(args.model) else zoo_options(profile)
+    config = TrainConfig(args.model, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
+                         device=args.device, threads=args.threads, timeout_s=args.timeout, data=args.data,
+                         model_options=options, node=args.plan_node or "",
+                         checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
+                         resume=args.resume, emulation=emulation, max_seconds=args.max_seconds or 0.0,
+                         replica_assignment=_replica_assignment(plan, profile, cluster))
+    chain = chain_for(plan, config)
+    n_layers = chain.num_layers
+    if n_layers != profile.num_layers:  # the plan was validated against the profile: name where it differs
+        if n_layers < profile.num_layers:
+            w, k = next((w, k) for w, vw in enumerate(plan.virtual_workers) for k, st in enumerate(vw.stages)
+                        if st.stop > n_layers)
+            where = f"virtual_workers[{w}].stages[{k}] holds layer {n_layers}, which the model does not have"
+        else:
+            where = f"no stage of the plan holds layers [{profile.num_layers}, {n_layers})"
+        raise PartitionerError(f"model '{args.model}' has {n_layers} layers but the profile has "
+                               f"{profile.num_layers}: {where}; profile the same model and plan again")
+    try:
+        layout = plan_layout(plan, n_layers, model=chain.name)
+    except FormatError as err:
+        raise err.in_file(args.plan) from None
+    check_time_bound(plan, config, layout)  # refused before any process starts
+    if args.launch_lines:
+        return _print_launch_lines(args, plan, n_layers, chain.name)
+    if emulation is None:
+        predicted = simulate_plan(plan, profile, cluster).iteration_s
+    else:
+        predicted = predict_emulated(plan, profile, cluster, local=emulation.local, reference=args.emulate_reference,
+                                     link_gbps=emulation.link_gbps, links=emulation.links).iteration_s
+        _print_emulation(emulation, plan)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.local and under_torchrun:
+        raise PartitionerError("--local starts its own processes; do not combine it with torchrun")
+    if not args.local and not under_torchrun:
+        raise PartitionerError("run under torchrun (RANK and WORLD_SIZE set) or pass --local to start one "
+                               "process per plan device on this machine")
+    metrics = train_local(plan, config) if args.local else train_distributed(plan, config)
+    if metrics is None:  # a rank other than 0 under torchrun
+        return 0
+    metrics["predicted_iteration_s"] = predicted
+    metrics["measured_over_predicted"] = metrics["measured_iteration_s"] / predicted if predicted > 0 else None
+    ran = len(metrics["step_s"])
+    resumed = f", resumed at step {metrics['first_step']}" if metrics.get("first_step") else ""
+    print(f"{config.model} {plan.schedule}: {metrics['world_size']} processes, {ran} steps{resumed} "
+          f"(median of the last {max(1, ran - config.warmup)}), data {metrics['data']}")
+    emulated = " (emulated)" if emulation else ""
+    print(f"  measured iteration  {metrics['measured_iteration_s'] * 1e3:9.2f} ms{emulated}")
+    print(f"  predicted iteration {predicted * 1e3:9.2f} ms  (simulator"
+          + ((f", emulated times of {emulation.local} and the plan's links x{emulation.time_scale:.3g})"
+              if emulation.links else f", emulated times of {emulation.local} and links at {emulation.link_gbps:g} GB/s)")
+             if emulation else ")"))
+    if emulation is not None and emulation.rule == "profiled":
+        ranks = metrics["emulated"]["ranks"]
+        over, total = sum(r["overruns"] for r in ranks), sum(r["actions"] for r in ranks)
+        print(f"  emulation overruns  {over} of {total} forward/backward actions computed longer than their "
+              "emulated time" + (" (this machine is too slow for the reference: name a faster one)" if over else ""))
+    _report_memory(metrics, plan, profile, cluster)
+    if metrics["loss"]:
+        what = "mean of the output" if metrics["data"] == "synthetic" else "training loss"
+        print(f"  loss {metrics['loss'][0]:.5g} -> {metrics['loss'][-1]:.5g}  ({what})")
+    if config.checkpoint_dir:
+        print(f"  checkpoints in {config.checkpoint_dir}")
+    if args.output:
+        from partitioner._io import write_json
+
+        clean, lost = _finite_or_null(metrics)
+        if lost:  # a diverged loss: the figures are still worth keeping, as strict JSON
+            print(f"note: {lost} value(s) were not finite (a diverged loss?) and are written as null")
+        write_json(args.output, clean)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _print_launch_lines(args: argparse.Namespace, plan: Plan, n_layers: int, model: str) -> int:
+    """The torchrun line of every node of the plan, this command's options carried over."""
+    from runtime.layout import plan_layout
+
+    train = [args.plan, "--profile", args.profile, "--cluster", args.cluster, "--model", args.model,
+             "--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", repr(args.lr),
+             "--seed", str(args.seed), "--device", args.device, "--timeout", repr(args.timeout)]
+    if args.threads:
+        train += ["--threads", str(args.threads)]
+    if args.checkpoint_dir:
+        train += ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every", str(args.checkpoint_every)]
+    if args.resume:
+        train.append("--resume")
+    if args.output:
+        train += ["-o", args.output]
+    layout = plan_layout(plan, n_layers, model=model)
+    print("\n".join(launch_lines(layout, train, args.rdzv_endpoint)))
+    return 0
+
+
+def launch_lines(layout: Layout, train_args: Sequence[str], rdzv_endpoint: str, rdzv_id: str = "partitioner"
+                 ) -> list[str]:
+    """One torchrun command line per node of the plan (run each on its machine): this command with
+    ``train_args`` and the node's name (``--plan-node``)."""
+    from runtime.nodes import plan_nodes
+
+    nodes = plan_nodes(layout)
+    lines = []
+    for name, ranks in nodes.items():
+        cmd = ["torchrun", "--nnodes", str(len(nodes)), "--nproc-per-node", str(len(ranks)),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id,
+               "-m", "partitioner_cli", "train", *train_args, "--plan-node", name]
+        lines.append(f"# node {name}: {', '.join(layout.ranks[k].device for k in ranks)}\n" + shlex.join(cmd))
+    return lines
+
+
+# build_model's keyword for each field of a zoo profile's ``meta.config``
+_ZOO_OPTIONS = {"seq_len": "seq_len", "image_size": "image_size", "width": "width", "vocab": "vocab",
+                "blocks": "num_blocks"}
+
+
+def zoo_options(profile: Profile) -> dict[str, Any]:
+    """The shape a zoo model was profiled with (sequence length, image size, width, vocabulary,
+    blocks), so that training builds the model that was measured and planned, not the zoo's
+    default (a profile at ``--seq-len 512`` trained at GPT-2's default 1,024 would run a
+    different model from the one the plan was priced for)."""
+    config = profile.meta.get("config") or {}
+    return {_ZOO_OPTIONS[k]: v for k, v in config.items() if k in _ZOO_OPTIONS}
+
+
+def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluster: Cluster) -> None:
+    """On CUDA: each rank's measured peak beside the cost model's, priced as the runtime trains
+    (fp32 weights, plain SGD: no optimizer state, nothing reserved), into ``metrics`` and printed."""
+    measured = {r["device"]: r["peak_memory_bytes"] for r in metrics.get("ranks", []) if r.get("peak_memory_bytes")}
+    if not measured or spec(plan.schedule).multi_chunk:
+        return
+    from dataclasses import replace
+
+    from partitioner.cost import CostModel, CostOptions
+
+    options = replace(plan.cost_options() or CostOptions(), precision="fp32", optimizer_state_factor=0.0,
+                      reserved_bytes=0.0)
+    predicted = CostModel(profile, cluster, options).plan_memory_bytes(plan)
+    metrics["predicted_peak_memory_bytes"] = {d: predicted.get(d) for d in measured}
+    worst = max(measured, key=lambda d: measured[d])
+    print(f"  peak memory         {measured[worst] / 2**30:9.2f} GiB measured on {worst} "
+          f"(torch.cuda.max_memory_allocated), {predicted.get(worst, 0.0) / 2**30:.2f} GiB predicted")
+
+
+def _replica_assignment(plan: Plan, profile: Profile, cluster: Cluster) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Which replica of a replicated stage runs each micro-batch: the simulator's rule, on the
+    cost model's forward + backward time of the stage on each replica's GPU type."""
+    if not any(st.replicas for vw in plan.virtual_workers for st in vw.stages):
+        return ()
+    from partitioner.cost import CostModel
+    from partitioner.placement import replica_assignment
+
+    cost = CostModel(plan.profile_view(profile), cluster)
+    return replica_assignment(plan, lambda d, a, b: cost.compute_s(cluster.device(d).gpu_type, a, b))
+
+
+def _emulation(args: argparse.Namespace, plan: Plan, profile: Profile, cluster: Cluster) -> Any:
+    """The plan's emulation (``--emulate``), refused in one line before any process starts."""
+    if not args.emulate:
+        given = [o for o, v in (("--emulate-reference", args.emulate_reference), ("--emulate-local", args.emulate_local),
+                                ("--emulate-link-GBps", args.emulate_link_gbps),
+                                ("--emulate-rule", args.emulate_rule),
+                                ("--emulate-links", args.emulate_links or None)) if v is not None]
+        if given:
+            raise PartitionerError(f"{', '.join(given)}: only with --emulate")
+        return None
+    from partitioner.emulation import LOCAL_DEVICE, LOCAL_LINK_GBPS, emulation_for
+
+    try:
+        return emulation_for(plan, profile, cluster, local=args.emulate_local or LOCAL_DEVICE,
+                             reference=args.emulate_reference,
+                             link_gbps=args.emulate_link_gbps if args.emulate_link_gbps is not None else LOCAL_LINK_GBPS,
+                             rule=args.emulate_rule or "profiled", links=args.emulate_links)
+    except FormatError as err:
+        raise err.in_file(args.profile) from None
+
+
+def _print_emulation(emulation: Any, plan: Plan) -> None:
+    print(f"EMULATION: every rank plays its device's GPU type on this machine ({emulation.local}); "
+          f"reference {emulation.reference} runs at this machine's speed; rule {emulation.rule}; "
+          + (f"all-reduces between virtual workers take the plan's links x{emulation.time_scale:.3g} (the emulation's "
+             "time scale), sends between stages are real (gloo)" if emulation.links else "communication is real (gloo)"))
+    for d in plan.devices:
+        factors = "; ".join(f"stage {s}: forward x{f:.3g}, backward x{b:.3g}"
+                            for s, (f, b) in sorted(emulation.factors(d).items()))
+        print(f"  {d} plays {emulation.gpu_type(d)}: {factors}")
+
+
+def _finite_or_null(x: Any) -> tuple[Any, int]:
+    """``x`` with every NaN or infinite float replaced by ``None``, and how many were."""
+    if isinstance(x, float):
+        return (x, 0) if math.isfinite(x) else (None, 1)
+    if isinstance(x, dict):
+        pairs = {k: _finite_or_null(v) for k, v in x.items()}
+        return {k: v for k, (v, _) in pairs.items()}, sum(n for _, n in pairs.values())
+    if isinstance(x, (list, tuple)):
+        items = [_finite_or_null(v) for v in x]
+        return [v for v, _ in items], sum(n for _, n in items)
+    return x, 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a zoo model (or your own) with a plan (torch.distributed)",
+                       description="Execute PLAN's schedule on torch.distributed (gloo on CPU, NCCL on GPU): "
+                                   "one process per plan device; synchronous data parallelism between virtual "
+                                   "workers (gpipe, 1f1b, interleaved, bfs), PipeDream-2BW (2bw) or WSP with the "
+                                   "plan's staleness (wsp). Reports the measured iteration time against the simulator's.")
+    p.add_argument("plan", help="plan JSON")
+    p.add_argument("--profile", required=True, help="the profile the plan was made for")
+    p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
+    p.add_argument("--model", required=True,
+                   help="zoo model to train (must be the plan's model), or module:function returning a "
+                        "runtime.model.ModelSpec (docs/runtime.md)")
+    p.add_argument("--data", choices=("auto", "text", "classes", "synthetic"), default="auto",
+                   help="training data: auto (default) is the model's real task -- text (the Python standard "
+                        "library's sources, bytes) for gpt2/bert, classes (a generated image classification "
+                        "task) for CNNs, make_batch for a user's model; synthetic: random inputs, loss = mean "
+                        "of the output (throughput only)")
+    p.add_argument("--steps", type=bounded_int(1, 1_000_000), default=10,
+                   help="training steps (default 10); with --max-seconds, the most that are run")
+    p.add_argument("--max-seconds", type=bounded_float(1e-3, 7 * 86400.0), default=None, metavar="SECONDS",
+                   help="end the run by time: no step (wsp: no wave of a virtual worker) starts after SECONDS, so "
+                        "a fast virtual worker runs more wsp waves than a slow one (wsp: one device per virtual "
+                        "worker; not 2bw, not with checkpoints)")
+    p.add_argument("--warmup", type=bounded_int(0, 1_000_000), default=2, help="steps left out of the timing (default 2)")
+    p.add_argument("--lr", type=bounded_float(1e-12, 1e6), default=0.01, help="SGD learning rate (default 0.01)")
+    p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0, help="seed of the initial weights and the data (default 0)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--threads", type=bounded_int(0, 4096), default=0,
+                   help="torch threads per process (default: this machine's cores / processes)")
+    p.add_argument("--timeout", type=bounded_float(1.0, 7 * 86400.0), default=300.0, metavar="SECONDS",
+                   help="wall-clock limit of the training job, not a solver's time limit: every collective "
+                        "waits at most this long, and with --local the processes still running this long "
+                        "(+30 s to start) are stopped (default 300)")
+    p.add_argument("--local", action="store_true", help="start one process per plan device on this machine")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (per rank, atomic; at the end "
+                                                          "and every --checkpoint-every steps)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="checkpoint every N steps (default 0: only at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the last complete checkpoint in --checkpoint-dir (a fresh start if none)")
+    emu = p.add_argument_group("heterogeneity emulation (docs/runtime.md)")
+    emu.add_argument("--emulate", action="store_true",
+                     help="every rank plays the GPU type the plan gives its device: its forward and backward are "
+                          "stretched by that type's profiled time relative to the reference (communication is real)")
+    emu.add_argument("--emulate-reference", metavar="TYPE", default=None,
+                     help="the GPU type that runs at this machine's speed (default: the fastest of the cluster's "
+                          "types, per layer); must have times in the profile")
+    emu.add_argument("--emulate-local", metavar="KEY", default=None,
+                     help="the profile's key of this machine's own times (default cpu: partitioner profile --device cpu)")
+    emu.add_argument("--emulate-link-GBps", dest="emulate_link_gbps", type=bounded_float(1e-6, 1e6), default=None,
+                     metavar="GBPS", help="link speed the emulated prediction assumes for every link (default 2: "
+                                          "gloo over loopback, as examples/clusters/cpu4.yaml)")
+    emu.add_argument("--emulate-rule", choices=("profiled", "scaled"), default=None,
+                     help="profiled (default): a forward or backward takes its stage's emulated time, or its compute "
+                          "time when longer (an overrun); scaled: its measured compute time x its stage's factor")
+    emu.add_argument("--emulate-links", action="store_true",
+                     help="the all-reduces between virtual workers (and wsp's pushes) take the time the cost model "
+                          "gives them on the plan's cluster, times the emulation's time scale (this machine's time "
+                          "of the model over the reference's); sends between stages stay real")
+    p.add_argument("-o", "--output", metavar="METRICS.json", help="write the metrics here")
+    p.add_argument("--plan-node", metavar="NAME", help="under torchrun: the plan node this machine is (default: "
+                                                        "the GROUP_RANK-th node the plan uses); see --launch-lines")
+    p.add_argument("--launch-lines", action="store_true",
+                   help="print the torchrun command of every node of the plan (run each on its machine) "
+                        "and exit")
+    p.add_argument("--rdzv-endpoint", default="HOST0:29500", metavar="HOST:PORT",
+                   help="the rendezvous address written into --launch-lines (default HOST0:29500: replace "
+                        "HOST0 with the first node's address)")
+    p.set_defaults(func=_run)

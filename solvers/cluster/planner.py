@@ -1,0 +1,690 @@
+"""Heterogeneity-aware planning of a whole cluster: virtual workers, device mapping, split.
+
+:func:`plan_cluster` groups the cluster's GPUs into K virtual workers (a HetPipe policy or
+``opt``), orders each worker's GPUs and splits the layers (:mod:`solvers.pipeline.mapping`),
+optionally replicating stages (:mod:`solvers.cluster.replication`), and prices the result with the
+cost model. The objective is the total throughput in samples per second; the
+``SolveResult.objective`` is its inverse, seconds per sample (smaller is better), with a
+lower bound from the cluster's total speed: ``1 / (micro_batch_size * sum_d 1 / T_d)``,
+``T_d`` the whole model's time on GPU ``d``.
+
+Objectives: both are K times the slowest worker's rate, the long-run rate of synchronous
+data parallelism and of WSP alike (WSP's staleness bound D keeps every worker within D waves
+of the slowest, so a faster worker's own rate is not sustained; the sum of the workers' own
+rates, HetPipe's figure of merit, rewards unbalanced workers that then wait). ``sync`` (the
+default) adds the gradient all-reduce and the optimizer step when it prices a plan, as
+synchronous training pays them; ``wsp`` leaves them out, as WSP hides its all-reduce behind
+the next waves while it is no longer than ``D`` waves' compute.
+
+A virtual worker's throughput is ``m * micro_batch_size / iteration_s`` with the closed-form
+iteration time of the schedule (:meth:`partitioner.cost.CostModel.worker_iteration_s`); the mapping
+and replication DPs minimise its bottleneck stage, which dominates it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from partitioner.cluster import Cluster, Device
+from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.errors import FormatError
+from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner.profile import Profile
+from partitioner.schedule import spec
+from solvers.cluster.grouping import OBJECTIVES, POLICIES, combine, group, search_opt
+from solvers.cluster.replication import replicate_worker
+from solvers.pipeline.dp import diagnose_infeasible
+from solvers.pipeline.mapping import map_worker
+from solvers.predictions import with_predictions
+from solvers.progress import Status, status
+from solvers.result import SolveResult, SolveStatus
+
+__all__ = ["WorkerPlanner", "plan_cluster", "price_plan", "solve"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Worker:
+    stages: tuple[Stage, ...] | None
+    throughput: float
+    exact: bool
+    ranges: tuple[tuple[int, int], ...] = ()  # the layer ranges of its stages (kept in the memo)
+
+
+class WorkerPlanner:
+    """Plans one virtual worker at a time, remembering answers for equivalent GPU sets.
+
+    Two GPU sets are equivalent when they have the same GPU types on nodes of the same kind
+    (same GPU mix and intra-node bandwidth, no link overrides): such nodes are interchangeable.
+    """
+
+    def __init__(self, cost: CostModel, schedule: str, micro_batches: int, replication: bool = False,
+                 exact_limit: int = 720, max_evaluations: int = 200):
+        self.cost = cost
+        self.max_evaluations = max_evaluations
+        self.schedule = schedule
+        self.micro_batches = micro_batches
+        self.replication = replication
+        self.exact_limit = exact_limit
+        self._memo: dict[Any, _Worker] = {}
+        cl = cost.cluster
+        overridden = {end for link in cl.links for end in (link.a, link.b)}
+        self._node_kind = {n.name: (n.name if n.name in overridden else (tuple(sorted(n.gpus)), n.intra_gbps))
+                           for n in cl.nodes}
+        self._pinned = overridden
+        self.evaluations = 0
+        self.deadline: float | None = None  # time.perf_counter() value past which mappings stop early
+        self.progress = Status("", show=False)  # plan_cluster's status line, while it runs
+
+    def key(self, devices: Sequence[Device]) -> Any:
+        if any(d.name in self._pinned for d in devices):
+            return tuple(sorted(d.name for d in devices))
+        per_node: dict[str, Counter[str]] = {}
+        for d in devices:
+            per_node.setdefault(d.node, Counter())[d.gpu_type] += 1
+        return tuple(sorted((self._node_kind[n], tuple(sorted(c.items()))) for n, c in per_node.items()))
+
+    def throughput_bound(self, devices: Sequence[Device]) -> float:
+        """An upper bound on :meth:`throughput`: ``micro_batch_size / lower_bound_s``, since an
+        iteration of ``m`` micro-batches takes at least ``m`` bottlenecks."""
+        k = ("bound", self.key(devices))
+        if k not in self._memo:
+            lb = self.cost.lower_bound_s(devices)
+            self._memo[k] = _Worker(None, self.cost.profile.micro_batch_size / lb if lb > 0 else math.inf, False)
+        return self._memo[k].throughput
+
+    def throughput(self, devices: Sequence[Device]) -> float:
+        return self._plan(devices, keep=False).throughput
+
+    def exact(self, devices: Sequence[Device]) -> bool:
+        """Whether :meth:`throughput` is optimal for ``devices`` (the mapping search was exhaustive)."""
+        return self._plan(devices, keep=False).exact
+
+    def node_kind(self, node: str) -> Any:
+        """Nodes of one kind are interchangeable (the node's own name where a link override names it)."""
+        return self._node_kind[node]
+
+    def interchangeable(self, devices: Sequence[Device]) -> bool:
+        """Whether no device of ``devices`` is singled out by a device-level link override."""
+        return not any(d.name in self._pinned for d in devices)
+
+    def stages(self, devices: Sequence[Device]) -> _Worker:
+        return self._plan(devices, keep=True)
+
+    def _plan(self, devices: Sequence[Device], keep: bool) -> _Worker:
+        """``keep``: return the stages for exactly these devices (the memo is shared by
+        equivalent GPU sets, so a kept plan of an equivalent set is relabelled onto them)."""
+        k = self.key(devices)
+        if not keep and k in self._memo:
+            return self._memo[k]
+        if keep and ("stages", k) in self._memo:
+            template = self._memo[("stages", k)]
+            assert template.stages is not None
+            if any(d.name in self._pinned for d in devices):
+                return template  # such a key names the devices themselves: the very same set
+            return replace(template, stages=_relabel(template.stages, self.cost, devices))
+        self.evaluations += 1
+        cost, sched, m = self.cost, self.schedule, self.micro_batches
+        res = map_worker(cost, devices, sched, m, exact_limit=self.exact_limit,
+                         max_evaluations=self.max_evaluations, deadline=self.deadline)
+        options: list[tuple[Stage, ...]] = []
+        if res.solution is not None:
+            sol = res.solution
+            options.append(tuple(Stage(r, d.name, d.gpu_type) for r, d in zip(sol.ranges, sol.devices, strict=True)))
+        if self.replication and len(devices) > 1:
+            order = list(res.solution.devices) if res.solution is not None else list(devices)
+            rep = replicate_worker(cost, order, sched, m)
+            if rep is not None:
+                options.append(tuple(Stage(r, ds[0].name, ds[0].gpu_type, tuple(d.name for d in ds[1:]))
+                                     for r, ds in rep.stages))
+        best = _Worker(None, -math.inf, res.exact)
+        for stages in options:
+            thr = worker_throughput(cost, stages, sched, m)
+            if thr > best.throughput:
+                best = _Worker(stages, thr, res.exact)
+        best = replace(best, ranges=tuple(st.layers for st in best.stages or ()))
+        self._memo[k] = replace(best, stages=None)
+        if keep and best.stages is not None:
+            self._memo[("stages", k)] = best
+        return best
+
+    def ranges(self, devices: Sequence[Device]) -> tuple[tuple[int, int], ...]:
+        """The layer ranges of the stages of the best plan for ``devices``."""
+        return self._plan(devices, keep=False).ranges
+
+    def sync_estimate_s(self, grouping: Sequence[Sequence[Device]]) -> float:
+        """The gradient all-reduce between the workers of ``grouping``, as the grouping search
+        prices it: every stage's gradients over one device of every worker (the first), the
+        largest such all-reduce. The finished plan is priced exactly (``plan_iteration_s``)."""
+        cost = self.cost
+        if len(grouping) < 2 or not cost.options.sync:
+            return 0.0
+        heads = [w[0] for w in grouping]
+        largest = max((cost.param_bytes(a, b) for w in grouping for a, b in self.ranges(w)), default=0.0)
+        return cost.allreduce_s(largest, heads)
+
+
+def _relabel(stages: Sequence[Stage], cost: CostModel, devices: Sequence[Device]) -> tuple[Stage, ...]:
+    """``stages`` (planned for an equivalent GPU set: the same GPU types on nodes of the same
+    kind) moved onto ``devices``: node to node of the same kind and GPU mix, GPU to GPU of the
+    same type, so every price is unchanged."""
+    cluster = cost.cluster
+    names = [st.device for st in stages] + [r for st in stages for r in st.replicas]
+    old = [cluster.device(nm) for nm in names]
+
+    def by_node(devs: Sequence[Device]) -> dict[str, list[Device]]:
+        out: dict[str, list[Device]] = {}
+        for d in devs:
+            out.setdefault(d.node, []).append(d)
+        return out
+
+    def kind(node: str, devs: list[Device]) -> Any:
+        nd = next(n for n in cluster.nodes if n.name == node)
+        return tuple(sorted(nd.gpus)), nd.intra_gbps, tuple(sorted(Counter(d.gpu_type for d in devs).items()))
+
+    free: dict[Any, list[list[Device]]] = {}
+    for node, devs in by_node(devices).items():
+        free.setdefault(kind(node, devs), []).append(list(devs))
+    mapping: dict[str, str] = {}
+    for node, devs in by_node(old).items():
+        target = free[kind(node, devs)].pop()
+        for d in devs:
+            match = next(t for t in target if t.gpu_type == d.gpu_type)
+            target.remove(match)
+            mapping[d.name] = match.name
+    return tuple(replace(st, device=mapping[st.device], replicas=tuple(mapping[r] for r in st.replicas))
+                 for st in stages)
+
+
+def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, micro_batches: int) -> float:
+    """Samples per second of one pipeline, priced by the cost model (-inf if it does not fit)."""
+    plan = Plan(cost.profile.model, (VirtualWorker(tuple(stages)),), schedule, cost.profile.micro_batch_size,
+                micro_batches)
+    try:
+        cost.check_plan_memory(plan)
+    except FormatError:
+        return -math.inf
+    it = cost.worker_iteration_s(plan, holders_known=False)  # the other workers are not known yet
+    return micro_batches * cost.profile.micro_batch_size / it if it > 0 else math.inf
+
+
+def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str, float]:
+    """Predicted figures of a multi-worker plan: total samples/s under ``objective``, the slowest
+    worker's iteration and the largest bottleneck stage. Under ``sync`` the iteration is the
+    closed form with the gradient all-reduce and the optimizer step (:meth:`CostModel.plan_iteration_s`).
+    Under ``wsp``, K times the slowest worker's rate without them. A plan of the ``wsp``
+    schedule keeps, in every worker, the conservative push and pull the search optimised
+    (:meth:`CostModel.wave_sync_s`), so the figures agree with the search's values and bounds;
+    ``CostModel.plan_iteration_s`` prices the plan's own holder sets and staleness."""
+    thr, its, necks = [], [], []
+    for w in range(len(plan.virtual_workers)):
+        times = cost.plan_stage_times_s(plan, w)
+        it = cost.worker_iteration_s(plan, w, holders_known=False)
+        its.append(it)
+        necks.append(max(times))
+        thr.append(plan.micro_batches * plan.micro_batch_size / it if it > 0 else math.inf)
+    if objective == "sync" and spec(plan.schedule).sync == "allreduce":
+        it = cost.plan_iteration_s(plan)
+        samples = len(plan.virtual_workers) * plan.micro_batches * plan.micro_batch_size
+        return {"samples_per_s": samples / it if it > 0 else math.inf, "iteration_s": it,
+                "bottleneck_s": max(necks)}
+    return {"samples_per_s": combine(thr, objective), "iteration_s": max(its), "bottleneck_s": max(necks)}
+
+
+def throughput_upper_bound(cost: CostModel, devices: Sequence[Device]) -> float:
+    """No plan on ``devices`` beats ``micro_batch_size * sum_d 1 / T_d`` samples per second (``T_d``
+    from :func:`solvers.cluster.bounds.fleet.effective_whole_s`)."""
+    from solvers.cluster.bounds.fleet import effective_whole_s
+
+    whole = effective_whole_s(cost, sorted({d.gpu_type for d in devices}))  # valid for any profile
+    return cost.profile.micro_batch_size * sum(1.0 / whole[d.gpu_type] if whole[d.gpu_type] > 0 else math.inf
+                                               for d in devices)
+
+
+# The largest chain DP one virtual worker may need (devices x layers^2 cells): 64 devices over
+# 1,000 layers, about 0.4 s (docs/benchmarks.md). The mapping search runs several per worker.
+MAX_WORKER_DP_CELLS = 64 * 1000**2
+
+
+def max_worker_gpus(num_layers: int) -> int:
+    """The most GPUs one virtual worker may hold for a model of ``num_layers`` layers."""
+    return max(1, MAX_WORKER_DP_CELLS // max(1, num_layers) ** 2)
+
+
+def _check_worker_size(n: int, k: int, num_layers: int, largest: int) -> int:
+    """``k`` if ``n`` GPUs in ``k`` virtual workers keep every worker within ``largest`` GPUs;
+    otherwise one line with the numbers and the smallest ``K`` that would."""
+    per = -(-n // k)
+    if per > largest:
+        need = -(-n // largest)
+        raise FormatError("virtual_workers", k, f"{n:,} GPUs in {k} virtual worker(s) put up to {per:,} GPUs in "
+                          f"one pipeline; planning one over {num_layers:,} layers is a DP of {per * num_layers**2:.2g} "
+                          f"cells, above the {MAX_WORKER_DP_CELLS:.2g} this planner handles (at most {largest:,} "
+                          f"GPUs per worker): use K >= {need:,}")
+    return k
+
+
+def _candidate_ks(n: int, nodes: int) -> list[int]:
+    if n <= 8:
+        return list(range(1, n + 1))
+    return sorted({k for k in range(1, n + 1) if n % k == 0} | {nodes})
+
+
+def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str = "auto", policy: str = "opt",
+                 *, objective: str = "sync", replication: bool = False, schedule: str = "1f1b",
+                 micro_batches: int = 8, options: CostOptions | None = None, exact_limit: int = 720,
+                 time_limit_s: float = 50.0, devices: Sequence[str] | None = None,
+                 simulate_top: int = 0) -> SolveResult:
+    """Group, map and split ``profile`` over ``cluster`` (see the module docstring).
+
+    ``virtual_workers``: K, or ``"auto"`` (np: one per node; ed/hd: the largest K the policy
+    allows; opt: the best K). ``objective``: ``sync`` or ``wsp`` (the module docstring).
+    Infeasible problems are returned as ``SolveStatus.INFEASIBLE``.
+    Policy ``opt`` enumerates groupings exactly on up to 8 GPUs; on larger clusters whose GPUs
+    are interchangeable within node classes it plans over counts (:mod:`solvers.cluster.templates`),
+    otherwise it runs a local search. ``simulate_top = N > 0`` (policy ``opt``): the N best
+    groupings by the closed form are built into plans and the one with the most simulated
+    samples/s wins (:func:`solvers.pipeline.ranking.rank_plans`); the ranking is in ``details["ranking"]``.
+    The certificate is :func:`solvers.cluster.bounds.fleet.fleet_bound` (fill, memory, K).
+    """
+    t0 = time.perf_counter()
+    _check_options(policy, objective, micro_batches, virtual_workers, time_limit_s)
+    activations_in_flight(schedule, 1, micro_batches)  # refuses schedules priced only by simulation
+    cost = CostModel(profile, cluster, options)
+    devs = list(cluster.subset(devices) if devices is not None else cluster.devices)
+    n = len(devs)
+    if isinstance(virtual_workers, int) and not 1 <= virtual_workers <= n:
+        raise FormatError("virtual_workers", virtual_workers, f"must be between 1 and the cluster's {n} GPUs")
+    largest = max_worker_gpus(cost.num_layers)
+    if isinstance(virtual_workers, int):
+        _check_worker_size(n, virtual_workers, cost.num_layers, largest)
+    planner = WorkerPlanner(cost, schedule, micro_batches, replication, exact_limit)
+    planner.deadline = t0 + time_limit_s
+    k = None if virtual_workers == "auto" else int(virtual_workers)
+    found: _Found | str
+    with status(f"cluster planner ({n:,} GPUs)") as planner.progress:
+        if policy == "opt":
+            found = _plan_opt(devs, k, planner, objective, replication, time_limit_s, t0, simulate_top,
+                              (profile, cluster, options), largest)
+            # within the time limit; unfinished, the fleet bound stands (no other clock: the
+            # plan must not depend on the machine's load)
+            found = _sync_certified(found, devs, k, planner, objective, replication, t0 + time_limit_s)
+        else:
+            found = _plan_fixed(devs, k, policy, planner, objective, largest)
+        planner.progress.note("pricing the plan")
+        if isinstance(found, str):
+            return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
+                               method=f"hetero:{policy}", reason=found)
+    if found.best is None:
+        reason = ("no grouping of the cluster's GPUs into virtual workers fits in memory; even one "
+                  "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, schedule, micro_batches))
+        return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
+                           method=f"hetero:{policy}", reason=reason)
+    return _finish(found, cost, devs, policy, objective, replication, schedule, micro_batches, options, k, t0)
+
+
+def _check_options(policy: str, objective: str, micro_batches: Any, virtual_workers: Any, time_limit_s: Any) -> None:
+    """One line naming the first bad option."""
+    if policy not in POLICIES:
+        raise FormatError("policy", policy, f"must be one of {', '.join(POLICIES)}")
+    if objective not in OBJECTIVES:
+        raise FormatError("objective", objective, f"must be one of {', '.join(OBJECTIVES)}")
+    if not (isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and micro_batches >= 1):
+        raise FormatError("micro_batches", micro_batches, "must be an integer >= 1")
+    if virtual_workers != "auto" and not (isinstance(virtual_workers, int) and not isinstance(virtual_workers, bool)):
+        raise FormatError("virtual_workers", virtual_workers, "must be an integer >= 1 or 'auto'")
+    if not (isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0):
+        raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
+
+
+@dataclass
+class _Found:
+    """A grouping search's answer: the best (value, grouping), the planner whose mappings it
+    takes, whether the search was exhaustive, and what it reports."""
+
+    best: tuple[float, list[list[Device]]] | None
+    used: WorkerPlanner
+    exact: bool
+    details: dict[str, Any]
+
+
+def _plan_fixed(devs: list[Device], k: int | None, policy: str, planner: WorkerPlanner, objective: str,
+                largest: int) -> _Found | str:
+    """A HetPipe baseline grouping (np, ed, hd): the found plan, or why it cannot run."""
+    cost, n = planner.cost, len(devs)
+    nodes = len(dict.fromkeys(d.node for d in devs))
+    speed = _speed_of(cost, devs)
+    if k is None:
+        ks = [nodes] if policy == "np" else sorted(range(1, n + 1), reverse=True)
+        ks = [x for x in ks if -(-n // x) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers, largest)]
+    else:
+        ks = [k]
+    g = None
+    err: FormatError | None = None
+    for x in ks:
+        try:
+            g = group(policy, devs, x, speed)
+            break
+        except FormatError as e:
+            err = err or e
+    if g is None:
+        assert err is not None
+        raise err
+    val = combine([planner.throughput(w) for w in g], objective)
+    if val > -math.inf:
+        return _Found((val, g), planner, True, {})
+    failing = next(w for w in g if planner.throughput(w) == -math.inf)
+    return (f"policy {policy} with K={len(g)}: a virtual worker of {len(failing)} GPU(s) "
+            f"({', '.join(d.name for d in failing)}) cannot hold the model: "
+            + diagnose_infeasible(cost, failing, planner.schedule, planner.micro_batches))
+
+
+def _speed_of(cost: CostModel, devs: Sequence[Device]) -> Any:
+    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devs}}
+    return lambda t: whole[t]
+
+
+def _plan_opt(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, replication: bool,
+              time_limit_s: float, t0: float, simulate_top: int, sim: tuple[Profile, Cluster, CostOptions | None],
+              largest: int) -> _Found:
+    """Policy ``opt``: exhaustive on small clusters, over counts where the GPUs fall in node
+    classes, else a local search; the N best by simulation with ``simulate_top``."""
+    n = len(devs)
+    counts = None
+    if n > 8 and planner.interchangeable(devs):
+        counts = _plan_symmetric(devs, k, planner, objective, replication, time_limit_s, t0, largest)
+        if counts is not None and (n > 32 or counts.exact):
+            return counts
+    # Small clusters: the local search too (it prices the all-reduce while it searches, which the
+    # counts program does not); the better plan by the cost model wins.
+    search = _plan_search(devs, k, planner, objective, time_limit_s, t0, simulate_top, sim, largest)
+    if counts is None or counts.best is None or search.best is None:
+        return search if counts is None or counts.best is None else counts
+    cost, m = planner.cost, planner.micro_batches
+
+    def priced(f: _Found) -> float:
+        assert f.best is not None
+        plan = _plan_of(f.best[1], f.used, cost.profile, planner.schedule, m)[0]
+        return price_plan(cost, plan, objective)["samples_per_s"]
+
+    if priced(search) > priced(counts) * (1 + 1e-9):
+        return replace(search, details={**search.details, "grouping": "local search (above the counts plan)"})
+    return counts
+
+
+def _sync_certified(found: _Found, devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str,
+                    replication: bool, deadline: float) -> _Found:
+    """Clusters of up to 16 GPUs under ``sync`` (beyond, listing every worker template costs more than the
+    plan): :func:`solvers.cluster.bounds.sync.sync_bound`, the bound with the
+    all-reduce in it, which also prices the groupings that could beat the plan (a better one
+    replaces it). Its figures go to ``details["sync_bound"]``."""
+    cost, sched, m = planner.cost, planner.schedule, planner.micro_batches
+    if (found.best is None or objective != "sync" or replication or len(devs) > 16 or not spec(sched).flushes
+            or spec(sched).sync != "allreduce" or not planner.interchangeable(devs)
+            or time.perf_counter() >= deadline):
+        return found
+    from solvers.cluster.bounds.sync import sync_bound
+    from solvers.cluster.templates import node_classes
+
+    planner.progress.note("bounding the plan with its all-reduce")
+
+    def price(g: list[list[Device]]) -> float:
+        return price_plan(cost, _plan_of(g, planner, cost.profile, sched, m)[0], objective)["samples_per_s"]
+
+    current = price(found.best[1])  # the plan _finish builds: every worker mapped by the full search
+    sb = sync_bound(cost, devs, node_classes(devs, planner.node_kind), sched, m, current, workers=k,
+                    exact_limit=planner.exact_limit, deadline=deadline, price=price)
+    details = {**found.details, "sync_bound": {"samples_per_s": sb.samples_per_s, "complete": sb.complete,
+                                               "templates": sb.templates, "refined": sb.refined,
+                                               "allreduce_floor": sb.allreduce_floor, "workers": sb.workers}}
+    better = sb.details.get("grouping")
+    if better is not None:
+        details["grouping"] = "bound search (above the planner's grouping)"
+        return _Found((sb.details["samples_per_s"], better), planner, found.exact, details)
+    return replace(found, best=(current, found.best[1]), used=planner, details=details)
+
+
+def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, replication: bool,
+                    time_limit_s: float, t0: float, largest: int) -> _Found | None:
+    """:func:`solvers.cluster.templates.plan_counts`, with the baselines' groupings as competitors."""
+    planner.progress.note("counts of worker templates over node classes")
+    from solvers.cluster.bounds.fleet import effective_whole_s, largest_layer_s, worker_memory_bytes
+    from solvers.cluster.templates import node_classes, plan_counts
+
+    cost, m = planner.cost, planner.micro_batches
+    classes = node_classes(devs, planner.node_kind)
+    complete = n_small = len(devs) <= 32
+    # Templates are mapped by the screening search: every order where there are few (as many as
+    # the full search where a proof is possible: small clusters, a schedule whose throughput is
+    # a function of the bottleneck), else a few; the chosen grouping is re-planned in full.
+    provable = (n_small and not replication and not spec(planner.schedule).flushes
+                and (spec(planner.schedule).sync == "wave" or not cost.options.sync))
+    rater = WorkerPlanner(cost, planner.schedule, m, replication,
+                          planner.exact_limit if provable else min(planner.exact_limit, 24), 3)
+    rater.deadline = planner.deadline
+    # The baselines, where they apply, compete. Small clusters: at every candidate K, valued
+    # first (a time limit spent on the counts still leaves them); large ones: one worker per
+    # node and the counts plan's K, valued after it while time is left (mapping their large
+    # mixed workers over many layers is what the counts planner saves).
+    speed = _speed_of(cost, devs)
+    nodes = len(dict.fromkeys(d.node for d in devs))
+
+    def compete(ks: Sequence[int], best: tuple[float, list[list[Device]]] | None
+                ) -> tuple[float, list[list[Device]]] | None:
+        for kk in dict.fromkeys(ks):
+            for pol in ("np", "ed", "hd"):
+                with contextlib.suppress(FormatError):
+                    g = group(pol, devs, kk, speed)
+                    if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s:
+                        val = _grouping_value(g, rater, objective, m)
+                        if val > -math.inf and (best is None or val > best[0]):
+                            best = (val, g)
+        return best
+
+    baseline = compete([k] if k is not None else _candidate_ks(len(devs), nodes), None) if n_small else None
+    types = sorted({d.gpu_type for d in devs})
+    memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
+    whole = effective_whole_s(cost, types)  # the templates' rate bounds hold for any profile
+    res = plan_counts(devs, classes, rater.throughput, rater.exact, whole.__getitem__, memory.__getitem__,
+                      worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size,
+                      fill=spec(planner.schedule).flushes and not replication,
+                      largest_layer_s=largest_layer_s(cost, types), virtual_workers=k,
+                      max_worker_gpus=min(largest, cost.num_layers, len(devs) if complete else 16),
+                      covers_all=complete, wave_s=_wave_s(cost, planner.schedule, m), deadline=t0 + time_limit_s)
+    if res is None or (k is not None and len(res.grouping) != k):
+        return None
+    best = (_grouping_value(res.grouping, rater, objective, m), res.grouping)
+    if not n_small:
+        baseline = compete([len(res.grouping), nodes] if k is None else [k], None)
+    if baseline is not None and baseline[0] > best[0] * (1 + 1e-9):
+        best = baseline
+    used = rater
+    if n_small and time.perf_counter() < t0 + time_limit_s:
+        # Both finalists re-planned by the full mapping search and priced exactly (the all-reduce
+        # included): the estimate that ranked them may not rank them as the cost model does.
+        priced = []
+        for g in [res.grouping] + ([baseline[1]] if baseline is not None else []):
+            plan = _plan_of(g, planner, cost.profile, planner.schedule, m)[0]
+            priced.append((price_plan(cost, plan, objective)["samples_per_s"], g))
+        best, used = max(priced, key=lambda x: x[0]), planner
+    elif time.perf_counter() < t0 + time_limit_s:  # large: the winner re-planned in full if that helps
+        full = _grouping_value(best[1], planner, objective, m)
+        if full >= best[0]:
+            best, used = (full, best[1]), planner
+    details = {"grouping": "counts", "template_set": res.details["template_set"], "templates": res.templates,
+               "idle_gpus": len(devs) - sum(len(w) for w in best[1]),
+               "templates_planned": res.planned, "rounds": res.rounds,
+               "workers_per_template": res.details["workers_per_template"]}
+    return _Found(best, used, res.exact, details)
+
+
+def _wave_s(cost: CostModel, schedule: str, micro_batches: int) -> float:
+    """WSP's push and pull of the whole model per micro-batch (0 for other schedules, or with a
+    bandwidth curve, where the stages' shares need not add up to the whole)."""
+    if spec(schedule).sync != "wave" or cost.cluster.inter_curve is not None:
+        return 0.0
+    return cost.wave_sync_s(0, cost.num_layers, micro_batches)
+
+
+def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, time_limit_s: float,
+                 t0: float, simulate_top: int, sim: tuple[Profile, Cluster, CostOptions | None],
+                 largest: int) -> _Found:
+    """Exhaustive enumeration (small clusters) or local search over device identities."""
+    planner.progress.note("exhaustive search" if len(devs) <= 8 else "local search over groupings")
+    cost, n = planner.cost, len(devs)
+    nodes = len(dict.fromkeys(d.node for d in devs))
+    micro_batches = planner.micro_batches
+    # Large clusters: the grouping search screens workers with a cheaper mapping search; the
+    # finalists are then re-planned with the full one.
+    screen = planner if n <= 8 else WorkerPlanner(cost, planner.schedule, micro_batches, planner.replication,
+                                                  min(planner.exact_limit, 24), 3)
+    screen.deadline = planner.deadline
+    speed = _speed_of(cost, devs)
+    exact = True
+    best: tuple[float, list[list[Device]]] | None = None
+    used = planner
+    details: dict[str, Any] = {}
+    ks = _candidate_ks(n, nodes) if k is None else [k]
+    if k is None:
+        ks = [x for x in ks if -(-n // x) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers, largest)]
+    if screen is not planner:
+        ks.sort(reverse=True)  # smallest workers first: the cheapest to map, so a time limit still sees many K
+    budget = time_limit_s / max(1, len(ks))
+    finalists: list[list[list[Device]]] = []
+    for kk in ks:
+        if time.perf_counter() >= t0 + time_limit_s and any(
+                combine([screen.throughput(w) for w in g], objective) > -math.inf for g in finalists):
+            log.info("time limit reached: K = %d and above not searched", kk)
+            exact = False
+            break
+        starts = []
+        for pol in ("np", "ed", "hd"):
+            with contextlib.suppress(FormatError):
+                starts.append(group(pol, devs, kk, speed))
+        g, val, ex = search_opt(devs, kk, screen.throughput, objective, starts,
+                                bound=screen.throughput_bound, time_limit_s=budget)
+        exact = exact and ex
+        finalists += starts
+        if g is not None and val > -math.inf:
+            finalists.append(g)
+    seen: set[Any] = set()
+    unique: list[list[list[Device]]] = []
+    for g in finalists:
+        sig = tuple(sorted(tuple(sorted(d.name for d in w)) for w in g))
+        if sig not in seen:
+            seen.add(sig)
+            unique.append(g)
+    # Re-plan the finalists with the full mapping search, the most promising first, while the
+    # time limit allows; past it, a finalist keeps the screening search's plan (a real plan too).
+    if screen is not planner:
+        unique.sort(key=lambda g: -combine([screen.throughput(w) for w in g], objective))
+    deadline = t0 + time_limit_s
+    scored: list[tuple[float, list[list[Device]]]] = []
+    for g in unique:
+        full = screen is planner or time.perf_counter() < deadline
+        val = _grouping_value(g, planner if full else screen, objective, micro_batches)
+        if val > -math.inf:
+            scored.append((val, g))
+            if best is None or val > best[0]:
+                best, used = (val, g), (planner if full else screen)
+    if simulate_top > 0 and len(scored) > 1:
+        profile, cluster, options = sim
+        best, ranking = _best_simulated(sorted(scored, key=lambda x: -x[0])[:simulate_top], planner,
+                                        profile, cluster, planner.schedule, micro_batches, options)
+        used = planner
+        details["ranking"] = ranking
+    return _Found(best, used, exact, details)
+
+
+def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, objective: str, replication: bool,
+            schedule: str, micro_batches: int, options: CostOptions | None, k: int | None,
+            t0: float) -> SolveResult:
+    """Build, price, certify and validate the plan of the chosen grouping."""
+    from solvers.cluster.bounds.fleet import fleet_bound
+
+    assert found.best is not None
+    profile, cluster = cost.profile, cost.cluster
+    _val, g = found.best
+    plan, mapped_exactly = _plan_of(g, found.used, profile, schedule, micro_batches)
+    exact = found.exact and mapped_exactly
+    predicted = price_plan(cost, plan, objective)
+    bound = fleet_bound(cost, devs, schedule, micro_batches, replication=replication,
+                        virtual_workers=k)
+    upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s)
+    with_sync = found.details.get("sync_bound", {})
+    if with_sync.get("complete"):  # the bound with the all-reduce in it (solvers.cluster.bounds.sync)
+        upper = min(upper, with_sync["samples_per_s"])
+    # Exact search proves optimality only where throughput is a function of the bottleneck alone.
+    # (The search prices the all-reduce between workers by an estimate, so with it no proof.)
+    closed_form = (not replication and not spec(schedule).flushes
+                   and (spec(schedule).sync == "wave" or not cost.options.sync))
+    # ... or the plan reaches the bound.
+    proven = (policy == "opt" and exact and closed_form) or predicted["samples_per_s"] >= upper * (1 - 1e-9)
+    status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
+    result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / upper,
+                         time.perf_counter() - t0, f"hetero:{policy}",
+                         details={"virtual_workers": len(g), "objective": objective,
+                                  "worker_evaluations": found.used.evaluations, "exact_search": exact,
+                                  "bound": {"samples_per_s": bound.samples_per_s,
+                                            "perfect_speedup": bound.perfect_speedup,
+                                            "memory_bytes_per_worker": bound.memory_bytes_per_worker,
+                                            "pipeline_fill": bound.pipeline_fill, "workers": bound.workers},
+                                  **found.details})
+    meta = {"policy": policy, "objective": objective, "replication": replication,
+            "worker_samples_per_s": [worker_throughput(cost, vw.stages, schedule, micro_batches)
+                                     for vw in plan.virtual_workers]}
+    plan = with_predictions(replace(plan, solver=result.solver_info()), profile, cluster, options, predicted,
+                            extra_meta=meta)
+    cost.validate_plan(plan)  # structure and memory
+    return replace(result, plan=plan)
+
+
+def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: str, micro_batches: int) -> float:
+    """Samples/s of a grouping: ``combine`` of its workers' rates; under ``sync`` the iteration
+    of the slowest worker also pays the all-reduce between workers (:meth:`WorkerPlanner.sync_estimate_s`),
+    which is what makes data parallelism lose to pipelines on slow links."""
+    rates = [planner.throughput(w) for w in g]
+    val = combine(rates, objective)
+    if objective != "sync" or val == -math.inf or len(g) < 2 or spec(planner.schedule).sync != "allreduce":
+        return val
+    samples = micro_batches * planner.cost.profile.micro_batch_size
+    iteration = samples / min(rates) + planner.sync_estimate_s(g)
+    return len(g) * samples / iteration
+
+
+def _plan_of(g: list[list[Device]], planner: WorkerPlanner, profile: Profile, schedule: str,
+             micro_batches: int) -> tuple[Plan, bool]:
+    """The plan of a grouping, every worker mapped and split by ``planner``, and whether every
+    mapping was exact."""
+    workers, exact = [], True
+    for w in g:
+        r = planner.stages(w)
+        assert r.stages is not None
+        exact = exact and r.exact
+        workers.append(VirtualWorker(r.stages))
+    return Plan(profile.model, tuple(workers), schedule, profile.micro_batch_size, micro_batches), exact
+
+
+def _best_simulated(top: list[tuple[float, list[list[Device]]]], planner: WorkerPlanner, profile: Profile,
+                    cluster: Cluster, schedule: str, micro_batches: int, options: CostOptions | None
+                    ) -> tuple[tuple[float, list[list[Device]]], list[dict[str, Any]]]:
+    """Of the closed form's best groupings, the one the simulator runs fastest (and the ranking)."""
+    from solvers.pipeline.ranking import rank_plans
+
+    plans = [_plan_of(g, planner, profile, schedule, micro_batches)[0] for _, g in top]
+    ranked = rank_plans(plans, profile, cluster, options)
+    winner = [p.virtual_workers for p in plans].index(ranked[0].plan.virtual_workers)
+    return top[winner], [r.to_dict() for r in ranked]
+
+
+def solve(profile: Profile, cluster: Cluster, **options: Any) -> SolveResult:
+    """Registry entry: :func:`plan_cluster` with the solver options as keywords."""
+    return plan_cluster(profile, cluster, **options)

@@ -1,0 +1,249 @@
+"""The graph problem: one pipeline of convex stages of a DAG, shared by the CP-SAT and CBC models.
+
+A profile with ``edges`` is a DAG in one topological order. A stage need not be a range of
+that order: any assignment ``s(v)`` of layers to stages ``0..p-1`` with ``s(u) <= s(v)`` for
+every edge ``u -> v`` is a pipeline, since sorting the layers by ``(s(v), v)`` gives another
+topological order in which every stage is a range (:meth:`Profile.reordered`). Stage ``k``
+runs on ``devices[k]``; the tensor crossing the boundary between stages ``c - 1`` and ``c``
+is every output ``u`` with ``s(u) < c`` that feeds some ``w`` with ``s(w) >= c``.
+
+Both models use the order encoding ``y[v, c] = 1`` iff ``s(v) < c`` (for ``c = 1..p-1``;
+``y[v, 0] = 0`` and ``y[v, p] = 1``), so that layer ``v`` is in stage ``k`` when
+``x[v, k] = y[v, k+1] - y[v, k] = 1``:
+
+    y[v, c] <= y[v, c+1]                                   (stages in order)
+    y[w, c] <= y[u, c]           for every edge u -> w     (precedence)
+    sum_v x[v, k] >= 1                                     (no empty stage)
+    z[u, c] >= y[u, c] - y[w, c] for every edge u -> w     (u's output crosses cut c)
+    X_c = sum_u own_u z[u, c]                              (bytes at cut c)
+    C_k = sum_v (t_k(v) + w(v)) x[v, k]                    (compute, WSP's wave sync)
+    T_k >= C_k + X_k / bw(k, k-1) + X_{k+1} / bw(k, k+1)   (additive; overlapped: one row each)
+    M_k = sum_v (wf par_v + f_k sav_v) x[v, k] - f_k sum_v sh_v b[v, k] + R <= cap_k
+    b[v, k] <= x[v, k],  b[v, k] <= x[v-1, k]              (v shares its input with v - 1)
+    B >= T_k;   minimise B;   then B <= B*, minimise sum_k T_k.
+
+``t_k(v)`` is the layer's forward+backward on ``devices[k]``'s type, ``w(v)`` WSP's per-layer
+wave sync, ``f_k`` the activations in flight at stage ``k``, ``wf`` the bytes per parameter.
+The transfer terms are exact for flat links (a constant GB/s, no latency): a message's time
+is then linear in its bytes. Links with a latency or a measured curve are refused in one line
+(plan the chain order: ``dag=False``). The chosen assignment is priced exactly by the cost
+model on the reordered profile; the DP's plan of the profile's own order is always feasible
+here, so it is the hint, an upper bound, and the answer when the solver finds nothing better.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from partitioner.cost import CostModel, activations_in_flight
+from partitioner.errors import FormatError
+from partitioner.profile import Profile
+from partitioner.schedule import spec
+from solvers.exact.intervals import ChainProblem, dp_split
+from solvers.pipeline import dp
+from solvers.pipeline.dp import ChainSolution
+from solvers.result import SolveResult, SolveStatus
+
+__all__ = ["DagData", "DagPlan", "dag_data", "finish_dag", "price_assignment", "single_stage"]
+
+
+@dataclass(frozen=True)
+class DagData:
+    """The numbers both models are built from (seconds and bytes, before any scaling)."""
+
+    problem: ChainProblem
+    edges: tuple[tuple[int, int], ...]
+    succ: tuple[tuple[int, ...], ...]  # successors of each layer
+    time_s: np.ndarray  # [p, n]: t_k(v) + w(v)
+    wave_s: np.ndarray  # [n]: w(v) (0 unless the schedule is wsp)
+    own_bytes: np.ndarray  # [n]
+    back_s_per_byte: tuple[float, ...]  # stage k's gradient send to devices[k - 1] (0 for k = 0)
+    out_s_per_byte: tuple[float, ...]  # stage k's activation send to devices[k + 1] (0 for the last)
+    mem_bytes: np.ndarray  # [p, n]: weights + activations in flight of layer v on stage k
+    shared_bytes: np.ndarray  # [p, n]: what stage k saves when v - 1 is in it too
+    capacity_bytes: tuple[float, ...]  # device memory less the reserved bytes
+    start: ChainSolution | None  # the DP's split of the profile's own order
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.problem.devices)
+
+    @property
+    def num_layers(self) -> int:
+        return self.problem.profile.num_layers
+
+    def hint_stages(self) -> list[int] | None:
+        """The stage of every layer in the DP's split (None without one)."""
+        if self.start is None:
+            return None
+        out = []
+        for k, (a, b) in enumerate(self.start.ranges):
+            out.extend([k] * (b - a))
+        return out
+
+    def stage_time_bound_s(self) -> float:
+        """No stage of any assignment takes longer than this (for scaling times)."""
+        sends = float(self.own_bytes.sum()) * (max(self.back_s_per_byte, default=0.0)
+                                               + max(self.out_s_per_byte, default=0.0))
+        return float(self.time_s.sum(axis=1).max()) + float(self.wave_s.sum()) + sends
+
+
+def dag_data(problem: ChainProblem, hint: bool) -> DagData:
+    """Check that the graph model can price ``problem`` exactly and gather its numbers."""
+    profile, cost, devs = problem.profile, problem.cost, problem.devices
+    if problem.allow_fewer:
+        raise FormatError("allow_fewer", True, "the graph model plans exactly one stage per device; name the "
+                          "devices to use (`devices`) or plan the chain order (`chain_order`)")
+    n, p = profile.num_layers, len(devs)
+    for i, layer in enumerate(profile.layers):
+        if profile.edges and layer.own_output_bytes is None and any(a == i for a, _ in profile.edges):
+            raise FormatError(f"layers[{i}].own_output_bytes", None, "is needed to price the cuts of a graph; "
+                              "import the graph again (partitioner import pipedream)")
+    for k in range(p - 1):
+        link = cost.cluster.link(devs[k].name, devs[k + 1].name)
+        if not link.is_flat:
+            raise FormatError("devices", f"{devs[k].name} -> {devs[k + 1].name}",
+                              "the graph model prices transfers on flat links (constant GB/s, no latency); this "
+                              "link has a latency or a measured curve; plan the chain order (`chain_order`)")
+    wsp = spec(problem.schedule).sync == "wave"
+    if wsp and cost.cluster.inter_curve is not None:
+        raise FormatError("schedule", problem.schedule, "the graph model prices WSP's wave sync on a flat inter-node "
+                          "link; this cluster has a measured curve; plan the chain order (dag=False)")
+    edges = profile.graph_edges
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for a, b in edges:
+        succ[a].append(b)
+    wave = np.zeros(n)
+    if wsp:
+        sync = cost._sync_prefix  # the cost model's own per-layer figures
+        wave = 2.0 * np.diff(sync) / problem.micro_batches
+    time_s = np.array([np.diff(cost._total_prefix(d.gpu_type)) for d in devs]) + wave[None, :]
+    per_byte = [0.0] * p
+    out_per_byte = [0.0] * p
+    for k in range(p):
+        if k > 0:
+            per_byte[k] = 1.0 / (cost.cluster.link(devs[k].name, devs[k - 1].name).gbps * 1e9)
+        if k + 1 < p:
+            out_per_byte[k] = 1.0 / (cost.cluster.link(devs[k].name, devs[k + 1].name).gbps * 1e9)
+    weights = np.diff(cost.param_count_prefix) * cost.weight_factor(problem.schedule)
+    saved, shared = profile.array("saved_bytes"), profile.array("shared_saved_bytes")
+    shared[0] = 0.0  # the first layer has no predecessor to share with
+    flight = np.array([activations_in_flight(problem.schedule, p - k, problem.micro_batches) for k in range(p)],
+                      dtype=np.float64)
+    mem = weights[None, :] + flight[:, None] * saved[None, :]
+    reserved = cost.options.reserved_bytes
+    return DagData(problem, tuple(edges), tuple(tuple(s) for s in succ), time_s, wave,
+                   np.array([layer.own_bytes for layer in profile.layers], dtype=np.float64),
+                   tuple(per_byte), tuple(out_per_byte), mem, flight[:, None] * shared[None, :],
+                   tuple(d.memory_bytes - reserved for d in devs), dp_split(problem) if hint else None)
+
+
+@dataclass(frozen=True)
+class DagPlan:
+    """An assignment, priced exactly: the profile in its order, the split, and its total time."""
+
+    stages: tuple[int, ...]  # stage of each layer of the problem's profile
+    profile: Profile  # the problem's profile reordered by (stage, layer)
+    cost: CostModel
+    solution: ChainSolution
+    total_s: float  # sum of the stage times (the tie-break)
+    fits: bool  # every stage fits its device's memory (the cost model's check)
+
+
+def price_assignment(data: DagData, stages: Sequence[int]) -> DagPlan:
+    """Price a precedence-respecting assignment with the cost model on the reordered profile."""
+    problem = data.problem
+    n, p = data.num_layers, data.num_stages
+    st = [int(s) for s in stages]
+    if len(st) != n or any(not 0 <= s < p for s in st) or any(st[a] > st[b] for a, b in data.edges) \
+            or sorted(set(st)) != list(range(p)):
+        raise FormatError("stages", st, "the solver returned an assignment that is not a pipeline of convex stages")
+    order = sorted(range(n), key=lambda v: (st[v], v))
+    profile = problem.profile.reordered(order)
+    cost = CostModel(profile, problem.cost.cluster, problem.cost.options)
+    sizes = np.bincount(np.array(st), minlength=p)
+    cuts = tuple(int(c) for c in np.concatenate([[0], np.cumsum(sizes)]))
+    devs = problem.devices
+    times = [cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k > 0 else None,
+                                        devs[k + 1] if k + 1 < p else None, problem.schedule, problem.micro_batches)
+             for k, (a, b) in enumerate(itertools.pairwise(cuts))]
+    fits = all(cost.stage_memory_bytes(a, b, activations_in_flight(problem.schedule, p - k, problem.micro_batches),
+                                       problem.schedule) <= devs[k].memory_bytes
+               for k, (a, b) in enumerate(itertools.pairwise(cuts)))
+    return DagPlan(tuple(st), profile, cost, ChainSolution(max(times), cuts, devs), math.fsum(times), fits)
+
+
+def better(a: DagPlan | None, b: DagPlan | None) -> DagPlan | None:
+    """The better of two priced plans: fits, then least bottleneck, then least total time.
+    Bottlenecks equal up to float rounding (the same stage times summed in another order) tie,
+    so that the total decides (``a`` on a full tie)."""
+    cands = [x for x in (a, b) if x is not None and x.fits]
+    if len(cands) < 2:
+        return cands[0] if cands else None
+    x, y = cands
+    bx, by = x.solution.bottleneck_s, y.solution.bottleneck_s
+    if abs(bx - by) <= 1e-9 * max(bx, by):
+        return x if x.total_s <= y.total_s else y
+    return x if bx < by else y
+
+
+def finish_dag(data: DagData, method: str, status: SolveStatus, found: DagPlan | None, lower_bound: float,
+               runtime_s: float, details: dict[str, object], reason: str = "") -> SolveResult:
+    """A :class:`SolveResult` for the graph model: the better of ``found`` and the DP's split
+    (both priced exactly), its plan with ``layer_order`` where it is not the profile's own."""
+    problem = data.problem
+    if status is SolveStatus.INFEASIBLE:
+        reason = reason or _diagnose(data)
+        return SolveResult(status, None, runtime_s=runtime_s, method=method, reason=reason, details=details)
+    hint = price_assignment(data, data.hint_stages() or []) if data.start is not None else None
+    best = better(found, hint)
+    if best is None:
+        return SolveResult(status, None, lower_bound=lower_bound, runtime_s=runtime_s, method=method,
+                           reason=reason or "no plan found within the time limit", details=details)
+    details = {**details, "order": "graph", "reordered": best.profile.layer_order is not None,
+               "from_hint": best is hint and found is not hint}
+    if status is SolveStatus.UNKNOWN:
+        status = SolveStatus.FEASIBLE  # the hint is a plan
+    plan = dp.plan_from_cuts(best.profile, best.cost, best.solution, problem.schedule, problem.micro_batches,
+                             solver_name=method)
+    objective = best.solution.bottleneck_s
+    result = SolveResult(status, None, objective, min(lower_bound, objective), runtime_s, method, reason=reason,
+                         details=details)
+    return replace(result, plan=replace(plan, solver=result.solver_info()))
+
+
+def single_stage(data: DagData, method: str, t0: float, details: dict[str, object]) -> SolveResult | None:
+    """The answer without a model when there is nothing to choose: more devices than layers
+    (infeasible) or one device (the whole graph on it); None otherwise."""
+    import time
+
+    n, p = data.num_layers, data.num_stages
+    if p > n:
+        return finish_dag(data, method, SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
+    if p == 1:
+        whole = price_assignment(data, [0] * n)
+        if not whole.fits:
+            return finish_dag(data, method, SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0,
+                              details)
+        return finish_dag(data, method, SolveStatus.OPTIMAL, whole, whole.solution.bottleneck_s,
+                          time.perf_counter() - t0, details)
+    return None
+
+
+def _diagnose(data: DagData) -> str:
+    """Why no convex split fits: the chain's reasons where they apply, else in the graph's words."""
+    problem = data.problem
+    n, p = data.num_layers, data.num_stages
+    if p > n:
+        return f"{p} devices but only {n} layers: every stage needs at least one layer; give at most {n} devices"
+    chain = dp.diagnose_infeasible(problem.cost, problem.devices, problem.schedule, problem.micro_batches)
+    if not chain.startswith("no contiguous split"):
+        return chain
+    return (f"no assignment of the {n} layers to {p} stages that respects the graph's edges fits every device's "
+            f"memory under {problem.schedule} with {problem.micro_batches} micro-batches; use more or larger "
+            f"devices or fewer micro-batches in flight")

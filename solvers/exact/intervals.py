@@ -1,0 +1,261 @@
+"""The interval formulation of the chain problem, shared by the CP-SAT and MILP solvers.
+
+A pipeline of ``q`` stages over ``devices[:q]`` is a path through cut points
+``0 = c_0 < c_1 < ... < c_q = L``. Every candidate stage is an *arc*: stage ``k`` of a
+``q``-stage pipeline holds layers ``[i, j)``. An arc exists only when it can be part of a
+split (enough layers left for the stages before and after it) and fits the memory of
+``devices[k]``; its time is ``CostModel.stage_time_matrix`` at ``(i, j)``. Choosing exactly
+one arc per stage with matching cut points is a unit flow from cut 0 to cut L through the
+stages, so the models are
+
+    sum_q y_q = 1                                                (one pipeline length)
+    sum_j x[q, 0, 0, j] = y_q                                     (flow leaves cut 0)
+    sum_i x[q, k-1, i, c] = sum_j x[q, k, c, j]   for 0 < k < q   (flow is conserved)
+    B >= sum_{i,j} T[q, k, i, j] * x[q, k, i, j]  for every q, k  (B is the bottleneck)
+    minimise B.
+
+The last stage of each network has arcs ending at L only, so a unit of flow that leaves cut
+0 reaches L. With ``allow_fewer`` every ``q <= min(len(devices), L)`` gets its own network
+(stage ``k``'s memory depends on ``q - k``) and ``y_q`` chooses one; otherwise ``q`` is
+``len(devices)``. The model has about ``sum_q q L^2 / 2`` arcs: 10^5 arcs is around ``L =
+160, p = 8`` for one network; :func:`build_arcs` refuses more than ``max_arcs`` with the
+size in the message (the DP solves any such size exactly and fast).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from partitioner.cluster import Cluster, Device
+from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.errors import FormatError, PartitionerError
+from partitioner.profile import Profile
+from solvers.pipeline import dp
+from solvers.pipeline.dp import ChainSolution
+from solvers.result import SolveResult, SolveStatus
+
+__all__ = [
+    "DEFAULT_MAX_ARCS",
+    "Arcs",
+    "ChainProblem",
+    "build_arcs",
+    "check_limits",
+    "cpsat_solver",
+    "dp_split",
+    "finish",
+    "model_arcs",
+    "pipeline_lengths",
+    "prepare",
+]
+
+DEFAULT_MAX_ARCS = 200_000
+
+
+@dataclass(frozen=True)
+class Arcs:
+    """All candidate stages. Arc ``a`` is stage ``k[a]`` of the ``q[a]``-stage pipeline,
+    holding layers ``[i[a], j[a])`` on ``devices[k[a]]`` in ``time_s[a]`` seconds."""
+
+    q: np.ndarray
+    k: np.ndarray
+    i: np.ndarray
+    j: np.ndarray
+    time_s: np.ndarray
+    lengths: tuple[int, ...]  # pipeline lengths modelled
+    num_layers: int
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def groups(self) -> dict[tuple[int, int], np.ndarray]:
+        """Arc indices of each ``(q, k)`` stage."""
+        out: dict[tuple[int, int], list[int]] = {(q, k): [] for q in self.lengths for k in range(q)}
+        for a, (q, k) in enumerate(zip(self.q.tolist(), self.k.tolist(), strict=True)):
+            out[(q, k)].append(a)
+        return {key: np.array(v, dtype=np.intp) for key, v in out.items()}
+
+    def incidence(self) -> tuple[dict[tuple[int, int, int], list[int]], dict[tuple[int, int, int], list[int]]]:
+        """Arcs by ``(q, k, cut)``: those of stage ``k`` ending at ``cut``, and those starting there."""
+        ending: dict[tuple[int, int, int], list[int]] = {}
+        starting: dict[tuple[int, int, int], list[int]] = {}
+        for a, (q, k, i, j) in enumerate(zip(self.q.tolist(), self.k.tolist(), self.i.tolist(), self.j.tolist(),
+                                                     strict=True)):
+            ending.setdefault((q, k, j), []).append(a)
+            starting.setdefault((q, k, i), []).append(a)
+        return ending, starting
+
+    def index_of(self, sol: ChainSolution) -> list[int]:
+        """The arcs making up a known split (a hint or a warm start)."""
+        q = len(sol.devices)
+        out = []
+        for k, (a, b) in enumerate(sol.ranges):
+            hit = np.flatnonzero((self.q == q) & (self.k == k) & (self.i == a) & (self.j == b))
+            if len(hit) != 1:
+                raise PartitionerError(f"split {list(sol.cuts)} is not a path of the interval model")
+            out.append(int(hit[0]))
+        return out
+
+    def solution(self, chosen: Sequence[int], cost: CostModel, devices: Sequence[Device], schedule: str,
+                 micro_batches: int) -> ChainSolution:
+        """The split made of the ``chosen`` arcs, priced exactly with the cost model."""
+        by_stage = sorted((int(self.k[a]), int(self.i[a]), int(self.j[a])) for a in chosen)
+        q = len(by_stage)
+        cuts = [0] + [j for _, _, j in by_stage]
+        ok = (sorted({int(self.q[a]) for a in chosen}) == [q] and [k for k, _, _ in by_stage] == list(range(q))
+              and all(by_stage[k][1] == cuts[k] for k in range(q)) and cuts[-1] == self.num_layers)
+        if not ok:
+            raise PartitionerError(f"the solver returned arcs that do not form a split: {by_stage}")
+        devs = tuple(devices[:q])
+        times = [cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k > 0 else None,
+                                            devs[k + 1] if k + 1 < q else None, schedule, micro_batches)
+                 for k, (a, b) in enumerate(ChainSolution(0.0, tuple(cuts), devs).ranges)]
+        return ChainSolution(max(times), tuple(cuts), devs)
+
+
+def pipeline_lengths(num_devices: int, num_layers: int, allow_fewer: bool) -> tuple[int, ...]:
+    """Pipeline lengths a solve considers (the same rule as the DP)."""
+    if allow_fewer:
+        return tuple(range(1, min(num_devices, num_layers) + 1))
+    return (num_devices,) if num_devices <= num_layers else ()
+
+
+def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+               allow_fewer: bool = False, max_arcs: int = DEFAULT_MAX_ARCS,
+               max_time_s: float = math.inf) -> Arcs:
+    """Every stage that fits its device's memory, for each pipeline length considered.
+
+    Arcs slower than ``max_time_s`` (an upper bound on the optimum, such as a known plan's
+    bottleneck) are left out: no optimal split uses them, so the optimum is unchanged.
+    """
+    n_layers = cost.num_layers
+    lengths = pipeline_lengths(len(devices), n_layers, allow_fewer)
+    cols = np.arange(n_layers + 1)
+    parts: list[tuple[np.ndarray, ...]] = []
+    total = 0
+    for q in lengths:
+        for k in range(q):
+            dev = devices[k]
+            prev = devices[k - 1] if k > 0 else None
+            nxt = devices[k + 1] if k + 1 < q else None
+            # stage k starts at i in [lo, hi] and ends at j in [i + 1, L - (q - k - 1)]
+            lo, hi = (0, 0) if k == 0 else (k, n_layers - (q - k))
+            last_j = n_layers - (q - k - 1)
+            rows = slice(lo, hi + 1)
+            in_flight = activations_in_flight(schedule, q - k, micro_batches)
+            t = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)
+            ok = (cols[None, :] > cols[rows, None]) & (cols[None, :] <= last_j)
+            if k == q - 1:
+                ok &= cols[None, :] == n_layers
+            ok &= cost.memory_matrix(in_flight, schedule, rows) <= dev.memory_bytes
+            ok &= t <= max_time_s
+            ii, jj = np.nonzero(ok)
+            total += len(ii)
+            if total > max_arcs:
+                raise PartitionerError(
+                    f"the interval model of {n_layers} layers over {len(devices)} devices has more than "
+                    f"{max_arcs} candidate stages; use the dp solver (exact at any size), fewer layers "
+                    f"(coarsen the profile) or raise max_arcs")
+            parts.append((np.full(len(ii), q), np.full(len(ii), k), ii + lo, jj, t[ii, jj]))
+    if not parts:
+        empty = np.zeros(0, dtype=np.intp)
+        return Arcs(empty, empty, empty, empty, np.zeros(0), lengths, n_layers)
+    q_a, k_a, i_a, j_a, t_a = (np.concatenate(x) for x in zip(*parts, strict=True))
+    return Arcs(q_a.astype(np.intp), k_a.astype(np.intp), i_a.astype(np.intp), j_a.astype(np.intp),
+                t_a.astype(np.float64), lengths, n_layers)
+
+
+# -- the problem and the result, as the DP states and reports them ---------------------------
+
+
+@dataclass(frozen=True)
+class ChainProblem:
+    """One pipeline over ordered ``devices``: what every chain solver is given."""
+
+    profile: Profile
+    cost: CostModel
+    devices: tuple[Device, ...]
+    schedule: str
+    micro_batches: int
+    allow_fewer: bool
+
+    @property
+    def tried_devices(self) -> tuple[Device, ...]:
+        """The devices an infeasibility diagnosis speaks about (as the DP reports it)."""
+        return self.devices[: self.profile.num_layers] if self.allow_fewer else self.devices
+
+
+def prepare(profile: Profile, cluster: Cluster, devices: Sequence[str] | None, schedule: str,
+            micro_batches: int | None, options: CostOptions | None, allow_fewer: bool) -> ChainProblem:
+    """Check the common arguments exactly as ``solvers.pipeline.dp.solve`` does and bundle them."""
+    cost, devs, m = dp.chain_arguments(profile, cluster, devices, schedule, micro_batches, options)
+    return ChainProblem(profile, cost, devs, schedule, m, allow_fewer)
+
+
+def check_limits(time_limit_s: float, threads: int, seed: int = 0) -> None:
+    """Refuse a non-positive time limit or thread count (CP-SAT and CBC take both)."""
+    if not (time_limit_s > 0):
+        raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
+    if not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
+        raise FormatError("threads", threads, "must be an integer >= 1")
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**31):
+        raise FormatError("seed", seed, "must be an integer in [0, 2^31)")
+
+
+def cpsat_solver(time_limit_s: float, threads: int, seed: int) -> Any:
+    """A CP-SAT solver with the limits checked by :func:`check_limits`. Several workers run in a
+    fixed interleaved order: the same seed and workers give the same search, so the same plan
+    (for a run that ends before its time limit)."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.num_workers = threads
+    solver.parameters.random_seed = seed
+    solver.parameters.interleave_search = threads > 1
+    return solver
+
+
+def dp_split(problem: ChainProblem) -> ChainSolution | None:
+    """The DP's optimal split of ``problem`` (for hints and warm starts), or None if infeasible."""
+    res = dp.solve(problem.profile, problem.cost.cluster, [d.name for d in problem.devices],
+                   schedule=problem.schedule, micro_batches=problem.micro_batches,
+                   options=problem.cost.options, allow_fewer=problem.allow_fewer)
+    if not res.ok or res.plan is None:
+        return None
+    stages = res.plan.virtual_workers[0].stages
+    cuts = (0, *(st.stop for st in stages))
+    devs = tuple(problem.cost.cluster.device(st.device) for st in stages)
+    return ChainSolution(res.objective, cuts, devs)
+
+
+def model_arcs(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int
+               ) -> tuple[ChainSolution | None, Arcs, dict[str, object]]:
+    """What CP-SAT and CBC both build on: the DP's split (with ``hint``), the candidate stages
+    (with ``prune``, none slower than that split's bottleneck), and the details to report."""
+    start = dp_split(problem) if hint else None
+    upper = start.bottleneck_s * (1 + 1e-9) if (start is not None and prune) else math.inf
+    arcs = build_arcs(problem.cost, problem.devices, problem.schedule, problem.micro_batches,
+                      problem.allow_fewer, max_arcs, upper)
+    return start, arcs, {"arcs": len(arcs), "hint": start is not None, "pruned": math.isfinite(upper)}
+
+
+def finish(problem: ChainProblem, method: str, status: SolveStatus, sol: ChainSolution | None,
+           lower_bound: float, runtime_s: float, details: dict[str, object], reason: str = "") -> SolveResult:
+    """A :class:`SolveResult` with the plan built exactly as the DP builds it."""
+    if status is SolveStatus.INFEASIBLE:
+        reason = reason or dp.diagnose_infeasible(problem.cost, problem.tried_devices, problem.schedule,
+                                                  problem.micro_batches)
+        return SolveResult(status, None, runtime_s=runtime_s, method=method, reason=reason, details=details)
+    if sol is None:
+        return SolveResult(status, None, lower_bound=lower_bound, runtime_s=runtime_s, method=method,
+                           reason=reason, details=details)
+    plan = dp.plan_from_cuts(problem.profile, problem.cost, sol, problem.schedule, problem.micro_batches,
+                             solver_name=method)
+    result = SolveResult(status, None, sol.bottleneck_s, min(lower_bound, sol.bottleneck_s), runtime_s,
+                         method, reason=reason, details=details)
+    return dp._with_plan(result, plan)

@@ -1,0 +1,57 @@
+"""The solver named ``dp``: one pipeline over ordered devices, whatever the schedule asks.
+
+A one-chunk schedule and one micro-batch count is the exact chain DP (:func:`solvers.pipeline.dp.solve`);
+a multi-chunk schedule (interleaved, bfs) or ``chunks`` plans ``chunks`` model chunks per device
+(:func:`solvers.pipeline.chunked.solve_chunked`); ``schedule="auto"`` or a list of counts solves every
+combination with the DP and keeps the plan with the most simulated samples/s
+(:func:`solvers.pipeline.ranking.solve_ranked`). The routing lives here, above the three, so that the DP
+imports neither of the modules built on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from partitioner.cluster import Cluster
+from partitioner.cost import CostOptions
+from partitioner.errors import FormatError
+from partitioner.profile import Profile
+from partitioner.schedule import spec
+from solvers.pipeline import dp
+from solvers.pipeline.chunked import solve_chunked
+from solvers.pipeline.ranking import AUTO_SCHEDULES, solve_ranked
+from solvers.result import SolveResult
+
+__all__ = ["solve"]
+
+
+def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
+          schedule: str = "1f1b", micro_batches: int | Sequence[int] | None = None, options: CostOptions | None = None,
+          allow_fewer: bool = False, chunks: int | str | None = None) -> SolveResult:
+    """Optimal single-pipeline plan over ``devices`` (default: every device of the cluster, in order).
+
+    ``micro_batches`` defaults to the number of devices. With ``allow_fewer``, the first ``q``
+    devices for every ``q <= len(devices)`` are tried and the best pipeline wins (the shortest
+    one on ties). ``schedule="auto"`` (gpipe, 1f1b, 2bw) and/or a list of ``micro_batches``
+    solve every combination and keep the plan with the most simulated samples/s
+    (:func:`solvers.pipeline.ranking.solve_ranked`; the candidates are in ``details["ranking"]``).
+    A multi-chunk schedule (interleaved, bfs) or ``chunks`` (an integer or ``"auto"``) plans
+    ``chunks`` model chunks per device (:func:`solvers.pipeline.chunked.solve_chunked`).
+    """
+    if chunks is not None or (schedule != "auto" and spec(schedule).multi_chunk):
+        if allow_fewer:
+            raise FormatError("allow_fewer", True, f"not supported with the multi-chunk schedule {schedule}; "
+                              f"name the devices to use instead")
+        if not (micro_batches is None or isinstance(micro_batches, int)):
+            raise FormatError("micro_batches", micro_batches, f"one count under {schedule}")
+        return solve_chunked(profile, cluster, devices, schedule=schedule, chunks=chunks or "auto",
+                             micro_batches=micro_batches, options=options)
+    if schedule == "auto" or not (micro_batches is None or isinstance(micro_batches, int)):
+        n_devs = len(devices) if devices is not None else len(cluster.devices)
+        counts = [micro_batches or n_devs] if micro_batches is None or isinstance(micro_batches, int) \
+            else list(micro_batches)
+        return solve_ranked(
+            dp.solve, profile, cluster, AUTO_SCHEDULES if schedule == "auto" else (schedule,), counts,
+            devices=devices, options=options, allow_fewer=allow_fewer)
+    return dp.solve(profile, cluster, devices, schedule=schedule, micro_batches=micro_batches, options=options,
+                    allow_fewer=allow_fewer)
