@@ -41,13 +41,6 @@ MAX_STALENESS = 64
 MAX_CHUNKS = 64
 
 
-def _pricing(raw: Any) -> dict[str, Any]:
-    """Validated ``pricing`` of a plan file (the cost options it was priced with)."""
-    if raw is None:
-        return {}
-    return CostOptions.from_dict(raw).to_dict()
-
-
 @dataclass(frozen=True)
 class Stage:
     """Layers ``[start, stop)`` on ``device``; ``replicas`` run the same stage data-parallel."""
@@ -196,7 +189,7 @@ class Plan:
     predicted: Mapping[str, float] = field(default_factory=dict)
     solver: SolverInfo | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
-    pricing: Mapping[str, Any] = field(default_factory=dict)  # the CostOptions it was priced with
+    pricing: CostOptions | None = None  # the options it was priced with; None: a plan that does not say
     # the profile's layers in the order the stages' ranges count them (a graph planned as convex
     # stages); None: the profile's own order
     layer_order: tuple[int, ...] | None = None
@@ -210,7 +203,8 @@ class Plan:
             check(ok, "layer_order", order if len(order) <= 12 else [*order[:12], "..."],
                   "must list each layer index 0..L-1 once (a permutation of the profile's layers)")
             object.__setattr__(self, "layer_order", None if order == list(range(len(order))) else tuple(order))
-        object.__setattr__(self, "pricing", dict(self.pricing))
+        check(self.pricing is None or isinstance(self.pricing, CostOptions), "pricing", self.pricing,
+              "must be a partitioner.pricing.CostOptions or None")
         object.__setattr__(self, "predicted", dict(self.predicted))
         object.__setattr__(self, "meta", dict(self.meta))
         check(len(self.virtual_workers) >= 1, "virtual_workers", [], "must list at least one virtual worker")
@@ -331,8 +325,8 @@ class Plan:
             d["layer_order"] = list(self.layer_order)
         d["virtual_workers"] = [vw.to_dict() for vw in self.virtual_workers]
         d["predicted"] = dict(self.predicted)
-        if self.pricing:
-            d["pricing"] = dict(self.pricing)
+        if self.pricing is not None:
+            d["pricing"] = self.pricing.to_dict()
         if self.solver is not None:
             d["solver"] = self.solver.to_dict()
         if self.meta:
@@ -368,7 +362,7 @@ class Plan:
             predicted=predicted,
             solver=None if solver is None else SolverInfo.from_dict(solver),
             meta=opt_field(d, "meta", Mapping, {}),
-            pricing=_pricing(d.get("pricing")),
+            pricing=None if d.get("pricing") is None else CostOptions.from_dict(d["pricing"]),
             layer_order=None if order is None else tuple(order),
         )
 
@@ -377,9 +371,7 @@ class Plan:
 
     def cost_options(self) -> CostOptions | None:
         """The :class:`CostOptions` the plan was priced with, or None for a plan that does not say."""
-        if not self.pricing:
-            return None
-        return CostOptions.from_dict(self.pricing)
+        return self.pricing
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:

@@ -51,7 +51,7 @@ def _sailor_run(args: argparse.Namespace) -> int:
     run = import_sailor_run(args.plan_config, args.profiles, args.network)
     os.makedirs(args.output, exist_ok=True)
     measured = {"iteration_s": run.measured_iteration_s, "peak_memory_bytes": run.measured_peak_bytes}
-    plan = replace(run.plan, pricing=run.options.to_dict(), meta={**run.plan.meta, "measured": measured})
+    plan = replace(run.plan, pricing=run.options, meta={**run.plan.meta, "measured": measured})
     paths = [os.path.join(args.output, name) for name in ("plan.json", "profile.json", "cluster.json")]
     plan.save(paths[0])
     run.profile.save(paths[1])

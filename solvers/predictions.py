@@ -49,4 +49,4 @@ def with_predictions(plan: Plan, profile: Profile, cluster: Cluster, options: Co
                 predicted["bottleneck_s"] = closed_form["bottleneck_s"]
             meta.update(predicted_by="simulator", bubble_fraction=dict(tl.bubble_fraction),
                         peak_memory_bytes=dict(tl.peak_memory_bytes))
-    return replace(plan, predicted=predicted, meta=meta, pricing=(options or CostOptions()).to_dict())
+    return replace(plan, predicted=predicted, meta=meta, pricing=options or CostOptions())

@@ -183,7 +183,7 @@ def test_simulate_command_uses_the_plans_pricing_and_says_when_there_is_none(tmp
                  "--cluster", str(tmp_path / "c.json")]) == 0
     out = capsys.readouterr().out
     assert "note:" not in out and f"{res.plan.predicted['peak_memory_bytes'] / GIB:.2f} GiB" in out
-    replace(res.plan, pricing={}).save(tmp_path / "old.json")
+    replace(res.plan, pricing=None).save(tmp_path / "old.json")
     main(["simulate", str(tmp_path / "old.json"), "--profile", str(tmp_path / "prof.json"),
           "--cluster", str(tmp_path / "c.json")])
     assert "does not record the options" in capsys.readouterr().out
