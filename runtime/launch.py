@@ -44,7 +44,7 @@ from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
 from partitioner.schedule import F, spec
 
-from .checkpoint import load_rank, plan_sha256, resume_step, save_rank, write_manifest
+from .checkpoint import plan_sha256, restore_rank, resume_step, save_rank, write_manifest
 from .data import DATA_KINDS, make_data
 from .dataparallel import GradientAverager
 from .emulate import LinkDelay, Stretch
@@ -304,11 +304,7 @@ def run_rank(plan: Plan, config: TrainConfig, rank: int, local_rank: int = 0) ->
             dist.broadcast(agreed, 0)
             first = int(agreed.item())
             if first:
-                state = load_rank(config.checkpoint_dir, first, rank, plan_hash)
-                for s, mod in modules.items():
-                    mod.load_state_dict(state["stages"][s])
-                if optimizer is not None:
-                    optimizer.load_state_dict(state["optimizer"])
+                restore_rank(config.checkpoint_dir, first, rank, plan_hash, modules, optimizer)
                 log.info("rank %d resumes from step %d", rank, first)
         averager = GradientAverager(layout, rank, by_layer)
         averager.delay = _link_delay(config, layout)
