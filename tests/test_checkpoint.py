@@ -59,7 +59,7 @@ def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
     ckpt = tmp_path / "ckpt"
     # 5 steps, a checkpoint every 2; rank 1 dies as step 3 begins (after the checkpoint of step 2)
     monkeypatch.setenv(FAULT_ENV, "1:3")

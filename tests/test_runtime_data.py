@@ -156,7 +156,7 @@ def test_user_model_trains_from_the_cli(user_module: str, tmp_path: Path, capsys
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
     ref = f"{user_module}:mlp"
     out = tmp_path / "m.json"
     rc = cli.main(["train", *_user_files(tmp_path, ref, [0, 2, 3], 3), "--model", ref, "--local", "--steps", "12",
