@@ -13,6 +13,8 @@ config and the layout, and the receiving process builds the chain again with
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +29,7 @@ from .layout import Layout
 from .model import is_model_ref, spec_chain
 from .stage import LayerChain, zoo_chain
 
-__all__ = ["RunSpec", "TrainConfig", "chain_for", "check_checkpoints", "check_world_size"]
+__all__ = ["RunSpec", "TrainConfig", "chain_for", "check_checkpoint_dir", "check_checkpoints", "check_world_size"]
 
 
 @dataclass(frozen=True)
@@ -138,9 +140,26 @@ def check_checkpoints(plan: Plan, config: TrainConfig, world_size: int) -> int:
         raise PartitionerError(f"checkpoints need a flushing schedule (gpipe, 1f1b, interleaved, bfs): "
                                f"{plan.schedule} runs its iterations as one action list without a point where all "
                                f"ranks agree on the weights")
+    check_checkpoint_dir(config.checkpoint_dir)
     start = resume_step(config.checkpoint_dir, plan, world_size) if config.resume else 0
     if start >= config.steps:
         raise PartitionerError(f"{config.checkpoint_dir}: the last complete checkpoint is of step {start}, "
                                f"not before `steps` {config.steps}; ask for more steps")
     return start
 
+
+def check_checkpoint_dir(path: str) -> None:
+    """Refuse, in one line, a ``checkpoint_dir`` that checkpoints cannot be written into (a file,
+    a place where no directory can be made or no file written); the directory is made when
+    missing, as the first checkpoint would make it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise PartitionerError(f"`checkpoint_dir` {path}: is a file, not a directory; name a directory "
+                               f"(made when missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise PartitionerError(f"`checkpoint_dir` {path}: checkpoints cannot be written there "
+                               f"({err.strerror or type(err).__name__}); name a writable directory") from None

@@ -202,7 +202,31 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path
     assert latest_complete(str(ckpt))["step"] == 5  # type: ignore[index]
 
 
-# -- damaged checkpoints ---------------------------------------------------------------------------
+# -- an unusable checkpoint directory, damaged checkpoints --------------------------------------
+
+
+def test_unusable_checkpoint_dir_is_refused_before_any_step(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.launch import check_checkpoints
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    with pytest.raises(PartitionerError, match=r"^`checkpoint_dir` .*notes\.txt: is a file, not a directory"):
+        check_checkpoints(PLAN, TrainConfig("gpt2-tiny", checkpoint_dir=str(a_file)), 2)
+    if os.path.isdir("/proc/self"):  # no directory can be made there, whoever asks
+        with pytest.raises(PartitionerError, match=r"^`checkpoint_dir` /proc/partitioner-ckpt: checkpoints cannot "
+                                                   r"be written there \(No such file or directory\)"):
+            check_checkpoints(PLAN, TrainConfig("gpt2-tiny", checkpoint_dir="/proc/partitioner-ckpt"), 2)
+    # from the command line: the plan file itself, refused in one line before any process starts
+    import runtime.launch as launch
+
+    monkeypatch.setattr(launch, "spawn_local", lambda *a, **k: pytest.fail("a process was started"))
+    args = _cli_args(tmp_path)
+    rc = cli.main([*args, "--checkpoint-dir", args[1]])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"--checkpoint-dir {args[1]}: is a file, not a directory" in err
+    assert json.loads(Path(args[1]).read_text())["model"] == "gpt2-tiny"  # the plan is untouched
 
 
 def _checkpoint(root: Path, step: int = 2) -> None:
