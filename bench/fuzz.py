@@ -334,7 +334,7 @@ def _stub_training() -> None:
     """Replace the process launch of ``train --local`` with figures that look like a run's."""
     import runtime.launch as launch
 
-    def fake_train_local(plan: Any, config: Any, start_method: str = "spawn") -> dict[str, Any]:
+    def fake_train_local(plan: Any, config: Any, start_method: str = "spawn", *, run: Any = None) -> dict[str, Any]:
         return {"format": "partitioner.train-metrics/1", "model": plan.model, "world_size": len(plan.devices),
                 "measured_iteration_s": 0.01, "samples_per_s": 100.0, "loss": [1.0, 0.9], "step_s": [0.01, 0.01],
                 "data": "synthetic", "first_step": 0}

@@ -33,15 +33,9 @@ __all__ = ["launch_lines", "register"]
 def _run(args: argparse.Namespace) -> int:
     from partitioner.emulation import predict_emulated
     from partitioner.simulate import simulate_plan
-    from runtime.launch import (
-        TrainConfig,
-        chain_for,
-        check_time_bound,
-        train_distributed,
-        train_local,
-    )
-    from runtime.layout import plan_layout
+    from runtime.launch import TrainConfig, prepare, train_distributed, train_local
     from runtime.model import is_model_ref
+    from runtime.run import chain_for
 
     check_outputs({"-o": args.output}, (args.plan, args.profile, args.cluster))
     plan = Plan.load(args.plan)
@@ -75,12 +69,11 @@ def _run(args: argparse.Namespace) -> int:
         raise PartitionerError(f"model '{args.model}' has {n_layers} layers but the profile has "
                                f"{profile.num_layers}: {where}; profile the same model and plan again")
     try:
-        layout = plan_layout(plan, n_layers, model=chain.name)
+        run = prepare(plan, config, chain)  # the one run every rank receives; refusals before any process starts
     except FormatError as err:
         raise err.in_file(args.plan) from None
-    check_time_bound(plan, config, layout)  # refused before any process starts
     if args.launch_lines:
-        return _print_launch_lines(args, plan, n_layers, chain.name)
+        return _print_launch_lines(args, run.layout)
     if emulation is None:
         predicted = simulate_plan(plan, profile, cluster).iteration_s
     else:
@@ -93,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.local and not under_torchrun:
         raise PartitionerError("run under torchrun (RANK and WORLD_SIZE set) or pass --local to start one "
                                "process per plan device on this machine")
-    metrics = train_local(plan, config) if args.local else train_distributed(plan, config)
+    metrics = train_local(plan, config, run=run) if args.local else train_distributed(plan, config, run=run)
     if metrics is None:  # a rank other than 0 under torchrun
         return 0
     metrics["predicted_iteration_s"] = predicted
@@ -130,10 +123,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_launch_lines(args: argparse.Namespace, plan: Plan, n_layers: int, model: str) -> int:
+def _print_launch_lines(args: argparse.Namespace, layout: Layout) -> int:
     """The torchrun line of every node of the plan, this command's options carried over."""
-    from runtime.layout import plan_layout
-
     train = [args.plan, "--profile", args.profile, "--cluster", args.cluster, "--model", args.model,
              "--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", repr(args.lr),
              "--seed", str(args.seed), "--device", args.device, "--timeout", repr(args.timeout)]
@@ -145,7 +136,6 @@ def _print_launch_lines(args: argparse.Namespace, plan: Plan, n_layers: int, mod
         train.append("--resume")
     if args.output:
         train += ["-o", args.output]
-    layout = plan_layout(plan, n_layers, model=model)
     print("\n".join(launch_lines(layout, train, args.rdzv_endpoint)))
     return 0
 

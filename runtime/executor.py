@@ -53,8 +53,9 @@ from partitioner.schedule import (
 )
 
 from .emulate import Stretch
+from .layout import Layout
 
-__all__ = ["PipelineExecutor", "message_tag"]
+__all__ = ["PipelineExecutor", "StashingExecutor", "message_tag"]
 
 log = logging.getLogger(__name__)
 
@@ -285,3 +286,44 @@ class PipelineExecutor:
         if any(s == self.num_stages - 1 for s in self.stages):
             self.losses.append(float(self._loss_sum))
         self._reset()
+
+
+class StashingExecutor(PipelineExecutor):
+    """The base of the executors that keep the weights outside the stage modules and update them
+    themselves, 2bw (:mod:`runtime.twobw`) and wsp (:mod:`runtime.wsp`): weight stashing (an
+    update makes new tensors; a micro-batch in flight keeps the ones its forward used), plain SGD
+    of learning rate ``lr``, no optimizer.
+
+    ``groups``: this rank's parameters per holder set (:meth:`runtime.layout.Layout.holder_sets`)
+    as ``(process group or None for a set of this rank alone, [(stage, name)])``, in the order every
+    rank walks them, and ``group_ranks`` the ranks of each. Must be constructed on every rank (it
+    creates process groups, a collective call); a subclass makes its own state in :meth:`_setup`."""
+
+    def __init__(self, stages: Mapping[int, nn.Module], num_stages: int, peers: Sequence[int],
+                 input_shapes: Mapping[int, tuple[torch.Size, torch.dtype]], micro_batches: int,
+                 data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
+                 device: torch.device, *, layout: Layout, rank: int, lr: float):
+        super().__init__(stages, num_stages, peers, input_shapes, micro_batches, data, loss_fn, None, device)
+        self.lr = lr
+        self.workers = layout.workers
+        self.push_times: dict[int, float] = {}  # iteration (wave) -> when its STEP (PUSH) ran
+        layer_of = {(s, n): int(n.split("_", 1)[0]) for s, mod in self.stages.items()
+                    for n, _ in mod.named_parameters()}
+        self.groups: list[tuple[Any, list[tuple[int, str]]]] = []
+        self.group_ranks: list[tuple[int, ...]] = []
+        for ranks, layers in layout.holder_sets():  # (every rank makes the same groups: new_group is collective)
+            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+            if rank in ranks:
+                keys = [k for k, layer in layer_of.items() if layer in layers]
+                if keys:
+                    self.groups.append((group, keys))
+                    self.group_ranks.append(tuple(ranks))
+        self._setup(layout, rank)
+
+    def _setup(self, layout: Layout, rank: int) -> None:
+        """The subclass's own state, made last in construction (after the holder sets' groups)."""
+
+    def _leaf_copies(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Stage -> parameter name -> a copy of the module's parameter as a leaf that takes gradients."""
+        return {s: {n: p.detach().clone().requires_grad_(True) for n, p in mod.named_parameters()}
+                for s, mod in self.stages.items()}

@@ -88,7 +88,12 @@ class ModelSpec:
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``make_batch(step, batch_size)``, checked: two tensors of ``batch_size`` rows."""
-        out = self.make_batch(step, batch_size)
+        try:
+            out = self.make_batch(step, batch_size)
+        except PartitionerError:
+            raise
+        except Exception as err:  # the user's function failed: the user's error, not this library's
+            raise PartitionerError(f"ModelSpec.make_batch({step}, {batch_size}) raised {_raised(err)}") from None
         if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
             raise PartitionerError(f"ModelSpec.make_batch({step}, {batch_size}) returned {type(out).__name__}: "
                                    f"must return a tuple (inputs, targets) of tensors")
@@ -101,7 +106,12 @@ class ModelSpec:
         assert target is not None
         if self.loss is None:
             return F.cross_entropy(output.float(), target)
-        return self.loss(output, target)
+        try:
+            return self.loss(output, target)
+        except PartitionerError:
+            raise
+        except Exception as err:  # the user's function failed: the user's error, not this library's
+            raise PartitionerError(f"ModelSpec.loss raised {_raised(err)}") from None
 
 
 def is_model_ref(name: str) -> bool:
@@ -119,17 +129,38 @@ def load_model_spec(ref: str) -> ModelSpec:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
+        if not _is_module_or_parent(err.name, module_name):  # the user's module imports what is not there
+            raise PartitionerError(f"model '{ref}': importing module '{module_name}' raised {_raised(err)}") from None
         raise PartitionerError(f"model '{ref}': module '{module_name}' not found ({err}); "
                                f"run from its directory or add it to PYTHONPATH") from None
+    except Exception as err:  # the module's own code failed: the user's error, not this library's
+        raise PartitionerError(f"model '{ref}': importing module '{module_name}' raised {_raised(err)}") from None
     func = getattr(module, func_name, None)
     if func is None or not callable(func):
         raise PartitionerError(f"model '{ref}': module '{module_name}' ({getattr(module, '__file__', '?')}) has no "
                                f"function '{func_name}'")
-    spec = func()
+    try:
+        spec = func()
+    except PartitionerError:  # a ModelSpec refused its fields (one line already)
+        raise
+    except Exception as err:  # the user's function failed: the user's error, not this library's
+        raise PartitionerError(f"model '{ref}': {func_name}() raised {_raised(err)}") from None
     if not isinstance(spec, ModelSpec):
         raise PartitionerError(f"model '{ref}': {func_name}() returned {type(spec).__name__}; it must return "
                                f"runtime.model.ModelSpec(layers, make_batch, loss)")
     return spec
+
+
+def _is_module_or_parent(missing: str | None, module_name: str) -> bool:
+    """Whether the module import found missing is ``module_name`` itself or a package above it."""
+    return missing is None or module_name == missing or module_name.startswith(missing + ".")
+
+
+def _raised(err: BaseException) -> str:
+    """``Type: message`` of an exception the user's code raised, on one line (at most 200
+    characters of the message)."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
 
 
 def spec_chain(ref: str, spec: ModelSpec | None = None) -> LayerChain:

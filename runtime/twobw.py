@@ -27,44 +27,24 @@ use at a time, plus the newest. At the end every outstanding version is made and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.func import functional_call
 
-from .executor import PipelineExecutor
+from .executor import StashingExecutor
 from .layout import Layout
 
 __all__ = ["TwoBwExecutor"]
 
 
-class TwoBwExecutor(PipelineExecutor):
+class TwoBwExecutor(StashingExecutor):
     """Executes a rank's ``2bw`` action list (see the module docstring for the rule)."""
 
-    def __init__(self, stages: Mapping[int, nn.Module], num_stages: int, peers: Sequence[int],
-                 input_shapes: Mapping[int, tuple[torch.Size, torch.dtype]], micro_batches: int,
-                 data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
-                 device: torch.device, *, layout: Layout, rank: int, lr: float):
-        super().__init__(stages, num_stages, peers, input_shapes, micro_batches, data, loss_fn, None, device)
-        self.lr = lr
-        self.workers = layout.workers
-        self.push_times: dict[int, float] = {}  # iteration -> when its STEP ran
+    def _setup(self, layout: Layout, rank: int) -> None:
         # version -> stage -> parameter name -> leaf tensor (never modified in place)
-        self.versions: dict[int, dict[int, dict[str, torch.Tensor]]] = {
-            0: {s: {n: p.detach().clone().requires_grad_(True) for n, p in mod.named_parameters()}
-                for s, mod in self.stages.items()}}
-        layer_of = {(s, n): int(n.split("_", 1)[0]) for s, mod in self.stages.items()
-                    for n, _ in mod.named_parameters()}
-        self.groups: list[tuple[Any, list[tuple[int, str]]]] = []
-        for ranks, layers in layout.holder_sets():
-            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-            if rank in ranks:
-                keys = [k for k, layer in layer_of.items() if layer in layers]
-                if keys:
-                    self.groups.append((group, keys))
+        self.versions: dict[int, dict[int, dict[str, torch.Tensor]]] = {0: self._leaf_copies()}
         self._grads: dict[int, dict[tuple[int, str], torch.Tensor]] = {}  # iteration -> summed gradient
         self._updates: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # version -> (all-reduce, flat g) per group
         self._used: dict[tuple[int, int], int] = {}  # (micro-batch, stage) -> version its forward used

@@ -37,50 +37,28 @@ worker still running can wait for before it too reaches the deadline (it can onl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.func import functional_call
 
 from partitioner.schedule import Action, F
 
 from .emulate import LinkDelay
-from .executor import PipelineExecutor
+from .executor import StashingExecutor
 from .layout import Layout
 
 __all__ = ["WspExecutor"]
 
 
-class WspExecutor(PipelineExecutor):
+class WspExecutor(StashingExecutor):
     """Executes a rank's ``wsp`` action list (see the module docstring for the update rule)."""
 
-    def __init__(self, stages: Mapping[int, nn.Module], num_stages: int, peers: Sequence[int],
-                 input_shapes: Mapping[int, tuple[torch.Size, torch.dtype]], micro_batches: int,
-                 data: Callable[[int], torch.Tensor], loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
-                 device: torch.device, *, layout: Layout, rank: int, lr: float):
-        super().__init__(stages, num_stages, peers, input_shapes, micro_batches, data, loss_fn, None, device)
-        self.lr = lr
-        self.workers = layout.workers
-        self.push_times: dict[int, float] = {}
+    def _setup(self, layout: Layout, rank: int) -> None:
         # current weights of every stage: leaf tensors, replaced (never modified) by updates
-        self.leaves: dict[int, dict[str, torch.Tensor]] = {
-            s: {n: p.detach().clone().requires_grad_(True) for n, p in mod.named_parameters()}
-            for s, mod in self.stages.items()}
-        # parameters per holder set: (group or None, [(stage, name)]) in the global order
-        layer_of = {(s, n): int(n.split("_", 1)[0]) for s, mod in self.stages.items()
-                    for n, _ in mod.named_parameters()}
-        self.groups: list[tuple[Any, list[tuple[int, str]]]] = []
-        self.group_ranks: list[tuple[int, ...]] = []
-        for ranks, layers in layout.holder_sets():  # (every rank makes the same groups: new_group is collective)
-            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-            if rank in ranks:
-                keys = [k for k, layer in layer_of.items() if layer in layers]
-                if keys:
-                    self.groups.append((group, keys))
-                    self.group_ranks.append(tuple(ranks))
+        self.leaves: dict[int, dict[str, torch.Tensor]] = self._leaf_copies()
         # the replicas of this rank's stage in its virtual worker, when it is replicated
         self.replica_group: Any = None
         for held in layout.stage_ranks:

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,15 @@ from partitioner.errors import PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner_cli import main as cli
-from runtime.checkpoint import latest_complete, load_rank, plan_sha256, save_rank, step_dir
+from runtime.checkpoint import (
+    latest_complete,
+    load_rank,
+    plan_sha256,
+    restore_rank,
+    save_rank,
+    step_dir,
+    write_manifest,
+)
 from runtime.launch import FAULT_ENV, TrainConfig, train_local
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +59,7 @@ def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
     ckpt = tmp_path / "ckpt"
     # 5 steps, a checkpoint every 2; rank 1 dies as step 3 begins (after the checkpoint of step 2)
     monkeypatch.setenv(FAULT_ENV, "1:3")
@@ -191,3 +200,84 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path
                            start_method="fork")
     assert m["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
     assert latest_complete(str(ckpt))["step"] == 5  # type: ignore[index]
+
+
+# -- an unusable checkpoint directory, damaged checkpoints --------------------------------------
+
+
+def test_unusable_checkpoint_dir_is_refused_before_any_step(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.launch import check_checkpoints
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    with pytest.raises(PartitionerError, match=r"^`checkpoint_dir` .*notes\.txt: is a file, not a directory"):
+        check_checkpoints(PLAN, TrainConfig("gpt2-tiny", checkpoint_dir=str(a_file)), 2)
+    if os.path.isdir("/proc/self"):  # no directory can be made there, whoever asks
+        with pytest.raises(PartitionerError, match=r"^`checkpoint_dir` /proc/partitioner-ckpt: checkpoints cannot "
+                                                   r"be written there \(No such file or directory\)"):
+            check_checkpoints(PLAN, TrainConfig("gpt2-tiny", checkpoint_dir="/proc/partitioner-ckpt"), 2)
+    # from the command line: the plan file itself, refused in one line before any process starts
+    import runtime.launch as launch
+
+    monkeypatch.setattr(launch, "spawn_local", lambda *a, **k: pytest.fail("a process was started"))
+    args = _cli_args(tmp_path)
+    rc = cli.main([*args, "--checkpoint-dir", args[1]])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"--checkpoint-dir {args[1]}: is a file, not a directory" in err
+    assert json.loads(Path(args[1]).read_text())["model"] == "gpt2-tiny"  # the plan is untouched
+
+
+def _checkpoint(root: Path, step: int = 2) -> None:
+    """A complete checkpoint of PLAN's two ranks at ``step`` (stage s holds one weight)."""
+    h = plan_sha256(PLAN)
+    for r in (0, 1):
+        save_rank(str(root), step, r, h, {r: {"w": torch.ones(2)}}, {"state": {}, "param_groups": []})
+    write_manifest(str(root), step, h, 2)
+
+
+@pytest.mark.parametrize(("damage", "expect"), [
+    (lambda m: m.pop("files"), r"manifest\.json: files is missing: must list the checkpoint's rank files"),
+    (lambda m: m.update(files="rank0.pt"), r"manifest\.json: files = 'rank0\.pt': must list"),
+    (lambda m: m.update(step="two"), r"manifest\.json: step = 'two': must be 2, the step of its directory"),
+    (lambda m: m.pop("step"), r"manifest\.json: step is missing: must be 2"),
+    (lambda m: m.update(step=7), r"manifest\.json: step = 7: must be 2"),
+])
+def test_a_damaged_manifest_is_one_line_naming_it(damage: Any, expect: str, tmp_path: Path) -> None:
+    from runtime.launch import check_checkpoints
+
+    _checkpoint(tmp_path)
+    path = step_dir(str(tmp_path), 2) + "/manifest.json"
+    manifest = json.loads(Path(path).read_text())
+    damage(manifest)
+    Path(path).write_text(json.dumps(manifest))
+    with pytest.raises(PartitionerError, match=expect) as err:  # the check before any process starts
+        check_checkpoints(PLAN, TrainConfig("gpt2-tiny", steps=5, checkpoint_dir=str(tmp_path), resume=True), 2)
+    assert str(err.value).startswith(path) and len(str(err.value).splitlines()) == 1
+    assert "the checkpoint is damaged" in str(err.value)
+
+
+def test_a_damaged_rank_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    h = plan_sha256(PLAN)
+    _checkpoint(tmp_path)
+    rank0 = Path(step_dir(str(tmp_path), 2)) / "rank0.pt"
+    modules = {0: torch.nn.Sequential(torch.nn.Linear(2, 2))}
+    optimizer = torch.optim.SGD(modules[0].parameters(), lr=0.1)
+
+    def refused() -> str:
+        with pytest.raises(PartitionerError) as err:
+            restore_rank(str(tmp_path), 2, 0, h, modules, optimizer)
+        line = str(err.value)
+        assert line.startswith(str(rank0)) and len(line.splitlines()) == 1, line
+        return line
+
+    assert "stages[0] does not fit stage 0 of this plan" in refused()  # weights of another model
+    save_rank(str(tmp_path), 2, 0, h, {}, None)  # a file without stages
+    assert ": stages = []: must hold the weights of stage(s) 0 (rank 0's)" in refused()
+    save_rank(str(tmp_path), 2, 0, h, {0: modules[0].state_dict()}, {})  # an empty optimizer state
+    assert ": optimizer does not fit this rank's optimizer (KeyError" in refused()
+    rank0.write_bytes(b"")
+    assert ": cannot be read (the file is empty)" in refused()
+    save_rank(str(tmp_path), 2, 0, h, {0: modules[0].state_dict()}, optimizer.state_dict())
+    restore_rank(str(tmp_path), 2, 0, h, modules, optimizer)  # a whole one loads

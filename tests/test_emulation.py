@@ -206,7 +206,7 @@ def test_cli_says_it_is_an_emulation(tmp_path: Path, capsys: pytest.CaptureFixtu
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
     out = tmp_path / "m.json"
     rc = cli.main(["train", *_write(tmp_path, PLAN, _profile()), "--emulate", "--steps", "3", "--warmup", "1",
                    "--threads", "1", "-o", str(out)])

@@ -32,7 +32,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
     corpus = build_corpus(tmp_path_factory.mktemp("fuzz-base"))
     real = launch.train_local
 
-    def fake_train_local(plan, config, start_method="spawn"):  # type: ignore[no-untyped-def]
+    def fake_train_local(plan, config, start_method="spawn", *, run=None):  # type: ignore[no-untyped-def]
         return {"format": "partitioner.train-metrics/1", "world_size": len(plan.devices),
                 "measured_iteration_s": 0.01, "loss": [1.0], "step_s": [0.01], "data": "synthetic", "first_step": 0}
 
@@ -150,7 +150,7 @@ def test_train_metrics_with_a_diverged_loss_are_written_as_strict_json(tmp_path:
 
     import runtime.launch as launch
 
-    def diverged(plan, config, start_method="spawn"):  # type: ignore[no-untyped-def]
+    def diverged(plan, config, start_method="spawn", *, run=None):  # type: ignore[no-untyped-def]
         return {"world_size": len(plan.devices), "measured_iteration_s": 0.01, "loss": [1.0, float("nan")],
                 "step_s": [0.01, 0.01], "data": "synthetic", "first_step": 0}
 

@@ -172,7 +172,7 @@ def test_cli_trains_and_writes_metrics(tmp_path: Path, capsys: pytest.CaptureFix
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
     plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), micro_batch_size=2, micro_batches=2)
     out = tmp_path / "metrics.json"
     rc = cli.main(["train", *_paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4)), "--model", "gpt2-tiny", "--local",

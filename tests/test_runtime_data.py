@@ -156,7 +156,7 @@ def test_user_model_trains_from_the_cli(user_module: str, tmp_path: Path, capsys
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
     ref = f"{user_module}:mlp"
     out = tmp_path / "m.json"
     rc = cli.main(["train", *_user_files(tmp_path, ref, [0, 2, 3], 3), "--model", ref, "--local", "--steps", "12",
@@ -200,3 +200,43 @@ def test_plan_with_fewer_layers_than_the_model_names_the_stage(user_module: str)
     with pytest.raises(PartitionerError, match=r"stages\[1\].layers = \[2, 4\]: layer 3 does not exist: model m has "
                                                r"3 layers \[0, 3\)"):
         plan_layout(plan, 3, model="m")
+
+
+BROKEN_MODULE = '''
+import torch
+from torch import nn
+from runtime.model import ModelSpec
+
+
+def broken():
+    raise ValueError("weights file\\nnot found")
+
+
+def bad_batch():
+    return ModelSpec([nn.Linear(8, 2)], lambda step, n: 1 / 0)
+'''
+
+
+@pytest.mark.parametrize(("module", "function", "expect"), [
+    (BROKEN_MODULE, "broken", "model '{ref}': broken() raised ValueError: weights file not found"),
+    ("raise RuntimeError('no GPU here')\n", "mlp", "model '{ref}': importing module '{mod}' raised RuntimeError: no GPU here"),
+    ("import nosuchdependency_xyz\n", "mlp", "model '{ref}': importing module '{mod}' raised ModuleNotFoundError: "
+                                           "No module named 'nosuchdependency_xyz'"),
+], ids=["function", "module", "dependency"])
+def test_user_model_code_that_raises_is_the_users_error(module: str, function: str, expect: str, user_module: str,
+                                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mod = f"{user_module}_broken"
+    (tmp_path / f"{mod}.py").write_text(module)
+    ref = f"{mod}:{function}"
+    rc = cli.main(["train", *_user_files(tmp_path, ref, [0, 1, 2], 2), "--model", ref, "--local"])
+    assert rc == 2  # the user's error (2), not an internal one (3)
+    line = _one_line(capsys)
+    assert expect.format(ref=ref, mod=mod) in line, line
+    assert "internal error" not in line
+
+
+def test_user_batches_that_raise_are_the_users_error(user_module: str, tmp_path: Path) -> None:
+    (tmp_path / f"{user_module}_broken.py").write_text(BROKEN_MODULE)
+    spec = load_model_spec(f"{user_module}_broken:bad_batch")
+    with pytest.raises(PartitionerError, match=r"^ModelSpec.make_batch\(0, 4\) raised ZeroDivisionError: division by zero$"):
+        spec.batch(0, 4)

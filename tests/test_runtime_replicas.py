@@ -198,7 +198,7 @@ def test_cli_shares_micro_batches_by_the_replicas_speeds(tmp_path: Path, capsys:
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg: real(plan, cfg, start_method="fork"))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
     _mixed(tmp_path)  # the slow type takes twice as long: of 3 micro-batches the fast replica runs 2, the slow 1
     plan = Plan("gpt2-tiny", (_stages([0, 2, 4], [("n0:0",), ("n0:1", "n0:2")]),), micro_batch_size=2,
                 micro_batches=3)
