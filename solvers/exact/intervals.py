@@ -25,9 +25,10 @@ size in the message (the DP solves any such size exactly and fast).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,18 +43,29 @@ from solvers.result import SolveResult, SolveStatus
 __all__ = [
     "DEFAULT_MAX_ARCS",
     "Arcs",
+    "ChainHint",
     "ChainProblem",
     "build_arcs",
     "check_limits",
-    "cpsat_solver",
     "dp_split",
     "finish",
     "model_arcs",
+    "no_plan_reason",
     "pipeline_lengths",
     "prepare",
+    "price_arcs",
+    "setup_model",
+    "unsolved",
 ]
 
 DEFAULT_MAX_ARCS = 200_000
+
+
+class ChainHint(NamedTuple):
+    """A starting split in the model's variables: ``x[a] = a in arcs``, ``y[q] = q == length``."""
+
+    arcs: frozenset[int]
+    length: int
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,14 @@ class Arcs:
                 raise PartitionerError(f"split {list(sol.cuts)} is not a path of the interval model")
             out.append(int(hit[0]))
         return out
+
+    def hint(self, sol: ChainSolution) -> ChainHint:
+        """A known split (the DP's) as a starting point for a model: its arcs and length."""
+        return ChainHint(frozenset(self.index_of(sol)), len(sol.devices))
+
+    def slower_than(self, seconds: float) -> list[int]:
+        """Arcs whose stage takes longer than ``seconds`` (the tie-break leaves them out)."""
+        return np.flatnonzero(self.time_s > seconds).tolist()
 
     def solution(self, chosen: Sequence[int], cost: CostModel, devices: Sequence[Device], schedule: str,
                  micro_batches: int) -> ChainSolution:
@@ -206,20 +226,6 @@ def check_limits(time_limit_s: float, threads: int, seed: int = 0) -> None:
         raise FormatError("seed", seed, "must be an integer in [0, 2^31)")
 
 
-def cpsat_solver(time_limit_s: float, threads: int, seed: int) -> Any:
-    """A CP-SAT solver with the limits checked by :func:`check_limits`. Several workers run in a
-    fixed interleaved order: the same seed and workers give the same search, so the same plan
-    (for a run that ends before its time limit)."""
-    from ortools.sat.python import cp_model
-
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = threads
-    solver.parameters.random_seed = seed
-    solver.parameters.interleave_search = threads > 1
-    return solver
-
-
 def dp_split(problem: ChainProblem) -> ChainSolution | None:
     """The DP's optimal split of ``problem`` (for hints and warm starts), or None if infeasible."""
     res = dp.solve(problem.profile, problem.cost.cluster, [d.name for d in problem.devices],
@@ -242,6 +248,43 @@ def model_arcs(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int
     arcs = build_arcs(problem.cost, problem.devices, problem.schedule, problem.micro_batches,
                       problem.allow_fewer, max_arcs, upper)
     return start, arcs, {"arcs": len(arcs), "hint": start is not None, "pruned": math.isfinite(upper)}
+
+
+def setup_model(problem: ChainProblem, method: str, hint: bool, prune: bool, max_arcs: int, t0: float
+                ) -> tuple[ChainSolution | None, Arcs, dict[str, object], SolveResult | None]:
+    """What both chain models start from (:func:`model_arcs`, the devices' order given), and the
+    answer when there is no model to solve: no pipeline length to model (more devices than
+    layers, and no shorter pipeline allowed)."""
+    start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
+    details["mapping"] = "given"
+    if arcs.lengths:
+        return start, arcs, details, None
+    return start, arcs, details, finish(problem, method, SolveStatus.INFEASIBLE, None, math.nan,
+                                        time.perf_counter() - t0, details)
+
+
+def price_arcs(problem: ChainProblem, arcs: Arcs, chosen: Sequence[int]) -> ChainSolution:
+    """The split a model chose (its arcs), priced exactly with the cost model."""
+    return arcs.solution(chosen, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
+
+
+def no_plan_reason(time_limit_s: float, n_arcs: int | None = None) -> str:
+    """Why a model ended without a plan: the time limit (and the model's size, where known)."""
+    size = "" if n_arcs is None else f" ({n_arcs} candidate stages)"
+    return f"no plan found within the time limit of {time_limit_s:g} s{size}"
+
+
+def unsolved(problem: ChainProblem, method: str, status: SolveStatus, bound_s: float, t0: float,
+             details: dict[str, object], time_limit_s: float, n_arcs: int) -> SolveResult | None:
+    """The answer when a model's first solve has no plan (INFEASIBLE, or UNKNOWN at the time
+    limit), or None when it has one; the bound goes to ``details["bound_s"]`` unless infeasible."""
+    if status is SolveStatus.INFEASIBLE:
+        return finish(problem, method, SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
+    details["bound_s"] = bound_s  # as converted, before capping at the plan's objective
+    if status is SolveStatus.UNKNOWN:
+        return finish(problem, method, SolveStatus.UNKNOWN, None, bound_s, time.perf_counter() - t0, details,
+                      reason=no_plan_reason(time_limit_s, n_arcs))
+    return None
 
 
 def finish(problem: ChainProblem, method: str, status: SolveStatus, sol: ChainSolution | None,

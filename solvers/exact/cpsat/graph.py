@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from solvers.exact.graph import DagData, DagPlan, finish_dag, price_assignment, single_stage
-from solvers.exact.intervals import cpsat_solver
+from solvers.exact.cpsat.run import cpsat_solver
 from solvers.progress import solve_cpsat
 from solvers.result import SolveResult, SolveStatus
 

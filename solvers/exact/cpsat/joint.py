@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from partitioner.errors import PartitionerError
-from solvers.exact.intervals import cpsat_solver
+from solvers.exact.cpsat.run import cpsat_solver
 from solvers.exact.joint import JointData, JointPlan, finish_joint
 from solvers.exact.joint_bound import before_model, relaxed_floor
 from solvers.progress import solve_cpsat
