@@ -38,6 +38,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,13 +46,13 @@ from partitioner.cost import CostModel, activations_in_flight
 from partitioner.errors import FormatError
 from partitioner.profile import Profile
 from partitioner.schedule import spec
-from solvers.exact.intervals import ChainProblem, dp_split, no_plan_reason
+from solvers.exact.intervals import ChainProblem, dp_split
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveResult, SolveStatus
 
-__all__ = ["DagData", "DagPlan", "dag_data", "finish_dag", "order_values", "price_assignment", "price_order",
-           "single_stage", "tie_break_winner", "unsolved"]
+__all__ = ["DagData", "DagPlan", "DagVars", "dag_data", "finish_dag", "order_values", "price_assignment", "price_order",
+           "single_stage", "tie_break_winner"]
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,25 @@ def price_assignment(data: DagData, stages: Sequence[int]) -> DagPlan:
     return DagPlan(tuple(st), profile, cost, ChainSolution(max(times), cuts, devs), math.fsum(times), fits)
 
 
+class DagVars(NamedTuple):
+    """A graph model's variables (either backend's objects), and the order encoding's terms."""
+
+    y: list[list[Any]]  # y[v][c - 1] = 1 iff layer v is in a stage before cut c (c = 1..p-1)
+    z: dict[tuple[int, int], Any]  # z[u, c]: u's output crosses cut c
+    t: list[Any]  # t[k]: stage k's time
+    bottleneck: Any  # B
+    senders: list[int]  # the layers u that have a z[u, c]
+
+    def before(self, v: int, c: int) -> Any:
+        """y[v, c] with y[v, 0] = 0 and y[v, p] = 1."""
+        p = len(self.t)
+        return 0 if c == 0 else 1 if c == p else self.y[v][c - 1]
+
+    def x(self, v: int, k: int) -> Any:
+        """Layer v in stage k: y[v, k+1] - y[v, k]."""
+        return self.before(v, k + 1) - self.before(v, k)
+
+
 def order_values(stages: Sequence[int], num_stages: int) -> list[list[bool]]:
     """An assignment in the order encoding: ``y[v][c - 1] = stages[v] < c`` for ``c = 1..p-1``
     (a model's hint or warm start)."""
@@ -210,20 +230,6 @@ def tie_break_winner(found: DagPlan, again: DagPlan, slack_s: float) -> DagPlan:
             again.solution.bottleneck_s <= found.solution.bottleneck_s + slack_s:
         return again
     return found
-
-
-def unsolved(data: DagData, method: str, status: SolveStatus, bound_s: float, t0: float,
-             details: dict[str, object], time_limit_s: float) -> SolveResult | None:
-    """The answer when a model's first solve has no plan (INFEASIBLE, or UNKNOWN at the time
-    limit: the DP's split, if any), or None when it has one; the bound goes to
-    ``details["bound_s"]`` unless infeasible."""
-    if status is SolveStatus.INFEASIBLE:
-        return finish_dag(data, method, SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
-    details["bound_s"] = bound_s
-    if status is SolveStatus.UNKNOWN:
-        return finish_dag(data, method, SolveStatus.UNKNOWN, None, bound_s, time.perf_counter() - t0, details,
-                          reason=no_plan_reason(time_limit_s))
-    return None
 
 
 def better(a: DagPlan | None, b: DagPlan | None) -> DagPlan | None:

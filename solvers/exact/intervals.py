@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,7 +45,9 @@ __all__ = [
     "Arcs",
     "ChainHint",
     "ChainProblem",
+    "ChainVars",
     "build_arcs",
+    "check_arc_count",
     "check_limits",
     "dp_split",
     "finish",
@@ -59,6 +61,14 @@ __all__ = [
 ]
 
 DEFAULT_MAX_ARCS = 200_000
+
+
+class ChainVars(NamedTuple):
+    """A chain model's variables (either backend's objects)."""
+
+    x: list[Any]  # x[a] = 1: arc a (stage k of the q-stage pipeline holds [i, j)) is chosen
+    y: dict[int, Any]  # y[q] = 1: the pipeline has q stages
+    bottleneck: Any  # B: the bottleneck (in the backend's time unit)
 
 
 class ChainHint(NamedTuple):
@@ -144,6 +154,13 @@ def pipeline_lengths(num_devices: int, num_layers: int, allow_fewer: bool) -> tu
     return (num_devices,) if num_devices <= num_layers else ()
 
 
+def check_arc_count(total: int, max_arcs: int, model: str, advice: str) -> None:
+    """Refuse a model of more than ``max_arcs`` candidate stages, in one line with ``advice``."""
+    if total > max_arcs:
+        raise PartitionerError(f"the {model} has more than {max_arcs} candidate stages; {advice}, fewer layers "
+                               f"(coarsen the profile) or raise max_arcs")
+
+
 def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
                allow_fewer: bool = False, max_arcs: int = DEFAULT_MAX_ARCS,
                max_time_s: float = math.inf) -> Arcs:
@@ -175,11 +192,8 @@ def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: str, micro_
             ok &= t <= max_time_s
             ii, jj = np.nonzero(ok)
             total += len(ii)
-            if total > max_arcs:
-                raise PartitionerError(
-                    f"the interval model of {n_layers} layers over {len(devices)} devices has more than "
-                    f"{max_arcs} candidate stages; use the dp solver (exact at any size), fewer layers "
-                    f"(coarsen the profile) or raise max_arcs")
+            check_arc_count(total, max_arcs, f"interval model of {n_layers} layers over {len(devices)} devices",
+                            "use the dp solver (exact at any size)")
             parts.append((np.full(len(ii), q), np.full(len(ii), k), ii + lo, jj, t[ii, jj]))
     if not parts:
         empty = np.zeros(0, dtype=np.intp)
@@ -274,16 +288,17 @@ def no_plan_reason(time_limit_s: float, n_arcs: int | None = None) -> str:
     return f"no plan found within the time limit of {time_limit_s:g} s{size}"
 
 
-def unsolved(problem: ChainProblem, method: str, status: SolveStatus, bound_s: float, t0: float,
-             details: dict[str, object], time_limit_s: float, n_arcs: int) -> SolveResult | None:
+def unsolved(answer: Callable[..., SolveResult], status: SolveStatus, bound_s: float, t0: float,
+             details: dict[str, object], reason: str) -> SolveResult | None:
     """The answer when a model's first solve has no plan (INFEASIBLE, or UNKNOWN at the time
-    limit), or None when it has one; the bound goes to ``details["bound_s"]`` unless infeasible."""
+    limit, with ``reason``), or None when it has one; the bound goes to ``details["bound_s"]``
+    unless infeasible. ``answer(status, plan, lower_bound, runtime_s, details, reason=...)``
+    builds a result: the problem's ``finish`` for this problem and method."""
     if status is SolveStatus.INFEASIBLE:
-        return finish(problem, method, SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
+        return answer(SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
     details["bound_s"] = bound_s  # as converted, before capping at the plan's objective
     if status is SolveStatus.UNKNOWN:
-        return finish(problem, method, SolveStatus.UNKNOWN, None, bound_s, time.perf_counter() - t0, details,
-                      reason=no_plan_reason(time_limit_s, n_arcs))
+        return answer(SolveStatus.UNKNOWN, None, bound_s, time.perf_counter() - t0, details, reason=reason)
     return None
 
 

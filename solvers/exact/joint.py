@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,15 +45,15 @@ from partitioner.cluster import Device
 from partitioner.cost import CostModel, activations_in_flight
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.schedule import spec
-from solvers.exact.intervals import ChainProblem, dp_split, no_plan_reason, pipeline_lengths
+from solvers.exact.intervals import ChainProblem, check_arc_count, dp_split, pipeline_lengths
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
 from solvers.pipeline.mapping import Label, device_labels, map_worker
 from solvers.result import SolveResult, SolveStatus
 
-__all__ = ["HINT_SHARE", "PROVEN_REL", "JointData", "JointPlan", "canonical", "diagnose", "finish_joint", "joint_data",
-           "mapping_details", "model_time_s", "needs_mapping", "read_plan", "start_values", "symmetric_pairs",
-           "unsolved"]
+__all__ = ["HINT_SHARE", "PROVEN_REL", "JointData", "JointPlan", "JointVars", "canonical", "diagnose", "finish_joint",
+           "joint_data", "mapping_details", "model_time_s", "needs_mapping", "read_plan", "start_values",
+           "symmetric_pairs"]
 
 
 PROVEN_REL = 1e-9  # a plan within this of a valid bound is optimal
@@ -242,11 +242,8 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
             ok = shape & (mem <= mem_cap) & (work + least <= upper)
             ii, jj = np.nonzero(ok)
             total += len(ii)
-            if total > max_arcs:
-                raise PartitionerError(
-                    f"the joint mapping model of {n} layers over {p} devices ({len(labels)} labels) has more "
-                    f"than {max_arcs} candidate stages; use the dp solver or keep the device order "
-                    f"(`fixed_order`), fewer layers (coarsen the profile) or raise max_arcs")
+            check_arc_count(total, max_arcs, f"joint mapping model of {n} layers over {p} devices ({len(labels)} "
+                            f"labels)", "use the dp solver or keep the device order (`fixed_order`)")
             parts.append((np.full(len(ii), r), np.full(len(ii), t), ii, jj, work[ii, jj], sync[ii, jj]))
     cat = [np.concatenate(x) for x in zip(*parts, strict=True)] if parts else [np.zeros(0)] * 6
     r_a, t_a, i_a, j_a, w_a, s_a = cat
@@ -397,10 +394,21 @@ def finish_joint(data: JointData, method: str, status: SolveStatus, found: Joint
 # -- what both models do around their own variables -------------------------------------------
 
 
-def start_values(data: JointData, plan: JointPlan, x: Sequence[Any], u: Sequence[Sequence[Any]],
-                 v: Sequence[Sequence[Any]]) -> Iterator[tuple[Any, bool]]:
+class JointVars(NamedTuple):
+    """A joint model's variables (either backend's objects; positions ``r`` count from the end)."""
+
+    x: list[Any]  # x[a]: arc a = (r, t, i, j) chosen
+    u: list[list[Any]]  # u[r][g]: position r runs on label g
+    v: list[list[Any]]  # v[r][c]: the link between positions r + 1 and r is of class c
+    s: list[Any]  # s[r]: the message at the cut where position r starts
+    t_stage: list[Any]  # T[r]: position r's time
+    bottleneck: Any  # B
+
+
+def start_values(data: JointData, plan: JointPlan, var: JointVars) -> Iterator[tuple[Any, bool]]:
     """``plan`` in the models' variables (a hint or a warm start), as (variable, value) pairs:
     the arcs ``x[a]``, then the labels ``u[r][g]``, then the link classes ``v[r][c]``."""
+    x, u, v = var.x, var.u, var.v
     labs = data.label_index(plan)
     q = len(labs)
     chosen: set[int] = set()
@@ -418,10 +426,10 @@ def start_values(data: JointData, plan: JointPlan, x: Sequence[Any], u: Sequence
             yield var, c == cls
 
 
-def read_plan(data: JointData, x: Sequence[Any], u: Sequence[Sequence[Any]], on: Callable[[Any], bool]
-              ) -> JointPlan:
-    """The plan of a model's answer (``on(var)``: the variable is 1), priced by the cost model;
+def read_plan(data: JointData, var: JointVars, on: Callable[[Any], bool]) -> JointPlan:
+    """The plan of a model's answer (``on(variable)``: it is 1), priced by the cost model;
     refuses arcs that do not form a split or a position without exactly one label."""
+    x, u = var.x, var.u
     picked = sorted(((int(data.r[a]), int(data.i[a]), int(data.j[a])) for a, var in enumerate(x) if on(var)),
                     reverse=True)
     q = len(picked)
@@ -448,17 +456,3 @@ def symmetric_pairs(data: JointData) -> Iterator[tuple[str, list[int], list[int]
 def model_time_s(time_limit_s: float, t0: float) -> float:
     """The time a model may take: what the hint and the relaxation left, at least a tenth of the limit."""
     return max(time_limit_s - (time.perf_counter() - t0), 0.1 * time_limit_s)
-
-
-def unsolved(data: JointData, method: str, status: SolveStatus, bound_s: float, t0: float,
-             details: dict[str, object], time_limit_s: float) -> SolveResult | None:
-    """The answer when a model's first solve has no plan (INFEASIBLE, or UNKNOWN at the time
-    limit: the start's plan, if any), or None when it has one; the bound goes to
-    ``details["bound_s"]`` unless infeasible."""
-    if status is SolveStatus.INFEASIBLE:
-        return finish_joint(data, method, SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
-    details["bound_s"] = bound_s
-    if status is SolveStatus.UNKNOWN:
-        return finish_joint(data, method, SolveStatus.UNKNOWN, None, bound_s, time.perf_counter() - t0, details,
-                            reason=no_plan_reason(time_limit_s))
-    return None

@@ -21,18 +21,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any
 
+from solvers.exact import intervals
 from solvers.exact.cbc.run import bound_s, has_plan, run_cbc, solve_status
-from solvers.exact.intervals import (
-    Arcs,
-    ChainHint,
-    ChainProblem,
-    finish,
-    price_arcs,
-    setup_model,
-    unsolved,
-)
+from solvers.exact.intervals import Arcs, ChainHint, ChainProblem, ChainVars
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveResult, SolveStatus
 
@@ -43,21 +37,13 @@ log = logging.getLogger(__name__)
 SCALE_MAX = 1000.0  # the largest stage time, in model units
 
 
-class _Vars(NamedTuple):
-    """The model's variables."""
-
-    x: list[Any]  # x[a] = 1: arc a (stage k of the q-stage pipeline holds [i, j)) is chosen
-    y: dict[int, Any]  # y[q] = 1: the pipeline has q stages
-    bottleneck: Any  # B >= 0: the bottleneck in units of unit_s
-
-
 def solve_chain(problem: ChainProblem, *, time_limit_s: float, threads: int, seed: int, tie_break: bool,
                 t0: float, hint: bool, prune: bool, max_arcs: int) -> SolveResult:
     """Minimum-bottleneck split of ``problem``'s devices, in their order, by CBC (the chain model
     of :mod:`solvers.exact.intervals`; the options as :func:`solvers.exact.router.solve`)."""
     import pulp
 
-    start, arcs, details, done = setup_model(problem, "milp", hint, prune, max_arcs, t0)
+    start, arcs, details, done = intervals.setup_model(problem, "milp", hint, prune, max_arcs, t0)
     if done is not None:
         return done
     largest = float(arcs.time_s.max(initial=0.0))
@@ -78,27 +64,29 @@ def solve_chain(problem: ChainProblem, *, time_limit_s: float, threads: int, see
     # extract: the chosen arcs, priced exactly; CBC's bound converted back, less the slack
     bound = bound_s(cbc_log, unit_s, largest)
     status = solve_status(prob, bound, "the chain model")
-    if (done := unsolved(problem, "milp", status, bound, t0, details, time_limit_s, len(arcs))) is not None:
+    answer = partial(intervals.finish, problem, "milp")
+    no_plan = intervals.no_plan_reason(time_limit_s, len(arcs))
+    if (done := intervals.unsolved(answer, status, bound, t0, details, no_plan)) is not None:
         return done
     picked = _picked(var)
-    sol = price_arcs(problem, arcs, picked)
+    sol = intervals.price_arcs(problem, arcs, picked)
     remaining = time_limit_s - (time.perf_counter() - t0)
     if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
         sol = _tie_break(prob, var, coef, arcs, picked, sol, problem, remaining, threads, seed, details)
     log.debug("milp: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)
-    return finish(problem, "milp", status, sol, bound, time.perf_counter() - t0, details)
+    return answer(status, sol, bound, time.perf_counter() - t0, details)
 
 
-def _variables(prob: Any, arcs: Arcs) -> _Vars:
+def _variables(prob: Any, arcs: Arcs) -> ChainVars:
     """x[a] and y[q] binary, B continuous and non-negative."""
     import pulp
 
     x = [prob.add_variable(f"x_{a}", cat=pulp.LpBinary) for a in range(len(arcs))]
     y = {q: prob.add_variable(f"y_{q}", cat=pulp.LpBinary) for q in arcs.lengths}
-    return _Vars(x, y, prob.add_variable("bottleneck", lowBound=0))
+    return ChainVars(x, y, prob.add_variable("bottleneck", lowBound=0))
 
 
-def _constraints(prob: Any, arcs: Arcs, var: _Vars, coef: list[float], n_layers: int) -> None:
+def _constraints(prob: Any, arcs: Arcs, var: ChainVars, coef: list[float], n_layers: int) -> None:
     """One pipeline length, unit flow through the stages, and B above every stage's time."""
     import pulp
 
@@ -123,7 +111,7 @@ def _constraints(prob: Any, arcs: Arcs, var: _Vars, coef: list[float], n_layers:
         prob += var.bottleneck >= pulp.lpSum(coef[a] * x[a] for a in idx), f"stage_{q}_{k}"
 
 
-def _warm(var: _Vars, start: ChainHint, coef: list[float]) -> None:
+def _warm(var: ChainVars, start: ChainHint, coef: list[float]) -> None:
     """The DP's split as CBC's warm start."""
     _warm_arcs(var, start.arcs)
     for q, yq in var.y.items():
@@ -131,18 +119,18 @@ def _warm(var: _Vars, start: ChainHint, coef: list[float]) -> None:
     var.bottleneck.setInitialValue(max(coef[a] for a in start.arcs))
 
 
-def _warm_arcs(var: _Vars, chosen: set[int] | frozenset[int]) -> None:
+def _warm_arcs(var: ChainVars, chosen: set[int] | frozenset[int]) -> None:
     """The arcs of a plan as CBC's warm start."""
     for a, xa in enumerate(var.x):
         xa.setInitialValue(1 if a in chosen else 0)
 
 
-def _picked(var: _Vars) -> list[int]:
+def _picked(var: ChainVars) -> list[int]:
     """The arcs of CBC's plan."""
     return [a for a, xa in enumerate(var.x) if (xa.varValue or 0.0) > 0.5]
 
 
-def _tie_break(prob: Any, var: _Vars, coef: list[float], arcs: Arcs, picked: list[int], sol: ChainSolution,
+def _tie_break(prob: Any, var: ChainVars, coef: list[float], arcs: Arcs, picked: list[int], sol: ChainSolution,
                problem: ChainProblem, time_limit_s: float, threads: int, seed: int,
                details: dict[str, object]) -> ChainSolution:
     """The DP's second pass on CBC: stages within the optimum found (exact seconds, as the DP
@@ -160,4 +148,4 @@ def _tie_break(prob: Any, var: _Vars, coef: list[float], arcs: Arcs, picked: lis
     details["tie_break"] = pulp.LpStatus[prob.status]
     if not has_plan(prob):
         return sol
-    return price_arcs(problem, arcs, _picked(var))
+    return intervals.price_arcs(problem, arcs, _picked(var))

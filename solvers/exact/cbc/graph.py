@@ -13,19 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any
 
+from solvers.exact import graph as dag
 from solvers.exact.cbc.run import TOLERANCE_SLACK, bound_s, has_plan, run_cbc, solve_status
-from solvers.exact.graph import (
-    DagData,
-    DagPlan,
-    finish_dag,
-    order_values,
-    price_order,
-    single_stage,
-    tie_break_winner,
-    unsolved,
-)
+from solvers.exact.graph import DagData, DagPlan, DagVars
+from solvers.exact.intervals import no_plan_reason, unsolved
 from solvers.result import SolveResult, SolveStatus
 
 __all__ = ["solve_dag"]
@@ -36,32 +30,13 @@ SCALE_MAX = 1000.0  # the longest stage time possible, in model units
 GIB = 2.0**30
 
 
-class _Vars(NamedTuple):
-    """The model's variables, and the order encoding's derived terms."""
-
-    y: list[list[Any]]  # y[v][c - 1] = 1 iff layer v is before cut c (c = 1..p-1), binary
-    z: dict[tuple[int, int], Any]  # z[u, c]: u's output crosses cut c, in [0, 1]
-    t: list[Any]  # t[k]: stage k's time (units of unit_s)
-    bottleneck: Any  # B (units of unit_s)
-    senders: list[int]  # the layers u that have a z[u, c]
-
-    def before(self, v: int, c: int) -> Any:
-        """y[v, c] with y[v, 0] = 0 and y[v, p] = 1."""
-        p = len(self.t)
-        return 0 if c == 0 else 1 if c == p else self.y[v][c - 1]
-
-    def x(self, v: int, k: int) -> Any:
-        """Layer v in stage k: y[v, k+1] - y[v, k]."""
-        return self.before(v, k + 1) - self.before(v, k)
-
-
 def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, prune: bool, tie_break: bool,
               t0: float, details: dict[str, Any]) -> SolveResult:
     """Minimum-bottleneck convex stages over ``data``'s devices by CBC (see :mod:`solvers.exact.graph`)."""
     import pulp
 
     n, p = data.num_layers, data.num_stages
-    trivial = single_stage(data, "milp", t0, details)
+    trivial = dag.single_stage(data, "milp", t0, details)
     if trivial is not None:
         return trivial
     largest = data.stage_time_bound_s()
@@ -83,17 +58,18 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
     details.update(cbc_status=pulp.LpStatus[prob.status], cbc_solution=prob.sol_status)
     bound = bound_s(cbc_log, unit_s, largest)
     status = solve_status(prob, bound, None)
-    if (done := unsolved(data, "milp", status, bound, t0, details, time_limit_s)) is not None:
+    answer = partial(dag.finish_dag, data, "milp")
+    if (done := unsolved(answer, status, bound, t0, details, no_plan_reason(time_limit_s))) is not None:
         return done
     found = _extract(data, var)
     remaining = time_limit_s - (time.perf_counter() - t0)
     if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
         found = _tie_break(prob, data, var, found, unit_s, remaining, threads, seed, details)
     log.debug("milp (graph): %s, objective %.6g s, bound %.6g s", status, found.solution.bottleneck_s, bound)
-    return finish_dag(data, "milp", status, found, bound, time.perf_counter() - t0, details)
+    return answer(status, found, bound, time.perf_counter() - t0, details)
 
 
-def _variables(prob: Any, data: DagData) -> _Vars:
+def _variables(prob: Any, data: DagData) -> DagVars:
     """y binary, z in [0, 1], t[k] and B non-negative."""
     import pulp
 
@@ -103,10 +79,10 @@ def _variables(prob: Any, data: DagData) -> _Vars:
     t = [prob.add_variable(f"t_{k}", lowBound=0) for k in range(p)]
     bottleneck = prob.add_variable("B", lowBound=0)
     z = {(u, c): prob.add_variable(f"z_{u}_{c}", lowBound=0, upBound=1) for u in senders for c in range(1, p)}
-    return _Vars(y, z, t, bottleneck, senders)
+    return DagVars(y, z, t, bottleneck, senders)
 
 
-def _constraints(prob: Any, data: DagData, var: _Vars, unit_s: float) -> None:
+def _constraints(prob: Any, data: DagData, var: DagVars, unit_s: float) -> None:
     """Order, precedence, no empty stage, crossings, stage times, memory (the groups of
     :mod:`solvers.exact.graph`)."""
     import pulp
@@ -132,7 +108,7 @@ def _constraints(prob: Any, data: DagData, var: _Vars, unit_s: float) -> None:
     _memory(prob, data, var)
 
 
-def _stage_times(prob: Any, data: DagData, var: _Vars, unit_s: float) -> None:
+def _stage_times(prob: Any, data: DagData, var: DagVars, unit_s: float) -> None:
     """t_k >= C_k + X_k / bw + X_{k+1} / bw (additive; overlapped: t_k >= C_k, t_k >= back + W_k,
     t_k >= out + W_k) and B >= t_k, in units of ``unit_s``."""
     import pulp
@@ -159,7 +135,7 @@ def _stage_times(prob: Any, data: DagData, var: _Vars, unit_s: float) -> None:
         prob += var.bottleneck >= t[k]
 
 
-def _memory(prob: Any, data: DagData, var: _Vars) -> None:
+def _memory(prob: Any, data: DagData, var: DagVars) -> None:
     """M_k <= cap_k (GiB) for every stage whose layers could overflow it."""
     import pulp
 
@@ -180,19 +156,19 @@ def _memory(prob: Any, data: DagData, var: _Vars) -> None:
         prob += pulp.lpSum(terms) <= cap / GIB
 
 
-def _warm(var: _Vars, stages: list[int] | tuple[int, ...]) -> None:
+def _warm(var: DagVars, stages: list[int] | tuple[int, ...]) -> None:
     """An assignment as CBC's warm start (its order encoding)."""
-    for row, values in zip(var.y, order_values(stages, len(var.t)), strict=True):
+    for row, values in zip(var.y, dag.order_values(stages, len(var.t)), strict=True):
         for yc, value in zip(row, values, strict=True):
             yc.setInitialValue(1 if value else 0)
 
 
-def _extract(data: DagData, var: _Vars) -> DagPlan:
+def _extract(data: DagData, var: DagVars) -> DagPlan:
     """CBC's assignment, priced exactly."""
-    return price_order(data, [[round(yc.varValue or 0.0) for yc in row] for row in var.y])
+    return dag.price_order(data, [[round(yc.varValue or 0.0) for yc in row] for row in var.y])
 
 
-def _tie_break(prob: Any, data: DagData, var: _Vars, found: DagPlan, unit_s: float, time_limit_s: float,
+def _tie_break(prob: Any, data: DagData, var: DagVars, found: DagPlan, unit_s: float, time_limit_s: float,
                threads: int, seed: int, details: dict[str, object]) -> DagPlan:
     """Second solve: among assignments within the optimum found (units, CBC's tolerance), the
     least total stage time; taken within the slack it allows the bottleneck."""
@@ -206,4 +182,4 @@ def _tie_break(prob: Any, data: DagData, var: _Vars, found: DagPlan, unit_s: flo
     details["tie_break"] = pulp.LpStatus[prob.status]
     if not has_plan(prob):
         return found
-    return tie_break_winner(found, _extract(data, var), 2 * TOLERANCE_SLACK * SCALE_MAX * unit_s)
+    return dag.tie_break_winner(found, _extract(data, var), 2 * TOLERANCE_SLACK * SCALE_MAX * unit_s)

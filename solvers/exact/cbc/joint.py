@@ -18,20 +18,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 from typing import Any, NamedTuple
 
 from partitioner.errors import PartitionerError
+from solvers.exact import joint
 from solvers.exact.cbc.run import TOLERANCE_SLACK, bound_s, has_plan, run_cbc, solve_status
-from solvers.exact.joint import (
-    JointData,
-    JointPlan,
-    finish_joint,
-    model_time_s,
-    read_plan,
-    start_values,
-    symmetric_pairs,
-    unsolved,
-)
+from solvers.exact.intervals import no_plan_reason, unsolved
+from solvers.exact.joint import JointData, JointPlan, JointVars
 from solvers.exact.joint_bound import before_model, relaxed_floor
 from solvers.result import SolveResult, SolveStatus
 
@@ -53,17 +47,6 @@ class _Units(NamedTuple):
     cheapest: list[float]  # per cut: the cheapest class's message
 
 
-class _Vars(NamedTuple):
-    """The model's variables (see :mod:`solvers.exact.cpsat.joint`)."""
-
-    x: list[Any]  # x[a]: arc a chosen
-    u: list[list[Any]]  # u[r][g]: position r on label g
-    v: list[list[Any]]  # v[r][c]: the link between positions r + 1 and r is of class c
-    s: list[Any]  # s[r]: the message at the cut where position r starts
-    t_stage: list[Any]  # T[r]: position r's time
-    bottleneck: Any  # B
-
-
 def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int, tie_break: bool,
                 t0: float, symmetry: bool = True, bound_dp: bool = True) -> SolveResult:
     """Order and split by CBC; OPTIMAL when CBC proves it (to its tolerances)."""
@@ -83,20 +66,21 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
     if data.start is not None:
         _warm(data, data.start, var)
 
-    cbc_log = run_cbc(prob, model_time_s(time_limit_s, t0), threads, seed, warm_start=data.start is not None)
+    cbc_log = run_cbc(prob, joint.model_time_s(time_limit_s, t0), threads, seed, warm_start=data.start is not None)
     details.update(cbc_status=pulp.LpStatus[prob.status], cbc_solution=prob.sol_status)
     bound = bound_s(cbc_log, units.unit_s, units.largest_s)
     bound = max(bound, relaxed_floor(relaxed)) if math.isfinite(bound) else relaxed_floor(relaxed) or math.nan
     status = solve_status(prob, bound, "the joint model")
-    if (done := unsolved(data, "milp", status, bound, t0, details, time_limit_s)) is not None:
+    answer = partial(joint.finish_joint, data, "milp")
+    if (done := unsolved(answer, status, bound, t0, details, no_plan_reason(time_limit_s))) is not None:
         return done
-    found = read_plan(data, var.x, var.u, _on)
+    found = joint.read_plan(data, var, _on)
     remaining = time_limit_s - (time.perf_counter() - t0)
     if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
         found = _tie_break(prob, data, var, found, remaining, threads, seed, details)
     log.debug("joint milp: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(data.r),
               found.solution.bottleneck_s, bound)
-    return finish_joint(data, "milp", status, found, bound, time.perf_counter() - t0, details)
+    return answer(status, found, bound, time.perf_counter() - t0, details)
 
 
 def _in_units(data: JointData) -> _Units:
@@ -112,7 +96,7 @@ def _on(var: Any) -> bool:
     return (var.varValue or 0.0) > 0.5
 
 
-def _variables(prob: Any, data: JointData) -> _Vars:
+def _variables(prob: Any, data: JointData) -> JointVars:
     """x, u, v binary; s, T and B continuous and non-negative."""
     import pulp
 
@@ -122,10 +106,10 @@ def _variables(prob: Any, data: JointData) -> _Vars:
     v = [[prob.add_variable(f"v_{r}_{c}", cat=pulp.LpBinary) for c in range(n_cls)] for r in range(positions - 1)]
     s = [prob.add_variable(f"s_{r}", lowBound=0) for r in range(positions - 1)]
     t_stage = [prob.add_variable(f"T_{r}", lowBound=0) for r in range(positions)]
-    return _Vars(x, u, v, s, t_stage, prob.add_variable("B", lowBound=0))
+    return JointVars(x, u, v, s, t_stage, prob.add_variable("B", lowBound=0))
 
 
-def _constraints(prob: Any, data: JointData, var: _Vars, units: _Units) -> None:
+def _constraints(prob: Any, data: JointData, var: JointVars, units: _Units) -> None:
     """Flow, labels, link classes, messages and stage times (as the CP-SAT model's rows)."""
     by_r = data.by_position()
     _flow(prob, data, var, by_r)
@@ -135,7 +119,7 @@ def _constraints(prob: Any, data: JointData, var: _Vars, units: _Units) -> None:
     _stage_times(prob, data, var, units, by_r)
 
 
-def _flow(prob: Any, data: JointData, var: _Vars, by_r: list[list[int]]) -> None:
+def _flow(prob: Any, data: JointData, var: JointVars, by_r: list[list[int]]) -> None:
     """sum_{a: i=0} x[a] = 1; sum_{a in (r+1, *, *, c)} x[a] = sum_{a in (r, *, c, *)} x[a]."""
     import pulp
 
@@ -149,7 +133,7 @@ def _flow(prob: Any, data: JointData, var: _Vars, by_r: list[list[int]]) -> None
                 prob += sum_(ins) == sum_(outs), f"flow_{r}_{c}"
 
 
-def _labels(prob: Any, data: JointData, var: _Vars, by_r: list[list[int]]) -> None:
+def _labels(prob: Any, data: JointData, var: JointVars, by_r: list[list[int]]) -> None:
     """sum_{a in (r, t)} x[a] = sum_{g of type t} u[r, g]; sum_r u[r, g] = n_g (<= n_g with allow_fewer)."""
     import pulp
 
@@ -163,7 +147,7 @@ def _labels(prob: Any, data: JointData, var: _Vars, by_r: list[list[int]]) -> No
         prob += (used <= data.counts[g]) if data.problem.allow_fewer else (used == data.counts[g]), f"count_{g}"
 
 
-def _link_classes(prob: Any, data: JointData, var: _Vars) -> None:
+def _link_classes(prob: Any, data: JointData, var: JointVars) -> None:
     """sum_c v[r, c] = sum_g u[r+1, g]; v[r, c] >= u[r+1, g] + sum_{h: class(g, h) = c} u[r, h] - 1."""
     import pulp
 
@@ -177,7 +161,7 @@ def _link_classes(prob: Any, data: JointData, var: _Vars) -> None:
                     prob += v[r][c] >= u[r + 1][g] + sum_(hs) - 1, f"class_{r}_{g}_{c}"
 
 
-def _messages(prob: Any, data: JointData, var: _Vars, units: _Units, by_r: list[list[int]]) -> None:
+def _messages(prob: Any, data: JointData, var: JointVars, units: _Units, by_r: list[list[int]]) -> None:
     """The message at the cut where position r starts, the product of cut and class linearised:
     w[r, c, i] >= sum_{a in (r, *, i, *)} x[a] + v[r, c] - 1, w >= 0; s[r] >= sum_{c, i} msg_c[i] w[r, c, i];
     and s[r] >= sum_{a in (r, *, i>0, *)} min_c msg_c[i] x[a] (redundant: the cheapest link)."""
@@ -199,7 +183,7 @@ def _messages(prob: Any, data: JointData, var: _Vars, units: _Units, by_r: list[
         prob += var.s[r] >= sum_(units.cheapest[i] * x[a] for i, arcs_i in starts.items() for a in arcs_i), f"least_{r}"
 
 
-def _stage_times(prob: Any, data: JointData, var: _Vars, units: _Units, by_r: list[list[int]]) -> None:
+def _stage_times(prob: Any, data: JointData, var: JointVars, units: _Units, by_r: list[list[int]]) -> None:
     """T[r] >= sum_{a in r} work[a] x[a] + s[r] + s[r-1] (overlapped: one row each, the transfers
     plus the wave sync); B >= T[r]."""
     import pulp
@@ -217,7 +201,7 @@ def _stage_times(prob: Any, data: JointData, var: _Vars, units: _Units, by_r: li
         prob += var.bottleneck >= t_stage[r], f"bottleneck_{r}"
 
 
-def _cuts(prob: Any, data: JointData, var: _Vars, units: _Units, relaxed: float, symmetry: bool) -> None:
+def _cuts(prob: Any, data: JointData, var: JointVars, units: _Units, relaxed: float, symmetry: bool) -> None:
     """Rows no plan violates: the work of type t at most n_t * B, the stage times at most p * B
     (additive), B at least the relaxation's bound, interchangeable nodes first used in order."""
     import pulp
@@ -231,19 +215,19 @@ def _cuts(prob: Any, data: JointData, var: _Vars, units: _Units, relaxed: float,
     if math.isfinite(relaxed) and relaxed > 0:
         prob += bottleneck >= relaxed / units.unit_s * (1 - 1e-9), "relaxed_bound"
     if symmetry:
-        for late, e_labs, l_labs in symmetric_pairs(data):
+        for late, e_labs, l_labs in joint.symmetric_pairs(data):
             for r in range(data.positions):
                 prob += (sum_(u[r][g] for g in l_labs)
                          <= sum_(u[rr][g] for rr in range(r + 1, data.positions) for g in e_labs)), f"sym_{late}_{r}"
 
 
-def _warm(data: JointData, plan: JointPlan, var: _Vars) -> None:
+def _warm(data: JointData, plan: JointPlan, var: JointVars) -> None:
     """``plan`` as CBC's warm start (arcs, labels, link classes)."""
-    for v, value in start_values(data, plan, var.x, var.u, var.v):
+    for v, value in joint.start_values(data, plan, var):
         v.setInitialValue(1 if value else 0)
 
 
-def _tie_break(prob: Any, data: JointData, var: _Vars, found: JointPlan, time_limit_s: float, threads: int,
+def _tie_break(prob: Any, data: JointData, var: JointVars, found: JointPlan, time_limit_s: float, threads: int,
                seed: int, details: dict[str, object]) -> JointPlan:
     """Second solve: B within CBC's tolerance of the optimum (a bound tighter than its tolerances
     can make its presolve call the model infeasible), the shortest pipeline, then the least total
@@ -260,7 +244,7 @@ def _tie_break(prob: Any, data: JointData, var: _Vars, found: JointPlan, time_li
     if not has_plan(prob):
         return found
     try:
-        again = read_plan(data, var.x, var.u, _on)
+        again = joint.read_plan(data, var, _on)
     except PartitionerError:  # CBC said optimal but gave no plan (its tolerances): keep the first
         details["tie_break"] = "no plan read"
         return found

@@ -16,20 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any
 
 import numpy as np
 
+from solvers.exact import intervals
 from solvers.exact.cpsat.run import bound_s, run_model, solve_again, solve_status
-from solvers.exact.intervals import (
-    Arcs,
-    ChainHint,
-    ChainProblem,
-    finish,
-    price_arcs,
-    setup_model,
-    unsolved,
-)
+from solvers.exact.intervals import Arcs, ChainHint, ChainProblem, ChainVars
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveResult, SolveStatus
 
@@ -38,21 +32,13 @@ __all__ = ["solve_chain"]
 log = logging.getLogger(__name__)
 
 
-class _Vars(NamedTuple):
-    """The model's variables."""
-
-    x: list[Any]  # x[a] = 1: arc a (stage k of the q-stage pipeline holds [i, j)) is chosen
-    y: dict[int, Any]  # y[q] = 1: the pipeline has q stages
-    bottleneck: Any  # B: the bottleneck in ticks
-
-
 def solve_chain(problem: ChainProblem, *, time_limit_s: float, threads: int, seed: int, resolution: int,
                 tie_break: bool, t0: float, hint: bool, prune: bool, max_arcs: int) -> SolveResult:
     """Minimum-bottleneck split of ``problem``'s devices, in their order, by CP-SAT (the chain
     model of :mod:`solvers.exact.intervals`; the options as :func:`solvers.exact.router.solve`)."""
     from ortools.sat.python import cp_model
 
-    start, arcs, details, done = setup_model(problem, "cpsat", hint, prune, max_arcs, t0)
+    start, arcs, details, done = intervals.setup_model(problem, "cpsat", hint, prune, max_arcs, t0)
     if done is not None:
         return done
     tick_s, ticks = _ticks(arcs, resolution)
@@ -69,15 +55,17 @@ def solve_chain(problem: ChainProblem, *, time_limit_s: float, threads: int, see
     status = solve_status(code, model, "the model")
     # extract: the chosen arcs, priced exactly; the bound converted back to seconds
     bound = bound_s(solver, tick_s)
-    if (done := unsolved(problem, "cpsat", status, bound, t0, details, time_limit_s, len(arcs))) is not None:
+    answer = partial(intervals.finish, problem, "cpsat")
+    no_plan = intervals.no_plan_reason(time_limit_s, len(arcs))
+    if (done := intervals.unsolved(answer, status, bound, t0, details, no_plan)) is not None:
         return done
     picked = _picked(solver, var)
-    sol = price_arcs(problem, arcs, picked)
+    sol = intervals.price_arcs(problem, arcs, picked)
     remaining = time_limit_s - (time.perf_counter() - t0)
     if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
         sol = _tie_break(model, solver, var, arcs, ticks, picked, sol, problem, remaining, details)
     log.debug("cpsat: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)
-    return finish(problem, "cpsat", status, sol, bound, time.perf_counter() - t0, details)
+    return answer(status, sol, bound, time.perf_counter() - t0, details)
 
 
 def _ticks(arcs: Arcs, resolution: int) -> tuple[float, list[int]]:
@@ -88,14 +76,14 @@ def _ticks(arcs: Arcs, resolution: int) -> tuple[float, list[int]]:
     return tick_s, np.floor(arcs.time_s / tick_s).astype(np.int64).tolist()
 
 
-def _variables(model: Any, arcs: Arcs, ticks: list[int]) -> _Vars:
+def _variables(model: Any, arcs: Arcs, ticks: list[int]) -> ChainVars:
     """x[a] for every arc, y[q] for every pipeline length, B in [0, the largest arc's ticks]."""
     x = [model.new_bool_var(f"x_{a}") for a in range(len(arcs))]
     y = {q: model.new_bool_var(f"y_{q}") for q in arcs.lengths}
-    return _Vars(x, y, model.new_int_var(0, max(ticks, default=0), "bottleneck"))
+    return ChainVars(x, y, model.new_int_var(0, max(ticks, default=0), "bottleneck"))
 
 
-def _constraints(model: Any, arcs: Arcs, var: _Vars, ticks: list[int], n_layers: int) -> None:
+def _constraints(model: Any, arcs: Arcs, var: ChainVars, ticks: list[int], n_layers: int) -> None:
     """One pipeline length, unit flow through the stages, and B above every stage's time."""
     from ortools.sat.python import cp_model
 
@@ -121,7 +109,7 @@ def _constraints(model: Any, arcs: Arcs, var: _Vars, ticks: list[int], n_layers:
         model.add(var.bottleneck >= lin.weighted_sum([x[a] for a in idx], [ticks[a] for a in idx]))
 
 
-def _hint(model: Any, var: _Vars, start: ChainHint, ticks: list[int]) -> None:
+def _hint(model: Any, var: ChainVars, start: ChainHint, ticks: list[int]) -> None:
     """The DP's split as CP-SAT's solution hint."""
     _hint_arcs(model, var, start.arcs)
     for q, yq in var.y.items():
@@ -129,12 +117,12 @@ def _hint(model: Any, var: _Vars, start: ChainHint, ticks: list[int]) -> None:
     model.add_hint(var.bottleneck, max(ticks[a] for a in start.arcs))
 
 
-def _picked(solver: Any, var: _Vars) -> list[int]:
+def _picked(solver: Any, var: ChainVars) -> list[int]:
     """The arcs of the solver's plan."""
     return [a for a, xa in enumerate(var.x) if solver.boolean_value(xa)]
 
 
-def _tie_break(model: Any, solver: Any, var: _Vars, arcs: Arcs, ticks: list[int], picked: list[int],
+def _tie_break(model: Any, solver: Any, var: ChainVars, arcs: Arcs, ticks: list[int], picked: list[int],
                sol: ChainSolution, problem: ChainProblem, time_limit_s: float,
                details: dict[str, object]) -> ChainSolution:
     """Second solve, as the DP's second pass: only stages within the optimum found (exact seconds,
@@ -152,10 +140,10 @@ def _tie_break(model: Any, solver: Any, var: _Vars, arcs: Arcs, ticks: list[int]
     _hint_arcs(model, var, set(picked))
     if not solve_again(solver, model, time_limit_s, details):
         return sol
-    return price_arcs(problem, arcs, _picked(solver, var))
+    return intervals.price_arcs(problem, arcs, _picked(solver, var))
 
 
-def _hint_arcs(model: Any, var: _Vars, chosen: set[int] | frozenset[int]) -> None:
+def _hint_arcs(model: Any, var: ChainVars, chosen: set[int] | frozenset[int]) -> None:
     """The arcs of a plan as CP-SAT's solution hint (the tie-break's start)."""
     for a, xa in enumerate(var.x):
         model.add_hint(xa, a in chosen)

@@ -14,21 +14,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any
 
 import numpy as np
 
+from solvers.exact import graph as dag
 from solvers.exact.cpsat.run import bound_s, run_model, solve_again, solve_status
-from solvers.exact.graph import (
-    DagData,
-    DagPlan,
-    finish_dag,
-    order_values,
-    price_order,
-    single_stage,
-    tie_break_winner,
-    unsolved,
-)
+from solvers.exact.graph import DagData, DagPlan, DagVars
+from solvers.exact.intervals import no_plan_reason, unsolved
 from solvers.result import SolveResult, SolveStatus
 
 __all__ = ["solve_dag"]
@@ -38,32 +32,13 @@ log = logging.getLogger(__name__)
 MEMORY_UNITS = 1e12  # the largest capacity, in memory units (integers CP-SAT sums without overflow)
 
 
-class _Vars(NamedTuple):
-    """The model's variables, and the order encoding's derived terms."""
-
-    y: list[list[Any]]  # y[v][c - 1] = 1 iff layer v is in a stage before cut c (c = 1..p-1)
-    z: dict[tuple[int, int], Any]  # z[u, c] = 1 when u's output crosses cut c
-    t: list[Any]  # t[k]: stage k's time (ticks)
-    bottleneck: Any  # B (ticks)
-    senders: list[int]  # the layers u that have a z[u, c]
-
-    def before(self, v: int, c: int) -> Any:
-        """y[v, c] with y[v, 0] = 0 and y[v, p] = 1."""
-        p = len(self.t)
-        return 0 if c == 0 else 1 if c == p else self.y[v][c - 1]
-
-    def x(self, v: int, k: int) -> Any:
-        """Layer v in stage k: y[v, k+1] - y[v, k]."""
-        return self.before(v, k + 1) - self.before(v, k)
-
-
 def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, prune: bool, resolution: int,
               tie_break: bool, t0: float, details: dict[str, Any]) -> SolveResult:
     """Minimum-bottleneck convex stages over ``data``'s devices by CP-SAT (see :mod:`solvers.exact.graph`)."""
     from ortools.sat.python import cp_model
 
     n, p = data.num_layers, data.num_stages
-    trivial = single_stage(data, "cpsat", t0, details)
+    trivial = dag.single_stage(data, "cpsat", t0, details)
     if trivial is not None:
         return trivial
     tick_s = data.stage_time_bound_s() / resolution or 1.0
@@ -84,27 +59,28 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
     solver, code = run_model(m, "cpsat (graph)", tick_s, time_limit_s, threads, seed, details)
     status = solve_status(code, m, None)
     bound = bound_s(solver, tick_s)
-    if (done := unsolved(data, "cpsat", status, bound, t0, details, time_limit_s)) is not None:
+    answer = partial(dag.finish_dag, data, "cpsat")
+    if (done := unsolved(answer, status, bound, t0, details, no_plan_reason(time_limit_s))) is not None:
         return done
     found = _extract(data, solver, var)
     remaining = time_limit_s - (time.perf_counter() - t0)
     if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
         found = _tie_break(m, solver, data, var, found, tick_s, remaining, details)
     log.debug("cpsat (graph): %s, objective %.6g s, bound %.6g s", status, found.solution.bottleneck_s, bound)
-    return finish_dag(data, "cpsat", status, found, bound, time.perf_counter() - t0, details)
+    return answer(status, found, bound, time.perf_counter() - t0, details)
 
 
-def _variables(m: Any, data: DagData, upper: int) -> _Vars:
+def _variables(m: Any, data: DagData, upper: int) -> DagVars:
     """y and z booleans, t[k] and B integers in [0, ``upper``] ticks."""
     n, p = data.num_layers, data.num_stages
     senders = data.senders()
     y = [[m.new_bool_var(f"y_{v}_{c}") for c in range(1, p)] for v in range(n)]
     z = {(u, c): m.new_bool_var(f"z_{u}_{c}") for u in senders for c in range(1, p)}
     t = [m.new_int_var(0, upper, f"t_{k}") for k in range(p)]
-    return _Vars(y, z, t, m.new_int_var(0, upper, "B"), senders)
+    return DagVars(y, z, t, m.new_int_var(0, upper, "B"), senders)
 
 
-def _constraints(m: Any, data: DagData, var: _Vars, tick_s: float) -> None:
+def _constraints(m: Any, data: DagData, var: DagVars, tick_s: float) -> None:
     """Order, precedence, no empty stage, crossings, stage times, memory (the groups of
     :mod:`solvers.exact.graph`)."""
     n, p = data.num_layers, data.num_stages
@@ -128,7 +104,7 @@ def _constraints(m: Any, data: DagData, var: _Vars, tick_s: float) -> None:
     _memory(m, data, var)
 
 
-def _stage_times(m: Any, data: DagData, var: _Vars, tick_s: float) -> None:
+def _stage_times(m: Any, data: DagData, var: DagVars, tick_s: float) -> None:
     """t_k >= C_k + X_k / bw + X_{k+1} / bw (additive; overlapped: t_k >= C_k, t_k >= back + W_k,
     t_k >= out + W_k) and B >= t_k, every term in ticks rounded down."""
     from ortools.sat.python import cp_model
@@ -159,7 +135,7 @@ def _stage_times(m: Any, data: DagData, var: _Vars, tick_s: float) -> None:
         m.add(var.bottleneck >= t[k])
 
 
-def _memory(m: Any, data: DagData, var: _Vars) -> None:
+def _memory(m: Any, data: DagData, var: DagVars) -> None:
     """M_k <= cap_k for every stage whose layers could overflow it (bytes rounded up to units)."""
     n, p = data.num_layers, data.num_stages
     x = var.x
@@ -185,19 +161,19 @@ def _memory(m: Any, data: DagData, var: _Vars) -> None:
         m.add(sum(terms) <= cap_units)
 
 
-def _hint(m: Any, var: _Vars, stages: list[int] | tuple[int, ...]) -> None:
+def _hint(m: Any, var: DagVars, stages: list[int] | tuple[int, ...]) -> None:
     """An assignment as CP-SAT's solution hint (its order encoding)."""
-    for row, values in zip(var.y, order_values(stages, len(var.t)), strict=True):
+    for row, values in zip(var.y, dag.order_values(stages, len(var.t)), strict=True):
         for yc, value in zip(row, values, strict=True):
             m.add_hint(yc, value)
 
 
-def _extract(data: DagData, solver: Any, var: _Vars) -> DagPlan:
+def _extract(data: DagData, solver: Any, var: DagVars) -> DagPlan:
     """The solver's assignment, priced exactly."""
-    return price_order(data, [[int(solver.boolean_value(yc)) for yc in row] for row in var.y])
+    return dag.price_order(data, [[int(solver.boolean_value(yc)) for yc in row] for row in var.y])
 
 
-def _tie_break(m: Any, solver: Any, data: DagData, var: _Vars, found: DagPlan, tick_s: float,
+def _tie_break(m: Any, solver: Any, data: DagData, var: DagVars, found: DagPlan, tick_s: float,
                time_limit_s: float, details: dict[str, object]) -> DagPlan:
     """Second solve: among assignments within the optimum, the least total stage time. A stage's
     ticks round each layer down, so two plans of the same exact bottleneck can differ by up to
@@ -210,4 +186,4 @@ def _tie_break(m: Any, solver: Any, data: DagData, var: _Vars, found: DagPlan, t
     _hint(m, var, found.stages)
     if not solve_again(solver, m, time_limit_s, details):
         return found
-    return tie_break_winner(found, _extract(data, solver, var), n * tick_s)
+    return dag.tie_break_winner(found, _extract(data, solver, var), n * tick_s)

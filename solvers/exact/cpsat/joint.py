@@ -40,21 +40,15 @@ import itertools
 import logging
 import math
 import time
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from solvers.exact import joint
 from solvers.exact.cpsat.run import bound_s, run_model, solve_again, solve_status
-from solvers.exact.joint import (
-    JointData,
-    JointPlan,
-    finish_joint,
-    model_time_s,
-    read_plan,
-    start_values,
-    symmetric_pairs,
-    unsolved,
-)
+from solvers.exact.intervals import no_plan_reason, unsolved
+from solvers.exact.joint import JointData, JointPlan, JointVars
 from solvers.exact.joint_bound import before_model, relaxed_floor
 from solvers.result import SolveResult, SolveStatus
 
@@ -77,17 +71,6 @@ class _Ticks(NamedTuple):
     cheapest: list[int]  # per cut: the cheapest class's message
     top: int  # no stage takes more (the integer variables' upper bound)
     rounding: int  # rounded terms in a stage's time
-
-
-class _Vars(NamedTuple):
-    """The model's variables (see the module docstring)."""
-
-    x: list[Any]  # x[a]: arc a chosen
-    u: list[list[Any]]  # u[r][g]: position r on label g
-    v: list[list[Any]]  # v[r][c]: the link between positions r + 1 and r is of class c
-    s: list[Any]  # s[r]: the message at the cut where position r starts (ticks)
-    t_stage: list[Any]  # T[r]: position r's time (ticks)
-    bottleneck: Any  # B (ticks)
 
 
 def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int, resolution: int,
@@ -113,20 +96,21 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
     if data.start is not None:
         _hint(model, data, data.start, var)
 
-    solver, code = run_model(model, "cpsat", tk.tick_s, model_time_s(time_limit_s, t0), threads, seed, details)
+    solver, code = run_model(model, "cpsat", tk.tick_s, joint.model_time_s(time_limit_s, t0), threads, seed, details)
     status = solve_status(code, model, "the joint model")
     # CP-SAT's bound, or the relaxation's where CP-SAT has not reached it yet (both are valid)
     bound = max(bound_s(solver, tk.tick_s), relaxed_floor(relaxed))
-    if (done := unsolved(data, "cpsat", status, bound, t0, details, time_limit_s)) is not None:
+    answer = partial(joint.finish_joint, data, "cpsat")
+    if (done := unsolved(answer, status, bound, t0, details, no_plan_reason(time_limit_s))) is not None:
         return done
-    found = read_plan(data, var.x, var.u, solver.boolean_value)
+    found = joint.read_plan(data, var, solver.boolean_value)
     details["model_objective_s"] = _model_value(data, found, tk) * tk.tick_s
     remaining = time_limit_s - (time.perf_counter() - t0)
     if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
         found = _tie_break(model, solver, data, var, tk, found, remaining, details)
     log.debug("joint cpsat: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(data.r),
               found.solution.bottleneck_s, bound)
-    return finish_joint(data, "cpsat", status, found, bound, time.perf_counter() - t0, details)
+    return answer(status, found, bound, time.perf_counter() - t0, details)
 
 
 def _in_ticks(data: JointData, resolution: int) -> _Ticks:
@@ -140,7 +124,7 @@ def _in_ticks(data: JointData, resolution: int) -> _Ticks:
                   2 if data.overlap else 3)
 
 
-def _variables(model: Any, data: JointData, top: int) -> _Vars:
+def _variables(model: Any, data: JointData, top: int) -> JointVars:
     """x, u, v booleans; s, T and B integers in [0, ``top``] ticks."""
     positions, n_lab, n_cls = data.positions, len(data.labels), len(data.class_s)
     x = [model.new_bool_var(f"x{a}") for a in range(len(data.r))]
@@ -148,10 +132,10 @@ def _variables(model: Any, data: JointData, top: int) -> _Vars:
     v = [[model.new_bool_var(f"v{r}_{c}") for c in range(n_cls)] for r in range(positions - 1)]
     s = [model.new_int_var(0, top, f"s{r}") for r in range(positions - 1)]
     t_stage = [model.new_int_var(0, top, f"T{r}") for r in range(positions)]
-    return _Vars(x, u, v, s, t_stage, model.new_int_var(0, top, "B"))
+    return JointVars(x, u, v, s, t_stage, model.new_int_var(0, top, "B"))
 
 
-def _constraints(model: Any, data: JointData, var: _Vars, tk: _Ticks) -> None:
+def _constraints(model: Any, data: JointData, var: JointVars, tk: _Ticks) -> None:
     """Flow, labels, link classes, messages and stage times (the module docstring's rows)."""
     by_r = data.by_position()
     _flow(model, data, var, by_r)
@@ -161,7 +145,7 @@ def _constraints(model: Any, data: JointData, var: _Vars, tk: _Ticks) -> None:
     _stage_times(model, data, var, tk, by_r)
 
 
-def _flow(model: Any, data: JointData, var: _Vars, by_r: list[list[int]]) -> None:
+def _flow(model: Any, data: JointData, var: JointVars, by_r: list[list[int]]) -> None:
     """sum_{a: i=0} x[a] = 1 (the pipeline starts at layer 0);
     sum_{a in (r+1, *, *, c)} x[a] = sum_{a in (r, *, c, *)} x[a] (flow through the positions)."""
     from ortools.sat.python import cp_model
@@ -176,7 +160,7 @@ def _flow(model: Any, data: JointData, var: _Vars, by_r: list[list[int]]) -> Non
                 model.add(lin.sum(ins) == lin.sum(outs))
 
 
-def _labels(model: Any, data: JointData, var: _Vars, by_r: list[list[int]]) -> None:
+def _labels(model: Any, data: JointData, var: JointVars, by_r: list[list[int]]) -> None:
     """sum_{a in (r, t)} x[a] = sum_{g of type t} u[r, g] (the arc's type is the position's label's);
     sum_r u[r, g] = n_g, or <= n_g with allow_fewer (every label used as often as it has GPUs)."""
     from ortools.sat.python import cp_model
@@ -195,7 +179,7 @@ def _labels(model: Any, data: JointData, var: _Vars, by_r: list[list[int]]) -> N
             model.add(used == data.counts[g])
 
 
-def _link_classes(model: Any, data: JointData, var: _Vars) -> None:
+def _link_classes(model: Any, data: JointData, var: JointVars) -> None:
     """sum_c v[r, c] = sum_g u[r+1, g] (one link class per adjacent pair);
     v[r, c] >= u[r+1, g] + sum_{h: class(g, h) = c} u[r, h] - 1 (the class its labels make)."""
     from ortools.sat.python import cp_model
@@ -210,7 +194,7 @@ def _link_classes(model: Any, data: JointData, var: _Vars) -> None:
                     model.add(v[r][c] >= u[r + 1][g] + lin.sum(hs) - 1)
 
 
-def _messages(model: Any, data: JointData, var: _Vars, tk: _Ticks, by_r: list[list[int]]) -> None:
+def _messages(model: Any, data: JointData, var: JointVars, tk: _Ticks, by_r: list[list[int]]) -> None:
     """s[r] >= sum_{a in (r, *, i>0, *)} tick(msg_c[i]) x[a] if v[r, c] (the message on its link);
     s[r] >= sum_{a in (r, *, i>0, *)} tick(min_c msg_c[i]) x[a] (redundant: the cheapest link)."""
     from ortools.sat.python import cp_model
@@ -224,7 +208,7 @@ def _messages(model: Any, data: JointData, var: _Vars, tk: _Ticks, by_r: list[li
         model.add(s[r] >= lin.weighted_sum(xs, [tk.cheapest[data.i[a]] for a in inner]))
 
 
-def _stage_times(model: Any, data: JointData, var: _Vars, tk: _Ticks, by_r: list[list[int]]) -> None:
+def _stage_times(model: Any, data: JointData, var: JointVars, tk: _Ticks, by_r: list[list[int]]) -> None:
     """T[r] >= sum_{a in r} tick(work[a]) x[a] + s[r] + s[r-1] (additive; overlapped: one row
     each, the transfers plus the wave sync); B >= T[r]."""
     from ortools.sat.python import cp_model
@@ -243,7 +227,7 @@ def _stage_times(model: Any, data: JointData, var: _Vars, tk: _Ticks, by_r: list
         model.add(var.bottleneck >= t_stage[r])
 
 
-def _cuts(model: Any, data: JointData, var: _Vars, tk: _Ticks, relaxed: float, symmetry: bool) -> None:
+def _cuts(model: Any, data: JointData, var: JointVars, tk: _Ticks, relaxed: float, symmetry: bool) -> None:
     """Rows no plan violates, for the relaxation: the stages of type t do at most n_t * B of work,
     all stage times add up to at most p * B (additive), B >= floor(LB / tick) - rounding (LB: the
     type-count DP of solvers/exact/joint_bound.py); and first use of node N_k before N_{k+1} for
@@ -261,19 +245,19 @@ def _cuts(model: Any, data: JointData, var: _Vars, tk: _Ticks, relaxed: float, s
     if math.isfinite(relaxed) and relaxed > 0:
         model.add(var.bottleneck >= max(0, math.floor(relaxed / tk.tick_s) - tk.rounding - 1))
     if symmetry:
-        for _late, e_labs, l_labs in symmetric_pairs(data):
+        for _late, e_labs, l_labs in joint.symmetric_pairs(data):
             for r in range(data.positions):
                 before = [u[rr][g] for rr in range(r + 1, data.positions) for g in e_labs]
                 model.add(lin.sum([u[r][g] for g in l_labs]) <= lin.sum(before))
 
 
-def _hint(model: Any, data: JointData, plan: JointPlan, var: _Vars) -> None:
+def _hint(model: Any, data: JointData, plan: JointPlan, var: JointVars) -> None:
     """``plan`` as CP-SAT's solution hint (arcs, labels, link classes)."""
-    for v, value in start_values(data, plan, var.x, var.u, var.v):
+    for v, value in joint.start_values(data, plan, var):
         model.add_hint(v, value)
 
 
-def _tie_break(model: Any, solver: Any, data: JointData, var: _Vars, tk: _Ticks, found: JointPlan,
+def _tie_break(model: Any, solver: Any, data: JointData, var: JointVars, tk: _Ticks, found: JointPlan,
                time_limit_s: float, details: dict[str, object]) -> JointPlan:
     """Second solve: stages within the optimum's ticks (B <= B*), the shortest pipeline, then the
     least total stage time (minimise W * sum u + sum T); its answer where its bottleneck is no worse."""
@@ -288,7 +272,7 @@ def _tie_break(model: Any, solver: Any, data: JointData, var: _Vars, tk: _Ticks,
     _hint(model, data, found, var)
     if not solve_again(solver, model, time_limit_s, details):
         return found
-    again = read_plan(data, var.x, var.u, solver.boolean_value)
+    again = joint.read_plan(data, var, solver.boolean_value)
     if again.solution.bottleneck_s > found.solution.bottleneck_s:
         return found
     details["model_objective_s"] = _model_value(data, again, tk) * tk.tick_s
