@@ -365,7 +365,7 @@ class _PastDeadline(Exception):
     """The deadline passed: the bound gives up with its fallback."""
 
 
-def _check(deadline: float | None) -> None:
+def _check_deadline(deadline: float | None) -> None:
     """Raise :class:`_PastDeadline` once ``deadline`` (a ``time.perf_counter()`` value) has passed."""
     if deadline is not None and time.perf_counter() > deadline:
         raise _PastDeadline
@@ -518,7 +518,7 @@ class _Search:
         tails = {tp: self.tails.stage0_s(tp, k) for tp in self.templates}
         pipeline = self.pipeline
         while True:
-            _check(self.deadline)
+            _check_deadline(self.deadline)
             target = k * self.samples / self.best_value * (1 - 1e-9)  # the iteration K workers must beat
             rated = sorted((tp for tp in self.templates if pipeline[tp] + tails[tp] < target),
                            key=lambda tp: pipeline[tp] + tails[tp])
@@ -589,7 +589,7 @@ class _Search:
         n_layers = self.tails.cost.num_layers
         idx, by_cut = self._tabled(rated, k)
         for c in range(n_layers, 0, -1):
-            _check(self.deadline)
+            _check_deadline(self.deadline)
             while True:
                 vals = base_s.copy()
                 vals[idx] = np.maximum(vals[idx], by_cut[:, c])
@@ -607,7 +607,7 @@ class _Search:
                 if not todo:
                     break
                 for tp in todo:
-                    _check(self.deadline)
+                    _check_deadline(self.deadline)
                     self.tails.table(tp, k)
                 idx, by_cut = self._tabled(rated, k)
             if fit is not None:

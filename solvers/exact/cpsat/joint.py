@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 
 def _ticks(values: np.ndarray, tick_s: float) -> list[int]:
+    """``values`` (seconds) in whole ticks, rounded down."""
     return [int(v) for v in np.floor(np.asarray(values) / tick_s).astype(np.int64)]
 
 
