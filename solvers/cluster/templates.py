@@ -386,26 +386,39 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
     best rounded solution, and the best level's LP is rounded down and filled greedily. Rounding
     loses at most as many workers as the LP has constraints. ``near``: a rate whose level is
     tried first; ``floor_value``: a value already reached (intervals below it are not refined)."""
-    from solvers.cluster.lp import linprog
-
-    cols = [i for i, r in enumerate(rates) if r > 0 and math.isfinite(r)]
-    if not cols:
+    lp = _counts_lp(templates, rates, supply, k)
+    if lp is None:
         return None
-    keys = sorted(supply)
-    use = {i: template_usage(templates[i]) for i in cols}
-    a = np.array([[use[i].get(key, 0) for i in cols] for key in keys], dtype=float)
-    if k is None:  # GPUs may stay idle: a template using more of every kind for no more rate never helps
-        keep = _undominated(a, np.array([rates[i] for i in cols]))
-        cols, a = [cols[j] for j in keep], a[:, keep]
-    cap = np.array([supply[key] for key in keys], dtype=float)
-    rate = np.array([rates[i] for i in cols])
-    order = np.argsort(-rate)
+    best = _best_level(lp, rel_tol, near, floor_value)
+    log.info("counts LP: %d templates, %d levels, %d LPs", len(lp.cols), len(lp.levels), len(lp.memo))
+    if best is None:
+        return None
+    _v, x, _li = best
+    if k is None:  # fill what rounding left with templates of rate >= the level's least in use
+        x = lp.rounded(x, lp.rate >= lp.rate[x > 0].min(), lp.rate)
+    return {lp.cols[j]: int(x[j]) for j in np.flatnonzero(x)}
 
-    safe = np.where(a > 0, a, 1.0)
 
-    def rounded(xs: np.ndarray, allowed: np.ndarray, weight: np.ndarray) -> np.ndarray:
+@dataclass
+class _CountsLp:
+    """The counts LP of :func:`_solve_large` over its usable templates (columns ``cols``):
+    ``max sum x`` s.t. ``a x <= cap`` (``sum x = k`` where K is fixed) over the templates of rate
+    at least a level; each level's answer is kept in ``memo`` (``K_LP`` and ``x``)."""
+
+    cols: list[int]  # template indices
+    a: np.ndarray  # GPUs of each kind per column
+    cap: np.ndarray  # GPUs of each kind
+    rate: np.ndarray  # per column
+    k: int | None
+    levels: np.ndarray  # the distinct rates, falling
+    memo: dict[int, tuple[float, np.ndarray | None]] = field(default_factory=dict)
+
+    def rounded(self, xs: np.ndarray, allowed: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """``xs`` rounded down, then filled greedily with the ``allowed`` columns, heaviest first."""
+        a, k = self.a, self.k
+        safe = np.where(a > 0, a, 1.0)
         x = np.floor(xs + 1e-9)
-        left = cap - a @ x
+        left = self.cap - a @ x
         for j in sorted(np.flatnonzero(allowed), key=lambda j: -weight[j]):  # fill greedily
             if k is not None and x.sum() >= k:
                 break
@@ -417,54 +430,83 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
                 left -= a[:, j] * fit
         return x
 
-    def lp(allowed: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
+    def solve(self, allowed: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
         """The LP over the allowed columns only (the others are 0), by its dual when K is free
         (``min cap.y`` s.t. ``a_t.y >= weight_t``: few variables, solved faster; HiGHS gives the
         primal solution as the constraints' duals)."""
+        from solvers.cluster.lp import linprog
+
         on = np.flatnonzero(allowed)
         if not len(on):
             return None
-        out = np.zeros(len(cols))
-        if k is None:
-            res = linprog(cap, -a[:, on].T, -weight[on], method="highs-ds")
+        out = np.zeros(len(self.cols))
+        if self.k is None:
+            res = linprog(self.cap, -self.a[:, on].T, -weight[on], method="highs-ds")
             if not res.ok:
                 return None
             out[on] = -res.ub_duals
             return np.maximum(out, 0.0)
-        res = linprog(-weight[on], a[:, on], cap, np.ones((1, len(on))), np.array([float(k)]))
+        res = linprog(-weight[on], self.a[:, on], self.cap, np.ones((1, len(on))), np.array([float(self.k)]))
         if not res.ok:
             return None
         out[on] = res.x
         return out
 
-    levels = rate[order]
+    def at(self, li: int) -> tuple[float, np.ndarray | None]:
+        """``K_LP`` at level ``li`` and the LP's answer there (solved once)."""
+        if li not in self.memo:
+            xs = self.solve(self.rate >= self.levels[li], np.ones(len(self.cols)))
+            self.memo[li] = (0.0, None) if xs is None else (float(xs.sum()), xs)
+        return self.memo[li]
+
+    def candidate(self, li: int) -> tuple[float, np.ndarray] | None:
+        """The LP at level ``li`` rounded down: a real solution (filled greedily only at the end
+        where K is free), and its value ``K * least rate``; None when it has no worker."""
+        _k, xs = self.at(li)
+        if xs is None:
+            return None
+        x = np.floor(xs + 1e-9)
+        if self.k is not None and x.sum() != self.k:
+            x = self.rounded(xs, self.rate >= self.levels[li], self.rate)
+        if x.sum() == 0:
+            return None
+        return x.sum() * self.rate[x > 0].min(), x
+
+
+def _counts_lp(templates: Sequence[Template], rates: Sequence[float], supply: dict[tuple[int, str], int],
+               k: int | None) -> _CountsLp | None:
+    """The LP's columns: templates of a positive finite rate (without ``k``, only those no other
+    template dominates); None when there are none."""
+    cols = [i for i, r in enumerate(rates) if r > 0 and math.isfinite(r)]
+    if not cols:
+        return None
+    keys = sorted(supply)
+    use = {i: template_usage(templates[i]) for i in cols}
+    a = np.array([[use[i].get(key, 0) for i in cols] for key in keys], dtype=float)
+    if k is None:  # GPUs may stay idle: a template using more of every kind for no more rate never helps
+        keep = _undominated(a, np.array([rates[i] for i in cols]))
+        cols, a = [cols[j] for j in keep], a[:, keep]
+    cap = np.array([supply[key] for key in keys], dtype=float)
+    rate = np.array([rates[i] for i in cols])
+    levels = rate[np.argsort(-rate)]
     levels = levels[np.r_[True, np.diff(levels) < 0]]  # distinct, falling
-    memo: dict[int, tuple[float, np.ndarray | None]] = {}
+    return _CountsLp(cols, a, cap, rate, k, levels)
 
-    def at(li: int) -> tuple[float, np.ndarray | None]:
-        if li not in memo:
-            allowed = rate >= levels[li]
-            xs = lp(allowed, np.ones(len(cols)))
-            memo[li] = (0.0, None) if xs is None else (float(xs.sum()), xs)
-        return memo[li]
 
+def _best_level(lp: _CountsLp, rel_tol: float, near: float | None, floor_value: float
+                ) -> tuple[float, np.ndarray, int] | None:
+    """The best rounded solution over the levels: nine spread levels (and those around ``near``)
+    first, then intervals of levels ``li..lj`` refined at their middle while
+    ``levels[li] * floor(K_LP(lj))`` could beat the best by ``rel_tol``; (value, counts, level)."""
     best: tuple[float, np.ndarray, int] | None = None
 
     def consider(li: int) -> None:
-        """The LP at level ``li`` rounded down: a real solution (filled greedily only at the end)."""
         nonlocal best
-        _k, xs = at(li)
-        if xs is None:
-            return
-        x = np.floor(xs + 1e-9)
-        if k is not None and x.sum() != k:
-            x = rounded(xs, rate >= levels[li], rate)
-        if x.sum() == 0:
-            return
-        val = x.sum() * rate[x > 0].min()
-        if best is None or val > best[0]:
-            best = (val, x, li)
+        got = lp.candidate(li)
+        if got is not None and (best is None or got[0] > best[0]):
+            best = (got[0], got[1], li)
 
+    levels = lp.levels
     last = len(levels) - 1
     start = set(np.linspace(0, last, min(len(levels), 9)).astype(int).tolist())
     if near is not None:
@@ -473,9 +515,9 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
     for li in sorted(start):
         consider(li)
     for _ in range(200):
-        pts = sorted(memo)
+        pts = sorted(lp.memo)
         # levels li..lj (falling rates): K <= floor(K_LP(lj)), R <= levels[li]
-        gaps = [(levels[li] * math.floor(memo[lj][0] + 1e-6), li, lj) for li, lj in itertools.pairwise(pts)
+        gaps = [(levels[li] * math.floor(lp.memo[lj][0] + 1e-6), li, lj) for li, lj in itertools.pairwise(pts)
                 if lj > li + 1]
         reached = max(floor_value, best[0] if best is not None else 0.0)
         gaps = [g for g in gaps if g[0] > reached * (1 + rel_tol)]
@@ -483,13 +525,7 @@ def _solve_large(templates: Sequence[Template], rates: Sequence[float], supply: 
             break
         for _u, li, lj in sorted(gaps, reverse=True)[:4]:
             consider((li + lj) // 2)
-    log.info("counts LP: %d templates, %d levels, %d LPs", len(cols), len(levels), len(memo))
-    if best is None:
-        return None
-    _v, x, li = best
-    if k is None:  # fill what rounding left with templates of rate >= the level's least in use
-        x = rounded(x, rate >= rate[x > 0].min(), rate)
-    return {cols[j]: int(x[j]) for j in np.flatnonzero(x)}
+    return best
 
 
 def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: Callable[[Sequence[Device]], float],
@@ -513,18 +549,11 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
     for d in devices:
         pools.setdefault(d.node, {}).setdefault(d.gpu_type, []).append(d)
     n = len(devices)
-    templates = _templates(classes, True, min(n, max_worker_gpus), len(classes), complete_limit) \
-        if n <= 32 else None
-    small = templates is not None
-    complete = small and (covers_all or max_worker_gpus >= n)
-    if templates is None:
-        templates = _templates(classes, False, max_worker_gpus, max_classes, 10**7) or []
-    supply: Counter[tuple[int, str]] = Counter()
-    for ci, cls in enumerate(classes):
-        for typ, c in cls.gpus:
-            supply[(ci, typ)] += c * len(cls.nodes)
+    templates, small, complete = _template_set(classes, n, max_worker_gpus, max_classes, complete_limit, covers_all)
 
     def bound(t: Template) -> float:
+        """An upper bound on the template's rate: 0 where its GPUs cannot hold the model, else
+        ``m b / G`` (:func:`~solvers.cluster.bounds.fleet.worker_time_bound_s`)."""
         ts = [whole_s(typ) for _, vec in t for typ, c in vec for _ in range(c)]
         if sum(capacity(typ) * c for _, vec in t for typ, c in vec) < need_bytes:
             return 0.0
@@ -537,60 +566,124 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
         return None
     log.info("symmetric planner: %d templates (%s) in %.2f s", len(templates), "complete" if complete else "chains",
              time.perf_counter() - t0)
+    search = _CountSearch(templates, classes, pools, _supply(classes), rates, rate, rate_exact, virtual_workers,
+                          batch, max_stale, exact_counts=small, complete=complete)
+    search.run(deadline)
+    if search.best is None:
+        return None
+    value, grouping, chosen = search.best
+    exact = search.complete and search.proven and all(rates.exact.get(t, True) for t in rates.planned)
+    return SymmetricResult(grouping, value, exact, len(templates), len(rates.planned), search.rounds,
+                           {"template_set": "complete" if search.complete else "chains",
+                            "workers_per_template": {_describe(t, classes): c for t, c in chosen.items()}})
 
-    def left() -> float:
-        return math.inf if deadline is None else deadline - time.perf_counter()
 
+def _template_set(classes: Sequence[NodeClass], n: int, max_worker_gpus: int, max_classes: int,
+                  complete_limit: int, covers_all: bool) -> tuple[list[Template], bool, bool]:
+    """The templates to plan over: the complete set on up to 32 GPUs (within ``complete_limit``),
+    else chains; whether the set is the small one, and whether it holds every worker."""
+    templates = _templates(classes, True, min(n, max_worker_gpus), len(classes), complete_limit) \
+        if n <= 32 else None
+    small = templates is not None
+    complete = small and (covers_all or max_worker_gpus >= n)
+    if templates is None:
+        templates = _templates(classes, False, max_worker_gpus, max_classes, 10**7) or []
+    return templates, small, complete
+
+
+def _supply(classes: Sequence[NodeClass]) -> Counter[tuple[int, str]]:
+    """GPUs of each (class, type)."""
+    supply: Counter[tuple[int, str]] = Counter()
+    for ci, cls in enumerate(classes):
+        for typ, c in cls.gpus:
+            supply[(ci, typ)] += c * len(cls.nodes)
+    return supply
+
+
+@dataclass
+class _CountSearch:
+    """The rounds of :func:`plan_counts`: solve the counts at the rates known (bounds for the
+    templates not yet planned), plan the chosen templates, keep the best grouping that fits the
+    nodes, until the chosen ones were all planned at their bounds, nothing fits, or it goes stale."""
+
+    templates: list[Template]
+    classes: Sequence[NodeClass]
+    pools: dict[str, dict[str, list[Device]]]
+    supply: Counter[tuple[int, str]]
+    rates: _Rates
+    rate: Callable[[Sequence[Device]], float]
+    rate_exact: Callable[[Sequence[Device]], bool]
+    virtual_workers: int | None
+    batch: int
+    max_stale: int
+    exact_counts: bool  # the counts are still solved exactly (the DP), not by linear programming
+    complete: bool  # the answer can still be proven over every grouping
     best: tuple[float, list[list[Device]], dict[Template, int]] | None = None
-    rounds, proven, stale = 0, False, 0
+    rounds: int = 0
+    proven: bool = False
+    stale: int = 0
     best_level: float | None = None
-    exact_counts = small
-    while left() > 0:
-        rounds += 1
-        est = [rates.est(t) for t in templates]
-        sol = _solve_dp(templates, est, dict(supply), virtual_workers) if exact_counts else None
-        optimal = sol is not None
-        if sol is None:
-            exact_counts = False
-            sol = _solve_large(templates, est, dict(supply), virtual_workers, near=best_level,
-                               floor_value=best[0] if best is not None else 0.0)
+
+    def run(self, deadline: float | None) -> None:
+        """Rounds until one says stop or ``deadline`` (a ``time.perf_counter()`` value) passes."""
+        while (math.inf if deadline is None else deadline - time.perf_counter()) > 0:
+            if not self.round():
+                break
+
+    def round(self) -> bool:
+        """One round; whether to go on."""
+        self.rounds += 1
+        sol, optimal = self._solve()
         if sol is None:  # nothing (else) fits: what was found is the best there is
-            proven = optimal
-            break
-        chosen = {templates[i]: c for i, c in sol.items()}
-        new = [t for t in chosen if t not in rates.planned]
-        level = min(rates.est(t) for t in chosen)
-        more = sorted((t for t in templates if t not in rates.planned and t not in chosen
-                       and rates.est(t) >= level), key=lambda t: -rates.est(t))
-        for t in new + more[:batch if new and exact_counts else 0]:
-            devs = realise(t, classes, pools)
-            rates.planned[t] = max(rate(devs), 0.0)
-            rates.exact[t] = rate_exact(devs)
+            self.proven = optimal
+            return False
+        chosen = {self.templates[i]: c for i, c in sol.items()}
+        new, level = self._plan(chosen)
+        rates = self.rates
         settled = all(rates.planned[t] >= rates.bound[t] * (1 - 1e-12) for t in new)
         vals = [rates.planned[t] for t in chosen for _ in range(chosen[t])]
-        best_level = level
+        self.best_level = level
         value = len(vals) * min(vals) if vals and min(vals) > 0 else 0.0
         improved = False
-        if value > 0 and (settled or best is None or value > best[0]):
-            grouping = _pack(chosen, classes, pools)
+        if value > 0 and (settled or self.best is None or value > self.best[0]):
+            grouping = _pack(chosen, self.classes, self.pools)
             if grouping is None:  # the parts do not fit the nodes: go on without the proof
                 log.info("counts solution does not fit the nodes; continuing by linear programming")
-                exact_counts = complete = False
-                continue
-            if best is None or value > best[0]:
-                best, improved = (value, grouping, chosen), True
+                self.exact_counts = self.complete = False
+                return True
+            if self.best is None or value > self.best[0]:
+                self.best, improved = (value, grouping, chosen), True
         if settled:  # the program's optimum is a real plan: nothing else can beat it
-            proven = optimal
-            break
-        stale = 0 if improved else stale + 1
-        if stale >= (2 if not exact_counts else max_stale):
-            break  # rates keep falling below their bounds without a better plan: stop unproven
-    if best is None:
-        return None
-    exact = complete and proven and all(rates.exact.get(t, True) for t in rates.planned)
-    return SymmetricResult(best[1], best[0], exact, len(templates), len(rates.planned), rounds,
-                           {"template_set": "complete" if complete else "chains",
-                            "workers_per_template": {_describe(t, classes): c for t, c in best[2].items()}})
+            self.proven = optimal
+            return False
+        self.stale = 0 if improved else self.stale + 1
+        # rates keep falling below their bounds without a better plan: stop unproven
+        return self.stale < (2 if not self.exact_counts else self.max_stale)
+
+    def _solve(self) -> tuple[dict[int, int] | None, bool]:
+        """The counts at the rates known: exactly by DP while it can, else by LP; whether exact."""
+        est = [self.rates.est(t) for t in self.templates]
+        sol = _solve_dp(self.templates, est, dict(self.supply), self.virtual_workers) if self.exact_counts else None
+        optimal = sol is not None
+        if sol is None:
+            self.exact_counts = False
+            sol = _solve_large(self.templates, est, dict(self.supply), self.virtual_workers, near=self.best_level,
+                               floor_value=self.best[0] if self.best is not None else 0.0)
+        return sol, optimal
+
+    def _plan(self, chosen: dict[Template, int]) -> tuple[list[Template], float]:
+        """Plan the chosen templates not yet planned and (while solving exactly) up to ``batch``
+        more as promising; those new ones and the least rate in use."""
+        rates = self.rates
+        new = [t for t in chosen if t not in rates.planned]
+        level = min(rates.est(t) for t in chosen)
+        more = sorted((t for t in self.templates if t not in rates.planned and t not in chosen
+                       and rates.est(t) >= level), key=lambda t: -rates.est(t))
+        for t in new + more[:self.batch if new and self.exact_counts else 0]:
+            devs = realise(t, self.classes, self.pools)
+            rates.planned[t] = max(self.rate(devs), 0.0)
+            rates.exact[t] = self.rate_exact(devs)
+        return new, level
 
 
 def _describe(t: Template, classes: Sequence[NodeClass]) -> str:

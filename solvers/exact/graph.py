@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,7 +51,8 @@ from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveResult, SolveStatus
 
-__all__ = ["DagData", "DagPlan", "dag_data", "finish_dag", "price_assignment", "single_stage"]
+__all__ = ["DagData", "DagPlan", "DagVars", "dag_data", "finish_dag", "order_values", "price_assignment", "price_order",
+           "single_stage", "tie_break_winner"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,15 @@ class DagData:
         for k, (a, b) in enumerate(self.start.ranges):
             out.extend([k] * (b - a))
         return out
+
+    def senders(self) -> list[int]:
+        """Layers whose output may cross a cut: those with successors and bytes to send."""
+        return [u for u in range(self.num_layers) if self.succ[u] and self.own_bytes[u] > 0]
+
+    def hint_plan(self) -> DagPlan | None:
+        """The DP's split, priced as an assignment (None without one)."""
+        start = self.hint_stages()
+        return price_assignment(self, start) if start is not None else None
 
     def stage_time_bound_s(self) -> float:
         """No stage of any assignment takes longer than this (for scaling times)."""
@@ -178,6 +190,48 @@ def price_assignment(data: DagData, stages: Sequence[int]) -> DagPlan:
     return DagPlan(tuple(st), profile, cost, ChainSolution(max(times), cuts, devs), math.fsum(times), fits)
 
 
+class DagVars(NamedTuple):
+    """A graph model's variables (either backend's objects), and the order encoding's terms."""
+
+    y: list[list[Any]]  # y[v][c - 1] = 1 iff layer v is in a stage before cut c (c = 1..p-1)
+    z: dict[tuple[int, int], Any]  # z[u, c]: u's output crosses cut c
+    t: list[Any]  # t[k]: stage k's time
+    bottleneck: Any  # B
+    senders: list[int]  # the layers u that have a z[u, c]
+
+    def before(self, v: int, c: int) -> Any:
+        """y[v, c] with y[v, 0] = 0 and y[v, p] = 1."""
+        p = len(self.t)
+        return 0 if c == 0 else 1 if c == p else self.y[v][c - 1]
+
+    def x(self, v: int, k: int) -> Any:
+        """Layer v in stage k: y[v, k+1] - y[v, k]."""
+        return self.before(v, k + 1) - self.before(v, k)
+
+
+def order_values(stages: Sequence[int], num_stages: int) -> list[list[bool]]:
+    """An assignment in the order encoding: ``y[v][c - 1] = stages[v] < c`` for ``c = 1..p-1``
+    (a model's hint or warm start)."""
+    return [[s < c for c in range(1, num_stages)] for s in stages]
+
+
+def price_order(data: DagData, before: Sequence[Sequence[int]]) -> DagPlan:
+    """The assignment a model's order encoding gives (``before[v][c - 1]``: 1 when layer ``v``
+    is before cut ``c``; layer ``v`` is in stage ``p - 1 - sum_c before[v]``), priced exactly."""
+    p = data.num_stages
+    return price_assignment(data, [p - 1 - sum(row) for row in before])
+
+
+def tie_break_winner(found: DagPlan, again: DagPlan, slack_s: float) -> DagPlan:
+    """The tie-break's answer ``again`` where it fits, has the smaller total and a bottleneck
+    within ``slack_s`` of ``found``'s (what the second model's rounding allows), else ``found``.
+    (An exact comparison of bottlenecks would let float noise pick the worse total.)"""
+    if again.fits and again.total_s < found.total_s and \
+            again.solution.bottleneck_s <= found.solution.bottleneck_s + slack_s:
+        return again
+    return found
+
+
 def better(a: DagPlan | None, b: DagPlan | None) -> DagPlan | None:
     """The better of two priced plans: fits, then least bottleneck, then least total time.
     Bottlenecks equal up to float rounding (the same stage times summed in another order) tie,
@@ -220,8 +274,6 @@ def finish_dag(data: DagData, method: str, status: SolveStatus, found: DagPlan |
 def single_stage(data: DagData, method: str, t0: float, details: dict[str, object]) -> SolveResult | None:
     """The answer without a model when there is nothing to choose: more devices than layers
     (infeasible) or one device (the whole graph on it); None otherwise."""
-    import time
-
     n, p = data.num_layers, data.num_stages
     if p > n:
         return finish_dag(data, method, SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)

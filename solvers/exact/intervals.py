@@ -25,9 +25,10 @@ size in the message (the DP solves any such size exactly and fast).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,18 +43,39 @@ from solvers.result import SolveResult, SolveStatus
 __all__ = [
     "DEFAULT_MAX_ARCS",
     "Arcs",
+    "ChainHint",
     "ChainProblem",
+    "ChainVars",
     "build_arcs",
+    "check_arc_count",
     "check_limits",
-    "cpsat_solver",
     "dp_split",
     "finish",
     "model_arcs",
+    "no_plan_reason",
     "pipeline_lengths",
     "prepare",
+    "price_arcs",
+    "setup_model",
+    "unsolved",
 ]
 
 DEFAULT_MAX_ARCS = 200_000
+
+
+class ChainVars(NamedTuple):
+    """A chain model's variables (either backend's objects)."""
+
+    x: list[Any]  # x[a] = 1: arc a (stage k of the q-stage pipeline holds [i, j)) is chosen
+    y: dict[int, Any]  # y[q] = 1: the pipeline has q stages
+    bottleneck: Any  # B: the bottleneck (in the backend's time unit)
+
+
+class ChainHint(NamedTuple):
+    """A starting split in the model's variables: ``x[a] = a in arcs``, ``y[q] = q == length``."""
+
+    arcs: frozenset[int]
+    length: int
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,14 @@ class Arcs:
             out.append(int(hit[0]))
         return out
 
+    def hint(self, sol: ChainSolution) -> ChainHint:
+        """A known split (the DP's) as a starting point for a model: its arcs and length."""
+        return ChainHint(frozenset(self.index_of(sol)), len(sol.devices))
+
+    def slower_than(self, seconds: float) -> list[int]:
+        """Arcs whose stage takes longer than ``seconds`` (the tie-break leaves them out)."""
+        return np.flatnonzero(self.time_s > seconds).tolist()
+
     def solution(self, chosen: Sequence[int], cost: CostModel, devices: Sequence[Device], schedule: str,
                  micro_batches: int) -> ChainSolution:
         """The split made of the ``chosen`` arcs, priced exactly with the cost model."""
@@ -122,6 +152,13 @@ def pipeline_lengths(num_devices: int, num_layers: int, allow_fewer: bool) -> tu
     if allow_fewer:
         return tuple(range(1, min(num_devices, num_layers) + 1))
     return (num_devices,) if num_devices <= num_layers else ()
+
+
+def check_arc_count(total: int, max_arcs: int, model: str, advice: str) -> None:
+    """Refuse a model of more than ``max_arcs`` candidate stages, in one line with ``advice``."""
+    if total > max_arcs:
+        raise PartitionerError(f"the {model} has more than {max_arcs} candidate stages; {advice}, fewer layers "
+                               f"(coarsen the profile) or raise max_arcs")
 
 
 def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
@@ -155,11 +192,8 @@ def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: str, micro_
             ok &= t <= max_time_s
             ii, jj = np.nonzero(ok)
             total += len(ii)
-            if total > max_arcs:
-                raise PartitionerError(
-                    f"the interval model of {n_layers} layers over {len(devices)} devices has more than "
-                    f"{max_arcs} candidate stages; use the dp solver (exact at any size), fewer layers "
-                    f"(coarsen the profile) or raise max_arcs")
+            check_arc_count(total, max_arcs, f"interval model of {n_layers} layers over {len(devices)} devices",
+                            "use the dp solver (exact at any size)")
             parts.append((np.full(len(ii), q), np.full(len(ii), k), ii + lo, jj, t[ii, jj]))
     if not parts:
         empty = np.zeros(0, dtype=np.intp)
@@ -206,20 +240,6 @@ def check_limits(time_limit_s: float, threads: int, seed: int = 0) -> None:
         raise FormatError("seed", seed, "must be an integer in [0, 2^31)")
 
 
-def cpsat_solver(time_limit_s: float, threads: int, seed: int) -> Any:
-    """A CP-SAT solver with the limits checked by :func:`check_limits`. Several workers run in a
-    fixed interleaved order: the same seed and workers give the same search, so the same plan
-    (for a run that ends before its time limit)."""
-    from ortools.sat.python import cp_model
-
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = threads
-    solver.parameters.random_seed = seed
-    solver.parameters.interleave_search = threads > 1
-    return solver
-
-
 def dp_split(problem: ChainProblem) -> ChainSolution | None:
     """The DP's optimal split of ``problem`` (for hints and warm starts), or None if infeasible."""
     res = dp.solve(problem.profile, problem.cost.cluster, [d.name for d in problem.devices],
@@ -242,6 +262,44 @@ def model_arcs(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int
     arcs = build_arcs(problem.cost, problem.devices, problem.schedule, problem.micro_batches,
                       problem.allow_fewer, max_arcs, upper)
     return start, arcs, {"arcs": len(arcs), "hint": start is not None, "pruned": math.isfinite(upper)}
+
+
+def setup_model(problem: ChainProblem, method: str, hint: bool, prune: bool, max_arcs: int, t0: float
+                ) -> tuple[ChainSolution | None, Arcs, dict[str, object], SolveResult | None]:
+    """What both chain models start from (:func:`model_arcs`, the devices' order given), and the
+    answer when there is no model to solve: no pipeline length to model (more devices than
+    layers, and no shorter pipeline allowed)."""
+    start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
+    details["mapping"] = "given"
+    if arcs.lengths:
+        return start, arcs, details, None
+    return start, arcs, details, finish(problem, method, SolveStatus.INFEASIBLE, None, math.nan,
+                                        time.perf_counter() - t0, details)
+
+
+def price_arcs(problem: ChainProblem, arcs: Arcs, chosen: Sequence[int]) -> ChainSolution:
+    """The split a model chose (its arcs), priced exactly with the cost model."""
+    return arcs.solution(chosen, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
+
+
+def no_plan_reason(time_limit_s: float, n_arcs: int | None = None) -> str:
+    """Why a model ended without a plan: the time limit (and the model's size, where known)."""
+    size = "" if n_arcs is None else f" ({n_arcs} candidate stages)"
+    return f"no plan found within the time limit of {time_limit_s:g} s{size}"
+
+
+def unsolved(answer: Callable[..., SolveResult], status: SolveStatus, bound_s: float, t0: float,
+             details: dict[str, object], reason: str) -> SolveResult | None:
+    """The answer when a model's first solve has no plan (INFEASIBLE, or UNKNOWN at the time
+    limit, with ``reason``), or None when it has one; the bound goes to ``details["bound_s"]``
+    unless infeasible. ``answer(status, plan, lower_bound, runtime_s, details, reason=...)``
+    builds a result: the problem's ``finish`` for this problem and method."""
+    if status is SolveStatus.INFEASIBLE:
+        return answer(SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
+    details["bound_s"] = bound_s  # as converted, before capping at the plan's objective
+    if status is SolveStatus.UNKNOWN:
+        return answer(SolveStatus.UNKNOWN, None, bound_s, time.perf_counter() - t0, details, reason=reason)
+    return None
 
 
 def finish(problem: ChainProblem, method: str, status: SolveStatus, sol: ChainSolution | None,

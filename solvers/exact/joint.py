@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -43,13 +45,15 @@ from partitioner.cluster import Device
 from partitioner.cost import CostModel, activations_in_flight
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.schedule import spec
-from solvers.exact.intervals import ChainProblem, dp_split, pipeline_lengths
+from solvers.exact.intervals import ChainProblem, check_arc_count, dp_split, pipeline_lengths
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
 from solvers.pipeline.mapping import Label, device_labels, map_worker
 from solvers.result import SolveResult, SolveStatus
 
-__all__ = ["HINT_SHARE", "PROVEN_REL", "JointData", "JointPlan", "canonical", "diagnose", "finish_joint", "joint_data", "mapping_details", "needs_mapping"]
+__all__ = ["HINT_SHARE", "PROVEN_REL", "JointData", "JointPlan", "JointVars", "canonical", "diagnose", "finish_joint",
+           "joint_data", "mapping_details", "model_time_s", "needs_mapping", "read_plan", "start_values",
+           "symmetric_pairs"]
 
 
 PROVEN_REL = 1e-9  # a plan within this of a valid bound is optimal
@@ -156,6 +160,37 @@ class JointData:
     def label_index(self, plan: JointPlan) -> list[int]:
         return [self.labels.index(lab) for lab in plan.labels]
 
+    def largest_time_s(self) -> float:
+        """The largest arc time or message: what the models scale their times by."""
+        return float(max(self.work_s.max(), self.class_s.max(initial=0.0)))
+
+    def cheapest_s(self) -> np.ndarray:
+        """Per cut, the cheapest message of any link class (0 without a class)."""
+        return self.class_s.min(axis=0) if len(self.class_s) else np.zeros(self.num_layers + 1)
+
+    def by_position(self) -> list[list[int]]:
+        """The arcs of every position ``r``."""
+        return [self.arcs_of(r).tolist() for r in range(self.positions)]
+
+    def gpus_of_type(self, name: str) -> int:
+        """GPUs of type ``name`` among the devices."""
+        return sum(c for g, c in enumerate(self.counts) if self.types[g] == name)
+
+    def labels_on(self, node: str) -> list[int]:
+        """The labels (indices) of ``node``'s GPUs."""
+        return [g for g in range(len(self.labels)) if self.node_of(g) == node]
+
+    def plan_arcs(self, plan: JointPlan) -> list[np.ndarray]:
+        """For every stage of ``plan`` (pipeline order), the arcs that make it (one where the plan's
+        stage is a candidate stage of the model)."""
+        labs = self.label_index(plan)
+        q = len(labs)
+        out = []
+        for k, (a, b) in enumerate(itertools.pairwise(plan.cuts)):
+            t = self.type_names.index(self.types[labs[k]])
+            out.append(np.flatnonzero((self.r == q - 1 - k) & (self.gpu == t) & (self.i == a) & (self.j == b)))
+        return out
+
 
 def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
                deadline: float | None = None) -> JointData:
@@ -207,11 +242,8 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
             ok = shape & (mem <= mem_cap) & (work + least <= upper)
             ii, jj = np.nonzero(ok)
             total += len(ii)
-            if total > max_arcs:
-                raise PartitionerError(
-                    f"the joint mapping model of {n} layers over {p} devices ({len(labels)} labels) has more "
-                    f"than {max_arcs} candidate stages; use the dp solver or keep the device order "
-                    f"(`fixed_order`), fewer layers (coarsen the profile) or raise max_arcs")
+            check_arc_count(total, max_arcs, f"joint mapping model of {n} layers over {p} devices ({len(labels)} "
+                            f"labels)", "use the dp solver or keep the device order (`fixed_order`)")
             parts.append((np.full(len(ii), r), np.full(len(ii), t), ii, jj, work[ii, jj], sync[ii, jj]))
     cat = [np.concatenate(x) for x in zip(*parts, strict=True)] if parts else [np.zeros(0)] * 6
     r_a, t_a, i_a, j_a, w_a, s_a = cat
@@ -357,3 +389,70 @@ def finish_joint(data: JointData, method: str, status: SolveStatus, found: Joint
     result = SolveResult(status, None, objective, min(lower_bound, objective), runtime_s, method, reason=reason,
                          details=details)
     return dp._with_plan(result, plan)
+
+
+# -- what both models do around their own variables -------------------------------------------
+
+
+class JointVars(NamedTuple):
+    """A joint model's variables (either backend's objects; positions ``r`` count from the end)."""
+
+    x: list[Any]  # x[a]: arc a = (r, t, i, j) chosen
+    u: list[list[Any]]  # u[r][g]: position r runs on label g
+    v: list[list[Any]]  # v[r][c]: the link between positions r + 1 and r is of class c
+    s: list[Any]  # s[r]: the message at the cut where position r starts
+    t_stage: list[Any]  # T[r]: position r's time
+    bottleneck: Any  # B
+
+
+def start_values(data: JointData, plan: JointPlan, var: JointVars) -> Iterator[tuple[Any, bool]]:
+    """``plan`` in the models' variables (a hint or a warm start), as (variable, value) pairs:
+    the arcs ``x[a]``, then the labels ``u[r][g]``, then the link classes ``v[r][c]``."""
+    x, u, v = var.x, var.u, var.v
+    labs = data.label_index(plan)
+    q = len(labs)
+    chosen: set[int] = set()
+    for hit in data.plan_arcs(plan):
+        chosen.update(hit.tolist())
+    for a, var in enumerate(x):
+        yield var, a in chosen
+    at = {q - 1 - k: g for k, g in enumerate(labs)}
+    for r, row in enumerate(u):
+        for g, var in enumerate(row):
+            yield var, at.get(r) == g
+    for r, row in enumerate(v):
+        cls = data.pair_class[at[r + 1], at[r]] if (r + 1) in at else -1
+        for c, var in enumerate(row):
+            yield var, c == cls
+
+
+def read_plan(data: JointData, var: JointVars, on: Callable[[Any], bool]) -> JointPlan:
+    """The plan of a model's answer (``on(variable)``: it is 1), priced by the cost model;
+    refuses arcs that do not form a split or a position without exactly one label."""
+    x, u = var.x, var.u
+    picked = sorted(((int(data.r[a]), int(data.i[a]), int(data.j[a])) for a, var in enumerate(x) if on(var)),
+                    reverse=True)
+    q = len(picked)
+    cuts = [0] + [j for _, _, j in picked]
+    labs = []
+    for r, _, _ in picked:
+        got = [g for g in range(len(data.labels)) if on(u[r][g])]
+        if len(got) != 1:
+            raise PartitionerError(f"the joint model gave position {r} the labels {got}")
+        labs.append(got[0])
+    if [r for r, _, _ in picked] != list(range(q - 1, -1, -1)) or any(picked[k][1] != cuts[k] for k in range(q)):
+        raise PartitionerError(f"the joint model returned arcs that do not form a split: {picked}")
+    return data.realise(labs, cuts)
+
+
+def symmetric_pairs(data: JointData) -> Iterator[tuple[str, list[int], list[int]]]:
+    """Interchangeable nodes in cluster order, by neighbouring pairs: (the later node, the
+    earlier node's labels, the later node's labels)."""
+    for group in data.symmetric_nodes:
+        for early, late in itertools.pairwise(group):
+            yield late, data.labels_on(early), data.labels_on(late)
+
+
+def model_time_s(time_limit_s: float, t0: float) -> float:
+    """The time a model may take: what the hint and the relaxation left, at least a tenth of the limit."""
+    return max(time_limit_s - (time.perf_counter() - t0), 0.1 * time_limit_s)

@@ -47,8 +47,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -222,16 +223,29 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micr
     if len(types) == 1:
         return _one_type_bound(counts[types[0]], whole[types[0]], cap[types[0]], need, b, m, fill, ell,
                                virtual_workers, perfect)
-    from solvers.cluster.lp import linprog
+    small = _small_workers(types, counts, whole, cap, need, m, fill, ell, min(small_worker_gpus, len(devices)))
+    lp = _worker_lp(types, counts, whole, cap, need, small, len(devices), virtual_workers, small_worker_gpus,
+                    max_core, fill)
+    k_lp = partial(_most_workers, lp, m, ell, min(whole.values()))
+    k_all = _whole_k(k_lp(math.inf))
+    if k_all <= 0:
+        return FleetBound(0.0, perfect, need, fill, 0)
+    # below lo no worker is possible (n GPUs of the fastest type are the fastest worker)
+    lo = worker_time_bound_s([min(whole.values())] * len(devices), m, fill, ell)
+    value, ks = _best_iteration(k_lp, k_all, lo, m, b, rel_tol)
+    k_at = max(ks, key=lambda x: ks[x] / x)
+    log.debug("fleet bound: %d LPs, K = %g", len(ks), ks[k_at])
+    return FleetBound(min(perfect, value), perfect, need, fill, ks[k_at])
 
-    nt = len(types)
-    n = len(devices)
-    inv = np.array([1.0 / whole[t] for t in types])
-    mem = np.array([max(0.0, cap[t]) for t in types])
-    # small workers: exact mixes
-    small: list[tuple[np.ndarray, float]] = []  # (counts, G)
-    for p in range(1, min(small_worker_gpus, n) + 1):
-        for comp in _compositions(nt, p):
+
+def _small_workers(types: Sequence[str], counts: Mapping[str, int], whole: Mapping[str, float],
+                   cap: Mapping[str, float], need: float, m: int, fill: bool, ell: float, largest: int
+                   ) -> list[tuple[np.ndarray, float]]:
+    """Every worker of at most ``largest`` GPUs that the cluster has and that holds the model, as
+    its GPU counts per type and its ``G``."""
+    small: list[tuple[np.ndarray, float]] = []
+    for p in range(1, largest + 1):
+        for comp in _compositions(len(types), p):
             vec = np.array(comp, dtype=float)
             if np.any(vec > [counts[t] for t in types]):
                 continue
@@ -239,105 +253,158 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micr
                 continue
             ts = [whole[t] for t, c in zip(types, comp, strict=True) for _ in range(c)]
             small.append((vec, worker_time_bound_s(ts, m, fill, ell)))
-    ns = len(small)
-    big = n > small_worker_gpus
-    qs = (list(range(1, min(max_core, n) + 1)) if fill else [0]) if big else []
-    open_top = bool(qs) and fill and n > max_core  # the last core size stands for every larger one
-    nq = len(qs)
-    nv = ns + nq * (1 + 2 * nt)
+    return small
 
-    def ki(i: int) -> int:
-        return ns + i
 
-    def yi(i: int, j: int) -> int:
-        return ns + nq + i * nt + j
+@dataclass(frozen=True)
+class _WorkerLp:
+    """The linear program of the module docstring over its columns: ``small`` workers (``K`` of
+    each exact mix), then per core size ``q`` in ``qs``: ``K_q``, ``y_qt`` (core GPUs of type
+    ``t``), ``z_qt`` (all GPUs of type ``t``). The rows that do not depend on the iteration."""
 
-    def zi(i: int, j: int) -> int:
-        return ns + nq + nq * nt + i * nt + j
+    small: list[tuple[np.ndarray, float]]  # (GPUs per type, G) of every small worker
+    qs: list[int]  # core sizes (0: no fill, the whole worker is its core)
+    inv: np.ndarray  # 1 / T_t per type
+    rows_ub: list[np.ndarray]
+    rhs_ub: list[float]
+    rows_eq: list[np.ndarray]
+    rhs_eq: list[float]
 
-    rows_ub: list[np.ndarray] = []
-    rhs_ub: list[float] = []
-    rows_eq: list[np.ndarray] = []
-    rhs_eq: list[float] = []
-    for j, t in enumerate(types):  # supply
-        r = np.zeros(nv)
-        r[:ns] = [vec[j] for vec, _ in small]
-        r[[zi(i, j) for i in range(nq)]] = 1.0
-        rows_ub.append(r)
-        rhs_ub.append(float(counts[t]))
-    for i, q in enumerate(qs):
-        yj, zj = [yi(i, j) for j in range(nt)], [zi(i, j) for j in range(nt)]
-        for j in range(nt):  # core within the worker (the whole worker without a fill)
-            r = np.zeros(nv)
-            r[yj[j]], r[zj[j]] = 1.0, -1.0
-            (rows_ub if q else rows_eq).append(r)
-            (rhs_ub if q else rhs_eq).append(0.0)
-        if q:  # core size (at least max_core for the open top)
-            r = np.zeros(nv)
-            r[yj], r[ki(i)] = 1.0, -q
-            if open_top and q == qs[-1]:
-                rows_ub.append(-r)
-                rhs_ub.append(0.0)
-            else:
-                rows_eq.append(r)
-                rhs_eq.append(0.0)
-        r = np.zeros(nv)  # a large worker: more than small_worker_gpus GPUs
-        r[zj], r[ki(i)] = -1.0, max(q, small_worker_gpus + 1)
-        rows_ub.append(r)
-        rhs_ub.append(0.0)
-        if need > 0:  # memory
-            r = np.zeros(nv)
-            r[zj], r[ki(i)] = -mem, need
-            rows_ub.append(r)
-            rhs_ub.append(0.0)
-    if virtual_workers is not None:
-        r = np.zeros(nv)
-        r[:ns] = 1.0
-        r[[ki(i) for i in range(nq)]] = 1.0
-        rows_eq.append(r)
-        rhs_eq.append(float(virtual_workers))
+    @property
+    def ns(self) -> int:
+        return len(self.small)
 
-    def lp(c: np.ndarray, extra: list[np.ndarray], upper: np.ndarray) -> float | None:
-        res = linprog(c, np.array(rows_ub + extra), np.array(rhs_ub + [0.0] * len(extra)),
-                      np.array(rows_eq) if rows_eq else None, np.array(rhs_eq) if rows_eq else None,
-                      list(zip(np.zeros(nv), upper, strict=True)))
+    @property
+    def nt(self) -> int:
+        return len(self.inv)
+
+    @property
+    def nv(self) -> int:
+        return self.ns + len(self.qs) * (1 + 2 * self.nt)
+
+    def ki(self, i: int) -> int:
+        """Column of ``K_q`` for ``q = qs[i]``."""
+        return self.ns + i
+
+    def yi(self, i: int, j: int) -> int:
+        """Column of ``y_qt``."""
+        return self.ns + len(self.qs) + i * self.nt + j
+
+    def zi(self, i: int, j: int) -> int:
+        """Column of ``z_qt``."""
+        return self.ns + len(self.qs) + len(self.qs) * self.nt + i * self.nt + j
+
+    def solve(self, c: np.ndarray, extra: list[np.ndarray], upper: np.ndarray) -> float | None:
+        """``max -c.x`` with ``extra`` rows ``<= 0`` and columns in ``[0, upper]``; None when no
+        worker fits (infeasible); raises :class:`_NoLpAnswer` when the solver gives none."""
+        from solvers.cluster.lp import linprog
+
+        rows_eq = self.rows_eq
+        res = linprog(c, np.array(self.rows_ub + extra), np.array(self.rhs_ub + [0.0] * len(extra)),
+                      np.array(rows_eq) if rows_eq else None, np.array(self.rhs_eq) if rows_eq else None,
+                      list(zip(np.zeros(self.nv), upper, strict=True)))
         if res.status in ("failed", "unbounded"):
             raise _NoLpAnswer(res.status)
         return -res.fun if res.ok else None  # infeasible: no worker fits
 
-    free = np.full(nv, np.inf)
 
-    def k_lp(iteration_s: float) -> float:
-        """Most workers (fractionally) whose iteration can be <= ``iteration_s``."""
-        upper = free.copy()
-        upper[:ns] = [np.inf if g <= iteration_s else 0.0 for _, g in small]
-        extra = []
-        for i, q in enumerate(qs):  # core speed: sum_t y_qt / T_t >= (m - 1 + q) / B * K_q
-            r = np.zeros(nv)
-            r[[yi(i, j) for j in range(nt)]] = -inv
-            r[ki(i)] = ((m - 1 + q) if q else m) / iteration_s if math.isfinite(iteration_s) else 0.0
-            extra.append(r)
-        if (m - 1) * ell + min(whole.values()) > iteration_s:
-            upper[ns:ns + nq] = 0.0
-        c = np.zeros(nv)
-        c[:ns] = -1.0
-        c[[ki(i) for i in range(nq)]] = -1.0
-        val = lp(c, extra, upper)
-        return 0.0 if val is None else val
+def _worker_lp(types: Sequence[str], counts: Mapping[str, int], whole: Mapping[str, float],
+               cap: Mapping[str, float], need: float, small: list[tuple[np.ndarray, float]], n: int,
+               virtual_workers: int | None, small_worker_gpus: int, max_core: int, fill: bool) -> _WorkerLp:
+    """The LP's columns and its fixed rows: supply per type, and per core size the core within
+    the worker, the core's size, a large worker's size and its memory; ``K`` fixed if asked."""
+    big = n > small_worker_gpus
+    qs = (list(range(1, min(max_core, n) + 1)) if fill else [0]) if big else []
+    lp = _WorkerLp(small, qs, np.array([1.0 / whole[t] for t in types]), [], [], [], [])
+    nv = lp.nv
+    for j, t in enumerate(types):  # supply: sum_q z_qt + small workers' GPUs <= N_t
+        r = np.zeros(nv)
+        r[:lp.ns] = [vec[j] for vec, _ in small]
+        r[[lp.zi(i, j) for i in range(len(qs))]] = 1.0
+        lp.rows_ub.append(r)
+        lp.rhs_ub.append(float(counts[t]))
+    mem = np.array([max(0.0, cap[t]) for t in types])
+    open_top = bool(qs) and fill and n > max_core  # the last core size stands for every larger one
+    for i, q in enumerate(qs):
+        _core_rows(lp, i, q, open_top and q == qs[-1], mem, need, small_worker_gpus)
+    if virtual_workers is not None:  # sum K = K given
+        r = np.zeros(nv)
+        r[:lp.ns] = 1.0
+        r[[lp.ki(i) for i in range(len(qs))]] = 1.0
+        lp.rows_eq.append(r)
+        lp.rhs_eq.append(float(virtual_workers))
+    return lp
 
-    def whole_k(x: float) -> float:
-        return float(math.floor(x + 1e-6))
 
-    k_all = whole_k(k_lp(math.inf))
-    if k_all <= 0:
-        return FleetBound(0.0, perfect, need, fill, 0)
-    # below lo no worker is possible (n GPUs of the fastest type are the fastest worker)
-    lo = worker_time_bound_s([min(whole.values())] * n, m, fill, ell)
+def _core_rows(lp: _WorkerLp, i: int, q: int, open_top: bool, mem: np.ndarray, need: float,
+               small_worker_gpus: int) -> None:
+    """The rows of core size ``q = qs[i]``: y_qt <= z_qt (y = z without a fill), sum_t y_qt = q K_q
+    (>= for the open top), sum_t z_qt >= max(q, small_worker_gpus + 1) K_q, and
+    sum_t mem_t z_qt >= M K_q."""
+    nv = lp.nv
+    yj, zj = [lp.yi(i, j) for j in range(lp.nt)], [lp.zi(i, j) for j in range(lp.nt)]
+    for j in range(lp.nt):  # core within the worker (the whole worker without a fill)
+        r = np.zeros(nv)
+        r[yj[j]], r[zj[j]] = 1.0, -1.0
+        (lp.rows_ub if q else lp.rows_eq).append(r)
+        (lp.rhs_ub if q else lp.rhs_eq).append(0.0)
+    if q:  # core size (at least max_core for the open top)
+        r = np.zeros(nv)
+        r[yj], r[lp.ki(i)] = 1.0, -q
+        if open_top:
+            lp.rows_ub.append(-r)
+            lp.rhs_ub.append(0.0)
+        else:
+            lp.rows_eq.append(r)
+            lp.rhs_eq.append(0.0)
+    r = np.zeros(nv)  # a large worker: more than small_worker_gpus GPUs
+    r[zj], r[lp.ki(i)] = -1.0, max(q, small_worker_gpus + 1)
+    lp.rows_ub.append(r)
+    lp.rhs_ub.append(0.0)
+    if need > 0:  # memory
+        r = np.zeros(nv)
+        r[zj], r[lp.ki(i)] = -mem, need
+        lp.rows_ub.append(r)
+        lp.rhs_ub.append(0.0)
+
+
+def _most_workers(lp: _WorkerLp, m: int, ell: float, fastest_whole_s: float, iteration_s: float) -> float:
+    """``K_LP(B)``: most workers (fractionally) whose iteration can be <= ``iteration_s``: small
+    workers with ``G <= B``, and large ones whose core is fast enough,
+    sum_t y_qt / T_t >= (m - 1 + q) / B * K_q."""
+    ns, nq = lp.ns, len(lp.qs)
+    upper = np.full(lp.nv, np.inf)
+    upper[:ns] = [np.inf if g <= iteration_s else 0.0 for _, g in lp.small]
+    extra = []
+    for i, q in enumerate(lp.qs):  # core speed: sum_t y_qt / T_t >= (m - 1 + q) / B * K_q
+        r = np.zeros(lp.nv)
+        r[[lp.yi(i, j) for j in range(lp.nt)]] = -lp.inv
+        r[lp.ki(i)] = ((m - 1 + q) if q else m) / iteration_s if math.isfinite(iteration_s) else 0.0
+        extra.append(r)
+    if (m - 1) * ell + fastest_whole_s > iteration_s:
+        upper[ns:ns + nq] = 0.0
+    c = np.zeros(lp.nv)
+    c[:ns] = -1.0
+    c[[lp.ki(i) for i in range(nq)]] = -1.0
+    val = lp.solve(c, extra, upper)
+    return 0.0 if val is None else val
+
+
+def _whole_k(x: float) -> float:
+    """Whole workers in a fractional count (up to the LP's rounding)."""
+    return float(math.floor(x + 1e-6))
+
+
+def _best_iteration(k_lp: Callable[[float], float], k_all: float, lo: float, m: int, b: int, rel_tol: float
+                    ) -> tuple[float, dict[float, float]]:
+    """``max_B floor(K_LP(B)) m b / B``, bounded over intervals of ``B`` from
+    ``lo`` (no worker below it) up to where all ``k_all`` workers fit, the intervals that could
+    beat the best point refined; the value and the ``floor(K_LP)`` found at each ``B``."""
     hi = lo
-    while whole_k(k_lp(hi)) < k_all and hi < lo * 1e6:
+    while _whole_k(k_lp(hi)) < k_all and hi < lo * 1e6:
         hi *= 2
     # value(B) = floor(K(B)) m b / B; on [a, c] it is at most floor(K(c)) m b / a
-    ks = {float(x): whole_k(k_lp(float(x))) for x in np.geomspace(lo, hi, 9)}
+    ks = {float(x): _whole_k(k_lp(float(x))) for x in np.geomspace(lo, hi, 9)}
     best_point = max(k * m * b / x for x, k in ks.items())
 
     def intervals() -> list[tuple[float, float, float]]:
@@ -351,12 +418,9 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micr
             break
         for _u, a, c2 in todo[:8]:
             mid = math.sqrt(a * c2)
-            ks[mid] = whole_k(k_lp(mid))
+            ks[mid] = _whole_k(k_lp(mid))
             best_point = max(best_point, ks[mid] * m * b / mid)
-    value = max(iv[0] for iv in intervals())
-    k_at = max(ks, key=lambda x: ks[x] / x)
-    log.debug("fleet bound: %d LPs, K = %g", len(ks), ks[k_at])
-    return FleetBound(min(perfect, max(value, best_point)), perfect, need, fill, ks[k_at])
+    return max(max(iv[0] for iv in intervals()), best_point), ks
 
 
 def _one_type_bound(n: int, whole_s: float, cap_bytes: float, need_bytes: float, b: int, m: int, fill: bool,

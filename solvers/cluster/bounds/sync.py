@@ -110,6 +110,8 @@ GRID = 48  # paces priced per order by exact_pipeline_floor_s where the window h
 CURVE_POINTS = 64  # byte counts at which the all-reduce floor is computed exactly for the tail tables
 TABLE_LIMIT = 100_000  # order-and-split pairs a template's tail table may enumerate
 
+Mix = tuple[tuple[str, int], ...]  # (gpu type, count) pairs, sorted: a template's GPUs by type
+
 
 @dataclass(frozen=True)
 class SyncBound:
@@ -343,159 +345,251 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
     workers that still fit, their :class:`~solvers.cluster.bounds.tail.TailTable` among ``K``."""
     if not spec(schedule).flushes or spec(schedule).sync != "allreduce":
         raise ValueError(f"sync_bound: schedule {schedule} is not a flushing all-reduce schedule")
-    m, b = micro_batches, cost.profile.micro_batch_size
-    samples = m * b
-    n_layers = cost.num_layers
-    n = len(devices)
-    types = sorted({d.gpu_type for d in devices})
-    whole = {t: cost.compute_s(t, 0, n_layers) for t in types}
-    per_layer = {t: cost.layer_compute_s(t) for t in types}
-    reserved = cost.options.reserved_bytes
-    cap = {t: next(d for d in devices if d.gpu_type == t).memory_bytes - reserved for t in types}
-    need = worker_memory_bytes(cost, schedule)
+    floors = _MixFloors(cost, devices, schedule, micro_batches)
     affine = cost.options.sync and _affine_links(cost, devices)  # no all-reduce priced: no floor
-    biggest = min(n, n_layers, max_worker_gpus or n)
-    listed = complete_templates(classes, biggest)
+    n = len(devices)
+    listed = complete_templates(classes, min(n, cost.num_layers, max_worker_gpus or n))
     if listed is None:  # too many templates to list: no bound from here
         return SyncBound(fallback_samples_per_s, 0, 0, 0, affine, False, {"reason": "too many worker templates"})
-    pools: dict[str, dict[str, list[Device]]] = {}
-    for d in devices:
-        pools.setdefault(d.node, {}).setdefault(d.gpu_type, []).append(d)
-    keys = sorted({(ci, t) for ci, cls in enumerate(classes) for t, _ in cls.gpus})
-    supply = [sum(c * len(cls.nodes) for ci2, cls in enumerate(classes) for t2, c in cls.gpus
-                  if (ci2, t2) == key) for key in keys]
+    search = _Search(floors, _Tails(cost, devices, classes, schedule, micro_batches, affine, floors.mix),
+                     classes, listed, exact_limit, deadline, price, beat_samples_per_s)
+    try:
+        for k in range(1, n + 1) if workers is None else [workers]:
+            search.bound_k(k)
+    except _PastDeadline:
+        return search.gave_up(fallback_samples_per_s)
+    return search.result()
 
-    mixes: dict[Template, tuple[tuple[str, int], ...]] = {}
 
-    def mix(tp: Template) -> tuple[tuple[str, int], ...]:
-        if tp not in mixes:
+class _PastDeadline(Exception):
+    """The deadline passed: the bound gives up with its fallback."""
+
+
+def _check_deadline(deadline: float | None) -> None:
+    """Raise :class:`_PastDeadline` once ``deadline`` (a ``time.perf_counter()`` value) has passed."""
+    if deadline is not None and time.perf_counter() > deadline:
+        raise _PastDeadline
+
+
+class _MixFloors:
+    """Step 0 and step 1 of bounding a worker's pipeline ``P``, per mix of GPU types: memory and the
+    closed-form floors, then the LP of :func:`pipeline_floor_s`."""
+
+    def __init__(self, cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int):
+        self.m = micro_batches
+        n_layers = cost.num_layers
+        types = sorted({d.gpu_type for d in devices})
+        self.whole = {t: cost.compute_s(t, 0, n_layers) for t in types}
+        self.per_layer = {t: cost.layer_compute_s(t) for t in types}
+        reserved = cost.options.reserved_bytes
+        self.cap = {t: next(d for d in devices if d.gpu_type == t).memory_bytes - reserved for t in types}
+        self.need = worker_memory_bytes(cost, schedule)
+        self.eff = effective_whole_s(cost, types)
+        self._mixes: dict[Template, Mix] = {}
+        self._lp: dict[Mix, float] = {}
+
+    def mix(self, tp: Template) -> Mix:
+        """The template's GPUs by type."""
+        if tp not in self._mixes:
             out: dict[str, int] = {}
             for _, vec in tp:
                 for t, c in vec:
                     out[t] = out.get(t, 0) + c
-            mixes[tp] = tuple(sorted(out.items()))
-        return mixes[tp]
+            self._mixes[tp] = tuple(sorted(out.items()))
+        return self._mixes[tp]
 
-    eff = effective_whole_s(cost, types)
-
-    def cheap_floor(mx: tuple[tuple[str, int], ...]) -> float:
+    def cheap_floor(self, mx: Mix) -> float:
         """Step 0: memory, then every layer once on its fastest type of the mix, the pace at
         least the slowest such layer and the average stage (no LP)."""
-        if sum(cap[t] * c for t, c in mx) < need:
+        m = self.m
+        if sum(self.cap[t] * c for t, c in mx) < self.need:
             return math.inf
         if len(mx) == 1 and mx[0][1] == 1:
-            return m * whole[mx[0][0]]  # one GPU: exactly its whole model m times
-        fastest = np.min([per_layer[t] for t, _ in mx], axis=0)
+            return m * self.whole[mx[0][0]]  # one GPU: exactly its whole model m times
+        fastest = np.min([self.per_layer[t] for t, _ in mx], axis=0)
         work = float(fastest.sum())
         spread = (m - 1) * max(float(fastest.max()), work / sum(c for _, c in mx)) + work
         # the fleet bound's G over the types' effective whole-model times (valid for any profile)
-        g = worker_time_bound_s([eff[t] for t, c in mx for _ in range(c)], m, True, float(fastest.max()))
+        g = worker_time_bound_s([self.eff[t] for t, c in mx for _ in range(c)], m, True, float(fastest.max()))
         return max(spread, g)
 
-    by_mix: dict[tuple[tuple[str, int], ...], float] = {}
-
-    def largest_layer_s(mx: tuple[tuple[str, int], ...]) -> float:
+    def largest_layer_s(self, mx: Mix) -> float:
         """The slowest layer on its fastest type of the mix: a floor on any pace."""
-        return float(np.max(np.min([per_layer[t] for t, _ in mx], axis=0)))
+        return float(np.max(np.min([self.per_layer[t] for t, _ in mx], axis=0)))
 
-    def mix_floor(mx: tuple[tuple[str, int], ...]) -> float:
-        """Step 1: the LP of :func:`pipeline_floor_s` for the mix (computed once per mix)."""
-        if mx not in by_mix:
-            counts = dict(mx)
-            low = largest_layer_s(mx)
-            by_mix[mx] = pipeline_floor_s(per_layer, counts, m, low)
-        return by_mix[mx]
+    def lp_floor(self, mx: Mix) -> float:
+        """Step 1: the LP of :func:`pipeline_floor_s` for the mix, its least pace the slowest layer
+        (computed once per mix)."""
+        if mx not in self._lp:
+            self._lp[mx] = self.lp_floor_at(mx, self.largest_layer_s(mx))
+        return self._lp[mx]
 
-    cheap = {mx: cheap_floor(mx) for mx in {mix(tp) for tp in listed}}
-    templates = [tp for tp in listed if math.isfinite(cheap[mix(tp)])]
-    usage = {tp: [template_usage(tp).get(key, 0) for key in keys] for tp in templates}
-    pipeline = {tp: cheap[mix(tp)] for tp in templates}  # P(S), raised as templates are refined
-    step = {tp: 2 if sum(c for _, c in mix(tp)) == 1 else 0 for tp in templates}  # 2: nothing more to learn
-    floor_cache: dict[tuple[int, float], float] = {}
+    def lp_floor_at(self, mx: Mix, least_pace_s: float) -> float:
+        """The LP of :func:`pipeline_floor_s` for the mix with the least pace given."""
+        return pipeline_floor_s(self.per_layer, dict(mx), self.m, least_pace_s)
 
-    def floor_s(members: int, nbytes: float) -> float:
+
+class _Tails:
+    """What a worker pays after its pipeline, among ``K`` workers: the all-reduce floor ``F_K``
+    (exactly, and as a curve over byte counts), stage 0's tail, and each template's
+    :class:`~solvers.cluster.bounds.tail.TailTable` (built on demand, kept)."""
+
+    def __init__(self, cost: CostModel, devices: Sequence[Device], classes: Sequence[NodeClass], schedule: str,
+                 micro_batches: int, affine: bool, mix: Callable[[Template], Mix]):
+        self.cost, self.devices, self.classes = cost, devices, classes
+        self.schedule, self.m, self.affine, self.mix = schedule, micro_batches, affine, mix
+        self.pools: dict[str, dict[str, list[Device]]] = {}
+        for d in devices:
+            self.pools.setdefault(d.node, {}).setdefault(d.gpu_type, []).append(d)
+        self._floors: dict[tuple[int, float], float] = {}
+        self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.tables: dict[tuple[Template, int], TailTable | None] = {}
+
+    def devices_of(self, tp: Template) -> list[Device]:
+        """One worker of template ``tp``, on the first nodes of each class."""
+        return realise(tp, self.classes, self.pools)
+
+    def floor_s(self, members: int, nbytes: float) -> float:
+        """``F_K`` of ``nbytes`` (0 without an affine all-reduce)."""
         key = (members, nbytes)
-        if key not in floor_cache:
-            floor_cache[key] = allreduce_floor(cost, devices, members, nbytes) if affine else 0.0
-        return floor_cache[key]
+        if key not in self._floors:
+            self._floors[key] = allreduce_floor(self.cost, self.devices, members, nbytes) if self.affine else 0.0
+        return self._floors[key]
 
-    curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def floor_curve_s(members: int, nbytes: np.ndarray) -> np.ndarray:
+    def floor_curve_s(self, members: int, nbytes: np.ndarray) -> np.ndarray:
         """``F_K`` for an array of byte counts, interpolated below a grid of exact values (a
         chord lies below a concave function: still a floor)."""
-        if members not in curves:
-            top = cost.param_bytes(0, n_layers)
+        cost = self.cost
+        if members not in self._curves:
+            top = cost.param_bytes(0, cost.num_layers)
             sizes = np.diff(cost.param_prefix)
             low = max(float(sizes[sizes > 0].min()) if (sizes > 0).any() else top, top * 1e-9)
             grid = np.unique(np.concatenate([[0.0], np.geomspace(low, top, CURVE_POINTS)]))
-            curves[members] = grid, np.array([floor_s(members, float(x)) if x > 0 else 0.0 for x in grid])
-        grid, vals = curves[members]
+            self._curves[members] = grid, np.array([self.floor_s(members, float(x)) if x > 0 else 0.0 for x in grid])
+        grid, vals = self._curves[members]
         return np.interp(np.minimum(nbytes, grid[-1]), grid, vals)
 
-    tables: dict[tuple[Template, int], TailTable | None] = {}
+    def table(self, tp: Template, k: int) -> TailTable | None:
+        """The template's :class:`~solvers.cluster.bounds.tail.TailTable` among ``k`` workers (None:
+        too many orders and splits, or no floor to charge)."""
+        if (tp, k) not in self.tables:
+            self.tables[tp, k] = (worker_tail_table(self.cost, self.devices_of(tp), self.schedule, self.m,
+                                                    lambda x: self.floor_curve_s(k, x), TABLE_LIMIT)
+                                  if self.affine else None)
+        return self.tables[tp, k]
 
-    def table(tp: Template, k: int) -> TailTable | None:
-        """The template's :class:`~solvers.cluster.bounds.tail.TailTable` among ``k`` workers (None: too many
-        orders and splits, or no floor to charge)."""
-        if (tp, k) not in tables:
-            tables[tp, k] = (worker_tail_table(cost, realise(tp, classes, pools), schedule, m,
-                                               lambda x: floor_curve_s(k, x), TABLE_LIMIT) if affine else None)
-        return tables[tp, k]
-
-    def tail_s(tp: Template, k: int) -> float:
+    def stage0_s(self, tp: Template, k: int) -> float:
         """What stage 0's device pays after the pipeline: its all-reduces and its step."""
-        mx = mix(tp)
+        cost, mx = self.cost, self.mix(tp)
         if len(mx) == 1 and mx[0][1] == 1:
-            return floor_s(k, cost.param_bytes(0, n_layers)) + cost.update_s(mx[0][0], 0, n_layers)
-        return floor_s(k, cost.param_bytes(0, 1)) + min(cost.update_s(t, 0, 1) for t, _ in mx)
+            return self.floor_s(k, cost.param_bytes(0, cost.num_layers)) + cost.update_s(mx[0][0], 0, cost.num_layers)
+        return self.floor_s(k, cost.param_bytes(0, 1)) + min(cost.update_s(t, 0, 1) for t, _ in mx)
 
-    def refine(tp: Template) -> None:
+
+class _Search:
+    """The search over ``K`` (see the module docstring): templates refined lazily, groupings that
+    could beat the plan priced, the common-cut floor where ``K`` workers of settled bounds fit."""
+
+    def __init__(self, floors: _MixFloors, tails: _Tails, classes: Sequence[NodeClass], listed: list[Template],
+                 exact_limit: int, deadline: float | None, price: Callable[[list[list[Device]]], float] | None,
+                 beat_samples_per_s: float):
+        self.floors, self.tails, self.classes = floors, tails, classes
+        self.exact_limit, self.deadline, self.price = exact_limit, deadline, price
+        cost = tails.cost
+        self.samples = floors.m * cost.profile.micro_batch_size
+        keys = sorted({(ci, t) for ci, cls in enumerate(classes) for t, _ in cls.gpus})
+        self.supply = [sum(c * len(cls.nodes) for ci2, cls in enumerate(classes) for t2, c in cls.gpus
+                           if (ci2, t2) == key) for key in keys]
+        mix = floors.mix
+        cheap = {mx: floors.cheap_floor(mx) for mx in {mix(tp) for tp in listed}}
+        self.templates = [tp for tp in listed if math.isfinite(cheap[mix(tp)])]
+        self.usage = {tp: [template_usage(tp).get(key, 0) for key in keys] for tp in self.templates}
+        self.pipeline = {tp: cheap[mix(tp)] for tp in self.templates}  # P(S), raised as templates are refined
+        # refinement steps done (2: nothing more to learn)
+        self.step = {tp: 2 if sum(c for _, c in mix(tp)) == 1 else 0 for tp in self.templates}
+        self.best_value = beat_samples_per_s
+        self.best_grouping: list[list[Device]] | None = None
+        self.result_k, self.bound = 0, 0.0
+        self.priced: set[tuple[tuple[Template, int], ...]] = set()
+
+    def bound_k(self, k: int) -> None:
+        """The plans of ``k`` workers: refine the templates that could beat the plan, price what
+        fits, and where ``k`` workers of settled bounds still fit, the common-cut floor bounds them."""
+        tails = {tp: self.tails.stage0_s(tp, k) for tp in self.templates}
+        pipeline = self.pipeline
+        while True:
+            _check_deadline(self.deadline)
+            target = k * self.samples / self.best_value * (1 - 1e-9)  # the iteration K workers must beat
+            rated = sorted((tp for tp in self.templates if pipeline[tp] + tails[tp] < target),
+                           key=lambda tp: pipeline[tp] + tails[tp])
+            chosen = _first_fit(rated, self.usage, self.supply, k)
+            if chosen is None:
+                return  # K workers cannot beat the plan
+            # refine lazily: the mixes' LPs for every template as fast as the ones chosen, then
+            # the exhaustive mapping search of the chosen ones
+            slowest_chosen = max(pipeline[tp] + tails[tp] for tp in chosen)
+            coarse = [tp for tp in rated if self.step[tp] == 0 and pipeline[tp] + tails[tp] <= slowest_chosen]
+            loose = [tp for tp in chosen if self.step[tp] < 2]
+            for tp in coarse or loose:
+                self.refine(tp)
+            if coarse or loose:
+                continue
+            # K workers of settled bounds fit: price them if we can, else this K bounds the gap
+            if self.better(k, chosen):
+                continue
+            # every stage's all-reduce, and the chain of all-reduces up to the first common cut
+            least_s, fit = self.common_cut_floor_s(k, target, rated, {tp: pipeline[tp] + tails[tp] for tp in rated})
+            if fit is None:
+                log.debug("K = %d: no common cut lets %d workers beat %.6g samples/s", k, k, self.best_value)
+                return
+            if self.better(k, fit):  # the workers that could come closest: priced as a plan too
+                continue
+            value = k * self.samples / least_s
+            log.debug("K = %d: workers fit at %.6g s, %.6g samples/s against %.6g", k, least_s, value, self.best_value)
+            if value > self.bound:
+                self.bound, self.result_k = value, k
+            return
+
+    def refine(self, tp: Template) -> None:
         """One step further: the mix's LP, then the template's exhaustive mapping search."""
-        if step[tp] == 0:
-            step[tp] = 1
-            pipeline[tp] = max(pipeline[tp], mix_floor(mix(tp)))
+        floors, tails, mx = self.floors, self.tails, self.floors.mix(tp)
+        if self.step[tp] == 0:
+            self.step[tp] = 1
+            self.pipeline[tp] = max(self.pipeline[tp], floors.lp_floor(mx))
             return
-        step[tp] = 2
-        devs = realise(tp, classes, pools)
-        exact = exact_pipeline_floor_s(cost, devs, schedule, m, exact_limit)
+        self.step[tp] = 2
+        devs = tails.devices_of(tp)
+        exact = exact_pipeline_floor_s(tails.cost, devs, tails.schedule, floors.m, self.exact_limit)
         if exact is not None:
-            pipeline[tp] = max(pipeline[tp], exact)
+            self.pipeline[tp] = max(self.pipeline[tp], exact)
             return
-        if num_label_orders(device_labels(cost, devs)) > exact_limit:
+        if num_label_orders(device_labels(tails.cost, devs)) > self.exact_limit:
             return  # no exhaustive search for so many orders: the mix's floor stands
-        res = map_worker(cost, devs, schedule, m, exact_limit=exact_limit, deadline=deadline)
+        res = map_worker(tails.cost, devs, tails.schedule, floors.m, exact_limit=self.exact_limit,
+                         deadline=self.deadline)
         if not res.exact:
             return
         if res.solution is None:
-            pipeline[tp] = math.inf  # nothing fits these GPUs
+            self.pipeline[tp] = math.inf  # nothing fits these GPUs
             return
-        counts = dict(mix(tp))
-        low = max(res.solution.bottleneck_s, largest_layer_s(mix(tp)))
-        pipeline[tp] = max(pipeline[tp], pipeline_floor_s(per_layer, counts, m, low))
+        low = max(res.solution.bottleneck_s, floors.largest_layer_s(mx))
+        self.pipeline[tp] = max(self.pipeline[tp], floors.lp_floor_at(mx, low))
 
-    def common_cut_floor_s(k: int, target: float, rated: Sequence[Template],
-                           base: dict[Template, float]) -> tuple[float, dict[Template, int] | None] | None:
+    def common_cut_floor_s(self, k: int, target: float, rated: Sequence[Template],
+                           base: dict[Template, float]) -> tuple[float, dict[Template, int] | None]:
         """The least iteration ``k`` workers of ``rated`` could have: for each layer ``c`` where
         the plan's workers all have a stage boundary first (``L``: none has), every worker is at
         least its :attr:`TailTable.by_common_cut_s` there; the least over ``c`` of the slowest of
         the first ``k`` that fit, and those ``k``. Tables are built for the templates of those
-        ``k`` only. ``None`` past the deadline."""
+        ``k`` only. Raises :class:`_PastDeadline` past the deadline."""
         rated = list(rated)
         base_s = np.array([base[tp] for tp in rated])
         least, where = math.inf, None
         failed: list[np.ndarray] = []
-
-        def tabled() -> tuple[np.ndarray, np.ndarray]:
-            """The rated templates with a table (their indices) and their tables' values by cut."""
-            have = [(i, tab) for i, tp in enumerate(rated) if (tab := tables.get((tp, k))) is not None]
-            return (np.array([i for i, _ in have], dtype=np.int64),
-                    np.array([tab.by_common_cut_s for _, tab in have]).reshape(len(have), n_layers + 1))
-
-        idx, by_cut = tabled()
+        n_layers = self.tails.cost.num_layers
+        idx, by_cut = self._tabled(rated, k)
         for c in range(n_layers, 0, -1):
-            if deadline is not None and time.perf_counter() > deadline:
-                return None
+            _check_deadline(self.deadline)
             while True:
                 vals = base_s.copy()
                 vals[idx] = np.maximum(vals[idx], by_cut[:, c])
@@ -506,91 +600,60 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
                     fit = None
                     break
                 order = [i for i in np.argsort(vals, kind="stable") if can[i]]
-                fit = _first_fit([rated[i] for i in order], usage, supply, k)
+                fit = _first_fit([rated[i] for i in order], self.usage, self.supply, k)
                 if fit is None:
                     failed.append(can)
-                todo = [tp for tp in fit or () if (tp, k) not in tables]
+                todo = [tp for tp in fit or () if (tp, k) not in self.tails.tables]
                 if not todo:
                     break
                 for tp in todo:
-                    if deadline is not None and time.perf_counter() > deadline:
-                        return None
-                    table(tp, k)
-                idx, by_cut = tabled()
+                    _check_deadline(self.deadline)
+                    self.tails.table(tp, k)
+                idx, by_cut = self._tabled(rated, k)
             if fit is not None:
                 least, where = max(float(vals[i]) for i in order if rated[i] in fit), fit
         return least, where
 
-    best_value, best_grouping = beat_samples_per_s, None
-    result_k, bound = 0, 0.0
-    priced: set[tuple[tuple[Template, int], ...]] = set()
+    def _tabled(self, rated: list[Template], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rated templates with a table among ``k`` (their indices) and their tables' values by cut."""
+        n_layers = self.tails.cost.num_layers
+        have = [(i, tab) for i, tp in enumerate(rated) if (tab := self.tails.tables.get((tp, k))) is not None]
+        return (np.array([i for i, _ in have], dtype=np.int64),
+                np.array([tab.by_common_cut_s for _, tab in have]).reshape(len(have), n_layers + 1))
 
-    def gave_up() -> SyncBound:
-        """Past the deadline: the fallback, with a better grouping found so far."""
-        return SyncBound(fallback_samples_per_s, 0, len(templates), sum(v == 2 for v in step.values()), affine, False,
-                         {"grouping": best_grouping, "samples_per_s": best_value} if best_grouping else {})
-
-    def better(k: int, chosen: dict[Template, int]) -> bool:
+    def better(self, k: int, chosen: dict[Template, int]) -> bool:
         """Price ``chosen`` as a plan (once); whether it beats the plan to beat (it then becomes it)."""
-        nonlocal best_value, best_grouping
         key = tuple(sorted(chosen.items()))
-        if price is None or key in priced:
+        if self.price is None or key in self.priced:
             return False
-        priced.add(key)
-        grouping = _pack(chosen, classes, pools)
+        self.priced.add(key)
+        grouping = _pack(chosen, self.classes, self.tails.pools)
         if grouping is None:
             return False
-        value = price(grouping)
+        value = self.price(grouping)
         log.debug("K = %d: priced %s at %.6g", k, chosen, value)
-        if value <= best_value * (1 + 1e-9):
+        if value <= self.best_value * (1 + 1e-9):
             return False
         log.debug("K = %d: a better grouping, %.6g samples/s", k, value)
-        best_value, best_grouping = value, grouping
+        self.best_value, self.best_grouping = value, grouping
         return True
 
-    for k in range(1, n + 1) if workers is None else [workers]:
-        tails = {tp: tail_s(tp, k) for tp in templates}
-        while True:
-            if deadline is not None and time.perf_counter() > deadline:
-                return gave_up()
-            target = k * samples / best_value * (1 - 1e-9)  # the iteration K workers must beat
-            rated = sorted((tp for tp in templates if pipeline[tp] + tails[tp] < target),
-                           key=lambda tp: pipeline[tp] + tails[tp])
-            chosen = _first_fit(rated, usage, supply, k)
-            if chosen is None:
-                break  # K workers cannot beat the plan
-            # refine lazily: the mixes' LPs for every template as fast as the ones chosen, then
-            # the exhaustive mapping search of the chosen ones
-            slowest_chosen = max(pipeline[tp] + tails[tp] for tp in chosen)
-            coarse = [tp for tp in rated if step[tp] == 0 and pipeline[tp] + tails[tp] <= slowest_chosen]
-            loose = [tp for tp in chosen if step[tp] < 2]
-            for tp in coarse or loose:
-                refine(tp)
-            if coarse or loose:
-                continue
-            # K workers of settled bounds fit: price them if we can, else this K bounds the gap
-            if better(k, chosen):
-                continue
-            # every stage's all-reduce, and the chain of all-reduces up to the first common cut
-            by_cut = common_cut_floor_s(k, target, rated, {tp: pipeline[tp] + tails[tp] for tp in rated})
-            if by_cut is None:
-                return gave_up()
-            least_s, fit = by_cut
-            if fit is None:
-                log.debug("K = %d: no common cut lets %d workers beat %.6g samples/s", k, k, best_value)
-                break
-            if better(k, fit):  # the workers that could come closest: priced as a plan too
-                continue
-            value = k * samples / least_s
-            log.debug("K = %d: workers fit at %.6g s, %.6g samples/s against %.6g", k, least_s, value, best_value)
-            if value > bound:
-                bound, result_k = value, k
-            break
-    refined = sum(v == 2 for v in step.values())
-    details: dict[str, Any] = {}
-    if best_grouping is not None:
-        details.update(grouping=best_grouping, samples_per_s=best_value)
-    return SyncBound(max(bound, best_value), result_k, len(templates), refined, affine, True, details)
+    def _refined(self) -> int:
+        return sum(v == 2 for v in self.step.values())
+
+    def gave_up(self, fallback_samples_per_s: float) -> SyncBound:
+        """Past the deadline: the fallback, with a better grouping found so far."""
+        found: dict[str, Any] = {"grouping": self.best_grouping, "samples_per_s": self.best_value} if self.best_grouping else {}
+        return SyncBound(fallback_samples_per_s, 0, len(self.templates), self._refined(), self.tails.affine, False,
+                         found)
+
+    def result(self) -> SyncBound:
+        """The bound: the largest over ``K``, or the best plan's value where no ``K`` beats it."""
+        details: dict[str, Any] = {}
+        if self.best_grouping is not None:
+            details.update(grouping=self.best_grouping, samples_per_s=self.best_value)
+        return SyncBound(max(self.bound, self.best_value), self.result_k, len(self.templates), self._refined(),
+                         self.tails.affine, True, details)
 
 
 def _first_fit(rated: Sequence[Template], usage: dict[Template, list[int]], supply: Sequence[int],

@@ -20,29 +20,22 @@ pipeline, least total stage time).
 from __future__ import annotations
 
 import logging
-import math
 import time
+from functools import partial
 from typing import Any
 
-import numpy as np
-
-from partitioner.errors import PartitionerError
-from solvers.exact.cbc.run import cbc_bound, run_cbc
-from solvers.exact.intervals import (
-    Arcs,
-    ChainProblem,
-    finish,
-    model_arcs,
-)
+from solvers.exact import intervals
+from solvers.exact.cbc.run import bound_s, has_plan, run_cbc, solve_status
+from solvers.exact.intervals import Arcs, ChainHint, ChainProblem, ChainVars
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveResult, SolveStatus
 
-__all__ = ["solve_chain"]
+__all__ = ["SCALE_MAX", "solve_chain"]
 
 log = logging.getLogger(__name__)
 
 SCALE_MAX = 1000.0  # the largest stage time, in model units
-TOLERANCE_SLACK = 1e-6  # of the largest stage time, taken off CBC's bound
+
 
 def solve_chain(problem: ChainProblem, *, time_limit_s: float, threads: int, seed: int, tie_break: bool,
                 t0: float, hint: bool, prune: bool, max_arcs: int) -> SolveResult:
@@ -50,29 +43,54 @@ def solve_chain(problem: ChainProblem, *, time_limit_s: float, threads: int, see
     of :mod:`solvers.exact.intervals`; the options as :func:`solvers.exact.router.solve`)."""
     import pulp
 
-    start, arcs, details = model_arcs(problem, hint, prune, max_arcs)
-    details["mapping"] = "given"
-    if not arcs.lengths:  # more devices than layers and no shorter pipeline allowed
-        return finish(problem, "milp", SolveStatus.INFEASIBLE, None, math.nan,
-                      time.perf_counter() - t0, details)
-
+    start, arcs, details, done = intervals.setup_model(problem, "milp", hint, prune, max_arcs, t0)
+    if done is not None:
+        return done
     largest = float(arcs.time_s.max(initial=0.0))
     unit_s = largest / SCALE_MAX if largest > 0 else 1.0
     coef = (arcs.time_s / unit_s).tolist()
     details["unit_s"] = unit_s
-    n_layers = problem.profile.num_layers
 
     prob = pulp.LpProblem("chain", pulp.LpMinimize)
+    var = _variables(prob, arcs)
+    prob += var.bottleneck  # objective: minimise B
+    _constraints(prob, arcs, var, coef, problem.profile.num_layers)
+    if start is not None:
+        _warm(var, arcs.hint(start), coef)
 
-    # Variables: x[a] = 1 when arc a (stage k of the q-stage pipeline holds [i, j)) is chosen;
-    # y[q] = 1 when the pipeline has q stages; B >= 0 = the bottleneck in units of unit_s.
+    # solve, with CBC's log kept to read its bound
+    cbc_log = run_cbc(prob, time_limit_s, threads, seed, warm_start=start is not None)
+    details.update(cbc_status=pulp.LpStatus[prob.status], cbc_solution=prob.sol_status)
+    # extract: the chosen arcs, priced exactly; CBC's bound converted back, less the slack
+    bound = bound_s(cbc_log, unit_s, largest)
+    status = solve_status(prob, bound, "the chain model")
+    answer = partial(intervals.finish, problem, "milp")
+    no_plan = intervals.no_plan_reason(time_limit_s, len(arcs))
+    if (done := intervals.unsolved(answer, status, bound, t0, details, no_plan)) is not None:
+        return done
+    picked = _picked(var)
+    sol = intervals.price_arcs(problem, arcs, picked)
+    remaining = time_limit_s - (time.perf_counter() - t0)
+    if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
+        sol = _tie_break(prob, var, coef, arcs, picked, sol, problem, remaining, threads, seed, details)
+    log.debug("milp: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)
+    return answer(status, sol, bound, time.perf_counter() - t0, details)
+
+
+def _variables(prob: Any, arcs: Arcs) -> ChainVars:
+    """x[a] and y[q] binary, B continuous and non-negative."""
+    import pulp
+
     x = [prob.add_variable(f"x_{a}", cat=pulp.LpBinary) for a in range(len(arcs))]
     y = {q: prob.add_variable(f"y_{q}", cat=pulp.LpBinary) for q in arcs.lengths}
-    bottleneck = prob.add_variable("bottleneck", lowBound=0)
+    return ChainVars(x, y, prob.add_variable("bottleneck", lowBound=0))
 
-    # Objective: minimise B.
-    prob += bottleneck
 
+def _constraints(prob: Any, arcs: Arcs, var: ChainVars, coef: list[float], n_layers: int) -> None:
+    """One pipeline length, unit flow through the stages, and B above every stage's time."""
+    import pulp
+
+    x, y = var.x, var.y
     # One pipeline length: sum_q y[q] = 1.
     prob += pulp.lpSum(y.values()) == 1, "one_length"
 
@@ -90,64 +108,44 @@ def solve_chain(problem: ChainProblem, *, time_limit_s: float, threads: int, see
 
     # Bottleneck: B >= sum_{i,j} T[q, k, i, j] * x[q, k, i, j] for every stage (q, k).
     for (q, k), idx in arcs.groups().items():
-        prob += bottleneck >= pulp.lpSum(coef[a] * x[a] for a in idx), f"stage_{q}_{k}"
-
-    if start is not None:
-        chosen = set(arcs.index_of(start))
-        for a, var in enumerate(x):
-            var.setInitialValue(1 if a in chosen else 0)
-        for q, var in y.items():
-            var.setInitialValue(1 if q == len(start.devices) else 0)
-        bottleneck.setInitialValue(max(coef[a] for a in chosen))
-
-    # Solve, with CBC's log kept to read its bound.
-    cbc_log = run_cbc(prob, time_limit_s, threads, seed, warm_start=start is not None)
-    status_text = pulp.LpStatus[prob.status]
-    details.update(cbc_status=status_text, cbc_solution=prob.sol_status)
-
-    # Extract: the chosen arcs, priced exactly; CBC's bound converted back, less the slack.
-    if prob.status == pulp.LpStatusInfeasible:
-        return finish(problem, "milp", SolveStatus.INFEASIBLE, None, math.nan,
-                      time.perf_counter() - t0, details)
-    raw = cbc_bound(cbc_log)
-    bound = max(0.0, raw * unit_s - TOLERANCE_SLACK * largest) if math.isfinite(raw) else math.nan
-    details["bound_s"] = bound  # as converted, before capping at the plan's objective
-    has_plan = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    if not has_plan:
-        if prob.status not in (pulp.LpStatusNotSolved, pulp.LpStatusOptimal):
-            raise PartitionerError(f"CBC ended with status {status_text} on the chain model")
-        return finish(problem, "milp", SolveStatus.UNKNOWN, None, bound, time.perf_counter() - t0, details,
-                      reason=f"no plan found within the time limit of {time_limit_s:g} s "
-                             f"({len(arcs)} candidate stages)")
-    picked = [a for a, var in enumerate(x) if (var.varValue or 0.0) > 0.5]
-    sol = arcs.solution(picked, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
-    proven = prob.sol_status == pulp.LpSolutionOptimal and math.isfinite(bound)
-    remaining = time_limit_s - (time.perf_counter() - t0)
-    if proven and tie_break and remaining > 0:
-        sol = _tie_break(prob, x, y, coef, arcs, picked, sol, problem, remaining, threads, seed, details)
-    status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
-    log.debug("milp: %s, %d arcs, objective %.6g s, bound %.6g s", status, len(arcs), sol.bottleneck_s, bound)
-    return finish(problem, "milp", status, sol, bound, time.perf_counter() - t0, details)
+        prob += var.bottleneck >= pulp.lpSum(coef[a] * x[a] for a in idx), f"stage_{q}_{k}"
 
 
-def _tie_break(prob: Any, x: list[Any], y: dict[int, Any], coef: list[float], arcs: Arcs, picked: list[int],
-               sol: ChainSolution, problem: ChainProblem, time_limit_s: float, threads: int, seed: int,
+def _warm(var: ChainVars, start: ChainHint, coef: list[float]) -> None:
+    """The DP's split as CBC's warm start."""
+    _warm_arcs(var, start.arcs)
+    for q, yq in var.y.items():
+        yq.setInitialValue(1 if q == start.length else 0)
+    var.bottleneck.setInitialValue(max(coef[a] for a in start.arcs))
+
+
+def _warm_arcs(var: ChainVars, chosen: set[int] | frozenset[int]) -> None:
+    """The arcs of a plan as CBC's warm start."""
+    for a, xa in enumerate(var.x):
+        xa.setInitialValue(1 if a in chosen else 0)
+
+
+def _picked(var: ChainVars) -> list[int]:
+    """The arcs of CBC's plan."""
+    return [a for a, xa in enumerate(var.x) if (xa.varValue or 0.0) > 0.5]
+
+
+def _tie_break(prob: Any, var: ChainVars, coef: list[float], arcs: Arcs, picked: list[int], sol: ChainSolution,
+               problem: ChainProblem, time_limit_s: float, threads: int, seed: int,
                details: dict[str, object]) -> ChainSolution:
     """The DP's second pass on CBC: stages within the optimum found (exact seconds, as the DP
     compares), the shortest pipeline, then the least total stage time. ``sol`` if CBC finds nothing."""
     import pulp
 
-    for a in np.flatnonzero(arcs.time_s > sol.bottleneck_s).tolist():
-        x[a].upBound = 0
+    for a in arcs.slower_than(sol.bottleneck_s):
+        var.x[a].upBound = 0
     weight = max(arcs.lengths) * (SCALE_MAX + 1.0) + 1.0
-    prob.setObjective(weight * pulp.lpSum(q * var for q, var in y.items()) + pulp.lpSum(c * v for c, v in zip(coef, x,
-                                                                                                            strict=True)))
-    chosen = set(picked)
-    for a, var in enumerate(x):
-        var.setInitialValue(1 if a in chosen else 0)
+    # minimise W * q + sum_a T[a] x[a]
+    prob.setObjective(weight * pulp.lpSum(q * yq for q, yq in var.y.items())
+                      + pulp.lpSum(c * xa for c, xa in zip(coef, var.x, strict=True)))
+    _warm_arcs(var, set(picked))
     run_cbc(prob, time_limit_s, threads, seed, warm_start=True, keep_log=False)
     details["tie_break"] = pulp.LpStatus[prob.status]
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+    if not has_plan(prob):
         return sol
-    again = [a for a, var in enumerate(x) if (var.varValue or 0.0) > 0.5]
-    return arcs.solution(again, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
+    return intervals.price_arcs(problem, arcs, _picked(var))

@@ -1,9 +1,11 @@
-"""Running CBC through PuLP with its log kept, and reading CBC's bound from that log.
+"""Running CBC through PuLP with its log kept, reading CBC's bound from that log, and CBC's
+status in :class:`~solvers.result.SolveStatus` words.
 
 PuLP returns CBC's status and variable values but no bound, and reports a run stopped at its
 time limit with a plan as ``LpStatusOptimal`` (only ``sol_status`` tells it apart). The bound
 is read from CBC's own log: ``Lower bound`` of a stopped run, else ``Objective value`` of a
-finished one, else NaN.
+finished one, else NaN. It is CBC's, in floating point with CBC's tolerances, so it is reported
+less :data:`TOLERANCE_SLACK` of the largest time the model holds.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import tempfile
 import warnings
 from typing import Any
 
+from partitioner.errors import PartitionerError
 from solvers.progress import status
+from solvers.result import SolveStatus
 
-__all__ = ["cbc_bound", "run_cbc", "seed_options"]
+__all__ = ["TOLERANCE_SLACK", "bound_s", "cbc_bound", "has_plan", "run_cbc", "seed_options", "solve_status"]
+
+TOLERANCE_SLACK = 1e-6  # of the largest time a model holds, taken off CBC's bound
 
 _BOUND = re.compile(r"^(Objective value|Lower bound):\s+(\S+)", re.MULTILINE)
 
@@ -61,3 +67,33 @@ def run_cbc(prob: Any, time_limit_s: float, threads: int, seed: int, warm_start:
     finally:
         if log_path is not None:
             os.unlink(log_path)
+
+
+def bound_s(log_text: str, unit_s: float, largest_s: float) -> float:
+    """CBC's bound from its log, converted from model units of ``unit_s`` seconds to seconds, less
+    :data:`TOLERANCE_SLACK` of ``largest_s`` (at least 0; NaN where the log has none)."""
+    raw = cbc_bound(log_text)
+    return max(0.0, raw * unit_s - TOLERANCE_SLACK * largest_s) if math.isfinite(raw) else math.nan
+
+
+def solve_status(prob: Any, bound: float, refuse_odd: str | None) -> SolveStatus:
+    """CBC's answer to ``prob`` as a :class:`SolveStatus`: OPTIMAL only with a proof and a bound,
+    UNKNOWN without a plan. A run without a plan that neither stopped nor finished raises,
+    naming ``refuse_odd`` (``None``: it counts as UNKNOWN)."""
+    import pulp
+
+    if prob.status == pulp.LpStatusInfeasible:
+        return SolveStatus.INFEASIBLE
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        if refuse_odd is not None and prob.status not in (pulp.LpStatusNotSolved, pulp.LpStatusOptimal):
+            raise PartitionerError(f"CBC ended with status {pulp.LpStatus[prob.status]} on {refuse_odd}")
+        return SolveStatus.UNKNOWN
+    proven = prob.sol_status == pulp.LpSolutionOptimal and math.isfinite(bound)
+    return SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
+
+
+def has_plan(prob: Any) -> bool:
+    """Whether CBC's last run of ``prob`` left a plan (proven or not)."""
+    import pulp
+
+    return prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)

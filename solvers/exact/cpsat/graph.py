@@ -14,20 +14,21 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from solvers.exact.graph import DagData, DagPlan, finish_dag, price_assignment, single_stage
-from solvers.exact.intervals import cpsat_solver
-from solvers.progress import solve_cpsat
+from solvers.exact import graph as dag
+from solvers.exact.cpsat.run import bound_s, run_model, solve_again, solve_status
+from solvers.exact.graph import DagData, DagPlan, DagVars
+from solvers.exact.intervals import no_plan_reason, unsolved
 from solvers.result import SolveResult, SolveStatus
 
 __all__ = ["solve_dag"]
 
 log = logging.getLogger(__name__)
 
-FLOAT_SAFETY_TICKS = 0.01
 MEMORY_UNITS = 1e12  # the largest capacity, in memory units (integers CP-SAT sums without overflow)
 
 
@@ -37,23 +38,53 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
     from ortools.sat.python import cp_model
 
     n, p = data.num_layers, data.num_stages
-    trivial = single_stage(data, "cpsat", t0, details)
+    trivial = dag.single_stage(data, "cpsat", t0, details)
     if trivial is not None:
         return trivial
     tick_s = data.stage_time_bound_s() / resolution or 1.0
     details.update(tick_s=tick_s, layers=n, stages=p, edges=len(data.edges))
+
     m = cp_model.CpModel()
+    var = _variables(m, data, resolution + 1)
+    _constraints(m, data, var, tick_s)
+    hint_plan = data.hint_plan()
+    if hint_plan is not None and prune:
+        # B <= the DP's bottleneck (its assignment is a solution of this model, whose times are no larger).
+        m.add(var.bottleneck <= math.ceil(hint_plan.solution.bottleneck_s / tick_s) + 1)
+    start = data.hint_stages()
+    if start is not None:
+        _hint(m, var, start)
+    m.minimize(var.bottleneck)  # objective: minimise B
 
-    # Variables: y[v][c] = 1 iff layer v is in a stage before cut c (c = 1..p-1); z[u][c] = 1 when
-    # u's output crosses cut c; t[k] = stage k's time, B = the bottleneck (ticks).
+    solver, code = run_model(m, "cpsat (graph)", tick_s, time_limit_s, threads, seed, details)
+    status = solve_status(code, m, None)
+    bound = bound_s(solver, tick_s)
+    answer = partial(dag.finish_dag, data, "cpsat")
+    if (done := unsolved(answer, status, bound, t0, details, no_plan_reason(time_limit_s))) is not None:
+        return done
+    found = _extract(data, solver, var)
+    remaining = time_limit_s - (time.perf_counter() - t0)
+    if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
+        found = _tie_break(m, solver, data, var, found, tick_s, remaining, details)
+    log.debug("cpsat (graph): %s, objective %.6g s, bound %.6g s", status, found.solution.bottleneck_s, bound)
+    return answer(status, found, bound, time.perf_counter() - t0, details)
+
+
+def _variables(m: Any, data: DagData, upper: int) -> DagVars:
+    """y and z booleans, t[k] and B integers in [0, ``upper``] ticks."""
+    n, p = data.num_layers, data.num_stages
+    senders = data.senders()
     y = [[m.new_bool_var(f"y_{v}_{c}") for c in range(1, p)] for v in range(n)]
+    z = {(u, c): m.new_bool_var(f"z_{u}_{c}") for u in senders for c in range(1, p)}
+    t = [m.new_int_var(0, upper, f"t_{k}") for k in range(p)]
+    return DagVars(y, z, t, m.new_int_var(0, upper, "B"), senders)
 
-    def before(v: int, c: int) -> Any:  # y[v, c] with y[v, 0] = 0 and y[v, p] = 1
-        return 0 if c == 0 else 1 if c == p else y[v][c - 1]
 
-    def x(v: int, k: int) -> Any:  # layer v in stage k
-        return before(v, k + 1) - before(v, k)
-
+def _constraints(m: Any, data: DagData, var: DagVars, tick_s: float) -> None:
+    """Order, precedence, no empty stage, crossings, stage times, memory (the groups of
+    :mod:`solvers.exact.graph`)."""
+    n, p = data.num_layers, data.num_stages
+    y = var.y
     # Stages in order: y[v, c] <= y[v, c+1]. Precedence: y[w, c] <= y[u, c] for every edge u -> w.
     for v in range(n):
         for c in range(1, p - 1):
@@ -63,100 +94,51 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
             m.add_implication(y[w][c - 1], y[u][c - 1])
     # No empty stage: sum_v x[v, k] >= 1.
     for k in range(p):
-        m.add(sum(x(v, k) for v in range(n)) >= 1)
+        m.add(sum(var.x(v, k) for v in range(n)) >= 1)
     # Crossing: z[u, c] >= y[u, c] - y[w, c] for every edge u -> w (only outputs with bytes matter).
-    senders = [u for u in range(n) if data.succ[u] and data.own_bytes[u] > 0]
-    z = {(u, c): m.new_bool_var(f"z_{u}_{c}") for u in senders for c in range(1, p)}
-    for u in senders:
+    for u in var.senders:
         for w in data.succ[u]:
             for c in range(1, p):
-                m.add(z[u, c] >= y[u][c - 1] - y[w][c - 1])
+                m.add(var.z[u, c] >= y[u][c - 1] - y[w][c - 1])
+    _stage_times(m, data, var, tick_s)
+    _memory(m, data, var)
+
+
+def _stage_times(m: Any, data: DagData, var: DagVars, tick_s: float) -> None:
+    """t_k >= C_k + X_k / bw + X_{k+1} / bw (additive; overlapped: t_k >= C_k, t_k >= back + W_k,
+    t_k >= out + W_k) and B >= t_k, every term in ticks rounded down."""
+    from ortools.sat.python import cp_model
+
+    n, p = data.num_layers, data.num_stages
+    senders = var.senders
 
     def sends(c: int, per_byte: float) -> Any:  # X_c / bw in ticks, rounded down
         if c in (0, p) or per_byte == 0.0:
             return 0
         coef = np.floor(data.own_bytes[senders] * per_byte / tick_s).astype(np.int64).tolist()
-        return cp_model.LinearExpr.weighted_sum([z[u, c] for u in senders], coef) if senders else 0
+        return cp_model.LinearExpr.weighted_sum([var.z[u, c] for u in senders], coef) if senders else 0
 
     comp_ticks = np.floor(data.time_s / tick_s).astype(np.int64)
     wave_ticks = np.floor(data.wave_s / tick_s).astype(np.int64)
-    upper = resolution + 1
-    t = [m.new_int_var(0, upper, f"t_{k}") for k in range(p)]
-    bottleneck = m.new_int_var(0, upper, "B")
+    t = var.t
     overlap = data.problem.cost.options.overlap_comm
     for k in range(p):
-        comp = sum(int(comp_ticks[k, v]) * x(v, k) for v in range(n))
-        wave = sum(int(wave_ticks[v]) * x(v, k) for v in range(n) if wave_ticks[v])
+        comp = sum(int(comp_ticks[k, v]) * var.x(v, k) for v in range(n))
+        wave = sum(int(wave_ticks[v]) * var.x(v, k) for v in range(n) if wave_ticks[v])
         back, out = sends(k, data.back_s_per_byte[k]), sends(k + 1, data.out_s_per_byte[k])
-        # Additive: t_k >= C_k + back + out; overlapped: t_k >= C_k, t_k >= back + W_k, t_k >= out + W_k.
         if overlap:
             m.add(t[k] >= comp)
             m.add(t[k] >= back + wave)
             m.add(t[k] >= out + wave)
         else:
             m.add(t[k] >= comp + back + out)
-        m.add(bottleneck >= t[k])
-    _memory(m, data, x, before)
-
-    start = data.hint_stages()
-    hint_plan = price_assignment(data, start) if start is not None else None
-    if hint_plan is not None and prune:
-        # B <= the DP's bottleneck (its assignment is a solution of this model, whose times are no larger).
-        m.add(bottleneck <= math.ceil(hint_plan.solution.bottleneck_s / tick_s) + 1)
-    if start is not None:
-        for v in range(n):
-            for c in range(1, p):
-                m.add_hint(y[v][c - 1], start[v] < c)
-
-    # Objective: minimise B.
-    m.minimize(bottleneck)
-    solver = cpsat_solver(time_limit_s, threads, seed)
-    code = solve_cpsat(solver, m, "cpsat (graph)", tick_s)
-    details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time, branches=solver.num_branches)
-    if code == cp_model.INFEASIBLE:
-        return finish_dag(data, "cpsat", SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
-    bound = max(0.0, (solver.best_objective_bound - FLOAT_SAFETY_TICKS) * tick_s)
-    details["bound_s"] = bound
-    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return finish_dag(data, "cpsat", SolveStatus.UNKNOWN, None, bound, time.perf_counter() - t0, details,
-                          reason=f"no plan found within the time limit of {time_limit_s:g} s")
-
-    def extract() -> DagPlan:
-        return price_assignment(data, [p - 1 - sum(solver.boolean_value(y[v][c - 1]) for c in range(1, p))
-                                       for v in range(n)])
-
-    found = extract()
-    remaining = time_limit_s - (time.perf_counter() - t0)
-    if code == cp_model.OPTIMAL and tie_break and remaining > 0:
-        # Second solve: among assignments within the optimum, the least total stage time. A stage's
-        # ticks round each layer down, so two plans of the same exact bottleneck can differ by up to
-        # n ticks: the bound leaves room for n, and the answer is taken below only if its exact
-        # bottleneck is within those n ticks of the first answer's.
-        m.add(bottleneck <= int(solver.objective_value) + n)
-        m.minimize(sum(t))
-        m.clear_hints()
-        for v in range(n):
-            for c in range(1, p):
-                m.add_hint(y[v][c - 1], found.stages[v] < c)
-        solver.parameters.max_time_in_seconds = float(remaining)
-        code2 = solver.solve(m)
-        details["tie_break"] = solver.status_name(code2)
-        if code2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            again = extract()
-            # the second model ties bottlenecks in ticks, so the exact bottleneck of its answer may
-            # exceed the first by the rounding of a stage's layers (under a tick each): within that,
-            # the smaller total wins (an exact comparison would let float noise pick the worse total)
-            if again.fits and again.total_s < found.total_s and \
-                    again.solution.bottleneck_s <= found.solution.bottleneck_s + n * tick_s:
-                found = again
-    status = SolveStatus.OPTIMAL if code == cp_model.OPTIMAL else SolveStatus.FEASIBLE
-    log.debug("cpsat (graph): %s, objective %.6g s, bound %.6g s", status, found.solution.bottleneck_s, bound)
-    return finish_dag(data, "cpsat", status, found, bound, time.perf_counter() - t0, details)
+        m.add(var.bottleneck >= t[k])
 
 
-def _memory(m: Any, data: DagData, x: Any, before: Any) -> None:
+def _memory(m: Any, data: DagData, var: DagVars) -> None:
     """M_k <= cap_k for every stage whose layers could overflow it (bytes rounded up to units)."""
     n, p = data.num_layers, data.num_stages
+    x = var.x
     largest = max(max(data.capacity_bytes), float(data.mem_bytes.max(initial=0.0)), 1.0)
     unit = max(1.0, largest / MEMORY_UNITS)
     for k in range(p):
@@ -177,3 +159,31 @@ def _memory(m: Any, data: DagData, x: Any, before: Any) -> None:
                 m.add(b <= x(v - 1, k))
                 terms.append(-sh * b)
         m.add(sum(terms) <= cap_units)
+
+
+def _hint(m: Any, var: DagVars, stages: list[int] | tuple[int, ...]) -> None:
+    """An assignment as CP-SAT's solution hint (its order encoding)."""
+    for row, values in zip(var.y, dag.order_values(stages, len(var.t)), strict=True):
+        for yc, value in zip(row, values, strict=True):
+            m.add_hint(yc, value)
+
+
+def _extract(data: DagData, solver: Any, var: DagVars) -> DagPlan:
+    """The solver's assignment, priced exactly."""
+    return dag.price_order(data, [[int(solver.boolean_value(yc)) for yc in row] for row in var.y])
+
+
+def _tie_break(m: Any, solver: Any, data: DagData, var: DagVars, found: DagPlan, tick_s: float,
+               time_limit_s: float, details: dict[str, object]) -> DagPlan:
+    """Second solve: among assignments within the optimum, the least total stage time. A stage's
+    ticks round each layer down, so two plans of the same exact bottleneck can differ by up to
+    n ticks: the bound leaves room for n, and the answer is taken only if its exact bottleneck is
+    within those n ticks of the first answer's."""
+    n = data.num_layers
+    m.add(var.bottleneck <= int(solver.objective_value) + n)  # B <= B* + n
+    m.minimize(sum(var.t))  # minimise sum_k t_k
+    m.clear_hints()
+    _hint(m, var, found.stages)
+    if not solve_again(solver, m, time_limit_s, details):
+        return found
+    return dag.tie_break_winner(found, _extract(data, solver, var), n * tick_s)
