@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 from .errors import PartitionerError
 from .schedule import (
-    ACTION_KINDS,
     ALLREDUCE,
     PULL,
     PUSH,
@@ -50,17 +49,19 @@ from .schedule import (
     SEND_GRAD,
     STEP,
     Action,
+    ActionKind,
+    B,
+    F,
     match_key,
 )
 
-__all__ = ["KIND_CODE", "OP_OF_KIND", "DeadlockError", "Op", "WaveGroups", "raise_deadlock", "run_ops",
+__all__ = ["OP_OF_KIND", "DeadlockError", "Op", "WaveGroups", "raise_deadlock", "run_ops",
            "simulate_programs"]
 
-KIND_CODE = {k: i for i, k in enumerate(ACTION_KINDS)}
-# op codes of the event loop
+# op codes of the event loop, and the op that runs each action kind
 _COMPUTE, _SEND, _RECV, _STEP, _PUSH, _PULL, _COLL = range(7)
-OP_OF_KIND = {"F": _COMPUTE, "B": _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
-               RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL, ALLREDUCE: _COLL}
+OP_OF_KIND: dict[ActionKind, int] = {F: _COMPUTE, B: _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
+                                     RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL, ALLREDUCE: _COLL}
 
 
 class DeadlockError(PartitionerError):
@@ -326,7 +327,7 @@ def simulate_programs(programs: Sequence[Sequence[Action]], rank_worker: Sequenc
         row: list[Op] = []
         for a in prog:
             code = OP_OF_KIND[a.kind]
-            dur = fwd_s if a.kind == "F" else bwd_s if a.kind == "B" else 0.0
+            dur = fwd_s if a.kind == F else bwd_s if a.kind == B else 0.0
             if code in (_SEND, _RECV):
                 sender, d = match_key(a)[2], int(a.kind in (SEND_GRAD, RECV_GRAD))
                 key = ((a.micro_batch * 4096 + sender) * 2 + d) * 1024 + rank_worker[r]

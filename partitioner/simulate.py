@@ -18,7 +18,6 @@ import numpy as np
 from .cluster import Cluster
 from .cost import CostModel, CostOptions
 from .events import (
-    KIND_CODE,
     OP_OF_KIND,
     DeadlockError,
     Op,
@@ -40,7 +39,10 @@ from .schedule import (
     SEND_ACT,
     SEND_GRAD,
     STEP,
+    ActionKind,
+    B,
     Columns,
+    F,
     schedule_columns,
     spec,
     to_actions,
@@ -78,8 +80,8 @@ def _replicated_ranks(pipe: PipelinePlacement, cols: list[Columns], assign: list
     rank within the virtual worker). Each replica keeps its stage's order, so the lists stay
     deadlock-free (every wait is for an action earlier in the unreplicated schedule)."""
     base = np.cumsum([0] + [len(r) for r in pipe.replicas])
-    send_act, recv_act = KIND_CODE[SEND_ACT], KIND_CODE[RECV_ACT]
-    send_grad, recv_grad = KIND_CODE[SEND_GRAD], KIND_CODE[RECV_GRAD]
+    send_act, recv_act = SEND_ACT.code, RECV_ACT.code
+    send_grad, recv_grad = SEND_GRAD.code, RECV_GRAD.code
     out = []
     for k, devs in enumerate(pipe.replicas):
         kind, mb, stage, peer, version = cols[k]
@@ -141,12 +143,11 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     op_code = np.array([OP_OF_KIND[k] for k in ACTION_KINDS], dtype=np.int64)
     # message keys, equal for a send and its receive:
     # ((micro_batch * 4096 + sending stage) * 2 + direction) * 1024 + virtual worker
-    n_kinds = len(ACTION_KINDS)
-    sender_shift = np.array([0, 0, 0, -1, 0, 1, 0, 0, 0, 0])
-    direction = np.array([0, 0, 0, 0, 1, 1, 0, 0, 0, 0])
-    is_msg = np.isin(np.arange(n_kinds), [KIND_CODE[k] for k in (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)])
-    is_sync = np.isin(np.arange(n_kinds), [KIND_CODE[k] for k in (STEP, PUSH, PULL)])
-    ar_code = KIND_CODE[ALLREDUCE]
+    sender_shift = _per_kind({RECV_ACT: -1, RECV_GRAD: 1})  # a receive's sender is its stage -1 / +1
+    direction = _per_kind({SEND_GRAD: 1, RECV_GRAD: 1})
+    is_msg = _per_kind({SEND_ACT: 1, RECV_ACT: 1, SEND_GRAD: 1, RECV_GRAD: 1}).astype(bool)
+    is_sync = _per_kind({STEP: 1, PUSH: 1, PULL: 1}).astype(bool)
+    ar_code = ALLREDUCE.code
     for pipe in pipes:
         # a replicated position keeps one micro-batch in flight per replica downstream of it
         depths = ([sum(len(r) for r in pipe.replicas[k + 1:]) for k in range(pipe.ranks)]
@@ -171,12 +172,12 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
             fb = np.array([cost.fwd_bwd_s(gpu, a, b) for a, b in pipe.stages] + [(0.0, 0.0)])
             d = np.zeros(len(kind))
             lnk = np.full(len(kind), -1, dtype=np.int64)
-            d = np.where(kind == 0, fb[stage, 0], np.where(kind == 1, fb[stage, 1], d))
-            d = np.where(kind == KIND_CODE[STEP], sum(cost.update_s(gpu, a, b) for a, b in held), d)
+            d = np.where(kind == F.code, fb[stage, 0], np.where(kind == B.code, fb[stage, 1], d))
+            d = np.where(kind == STEP.code, sum(cost.update_s(gpu, a, b) for a, b in held), d)
             if pipe.replicas and len(pipe.replicas[r]) > 1:  # PUSH first sums the replicas' parts (blocking)
                 local = cost.allreduce_s(sum(cost.param_bytes(a, b) for a, b in held), pipe.replicas[r])
-                d = np.where(kind == KIND_CODE[PUSH], local, d)
-            for send, nbytes in ((KIND_CODE[SEND_ACT], boundary_out), (KIND_CODE[SEND_GRAD], boundary_in)):
+                d = np.where(kind == PUSH.code, local, d)
+            for send, nbytes in ((SEND_ACT.code, boundary_out), (SEND_GRAD.code, boundary_in)):
                 rows = np.flatnonzero(kind == send)
                 if not len(rows):
                     continue
@@ -216,12 +217,20 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
                       weights, notes, wave_groups)
 
 
+def _per_kind(values: dict[ActionKind, int]) -> np.ndarray:
+    """An array indexed by kind code: ``values[kind]``, 0 for the kinds not named."""
+    out = np.zeros(len(ACTION_KINDS), dtype=np.int64)
+    for k, v in values.items():
+        out[k.code] = v
+    return out
+
+
 def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
     """Insert one ALLREDUCE per sync group (``peer`` = the group) before every STEP of a rank."""
     kind, mb, stage, peer, version = cols
     if not groups:
         return cols
-    at = np.flatnonzero(kind == KIND_CODE[STEP])
+    at = np.flatnonzero(kind == STEP.code)
     if not len(at):
         return cols
     pos = np.repeat(at, len(groups))
@@ -239,7 +248,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
     batching = plan.micro_batching
     n_workers = max(rank_worker) + 1
     wave = spec(sched).sync == "wave"
-    boundary = KIND_CODE[PUSH] if wave else KIND_CODE[STEP]
+    boundary = PUSH.code if wave else STEP.code
     offset = 0 if wave else 1  # STEP(v) ends iteration v - 1; PUSH(c) ends wave c
     st_col = [np.asarray(x, dtype=np.float64) for x in starts]
     en_col = [np.asarray(x, dtype=np.float64) for x in ends]
@@ -271,12 +280,12 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
     versions: dict[str, int] = {}
     for r, (kind, mb, stage, _, version) in enumerate(columns):
         name, st, en = names[r], st_col[r], en_col[r]
-        comp = kind <= 1
+        comp = (kind == F.code) | (kind == B.code)
         lo, hi, _ = windows[rank_worker[r]]
         busy = np.clip(np.minimum(en[comp], hi) - np.maximum(st[comp], lo), 0.0, None).sum()
         bubble[name] = float(1.0 - busy / (hi - lo)) if hi > lo else 0.0
         # activations held: +saved at each forward, -saved at each backward, in program order
-        sign = 1 - 2 * kind[comp].astype(np.int64)
+        sign = np.where(kind[comp] == F.code, 1, -1)
         saved = act_bytes[r][stage[comp]]
         if plan.first_slices > 1:  # a slice of the first micro-batch holds its share of the activations
             saved = np.where(mb[comp] % batching.count < batching.first_slices, saved / batching.first_slices, saved)
@@ -306,12 +315,12 @@ def _live_versions(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, version:
     current, peak = 0, 1
     live: dict[int, int] = {0: 1}  # version -> references (the current version holds one)
     used: dict[tuple[int, int], int] = {}
-    step = KIND_CODE[STEP]
+    fwd, bwd, step = F.code, B.code, STEP.code
     for k, j, s, v in zip(kind.tolist(), mb.tolist(), stage.tolist(), version.tolist(), strict=True):
-        if k == 0:
+        if k == fwd:
             used[(j, s)] = current
             live[current] += 1
-        elif k == 1:
+        elif k == bwd:
             u = used.pop((j, s))
             live[u] -= 1
             if live[u] == 0:
@@ -329,7 +338,7 @@ def _live_versions(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, version:
 def _clock_gaps(columns: list[Columns], ends: list[np.ndarray], groups: WaveGroups | None) -> tuple[int, ...]:
     """At each PULL's end: the rank's clock (waves it has pushed) minus the least clock of the
     holders of its layers (the ranks of its holder sets, over every virtual worker)."""
-    push, pull = KIND_CODE[PUSH], KIND_CODE[PULL]
+    push, pull = PUSH.code, PULL.code
     pushed = [np.sort(ends[r][kind == push]) for r, (kind, *_) in enumerate(columns)]
     members: dict[int, set[int]] = {}
     if groups is not None:
