@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -189,3 +191,21 @@ def test_a_malformed_compact_action_is_one_line_naming_the_field(text: str) -> N
     with pytest.raises(FormatError, match=r"^action = .*must read \[stage\]KIND"):
         Action.from_str(text)
 
+
+def test_no_module_but_the_schedule_spells_action_kinds_or_their_codes() -> None:
+    """The kinds' names and codes are said in partitioner/schedule.py only: elsewhere in the core
+    and the runtime a kind is ``ActionKind.X`` (or its alias) and a code ``X.code``."""
+    root = Path(__file__).resolve().parents[1]
+    names = set(ActionKind.__members__)
+    found = []
+    for pkg in ("partitioner", "runtime"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            if path == root / "partitioner" / "schedule.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and node.value in names:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+                elif (isinstance(node, ast.Compare) and "kind" in ast.unparse(node.left)
+                      and any(isinstance(c, ast.Constant) and type(c.value) is int for c in node.comparators)):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found
