@@ -269,7 +269,7 @@ class Action(NamedTuple):
         """The compact form ``[stage]KIND[micro_batch][(version)][@peer]``, fields at -1 left
         out: ``2F0`` (stage 2's forward of micro-batch 0), ``1SEND_ACT3@2``, ``STEP(1)``,
         ``ALLREDUCE(1)@0`` (sync group 0). :meth:`from_str` reads it back."""
-        return "".join((str(self.stage) if self.stage >= 0 else "", self.kind.value,
+        return "".join((str(self.stage) if self.stage >= 0 else "", str(self.kind),
                         str(self.micro_batch) if self.micro_batch >= 0 else "",
                         f"({self.version})" if self.version >= 0 else "",
                         f"@{self.peer}" if self.peer >= 0 else ""))
