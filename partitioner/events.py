@@ -27,20 +27,22 @@ runtime implements):
 
 The loop keeps one program counter per rank and a heap of runnable ranks keyed by their
 clock, so work is done in time order (which makes first-come-first-served links exact) and
-a blocked rank costs nothing until its message arrives. If ranks remain blocked when nothing
-can run, the schedule deadlocks: :class:`DeadlockError` names the ranks of the wait cycle.
+a blocked rank costs nothing until its message arrives. Compute, sends, receives and steps
+are timed in :func:`run_ops`'s own loop, with its state in local variables; the rarer ops that
+synchronise ranks (all-reduce, push, pull) by the methods of :class:`_SyncOps`. If ranks remain
+blocked when nothing can run, the schedule deadlocks: :class:`DeadlockError` names the ranks of
+the wait cycle.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import PartitionerError
 from .schedule import (
-    ACTION_KINDS,
     ALLREDUCE,
     PULL,
     PUSH,
@@ -50,17 +52,19 @@ from .schedule import (
     SEND_GRAD,
     STEP,
     Action,
+    ActionKind,
+    B,
+    F,
     match_key,
 )
 
-__all__ = ["KIND_CODE", "OP_OF_KIND", "DeadlockError", "Op", "WaveGroups", "raise_deadlock", "run_ops",
+__all__ = ["OP_OF_KIND", "DeadlockError", "Op", "WaveGroups", "raise_deadlock", "run_ops",
            "simulate_programs"]
 
-KIND_CODE = {k: i for i, k in enumerate(ACTION_KINDS)}
-# op codes of the event loop
+# op codes of the event loop, and the op that runs each action kind
 _COMPUTE, _SEND, _RECV, _STEP, _PUSH, _PULL, _COLL = range(7)
-OP_OF_KIND = {"F": _COMPUTE, "B": _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
-               RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL, ALLREDUCE: _COLL}
+OP_OF_KIND: dict[ActionKind, int] = {F: _COMPUTE, B: _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
+                                     RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL, ALLREDUCE: _COLL}
 
 
 class DeadlockError(PartitionerError):
@@ -95,6 +99,174 @@ class WaveGroups:
                 raise ValueError(f"set {g}: size {n} and seconds {t}; need size >= 1 and finite seconds >= 0")
 
 
+class _SyncOps:
+    """The ops that make ranks wait for each other beyond a message: ``ALLREDUCE`` collectives and
+    WSP's ``PUSH`` / ``PULL`` (with holder sets, or between whole virtual workers). They are rare
+    (a few per rank and iteration), so :func:`run_ops` hands them here and keeps its own loop to
+    compute, sends and receives. Each method times op ``i`` of rank ``r`` from ``t`` and returns
+    when the rank goes on, or ``None`` when it blocks (it is then queued to resume and pushed
+    back on the heap when what it waits for happens).
+
+    State shared with the loop: ``starts`` / ``ends`` (per rank), ``blocked`` (when a rank
+    began to wait, -1 when it does not) and the ``heap`` of runnable ranks.
+    """
+
+    __slots__ = ("ar_count", "ar_done", "ar_latest", "ar_wait", "blocked", "coll_count", "coll_end", "coll_latest",
+                 "coll_size", "coll_wait", "ends", "heap", "n_workers", "pull_wait", "push_end", "pushes",
+                 "rank_worker", "starts", "wave_groups", "worker_size")
+
+    def __init__(self, starts: list[list[float]], ends: list[list[float]], blocked: list[float],
+                 heap: list[tuple[float, int]], rank_worker: Sequence[int],
+                 collective_size: Mapping[int, int] | None, wave_groups: WaveGroups | None) -> None:
+        self.starts, self.ends, self.blocked, self.heap = starts, ends, blocked, heap
+        self.rank_worker = rank_worker
+        self.wave_groups = wave_groups
+        # ALLREDUCE: key -> members, arrivals so far, latest arrival, finish, ranks waiting
+        self.coll_size = collective_size or {}
+        self.coll_count: dict[int, int] = {}
+        self.coll_latest: dict[int, float] = {}
+        self.coll_end: dict[int, float] = {}
+        self.coll_wait: dict[int, list[int]] = {}
+        # WSP without holder sets: wave -> pushes counted per worker, latest push end per worker
+        self.n_workers = max(rank_worker, default=-1) + 1
+        self.worker_size = [0] * self.n_workers
+        for w in rank_worker:
+            self.worker_size[w] += 1
+        self.pushes: dict[int, list[int]] = {}
+        self.push_end: dict[int, list[float]] = {}
+        self.pull_wait: dict[int, list[int]] = {}
+        # WSP with holder sets: (set, wave) -> pushes so far, latest push end, completion time
+        self.ar_count: dict[tuple[int, int], int] = {}
+        self.ar_latest: dict[tuple[int, int], float] = {}
+        self.ar_done: dict[tuple[int, int], float] = {}
+        self.ar_wait: dict[tuple[int, int], list[int]] = {}
+
+    def handlers(self) -> tuple[Callable[[int, int, float, float, int], float | None], ...]:
+        """Indexed by op code: the method that times that op, ``(r, i, t, dur, key)`` -> when
+        the rank goes on or ``None`` (one that refuses, for the ops :func:`run_ops` times itself)."""
+        wave = self.wave_groups is not None
+        out: list[Callable[[int, int, float, float, int], float | None]] = [self._not_mine] * 7
+        out[_COLL] = self.allreduce
+        out[_PUSH] = self.wave_push if wave else self.push
+        out[_PULL] = self.wave_pull if wave else self.pull
+        return tuple(out)
+
+    def _not_mine(self, r: int, i: int, t: float, dur: float, key: int) -> float | None:
+        raise AssertionError(f"rank {r} op {i}: timed by run_ops, not by the synchronising ops")
+
+    def _resumed(self, r: int, i: int, t: float) -> None:
+        """The op's start: where a resumed wait blocked, else ``t``."""
+        blocked = self.blocked
+        self.starts[r][i] = blocked[r] if blocked[r] >= 0 else t
+        blocked[r] = -1.0
+
+    def allreduce(self, r: int, i: int, t: float, dur: float, key: int) -> float | None:
+        """Members block until the last one arrives; all finish ``dur`` after that."""
+        finish = self.coll_end.get(key)
+        if finish is None:
+            arrived = self.coll_count[key] = self.coll_count.get(key, 0) + 1
+            self.coll_latest[key] = max(self.coll_latest.get(key, 0.0), t)
+            if arrived < self.coll_size.get(key, 1):
+                self.blocked[r] = t
+                self.coll_wait.setdefault(key, []).append(r)
+                return None
+            finish = self.coll_end[key] = self.coll_latest[key] + dur
+            for q in self.coll_wait.pop(key, []):
+                heapq.heappush(self.heap, (finish, q))
+        blocked = self.blocked
+        self.starts[r][i] = blocked[r] if blocked[r] >= 0 else t  # a resumed wait starts where it blocked
+        blocked[r] = -1.0
+        self.ends[r][i] = finish
+        return finish
+
+    def wave_push(self, r: int, i: int, t: float, dur: float, key: int) -> float:
+        """Local work, then count the push in each holder set of the rank; a set's all-reduce of
+        the wave completes its time after its last holder's push."""
+        groups = self.wave_groups
+        assert groups is not None
+        self.starts[r][i] = t
+        t += dur
+        self.ends[r][i] = t
+        count, latest = self.ar_count, self.ar_latest
+        for g in groups.of_rank[r]:
+            k = (g, key)
+            pushed = count[k] = count.get(k, 0) + 1
+            latest[k] = max(latest.get(k, 0.0), t)
+            if pushed == groups.size[g]:
+                done = self.ar_done[k] = latest[k] + groups.seconds[g]
+                for q in self.ar_wait.pop(k, []):
+                    heapq.heappush(self.heap, (max(done, self.blocked[q]), q))
+        return t
+
+    def wave_pull(self, r: int, i: int, t: float, dur: float, key: int) -> float | None:
+        """Wait until every all-reduce of wave ``key`` the rank belongs to is complete."""
+        assert self.wave_groups is not None
+        of_rank, done, blocked = self.wave_groups.of_rank[r], self.ar_done, self.blocked
+        missing = next((g for g in of_rank if (g, key) not in done), -1)
+        if missing >= 0:  # resumed when that all-reduce completes; then checked again
+            self.ar_wait.setdefault((missing, key), []).append(r)
+            if blocked[r] < 0:
+                blocked[r] = t
+            return None
+        ready = 0.0
+        for g in of_rank:
+            ready = max(ready, done[(g, key)])
+        self.starts[r][i] = blocked[r] if blocked[r] >= 0 else t  # a resumed wait starts where it blocked
+        blocked[r] = -1.0
+        t = max(t, ready) + dur
+        self.ends[r][i] = t
+        return t
+
+    def push(self, r: int, i: int, t: float, dur: float, key: int) -> float:
+        """Local work, then count the push of the rank's worker; once the worker has pushed the
+        wave, wake the pulls it lets go on."""
+        self.starts[r][i] = t
+        t += dur
+        self.ends[r][i] = t
+        worker = self.rank_worker[r]
+        cnt = self.pushes.setdefault(key, [0] * self.n_workers)
+        ends_w = self.push_end.setdefault(key, [0.0] * self.n_workers)
+        cnt[worker] += 1
+        ends_w[worker] = max(ends_w[worker], t)
+        if cnt[worker] == self.worker_size[worker] and key in self.pull_wait:
+            still = []
+            for q in self.pull_wait.pop(key):
+                when = self.pull_ready(key, self.rank_worker[q])
+                if when is None:
+                    still.append(q)
+                else:
+                    heapq.heappush(self.heap, (max(when, self.blocked[q]), q))
+            if still:
+                self.pull_wait[key] = still
+        return t
+
+    def pull(self, r: int, i: int, t: float, dur: float, key: int) -> float | None:
+        """Wait until every other virtual worker has pushed wave ``key``."""
+        when = self.pull_ready(key, self.rank_worker[r])
+        if when is None:
+            self.blocked[r] = t
+            self.pull_wait.setdefault(key, []).append(r)
+            return None
+        self._resumed(r, i, t)
+        t = max(t, when) + dur
+        self.ends[r][i] = t
+        return t
+
+    def pull_ready(self, wave: int, worker: int) -> float | None:
+        """When every other worker has pushed ``wave`` (its latest push), or ``None`` if one has not."""
+        cnt, end = self.pushes.get(wave), self.push_end.get(wave)
+        if cnt is None or end is None:
+            return None if self.n_workers > 1 else 0.0
+        when = 0.0
+        for b in range(self.n_workers):
+            if b == worker:
+                continue
+            if cnt[b] < self.worker_size[b]:
+                return None
+            when = max(when, end[b])
+        return when
+
+
 def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bool, n_links: int,
             collective_size: Mapping[int, int] | None = None, wave_groups: WaveGroups | None = None,
             ) -> tuple[list[list[float]], list[list[float]], list[int]]:
@@ -102,17 +274,13 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
 
     ``collective_size[key]`` is the number of members of the all-reduce ``key``; ``wave_groups``
     the holder sets of WSP's asynchronous all-reduces (``None``: a ``PULL`` waits for the other
-    virtual workers' pushes, with no all-reduce time)."""
-    coll_size = collective_size or {}
-    coll_count: dict[int, int] = {}
-    coll_latest: dict[int, float] = {}
-    coll_end: dict[int, float] = {}
-    coll_wait: dict[int, list[int]] = {}
+    virtual workers' pushes, with no all-reduce time).
+
+    The simulator's hot loop: compute, sends, receives and steps are timed inline, with the
+    state in local variables; the rare ops that synchronise ranks go to :class:`_SyncOps`.
+    ``limit`` is always the earliest clock on the heap: a rank runs on until it passes it.
+    """
     n_ranks = len(ops)
-    n_workers = max(rank_worker, default=-1) + 1
-    worker_size = [0] * n_workers
-    for w in rank_worker:
-        worker_size[w] += 1
     starts = [[0.0] * len(o) for o in ops]
     ends = [[0.0] * len(o) for o in ops]
     pc = [0] * n_ranks
@@ -120,30 +288,10 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
     arrival: dict[int, float] = {}
     waiting: dict[int, int] = {}
     link_free = [0.0] * max(n_links, 1)
-    pushes: dict[int, list[int]] = {}  # wave -> pushes counted per worker
-    push_end: dict[int, list[float]] = {}  # wave -> latest push end per worker
-    pull_wait: dict[int, list[int]] = {}
-    # WSP with holder sets: (set, wave) -> pushes so far, latest push end, completion time
-    ar_count: dict[tuple[int, int], int] = {}
-    ar_latest: dict[tuple[int, int], float] = {}
-    ar_done: dict[tuple[int, int], float] = {}
-    ar_wait: dict[tuple[int, int], list[int]] = {}
     heap = [(0.0, r) for r in range(n_ranks)]
+    sync = _SyncOps(starts, ends, blocked, heap, rank_worker, collective_size, wave_groups).handlers()
     heappush, heappop = heapq.heappush, heapq.heappop
     inf = math.inf
-
-    def pull_ready(wave: int, worker: int) -> float | None:
-        cnt, end = pushes.get(wave), push_end.get(wave)
-        if cnt is None or end is None:
-            return None if n_workers > 1 else 0.0
-        when = 0.0
-        for b in range(n_workers):
-            if b == worker:
-                continue
-            if cnt[b] < worker_size[b]:
-                return None
-            when = max(when, end[b])
-        return when
 
     while heap:
         t, r = heappop(heap)
@@ -187,80 +335,12 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
                 st[i] = t
                 t += dur
                 en[i] = t
-            elif code == _COLL:
-                finish = coll_end.get(key)
-                if finish is None:
-                    arrived = coll_count[key] = coll_count.get(key, 0) + 1
-                    coll_latest[key] = max(coll_latest.get(key, 0.0), t)
-                    if arrived < coll_size.get(key, 1):
-                        blocked[r] = t
-                        coll_wait.setdefault(key, []).append(r)
-                        break
-                    finish = coll_end[key] = coll_latest[key] + dur
-                    for q in coll_wait.pop(key, []):
-                        heappush(heap, (finish, q))
-                    limit = heap[0][0] if heap else inf
-                st[i] = blocked[r] if blocked[r] >= 0 else t
-                blocked[r] = -1.0
-                t = finish
-                en[i] = t
-            elif code == _PUSH and wave_groups is not None:
-                st[i] = t
-                t += dur
-                en[i] = t
-                for g in wave_groups.of_rank[r]:
-                    k = (g, key)
-                    ar_count[k] = ar_count.get(k, 0) + 1
-                    ar_latest[k] = max(ar_latest.get(k, 0.0), t)
-                    if ar_count[k] == wave_groups.size[g]:
-                        done = ar_done[k] = ar_latest[k] + wave_groups.seconds[g]
-                        for q in ar_wait.pop(k, []):
-                            heappush(heap, (max(done, blocked[q]), q))
-                        limit = heap[0][0] if heap else inf
-            elif code == _PULL and wave_groups is not None:
-                ready = 0.0
-                missing = next((g for g in wave_groups.of_rank[r] if (g, key) not in ar_done), -1)
-                if missing >= 0:  # resumed when that all-reduce completes; then checked again
-                    ar_wait.setdefault((missing, key), []).append(r)
-                    if blocked[r] < 0:
-                        blocked[r] = t
+            else:
+                goes_on = sync[code](r, i, t, dur, key)
+                if goes_on is None:
                     break
-                for g in wave_groups.of_rank[r]:
-                    ready = max(ready, ar_done[(g, key)])
-                st[i] = blocked[r] if blocked[r] >= 0 else t  # a resumed wait starts where it blocked
-                blocked[r] = -1.0
-                t = max(t, ready) + dur
-                en[i] = t
-            elif code == _PUSH:
-                st[i] = t
-                t += dur
-                en[i] = t
-                worker = rank_worker[r]
-                cnt = pushes.setdefault(key, [0] * n_workers)
-                ends_w = push_end.setdefault(key, [0.0] * n_workers)
-                cnt[worker] += 1
-                ends_w[worker] = max(ends_w[worker], t)
-                if cnt[worker] == worker_size[worker] and key in pull_wait:
-                    still = []
-                    for q in pull_wait.pop(key):
-                        when = pull_ready(key, rank_worker[q])
-                        if when is None:
-                            still.append(q)
-                        else:
-                            heappush(heap, (max(when, blocked[q]), q))
-                    if still:
-                        pull_wait[key] = still
-                    limit = heap[0][0] if heap else inf
-            else:  # _PULL
-                when = pull_ready(key, rank_worker[r])
-                if when is None:
-                    blocked[r] = t
-                    pull_wait.setdefault(key, []).append(r)
-                    break
-                st[i] = blocked[r] if blocked[r] >= 0 else t  # a resumed wait starts where it blocked
-                blocked[r] = -1.0
-                t = max(t, when) + dur
-                en[i] = t
+                t = goes_on
+                limit = heap[0][0] if heap else inf
             i += 1
             if t > limit:
                 heappush(heap, (t, r))
@@ -326,7 +406,7 @@ def simulate_programs(programs: Sequence[Sequence[Action]], rank_worker: Sequenc
         row: list[Op] = []
         for a in prog:
             code = OP_OF_KIND[a.kind]
-            dur = fwd_s if a.kind == "F" else bwd_s if a.kind == "B" else 0.0
+            dur = fwd_s if a.kind == F else bwd_s if a.kind == B else 0.0
             if code in (_SEND, _RECV):
                 sender, d = match_key(a)[2], int(a.kind in (SEND_GRAD, RECV_GRAD))
                 key = ((a.micro_batch * 4096 + sender) * 2 + d) * 1024 + rank_worker[r]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -84,20 +85,40 @@ __all__ = [
 ]
 
 class ActionKind(str, enum.Enum):
-    """What an action does (the module docstring says each one's meaning). A ``str`` enum: a
-    kind equals its name (``ActionKind.F == "F"``); :attr:`code` is its index in
-    :data:`ACTION_KINDS`, the ``kind`` column of :func:`schedule_columns`."""
+    """What an action does (the module docstring says each one's meaning): the one definition of
+    the kinds, their codes and their names.
 
-    F = "F"
-    B = "B"
-    SEND_ACT = "SEND_ACT"
-    RECV_ACT = "RECV_ACT"
-    SEND_GRAD = "SEND_GRAD"
-    RECV_GRAD = "RECV_GRAD"
-    STEP = "STEP"
-    PUSH = "PUSH"
-    PULL = "PULL"
-    ALLREDUCE = "ALLREDUCE"
+    A ``str`` enum: a kind equals its name (``ActionKind.F == "F"``), the token of the compact
+    form of an :class:`Action` (``2F0``). :attr:`code` is its code in the ``kind`` column of
+    :func:`schedule_columns` and of a timeline (its index in :data:`ACTION_KINDS`); :attr:`label`
+    says it in words; :attr:`category` is the kind of work it is: ``forward``, ``backward``,
+    ``send``, ``wait`` (a receive), ``step`` (the optimizer), ``allreduce`` (a collective among
+    the devices holding the same layers) or ``wsp`` (WSP's push and pull).
+    """
+
+    _value_: str
+    code: int
+    label: str
+    category: str
+
+    def __new__(cls, name: str, code: int, label: str, category: str) -> ActionKind:
+        member = str.__new__(cls, name)
+        member._value_ = name
+        member.code = code
+        member.label = label
+        member.category = category
+        return member
+
+    F = ("F", 0, "forward", "forward")
+    B = ("B", 1, "backward", "backward")
+    SEND_ACT = ("SEND_ACT", 2, "activation send", "send")
+    RECV_ACT = ("RECV_ACT", 3, "activation receive", "wait")
+    SEND_GRAD = ("SEND_GRAD", 4, "gradient send", "send")
+    RECV_GRAD = ("RECV_GRAD", 5, "gradient receive", "wait")
+    STEP = ("STEP", 6, "optimizer step", "step")
+    PUSH = ("PUSH", 7, "WSP push", "wsp")
+    PULL = ("PULL", 8, "WSP pull", "wsp")
+    ALLREDUCE = ("ALLREDUCE", 9, "gradient all-reduce", "allreduce")
 
     def __str__(self) -> str:
         return self.value
@@ -105,20 +126,22 @@ class ActionKind(str, enum.Enum):
     def __format__(self, format_spec: str) -> str:
         return format(self.value, format_spec)
 
-    @property
-    def code(self) -> int:
-        return _CODE[self]
+    @classmethod
+    def from_code(cls, code: int) -> ActionKind:
+        """The kind of a ``kind`` column entry."""
+        return ACTION_KINDS[code]
 
 
-ACTION_KINDS = tuple(ActionKind)
-_CODE = {k: i for i, k in enumerate(ACTION_KINDS)}
+ACTION_KINDS: tuple[ActionKind, ...] = tuple(sorted(ActionKind, key=lambda k: k.code))
+"""Every kind, indexed by its :attr:`ActionKind.code`."""
 F, B = ActionKind.F, ActionKind.B
 SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
 SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
 STEP, PUSH, PULL, ALLREDUCE = ActionKind.STEP, ActionKind.PUSH, ActionKind.PULL, ActionKind.ALLREDUCE
-# the ``kind`` column's codes
-_F, _B, _SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD, _STEP, _PUSH, _PULL, _ALLREDUCE = range(len(ACTION_KINDS))
 COMPUTE_KINDS = (F, B)
+# the ``kind`` column's codes, for the vectorised builders below
+_F, _B, _STEP, _PUSH, _PULL = F.code, B.code, STEP.code, PUSH.code, PULL.code
+_SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD = SEND_ACT.code, RECV_ACT.code, SEND_GRAD.code, RECV_GRAD.code
 
 
 @dataclass(frozen=True)
@@ -241,6 +264,34 @@ class Action(NamedTuple):
     stage: int = -1
     peer: int = -1
     version: int = -1
+
+    def __repr__(self) -> str:
+        """The compact form ``[stage]KIND[micro_batch][(version)][@peer]``, fields at -1 left
+        out: ``2F0`` (stage 2's forward of micro-batch 0), ``1SEND_ACT3@2``, ``STEP(1)``,
+        ``ALLREDUCE(1)@0`` (sync group 0). :meth:`from_str` reads it back."""
+        return "".join((str(self.stage) if self.stage >= 0 else "", str(self.kind),
+                        str(self.micro_batch) if self.micro_batch >= 0 else "",
+                        f"({self.version})" if self.version >= 0 else "",
+                        f"@{self.peer}" if self.peer >= 0 else ""))
+
+    def __str__(self) -> str:
+        return self.__repr__()
+
+    @classmethod
+    def from_str(cls, text: str) -> Action:
+        """The action whose compact form (:meth:`__repr__`) is ``text``."""
+        m = _COMPACT.fullmatch(text.strip())
+        if m is None or m["kind"] not in ActionKind.__members__:
+            raise FormatError("action", text, f"must read [stage]KIND[micro_batch][(version)][@peer] with KIND "
+                              f"one of {', '.join(ActionKind.__members__)}, e.g. 2F0, STEP(1)")
+
+        def number(group: str) -> int:
+            return int(m[group]) if m[group] is not None else -1
+
+        return cls(ActionKind[m["kind"]], number("micro_batch"), number("stage"), number("peer"), number("version"))
+
+
+_COMPACT = re.compile(r"(?P<stage>\d+)?(?P<kind>[A-Z_]+)(?P<micro_batch>\d+)?(?:\((?P<version>\d+)\))?(?:@(?P<peer>\d+))?")
 
 
 def stage_rank(stage: int, ranks: int) -> int:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .cluster import Cluster
-from .cost import CostModel, CostOptions
+from .cost import CostModel, CostOptions, SyncGroup
 from .events import (
-    KIND_CODE,
     OP_OF_KIND,
     DeadlockError,
     Op,
@@ -40,7 +40,10 @@ from .schedule import (
     SEND_ACT,
     SEND_GRAD,
     STEP,
+    ActionKind,
+    B,
     Columns,
+    F,
     schedule_columns,
     spec,
     to_actions,
@@ -78,8 +81,8 @@ def _replicated_ranks(pipe: PipelinePlacement, cols: list[Columns], assign: list
     rank within the virtual worker). Each replica keeps its stage's order, so the lists stay
     deadlock-free (every wait is for an action earlier in the unreplicated schedule)."""
     base = np.cumsum([0] + [len(r) for r in pipe.replicas])
-    send_act, recv_act = KIND_CODE[SEND_ACT], KIND_CODE[RECV_ACT]
-    send_grad, recv_grad = KIND_CODE[SEND_GRAD], KIND_CODE[RECV_GRAD]
+    send_act, recv_act = SEND_ACT.code, RECV_ACT.code
+    send_grad, recv_grad = SEND_GRAD.code, RECV_GRAD.code
     out = []
     for k, devs in enumerate(pipe.replicas):
         kind, mb, stage, peer, version = cols[k]
@@ -98,122 +101,184 @@ def _replicated_ranks(pipe: PipelinePlacement, cols: list[Columns], assign: list
     return out
 
 
+@dataclass(frozen=True)
+class _Sync:
+    """A plan's data-parallel synchronisation as the simulator runs it: the gradient all-reduce
+    groups of flushing schedules (their times, and each device's groups) and WSP's holder sets
+    (each device's sets)."""
+
+    groups: tuple[SyncGroup, ...]
+    group_s: tuple[float, ...]
+    groups_of: dict[str, list[int]]
+    wave: tuple[SyncGroup, ...]
+    wave_of: dict[str, list[int]]
+
+    @classmethod
+    def of(cls, plan: Plan, cost: CostModel) -> _Sync:
+        groups, wave = cost.sync_groups(plan), cost.wave_groups(plan)
+        return cls(groups, tuple(cost.sync_s(g) for g in groups), _members(groups), wave, _members(wave))
+
+
+def _members(groups: tuple[SyncGroup, ...]) -> dict[str, list[int]]:
+    """Device -> the indices of the groups it belongs to."""
+    out: dict[str, list[int]] = {}
+    for gi, g in enumerate(groups):
+        for holder in g.devices:
+            out.setdefault(holder, []).append(gi)
+    return out
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """Every rank of the run, in order: its columns, priced ops, device, virtual worker,
+    activation bytes per stage and the layer ranges it holds; with the links and the
+    all-reduces' member counts they share."""
+
+    columns: list[Columns] = field(default_factory=list)
+    ops: list[list[Op]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    rank_worker: list[int] = field(default_factory=list)
+    act_bytes: list[np.ndarray] = field(default_factory=list)
+    weights: list[list[tuple[int, int]]] = field(default_factory=list)
+    coll_size: dict[int, int] = field(default_factory=dict)
+    links: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def link_of(self, cluster: Cluster, a: str, b: str) -> int:
+        """The link a transfer from device ``a`` to ``b`` uses: the device pair in a node, the
+        node pair between nodes (numbered in the order first used)."""
+        da, db = cluster.device(a), cluster.device(b)
+        k = (a, b) if da.node == db.node else (da.node, db.node)
+        return self.links.setdefault(k, len(self.links))
+
+
 def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None = None,
                   iterations: int | None = None, *, cost: CostModel | None = None) -> Timeline:
     """Simulate ``plan`` under its schedule with the cost model; see :class:`Timeline`. ``cost``:
     the :class:`CostModel` of ``profile``, ``cluster`` and ``options`` when the caller has one."""
     cost = cost or CostModel(plan.profile_view(profile), cluster, options)
     sched = plan.schedule
-    # A first micro-batch in s slices runs as s micro-batches of 1/s the work, then m - 1 whole ones.
-    n_slices = plan.first_slices
-    m_run = plan.micro_batching.count
     n_iter = iterations if iterations is not None else default_iterations(sched, plan.staleness)
     pipes = place(plan)
     notes: list[str] = []
-    groups = cost.sync_groups(plan)
-    wave = cost.wave_groups(plan)
-    wave_of: dict[str, list[int]] = {}
-    for gi, g in enumerate(wave):
-        for holder in g.devices:
-            wave_of.setdefault(holder, []).append(gi)
-    group_s = [cost.sync_s(g) for g in groups]
-    groups_of: dict[str, list[int]] = {}
-    for gi, g in enumerate(groups):
-        for holder in g.devices:
-            groups_of.setdefault(holder, []).append(gi)
+    sync = _Sync.of(plan, cost)
     if len(pipes) > 1 and spec(sched).sync == "allreduce" and not cost.options.sync:
         notes.append(f"{len(pipes)} virtual workers simulated as independent pipelines; the gradient "
                      f"all-reduce between them is not priced (sync off)")
-    coll_size: dict[int, int] = {}
-    links: dict[tuple[str, str], int] = {}
-
-    def link_of(a: str, b: str) -> int:
-        da, db = cluster.device(a), cluster.device(b)
-        k = (a, b) if da.node == db.node else (da.node, db.node)
-        return links.setdefault(k, len(links))
-
-    columns: list[Columns] = []
-    ops: list[list[Op]] = []
-    names: list[str] = []
-    rank_worker: list[int] = []
-    act_bytes: list[np.ndarray] = []  # per rank: activation bytes of each stage (global index)
-    weights: list[list[tuple[int, int]]] = []  # per rank: layer ranges it holds
-    op_code = np.array([OP_OF_KIND[k] for k in ACTION_KINDS], dtype=np.int64)
-    # message keys, equal for a send and its receive:
-    # ((micro_batch * 4096 + sending stage) * 2 + direction) * 1024 + virtual worker
-    n_kinds = len(ACTION_KINDS)
-    sender_shift = np.array([0, 0, 0, -1, 0, 1, 0, 0, 0, 0])
-    direction = np.array([0, 0, 0, 0, 1, 1, 0, 0, 0, 0])
-    is_msg = np.isin(np.arange(n_kinds), [KIND_CODE[k] for k in (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)])
-    is_sync = np.isin(np.arange(n_kinds), [KIND_CODE[k] for k in (STEP, PUSH, PULL)])
-    ar_code = KIND_CODE[ALLREDUCE]
+    ranks = _Ranks()
     for pipe in pipes:
-        # a replicated position keeps one micro-batch in flight per replica downstream of it
-        depths = ([sum(len(r) for r in pipe.replicas[k + 1:]) for k in range(pipe.ranks)]
-                  if pipe.replicas else None)
-        cols = schedule_columns(sched, pipe.ranks, m_run, plan.chunks, n_iter, plan.staleness, depths)
-        p, n_st, w = pipe.ranks, len(pipe.stages), pipe.worker
-        if pipe.replicas:
-            assign = [replica_shares([cost.compute_s(cluster.device(d).gpu_type, a, b) for d in devs], m_run)
-                      for devs, (a, b) in zip(pipe.replicas, pipe.stages, strict=True)]
-            ranks = _replicated_ranks(pipe, cols, assign, m_run)
-        else:
-            ranks = [(pipe.devices[r], r, cols[r]) for r in range(p)]
-        rank_dev = [dev for dev, _, _ in ranks]  # rank within the worker -> device
-        saved = np.array([cost.activation_bytes(a, b) for a, b in pipe.stages])
-        boundary_out = np.array([cost.boundary_bytes(b) for _, b in pipe.stages])
-        boundary_in = np.array([cost.boundary_bytes(a) for a, _ in pipe.stages])
-        for dev, r, col in ranks:
-            col = _with_allreduce(col, groups_of.get(dev, []), ar_code)
-            kind, mb, stage, peer, version = col
-            held = pipe.stages[r::p]
-            gpu = cluster.device(dev).gpu_type
-            fb = np.array([cost.fwd_bwd_s(gpu, a, b) for a, b in pipe.stages] + [(0.0, 0.0)])
-            d = np.zeros(len(kind))
-            lnk = np.full(len(kind), -1, dtype=np.int64)
-            d = np.where(kind == 0, fb[stage, 0], np.where(kind == 1, fb[stage, 1], d))
-            d = np.where(kind == KIND_CODE[STEP], sum(cost.update_s(gpu, a, b) for a, b in held), d)
-            if pipe.replicas and len(pipe.replicas[r]) > 1:  # PUSH first sums the replicas' parts (blocking)
-                local = cost.allreduce_s(sum(cost.param_bytes(a, b) for a, b in held), pipe.replicas[r])
-                d = np.where(kind == KIND_CODE[PUSH], local, d)
-            for send, nbytes in ((KIND_CODE[SEND_ACT], boundary_out), (KIND_CODE[SEND_GRAD], boundary_in)):
-                rows = np.flatnonzero(kind == send)
-                if not len(rows):
-                    continue
-                width = len(rank_dev) + 1
-                pairs, inverse = np.unique(stage[rows] * width + peer[rows], return_inverse=True)
-                price = np.array([cost.transfer_s(float(nbytes[x // width]), dev, rank_dev[x % width])
-                                  for x in pairs.tolist()])
-                via = np.array([link_of(dev, rank_dev[x % width]) for x in pairs.tolist()], dtype=np.int64)
-                d[rows] = price[inverse]
-                lnk[rows] = via[inverse]
-            if n_slices > 1:  # compute and transfers of a slice scale with its share of the samples
-                d = np.where((mb >= 0) & (mb % m_run < n_slices), d / n_slices, d)
-            key = np.where(is_msg[kind], ((mb * 4096 + stage + sender_shift[kind]) * 2 + direction[kind]) * 1024 + w,
-                           np.where(is_sync[kind], version, -1))
-            ar = kind == ar_code
-            if ar.any():
-                d = np.where(ar, np.asarray([*group_s, 0.0])[np.where(ar, peer, -1)], d)
-                key = np.where(ar, peer * (n_iter + 2) + version, key)
-                for gi in set(peer[ar].tolist()):
-                    for v in set(version[ar].tolist()):
-                        coll_size[gi * (n_iter + 2) + v] = len(groups[gi].devices)
-            ops.append(list(zip(op_code[kind].tolist(), d.tolist(), key.tolist(), lnk.tolist(), strict=True)))
-            columns.append(col)
-            names.append(dev)
-            rank_worker.append(w)
-            act_bytes.append(saved)
-            weights.append(list(held))
-        del n_st
+        _add_pipeline(ranks, plan, cost, cluster, pipe, sync, n_iter)
     wave_groups = None
     if spec(sched).sync == "wave":
-        wave_groups = WaveGroups(tuple(tuple(wave_of.get(dev, ())) for dev in names),
-                                 tuple(len(g.devices) for g in wave), tuple(cost.sync_s(g) for g in wave))
-    starts, ends, pc = run_ops(ops, rank_worker, cost.options.overlap_comm, len(links), coll_size, wave_groups)
-    if any(pc[r] < len(ops[r]) for r in range(len(ops))):
-        raise_deadlock([to_actions(c) for c in columns], pc, names, rank_worker)
-    return _summarise(plan, cost, n_iter, columns, starts, ends, names, rank_worker, act_bytes,
-                      weights, notes, wave_groups)
+        wave_groups = WaveGroups(tuple(tuple(sync.wave_of.get(dev, ())) for dev in ranks.names),
+                                 tuple(len(g.devices) for g in sync.wave), tuple(cost.sync_s(g) for g in sync.wave))
+    starts, ends, pc = run_ops(ranks.ops, ranks.rank_worker, cost.options.overlap_comm, len(ranks.links),
+                               ranks.coll_size, wave_groups)
+    if any(pc[r] < len(ranks.ops[r]) for r in range(len(ranks.ops))):
+        raise_deadlock([to_actions(c) for c in ranks.columns], pc, ranks.names, ranks.rank_worker)
+    return _summarise(plan, cost, n_iter, ranks.columns, starts, ends, ranks.names, ranks.rank_worker,
+                      ranks.act_bytes, ranks.weights, notes, wave_groups)
+
+
+def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pipe: PipelinePlacement,
+                  sync: _Sync, n_iter: int) -> None:
+    """Add one virtual worker's ranks to ``ranks``: its schedule's action lists (a replicated
+    stage's replicas each with their share of the micro-batches), the all-reduces before each
+    step, and every action priced."""
+    m_run = plan.micro_batching.count  # a first micro-batch in s slices runs as s micro-batches
+    # a replicated position keeps one micro-batch in flight per replica downstream of it
+    depths = ([sum(len(r) for r in pipe.replicas[k + 1:]) for k in range(pipe.ranks)]
+              if pipe.replicas else None)
+    cols = schedule_columns(plan.schedule, pipe.ranks, m_run, plan.chunks, n_iter, plan.staleness, depths)
+    p = pipe.ranks
+    if pipe.replicas:
+        assign = [replica_shares([cost.compute_s(cluster.device(d).gpu_type, a, b) for d in devs], m_run)
+                  for devs, (a, b) in zip(pipe.replicas, pipe.stages, strict=True)]
+        members = _replicated_ranks(pipe, cols, assign, m_run)
+    else:
+        members = [(pipe.devices[r], r, cols[r]) for r in range(p)]
+    rank_dev = [dev for dev, _, _ in members]  # rank within the worker -> device
+    saved = np.array([cost.activation_bytes(a, b) for a, b in pipe.stages])
+    for dev, r, col in members:
+        col = _with_allreduce(col, sync.groups_of.get(dev, []), ALLREDUCE.code)
+        held = pipe.stages[r::p]
+        d, lnk = _durations(ranks, plan, cost, cluster, pipe, dev, r, col, rank_dev)
+        d, key = _keys(ranks.coll_size, col, d, pipe.worker, sync, n_iter)
+        ranks.ops.append(list(zip(_OP_CODE[col[0]].tolist(), d.tolist(), key.tolist(), lnk.tolist(), strict=True)))
+        ranks.columns.append(col)
+        ranks.names.append(dev)
+        ranks.rank_worker.append(pipe.worker)
+        ranks.act_bytes.append(saved)
+        ranks.weights.append(list(held))
+
+
+def _durations(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pipe: PipelinePlacement, dev: str,
+               r: int, col: Columns, rank_dev: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Each action's own time on ``dev`` (position ``r`` of ``pipe``) and the link of each send
+    (-1 for none): compute, optimizer step, a replicated stage's blocking all-reduce at PUSH,
+    transfers; a slice of the first micro-batch at its share."""
+    kind, mb, stage, peer, _ = col
+    held = pipe.stages[r::pipe.ranks]
+    gpu = cluster.device(dev).gpu_type
+    fb = np.array([cost.fwd_bwd_s(gpu, a, b) for a, b in pipe.stages] + [(0.0, 0.0)])
+    d = np.zeros(len(kind))
+    lnk = np.full(len(kind), -1, dtype=np.int64)
+    d = np.where(kind == F.code, fb[stage, 0], np.where(kind == B.code, fb[stage, 1], d))
+    d = np.where(kind == STEP.code, sum(cost.update_s(gpu, a, b) for a, b in held), d)
+    if pipe.replicas and len(pipe.replicas[r]) > 1:  # PUSH first sums the replicas' parts (blocking)
+        local = cost.allreduce_s(sum(cost.param_bytes(a, b) for a, b in held), pipe.replicas[r])
+        d = np.where(kind == PUSH.code, local, d)
+    boundary_out = np.array([cost.boundary_bytes(b) for _, b in pipe.stages])
+    boundary_in = np.array([cost.boundary_bytes(a) for a, _ in pipe.stages])
+    for send, nbytes in ((SEND_ACT.code, boundary_out), (SEND_GRAD.code, boundary_in)):
+        rows = np.flatnonzero(kind == send)
+        if not len(rows):
+            continue
+        width = len(rank_dev) + 1
+        pairs, inverse = np.unique(stage[rows] * width + peer[rows], return_inverse=True)
+        price = np.array([cost.transfer_s(float(nbytes[x // width]), dev, rank_dev[x % width])
+                          for x in pairs.tolist()])
+        via = np.array([ranks.link_of(cluster, dev, rank_dev[x % width]) for x in pairs.tolist()], dtype=np.int64)
+        d[rows] = price[inverse]
+        lnk[rows] = via[inverse]
+    n_slices, m_run = plan.first_slices, plan.micro_batching.count
+    if n_slices > 1:  # compute and transfers of a slice scale with its share of the samples
+        d = np.where((mb >= 0) & (mb % m_run < n_slices), d / n_slices, d)
+    return d, lnk
+
+
+def _keys(coll_size: dict[int, int], col: Columns, d: np.ndarray, worker: int, sync: _Sync, n_iter: int
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Each action's key for the event engine (equal for a send and its receive; the version of
+    a step, push or pull; the all-reduce of an ALLREDUCE), the ALLREDUCEs' times put into ``d``,
+    and each all-reduce's member count recorded in ``coll_size``."""
+    kind, mb, stage, peer, version = col
+    # ((micro_batch * 4096 + sending stage) * 2 + direction) * 1024 + virtual worker
+    key = np.where(_IS_MSG[kind], ((mb * 4096 + stage + _SENDER_SHIFT[kind]) * 2 + _DIRECTION[kind]) * 1024 + worker,
+                   np.where(_IS_SYNC[kind], version, -1))
+    ar = kind == ALLREDUCE.code
+    if ar.any():
+        d = np.where(ar, np.asarray([*sync.group_s, 0.0])[np.where(ar, peer, -1)], d)
+        key = np.where(ar, peer * (n_iter + 2) + version, key)
+        for gi in set(peer[ar].tolist()):
+            for v in set(version[ar].tolist()):
+                coll_size[gi * (n_iter + 2) + v] = len(sync.groups[gi].devices)
+    return d, key
+
+
+def _per_kind(values: dict[ActionKind, int]) -> np.ndarray:
+    """An array indexed by kind code: ``values[kind]``, 0 for the kinds not named."""
+    out = np.zeros(len(ACTION_KINDS), dtype=np.int64)
+    for k, v in values.items():
+        out[k.code] = v
+    return out
+
+
+# per kind code: the event engine's op, and how a message's key is formed
+_OP_CODE = np.array([OP_OF_KIND[k] for k in ACTION_KINDS], dtype=np.int64)
+_SENDER_SHIFT = _per_kind({RECV_ACT: -1, RECV_GRAD: 1})  # a receive's sender is its stage -1 / +1
+_DIRECTION = _per_kind({SEND_GRAD: 1, RECV_GRAD: 1})
+_IS_MSG = _per_kind({SEND_ACT: 1, RECV_ACT: 1, SEND_GRAD: 1, RECV_GRAD: 1}).astype(bool)
+_IS_SYNC = _per_kind({STEP: 1, PUSH: 1, PULL: 1}).astype(bool)
 
 
 def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
@@ -221,7 +286,7 @@ def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
     kind, mb, stage, peer, version = cols
     if not groups:
         return cols
-    at = np.flatnonzero(kind == KIND_CODE[STEP])
+    at = np.flatnonzero(kind == STEP.code)
     if not len(at):
         return cols
     pos = np.repeat(at, len(groups))
@@ -239,7 +304,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
     batching = plan.micro_batching
     n_workers = max(rank_worker) + 1
     wave = spec(sched).sync == "wave"
-    boundary = KIND_CODE[PUSH] if wave else KIND_CODE[STEP]
+    boundary = PUSH.code if wave else STEP.code
     offset = 0 if wave else 1  # STEP(v) ends iteration v - 1; PUSH(c) ends wave c
     st_col = [np.asarray(x, dtype=np.float64) for x in starts]
     en_col = [np.asarray(x, dtype=np.float64) for x in ends]
@@ -271,12 +336,12 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
     versions: dict[str, int] = {}
     for r, (kind, mb, stage, _, version) in enumerate(columns):
         name, st, en = names[r], st_col[r], en_col[r]
-        comp = kind <= 1
+        comp = (kind == F.code) | (kind == B.code)
         lo, hi, _ = windows[rank_worker[r]]
         busy = np.clip(np.minimum(en[comp], hi) - np.maximum(st[comp], lo), 0.0, None).sum()
         bubble[name] = float(1.0 - busy / (hi - lo)) if hi > lo else 0.0
         # activations held: +saved at each forward, -saved at each backward, in program order
-        sign = 1 - 2 * kind[comp].astype(np.int64)
+        sign = np.where(kind[comp] == F.code, 1, -1)
         saved = act_bytes[r][stage[comp]]
         if plan.first_slices > 1:  # a slice of the first micro-batch holds its share of the activations
             saved = np.where(mb[comp] % batching.count < batching.first_slices, saved / batching.first_slices, saved)
@@ -306,12 +371,12 @@ def _live_versions(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, version:
     current, peak = 0, 1
     live: dict[int, int] = {0: 1}  # version -> references (the current version holds one)
     used: dict[tuple[int, int], int] = {}
-    step = KIND_CODE[STEP]
+    fwd, bwd, step = F.code, B.code, STEP.code
     for k, j, s, v in zip(kind.tolist(), mb.tolist(), stage.tolist(), version.tolist(), strict=True):
-        if k == 0:
+        if k == fwd:
             used[(j, s)] = current
             live[current] += 1
-        elif k == 1:
+        elif k == bwd:
             u = used.pop((j, s))
             live[u] -= 1
             if live[u] == 0:
@@ -329,7 +394,7 @@ def _live_versions(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, version:
 def _clock_gaps(columns: list[Columns], ends: list[np.ndarray], groups: WaveGroups | None) -> tuple[int, ...]:
     """At each PULL's end: the rank's clock (waves it has pushed) minus the least clock of the
     holders of its layers (the ranks of its holder sets, over every virtual worker)."""
-    push, pull = KIND_CODE[PUSH], KIND_CODE[PULL]
+    push, pull = PUSH.code, PULL.code
     pushed = [np.sort(ends[r][kind == push]) for r, (kind, *_) in enumerate(columns)]
     members: dict[int, set[int]] = {}
     if groups is not None:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError
-from .schedule import ACTION_KINDS
+from .schedule import ACTION_KINDS, ActionKind
 
 __all__ = ["Timeline"]
 
@@ -23,7 +23,7 @@ class Timeline:
     """What the simulator saw: every action's start and end, and the figures derived from them.
 
     Events are columns (numpy arrays, one entry per action): ``event_rank`` indexes
-    ``devices``, ``event_kind`` indexes :data:`partitioner.schedule.ACTION_KINDS`. For a send
+    ``devices``, ``event_kind`` is the :attr:`~partitioner.schedule.ActionKind.code`. For a send
     the end is when the transfer arrives. ``iteration_s`` is the makespan of one iteration
     for flushing schedules, and the steady-state period for ``2bw`` and ``wsp`` (between
     iteration ends, leaving out the final drain and, under WSP, the first ``D + 1`` waves);
@@ -73,10 +73,10 @@ class Timeline:
     def max_clock_gap(self) -> int:
         return max(self.clock_gaps, default=0)
 
-    def events(self, rank: int | None = None) -> list[tuple[int, str, int, int, float, float]]:
+    def events(self, rank: int | None = None) -> list[tuple[int, ActionKind, int, int, float, float]]:
         """``(rank, kind, micro_batch, stage, start_s, end_s)`` tuples, optionally of one rank."""
         sel = np.arange(self.num_events) if rank is None else np.flatnonzero(self.event_rank == rank)
-        return [(int(self.event_rank[i]), ACTION_KINDS[self.event_kind[i]], int(self.event_micro_batch[i]),
+        return [(int(self.event_rank[i]), ActionKind.from_code(int(self.event_kind[i])), int(self.event_micro_batch[i]),
                  int(self.event_stage[i]), float(self.event_start_s[i]), float(self.event_end_s[i]))
                 for i in sel]
 
@@ -93,7 +93,7 @@ class Timeline:
             "peak_activations": dict(self.peak_activations),
             "weight_versions": dict(self.weight_versions),
             "clock_gaps": list(self.clock_gaps), "notes": list(self.notes),
-            "kinds": list(ACTION_KINDS),
+            "kinds": [k.value for k in ACTION_KINDS],
             "events": {"rank": self.event_rank.tolist(), "kind": self.event_kind.tolist(),
                        "micro_batch": self.event_micro_batch.tolist(), "stage": self.event_stage.tolist(),
                        "start_s": self.event_start_s.tolist(), "end_s": self.event_end_s.tolist()},
@@ -103,6 +103,9 @@ class Timeline:
     def from_dict(cls, d: Mapping[str, Any]) -> Timeline:
         if d.get("format") != "partitioner.timeline/1":
             raise FormatError("format", d.get("format"), "expected 'partitioner.timeline/1'")
+        kinds = [k.value for k in ACTION_KINDS]
+        if d.get("kinds", kinds) != kinds:
+            raise FormatError("kinds", d["kinds"], f"the event kind codes this version reads are {kinds}")
         ev = d["events"]
         return cls(
             d["schedule"], int(d["micro_batches"]), int(d["micro_batch_size"]), int(d["iterations"]),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -10,13 +12,17 @@ from hypothesis import strategies as st
 
 from partitioner.errors import FormatError
 from partitioner.schedule import (
+    ACTION_KINDS,
+    ALLREDUCE,
     PULL,
     PUSH,
     RECV_ACT,
     RECV_GRAD,
     SEND_ACT,
     SEND_GRAD,
+    STEP,
     Action,
+    ActionKind,
     build_schedule,
     check_schedule,
     match_key,
@@ -151,3 +157,55 @@ def test_impossible_schedules_are_refused(args: tuple, needle: str) -> None:
 
 def test_1f1b_with_fewer_micro_batches_than_stages_is_supported() -> None:
     _check_valid(build_schedule("1f1b", 6, 2), 6, 2, 1, 1)
+
+
+# -- the action kinds: one definition --------------------------------------------------------
+
+
+def test_action_kinds_are_defined_once_with_a_code_label_and_category() -> None:
+    assert [k.code for k in ACTION_KINDS] == list(range(len(ActionKind)))  # the kind column's codes
+    assert set(ACTION_KINDS) == set(ActionKind)
+    for k in ActionKind:
+        assert k == k.value == k.name and str(k) == f"{k}" == k.name  # a kind equals its name
+        assert ActionKind.from_code(k.code) is k and ActionKind(k.name) is k
+        assert k.label and k.category in {"forward", "backward", "send", "wait", "step", "allreduce", "wsp"}
+    assert (ActionKind.F.code, ActionKind.B.code) == (0, 1)  # saved timelines keep their codes
+    assert ALLREDUCE.category == "allreduce" and STEP.category == "step"
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 3, 4, 1), ("1f1b", 4, 3, 1), ("interleaved", 2, 4, 2),
+                                            ("bfs", 2, 3, 3), ("2bw", 3, 4, 1), ("wsp", 3, 4, 1)])
+def test_actions_have_a_compact_form_read_back_by_from_str(schedule: str, p: int, m: int, v: int) -> None:
+    lists = build_schedule(schedule, p, m, v, iterations=2, staleness=1)
+    for actions in [*lists, [Action(ALLREDUCE, peer=3, version=2)]]:
+        for a in actions:
+            assert Action.from_str(repr(a)) == a and str(a) == repr(a)
+    assert repr(lists[-1][0]) == f"{p - 1}RECV_ACT0@{p - 2}"  # the last rank waits for micro-batch 0 first
+    assert repr(Action(ActionKind.F, 0, 2)) == "2F0"
+    assert repr(Action(STEP, version=1)) == "STEP(1)" and repr(Action(SEND_ACT, 5, 1, 2)) == "1SEND_ACT5@2"
+    assert Action.from_str("2B7") == Action(ActionKind.B, 7, 2)
+
+
+@pytest.mark.parametrize("text", ["", "2X0", "F-1", "2F0@", "STEP(x)", "f0"])
+def test_a_malformed_compact_action_is_one_line_naming_the_field(text: str) -> None:
+    with pytest.raises(FormatError, match=r"^action = .*must read \[stage\]KIND"):
+        Action.from_str(text)
+
+
+def test_no_module_but_the_schedule_spells_action_kinds_or_their_codes() -> None:
+    """The kinds' names and codes are said in partitioner/schedule.py only: elsewhere in the core
+    and the runtime a kind is ``ActionKind.X`` (or its alias) and a code ``X.code``."""
+    root = Path(__file__).resolve().parents[1]
+    names = set(ActionKind.__members__)
+    found = []
+    for pkg in ("partitioner", "runtime"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            if path == root / "partitioner" / "schedule.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and node.value in names:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+                elif (isinstance(node, ast.Compare) and "kind" in ast.unparse(node.left)
+                      and any(isinstance(c, ast.Constant) and type(c.value) is int for c in node.comparators)):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found

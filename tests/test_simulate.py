@@ -13,6 +13,7 @@ from partitioner.cost import CostModel, CostOptions, activations_in_flight
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner.schedule import B, F
 from partitioner.simulate import Timeline, predict, simulate_plan
 
 NO_RESERVE = CostOptions(reserved_bytes=0.0)
@@ -139,6 +140,9 @@ def test_timeline_round_trip_and_predict() -> None:
     tl = simulate_plan(plan, prof, cluster)
     back = Timeline.from_dict(tl.to_dict())
     assert back.iteration_s == tl.iteration_s and back.events() == tl.events()
+    other = {**tl.to_dict(), "kinds": ["B", "F"]}  # codes from another numbering are refused
+    with pytest.raises(FormatError, match=r"^kinds = .*codes"):
+        Timeline.from_dict(other)
     pred = predict(plan, prof, cluster, timeline=tl)
     assert pred["iteration_s"] == tl.iteration_s == pytest.approx(18.0)
     assert pred["bottleneck_s"] == pytest.approx(3.0)
@@ -180,7 +184,7 @@ def test_sliced_first_micro_batch_keeps_the_work(sched: str, slices: int) -> Non
     prof = uniform_profile(4)
     whole = simulate_plan(plan, prof, cluster)
     sliced = simulate_plan(replace(plan, first_slices=slices), prof, cluster)
-    busy = [float((tl.event_end_s - tl.event_start_s)[tl.event_kind <= 1].sum()) for tl in (whole, sliced)]
+    busy = [float((tl.event_end_s - tl.event_start_s)[(tl.event_kind == F.code) | (tl.event_kind == B.code)].sum()) for tl in (whole, sliced)]
     assert busy[1] == pytest.approx(busy[0])  # the same forward and backward work in total
     assert sliced.iteration_s <= whole.iteration_s  # never slower here (docs/hetero.md: when it helps)
     assert sliced.samples_per_s * sliced.iteration_s == pytest.approx(whole.samples_per_s * whole.iteration_s)
