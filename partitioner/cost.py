@@ -51,7 +51,7 @@ from .cluster import GIB, Cluster, Device, resolve_gpu_type
 from .errors import FormatError, PartitionerError
 from .pricing import PRECISIONS, CostOptions
 from .profile import Profile
-from .schedule import spec
+from .schedule import Schedule, spec
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -61,10 +61,7 @@ __all__ = [
     "CostModel",
     "CostOptions",
     "SyncGroup",
-    "activations_in_flight",
-    "pipeline_iteration_s",
     "ring_allreduce_s",
-    "weight_versions",
 ]
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
@@ -77,39 +74,6 @@ class SyncGroup:
     start: int
     stop: int
     devices: tuple[str, ...]
-
-
-# -- what a schedule keeps in memory ----------------------------------------------------------
-
-
-def activations_in_flight(schedule: str, stages_from_end: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak, for one-chunk schedules
-    (:meth:`partitioner.schedule.ScheduleSpec.activations_in_flight`): ``stages_from_end``
-    counts the stage itself, so the last stage has 1."""
-    return spec(schedule).activations_in_flight(stages_from_end, micro_batches)
-
-
-def weight_versions(schedule: str) -> int:
-    """Copies of the weights a stage keeps: 2 for PipeDream-2BW's double buffer, else 1."""
-    return spec(schedule).weight_versions
-
-
-def pipeline_iteration_s(stage_times_s: Sequence[float], micro_batches: int, schedule: str) -> float:
-    """Closed-form time of one iteration (``m`` micro-batches) of a pipeline.
-
-    Flushing schedules (GPipe, 1F1B) pay a fill and a drain: ``sum(t) + (m - 1) * max(t)``.
-    PipeDream-2BW and WSP do not flush: in steady state an iteration takes ``m * max(t)``.
-    The discrete-event simulator gives the exact figure for every schedule, and is the only
-    pricing of a first micro-batch sliced AutoPipe-style (``Plan.first_slices``): its effect
-    depends on the schedule's order (none at all under GPipe, where every later micro-batch
-    still crosses the whole pipeline) and no simple formula captures it.
-    """
-    if not stage_times_s:
-        return 0.0
-    bottleneck = max(stage_times_s)
-    if not spec(schedule).flushes:
-        return micro_batches * bottleneck
-    return float(sum(stage_times_s) + (micro_batches - 1) * bottleneck)
 
 
 def ring_allreduce_s(nbytes: float, link_gbps: Sequence[float]) -> float:
@@ -307,16 +271,16 @@ class CostModel:
         return (comp + back_s[:, None]) + out_s[None, :]
 
     def pipeline_stage_time_s(self, start: int, stop: int, device: str | Device, prev: str | Device | None,
-                              nxt: str | Device | None, schedule: str, micro_batches: int) -> float:
+                              nxt: str | Device | None, schedule: Schedule) -> float:
         """:meth:`stage_time_s` plus what the schedule adds per micro-batch (WSP's wave sync)."""
         t = self.stage_time_s(start, stop, device, prev, nxt)
-        return t + self.wave_sync_s(start, stop, micro_batches) if spec(schedule).sync == "wave" else t
+        return t + self.wave_sync_s(start, stop, schedule.micro_batches) if schedule.wave_sync else t
 
     def pipeline_stage_time_matrix(self, device: Device, prev: Device | None, nxt: Device | None,
-                                   schedule: str, micro_batches: int, rows: slice = slice(None)) -> np.ndarray:
+                                   schedule: Schedule, rows: slice = slice(None)) -> np.ndarray:
         """:meth:`pipeline_stage_time_s` for every ``i`` in ``rows`` and ``j`` (same operations)."""
         t = self.stage_time_matrix(device, prev, nxt, rows)
-        return t + self.wave_sync_matrix(micro_batches, rows) if spec(schedule).sync == "wave" else t
+        return t + self.wave_sync_matrix(schedule.micro_batches, rows) if schedule.wave_sync else t
 
     # -- data parallelism inside a stage (replication) -------------------------------------------
 
@@ -420,24 +384,28 @@ class CostModel:
 
     # -- memory ----------------------------------------------------------------------------------
 
-    def weight_factor(self, schedule: str) -> float:
+    def weight_factor(self, schedule: Schedule) -> float:
         """Bytes of weights + gradients + master copy + optimizer state per parameter."""
-        return self.options.bytes_per_parameter(weight_versions(schedule))
+        return self.options.bytes_per_parameter(schedule.weight_versions)
+
+    def _memory_prefix(self, in_flight: int, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+        return self._memory_prefix_of(in_flight, schedule.weight_versions)
 
     @functools.cache  # noqa: B019
-    def _memory_prefix(self, in_flight: int, schedule: str) -> tuple[np.ndarray, np.ndarray]:
+    def _memory_prefix_of(self, in_flight: int, weight_versions: int) -> tuple[np.ndarray, np.ndarray]:
         """(at stop, at start): stage memory is ``q_stop[j] - q_start[i]`` + reserved."""
-        w = self.param_count_prefix * self.weight_factor(schedule)
+        w = self.param_count_prefix * self.options.bytes_per_parameter(weight_versions)
         q_stop, q_start = w + self.saved_stop * in_flight, w + self.saved_start * in_flight
         q_stop.flags.writeable = q_start.flags.writeable = False
         return q_stop, q_start
 
-    def stage_memory_bytes(self, start: int, stop: int, in_flight: int, schedule: str = "1f1b") -> float:
+    def stage_memory_bytes(self, start: int, stop: int, in_flight: int, schedule: Schedule) -> float:
         """Peak memory of layers ``[start, stop)`` holding ``in_flight`` micro-batches' activations."""
         q_stop, q_start = self._memory_prefix(in_flight, schedule)
         return float((q_stop[stop] - q_start[start]) + self.options.reserved_bytes)
 
-    def max_stop(self, in_flight: int, schedule: str, capacity_bytes: float, rows: slice = slice(None)) -> np.ndarray:
+    def max_stop(self, in_flight: int, schedule: Schedule, capacity_bytes: float,
+                 rows: slice = slice(None)) -> np.ndarray:
         """For each start ``i`` in ``rows``, the largest ``stop`` with
         ``stage_memory_bytes(i, stop) <= capacity_bytes`` (``i`` itself when not even one layer fits).
 
@@ -537,7 +505,7 @@ class CostModel:
         """Cumulative seconds to move the parameters one way over the inter-node network."""
         return self.param_prefix / (self.cluster.inter_gbps * 1e9)
 
-    def memory_matrix(self, in_flight: int, schedule: str = "1f1b", rows: slice = slice(None)) -> np.ndarray:
+    def memory_matrix(self, in_flight: int, schedule: Schedule, rows: slice = slice(None)) -> np.ndarray:
         """``stage_memory_bytes(i, j, in_flight, schedule)`` for every ``i`` in ``rows`` and every ``j``.
 
         Computed with the same operations as the scalar method, so both agree to the bit and a
@@ -575,8 +543,7 @@ class CostModel:
                 if spec(plan.schedule).sync == "wave":
                     t += self.wave_sync_s(st.start, st.stop, plan.micro_batches)
             else:
-                t = self.pipeline_stage_time_s(st.start, st.stop, st.device, prev, nxt, plan.schedule,
-                                               plan.micro_batches)
+                t = self.pipeline_stage_time_s(st.start, st.stop, st.device, prev, nxt, plan.pipeline_schedule)
             out.append(t)
         return out
 
@@ -653,7 +620,7 @@ class CostModel:
 
     def plan_iteration_s(self, plan: Plan) -> float:
         """Closed-form iteration time of ``plan``: each pipeline's fill, steady state and drain
-        (:func:`pipeline_iteration_s`), then the gradient all-reduces and the optimizer step.
+        (:meth:`worker_iteration_s`), then the gradient all-reduces and the optimizer step.
 
         Under a flushing schedule stage ``k`` finishes its last backward earlier than stage 0 by
         the backward work and gradient transfers of stages ``0..k-1``; each all-reduce starts when
@@ -686,12 +653,13 @@ class CostModel:
     def plan_memory_bytes(self, plan: Plan) -> dict[str, float]:
         """Peak memory per device under the plan's schedule (one-chunk schedules)."""
         self.check_order(plan)
+        sched = plan.pipeline_schedule
         used: dict[str, float] = {}
         for vw in plan.virtual_workers:
             p = len(vw.stages)
             for k, st in enumerate(vw.stages):
-                in_flight = activations_in_flight(plan.schedule, p - k, plan.micro_batches)
-                mem = self.stage_memory_bytes(st.start, st.stop, in_flight, plan.schedule)
+                in_flight = sched.activations_in_flight(p - k)
+                mem = self.stage_memory_bytes(st.start, st.stop, in_flight, sched)
                 for d in st.devices:
                     used[d] = used.get(d, 0.0) + mem
         return used
@@ -699,13 +667,14 @@ class CostModel:
     def check_plan_memory(self, plan: Plan) -> None:
         """Raise :class:`FormatError` naming the first device whose stages do not fit."""
         self.check_order(plan)
-        if spec(plan.schedule).multi_chunk:
+        sched = plan.pipeline_schedule
+        if sched.spec.multi_chunk:
             return  # multi-chunk schedules: the simulator measures their peak
         for w, vw in enumerate(plan.virtual_workers):
             p = len(vw.stages)
             for k, st in enumerate(vw.stages):
-                in_flight = activations_in_flight(plan.schedule, p - k, plan.micro_batches)
-                need = self.stage_memory_bytes(st.start, st.stop, in_flight, plan.schedule)
+                in_flight = sched.activations_in_flight(p - k)
+                need = self.stage_memory_bytes(st.start, st.stop, in_flight, sched)
                 for d in st.devices:
                     cap = self.cluster.device(d).memory_bytes
                     if need > cap:

@@ -21,7 +21,7 @@ from ._io import (
 from .errors import FormatError, check
 from .pricing import CostOptions
 from .profile import MAX_LAYERS, MAX_MICRO_BATCH_SIZE
-from .schedule import MULTI_CHUNK, SCHEDULE_NAMES, MicroBatching, spec
+from .schedule import MULTI_CHUNK, SCHEDULE_NAMES, MicroBatching, Schedule, spec
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -224,6 +224,11 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return max(len(vw.stages) for vw in self.virtual_workers)
+
+    @property
+    def pipeline_schedule(self) -> Schedule:
+        """The plan's schedule with its micro-batch count, as pricing takes them."""
+        return Schedule(spec(self.schedule), self.micro_batches)
 
     @property
     def micro_batching(self) -> MicroBatching:

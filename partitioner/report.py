@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .cluster import Cluster
-from .cost import CostModel, activations_in_flight
+from .cost import CostModel
 from .plan import Plan
 from .schedule import spec
 
@@ -87,8 +87,8 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
             prev = stages[k - 1].device if k > 0 else None
             xfer = cost.boundary_s(st.stop, dev, nxt) + cost.boundary_s(st.start, dev, prev)
             if one_chunk:
-                in_flight = activations_in_flight(plan.schedule, len(stages) - k, plan.micro_batches)
-                mem = cost.stage_memory_bytes(st.start, st.stop, in_flight, plan.schedule)
+                in_flight = plan.pipeline_schedule.activations_in_flight(len(stages) - k)
+                mem = cost.stage_memory_bytes(st.start, st.stop, in_flight, plan.pipeline_schedule)
                 mem_s = f"{mem / GIB:.2f} / {dev.memory_bytes / GIB:.1f} GiB ({100 * mem / dev.memory_bytes:.0f}%)"
             else:
                 mem_s = "see simulate"

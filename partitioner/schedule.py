@@ -73,6 +73,7 @@ __all__ = [
     "Columns",
     "F",
     "MicroBatching",
+    "Schedule",
     "ScheduleSpec",
     "build_schedule",
     "check_schedule",
@@ -199,6 +200,67 @@ def spec(schedule: str) -> ScheduleSpec:
         return SCHEDULES[schedule]
     except (KeyError, TypeError):
         raise FormatError("schedule", schedule, f"must be one of {', '.join(SCHEDULES)}") from None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule as an iteration runs it: its :class:`ScheduleSpec` and the ``micro_batches`` it
+    runs per iteration. What pricing a pipeline asks of the pair is said here, once; the solvers,
+    the cost model and the bounds pass this object down instead of a name and a count.
+
+    ``Schedule.of("1f1b", 8)`` (an unknown name is a one-line error).
+    """
+
+    spec: ScheduleSpec
+    micro_batches: int
+
+    def __post_init__(self) -> None:
+        m = self.micro_batches
+        if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+            raise FormatError("micro_batches", m, "must be an integer >= 1")
+
+    @classmethod
+    def of(cls, name: str, micro_batches: int) -> Schedule:
+        return cls(spec(name), micro_batches)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def weight_versions(self) -> int:
+        """Copies of the weights a stage keeps: 2 for PipeDream-2BW's double buffer, else 1."""
+        return self.spec.weight_versions
+
+    @property
+    def wave_sync(self) -> bool:
+        """Workers synchronise by WSP's waves (push and pull), not by an all-reduce per step."""
+        return self.spec.sync == "wave"
+
+    def activations_in_flight(self, stages_from_end: int) -> int:
+        """Micro-batches whose activations a stage holds at its peak (one-chunk schedules):
+        ``stages_from_end`` counts the stage itself, so the last stage has 1."""
+        return self.spec.activations_in_flight(stages_from_end, self.micro_batches)
+
+    def iteration_s(self, stage_times_s: Sequence[float]) -> float:
+        """The closed form of one iteration of a pipeline whose stages take ``stage_times_s`` per
+        micro-batch, with no transfers: flushing schedules (GPipe, 1F1B) pay a fill and a drain,
+        ``sum(t) + (m - 1) * max(t)``; 2BW and WSP do not flush, ``m * max(t)`` in steady state.
+        The simulator times every schedule exactly (docs/schedules.md checks one against the other
+        on uniform stages); the solvers price plans with :meth:`partitioner.cost.CostModel.plan_iteration_s`.
+        """
+        if not stage_times_s:
+            return 0.0
+        bottleneck = max(stage_times_s)
+        if not self.spec.flushes:
+            return self.micro_batches * bottleneck
+        return float(sum(stage_times_s) + (self.micro_batches - 1) * bottleneck)
+
+    def with_micro_batches(self, micro_batches: int) -> Schedule:
+        return Schedule(self.spec, micro_batches)
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,11 @@ from functools import partial
 import numpy as np
 
 from partitioner.cluster import Cluster, Device
-from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
+from partitioner.schedule import Schedule
 from solvers.cluster.grouping import group
 from solvers.cluster.planner import price_plan, throughput_upper_bound
 from solvers.pipeline.dp import chain_dp
@@ -107,7 +108,7 @@ def blockpartition_cuts(times: Sequence[float], parts: int) -> list[int]:
     return cuts
 
 
-def _cuts(rule: str, cost: CostModel, devices: Sequence[Device], schedule: str, m: int) -> list[int] | None:
+def _cuts(rule: str, cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> list[int] | None:
     n, p = cost.num_layers, len(devices)
     ref = devices[0].gpu_type
     if rule == "uniform":
@@ -118,7 +119,7 @@ def _cuts(rule: str, cost: CostModel, devices: Sequence[Device], schedule: str, 
         return blockpartition_cuts([cost.compute_s(ref, i, i + 1) for i in range(n)], p)
     if rule == "pipedream":
         same = [Device(d.name, d.node, d.index, devices[0].type) for d in devices]
-        sol = chain_dp(cost, same, schedule, m)
+        sol = chain_dp(cost, same, schedule)
         return None if sol is None else list(sol.cuts)
     raise FormatError("solver", rule, f"baselines are {', '.join(BASELINES)}")
 
@@ -128,7 +129,8 @@ def solve(profile: Profile, cluster: Cluster, *, rule: str, virtual_workers: int
           objective: str = "sync", devices: Sequence[str] | None = None) -> SolveResult:
     """Plan with the baseline ``rule`` (see the module docstring)."""
     t0 = time.perf_counter()
-    activations_in_flight(schedule, 1, micro_batches)
+    sched = Schedule.of(schedule, micro_batches)
+    sched.activations_in_flight(1)
     cost = CostModel(profile, cluster, options)
     devs = list(cluster.subset(devices) if devices is not None else cluster.devices)
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devs}}
@@ -138,7 +140,7 @@ def solve(profile: Profile, cluster: Cluster, *, rule: str, virtual_workers: int
         groups = group(policy or "np", devs, virtual_workers, whole.__getitem__)
     workers = []
     for w in groups:
-        cuts = None if len(w) > cost.num_layers else _cuts(rule, cost, w, schedule, micro_batches)
+        cuts = None if len(w) > cost.num_layers else _cuts(rule, cost, w, sched)
         if cuts is None:
             return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method=rule,
                                reason=f"{rule}: no split of {cost.num_layers} layers over {len(w)} GPUs "

@@ -1,6 +1,6 @@
 """Predicted figures of a plan: from the discrete-event simulator whenever it can price the plan.
 
-Solvers search with fast closed forms (the bottleneck, ``pipeline_iteration_s``); the plan
+Solvers search with fast closed forms (the bottleneck, ``CostModel.plan_iteration_s``); the plan
 they return carries the simulator's figures in ``Plan.predicted`` so that every plan is
 judged by the same, more detailed model. The closed-form figures stay in
 ``meta["closed_form"]`` for comparison, and ``meta["predicted_by"]`` says which model

@@ -6,6 +6,7 @@ import pytest
 
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError
+from partitioner.schedule import Schedule
 from partitioner.simulate import simulate_plan
 from partitioner_cli.main import main
 from solvers import solve
@@ -41,7 +42,7 @@ def test_chunked_plan_is_the_dp_over_the_repeated_devices(schedule, chunks):
         assert st.device == devs[s % p]  # stage c*p + d on device d
     CostModel(profile, cluster, plan.cost_options()).validate_plan(plan)
     cost = CostModel(profile, cluster, plan.cost_options())
-    dp = chain_dp(cost, tuple(cluster.devices) * chunks, "1f1b", 1)
+    dp = chain_dp(cost, tuple(cluster.devices) * chunks, Schedule.of("1f1b", 1))
     assert dp is not None
     assert max(cost.plan_stage_times_s(plan)) == pytest.approx(dp.bottleneck_s)
     assert result.objective == pytest.approx(dp.bottleneck_s)

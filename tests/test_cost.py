@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partitioner.cost import CostModel, CostOptions, activations_in_flight, pipeline_iteration_s
+from partitioner.cost import CostModel, CostOptions
+from partitioner.schedule import Schedule
 
 from .conftest import GIB, flat_cluster, make_profile
 
@@ -26,11 +27,11 @@ def test_matrix_forms_equal_scalar_forms_bit_for_bit(model, overlap):
     cost = CostModel(prof, cluster, CostOptions(overlap_comm=overlap))
     devs = cluster.devices
     times = cost.stage_time_matrix(devs[1], devs[0], devs[2])
-    mem = cost.memory_matrix(3, "1f1b")
+    mem = cost.memory_matrix(3, Schedule.of("1f1b", 1))
     for i in range(prof.num_layers):
         for j in range(i + 1, prof.num_layers + 1):
             assert times[i, j] == cost.stage_time_s(i, j, devs[1], devs[0], devs[2])
-            assert mem[i, j] == cost.stage_memory_bytes(i, j, 3, "1f1b")
+            assert mem[i, j] == cost.stage_memory_bytes(i, j, 3, Schedule.of("1f1b", 1))
 
 
 def test_stage_time_definitions(model):
@@ -55,10 +56,10 @@ def test_wsp_adds_the_wave_sync_spread_over_the_wave(model):
     params = sum(layer.param_bytes for layer in prof.layers[2:5])
     sync = 2 * params / (cluster.inter_gbps * 1e9)  # push + pull over the inter-node network
     base = cost.stage_time_s(2, 5, devs[1], devs[0], devs[2])
-    assert cost.pipeline_stage_time_s(2, 5, devs[1], devs[0], devs[2], "wsp", 4) == pytest.approx(base + sync / 4)
-    assert cost.pipeline_stage_time_s(2, 5, devs[1], devs[0], devs[2], "1f1b", 4) == base
-    matrix = cost.pipeline_stage_time_matrix(devs[1], devs[0], devs[2], "wsp", 4)
-    assert matrix[2, 5] == cost.pipeline_stage_time_s(2, 5, devs[1], devs[0], devs[2], "wsp", 4)
+    assert cost.pipeline_stage_time_s(2, 5, devs[1], devs[0], devs[2], Schedule.of("wsp", 4)) == pytest.approx(base + sync / 4)
+    assert cost.pipeline_stage_time_s(2, 5, devs[1], devs[0], devs[2], Schedule.of("1f1b", 4)) == base
+    matrix = cost.pipeline_stage_time_matrix(devs[1], devs[0], devs[2], Schedule.of("wsp", 4))
+    assert matrix[2, 5] == cost.pipeline_stage_time_s(2, 5, devs[1], devs[0], devs[2], Schedule.of("wsp", 4))
 
 
 def test_memory_formula(model):
@@ -66,8 +67,8 @@ def test_memory_formula(model):
     cost = CostModel(prof, cluster, CostOptions(optimizer_state_factor=2.0, reserved_bytes=GIB))
     params = sum(layer.param_bytes for layer in prof.layers[1:4])
     saved = sum(layer.saved_bytes for layer in prof.layers[1:4])
-    assert cost.stage_memory_bytes(1, 4, 3, "1f1b") == pytest.approx(params * 4 + saved * 3 + GIB)
-    assert cost.stage_memory_bytes(1, 4, 3, "2bw") == pytest.approx(params * 5 + saved * 3 + GIB)
+    assert cost.stage_memory_bytes(1, 4, 3, Schedule.of("1f1b", 1)) == pytest.approx(params * 4 + saved * 3 + GIB)
+    assert cost.stage_memory_bytes(1, 4, 3, Schedule.of("2bw", 1)) == pytest.approx(params * 5 + saved * 3 + GIB)
 
 
 def test_shared_saved_bytes_count_once_inside_a_stage():
@@ -80,8 +81,8 @@ def test_shared_saved_bytes_count_once_inside_a_stage():
             inside = sum(layers[k].shared_saved_bytes for k in range(i + 1, j))  # both layers in the stage
             expect = sum(layers[k].saved_bytes for k in range(i, j)) - inside
             assert cost.activation_bytes(i, j) == pytest.approx(expect)
-            assert cost.stage_memory_bytes(i, j, 3) == pytest.approx(3 * expect)
-            assert cost.memory_matrix(3)[i, j] == cost.stage_memory_bytes(i, j, 3)
+            assert cost.stage_memory_bytes(i, j, 3, Schedule.of("1f1b", 1)) == pytest.approx(3 * expect)
+            assert cost.memory_matrix(3, Schedule.of("1f1b", 1))[i, j] == cost.stage_memory_bytes(i, j, 3, Schedule.of("1f1b", 1))
 
 
 @settings(max_examples=200, deadline=None)
@@ -94,23 +95,23 @@ def test_max_stop_agrees_with_the_scalar_memory_formula(n, in_flight, seed, exac
     cost = CostModel(prof, flat_cluster(["A"]), CostOptions(reserved_bytes=float(rng.uniform(0, GIB))))
     if exact_capacity:  # a capacity equal to some stage's memory: the boundary case
         i = int(rng.integers(0, n))
-        cap = cost.stage_memory_bytes(i, int(rng.integers(i + 1, n + 1)), in_flight)
+        cap = cost.stage_memory_bytes(i, int(rng.integers(i + 1, n + 1)), in_flight, Schedule.of("1f1b", 1))
     else:
         cap = float(rng.uniform(0.5, 30)) * GIB
-    top = cost.max_stop(in_flight, "1f1b", cap)
+    top = cost.max_stop(in_flight, Schedule.of("1f1b", 1), cap)
     for i in range(n + 1):
-        fitting = [j for j in range(i + 1, n + 1) if cost.stage_memory_bytes(i, j, in_flight) <= cap]
+        fitting = [j for j in range(i + 1, n + 1) if cost.stage_memory_bytes(i, j, in_flight, Schedule.of("1f1b", 1)) <= cap]
         assert fitting == list(range(i + 1, int(top[i]) + 1))  # a prefix, ending where max_stop says
 
 
 def test_in_flight_and_closed_forms():
-    assert [activations_in_flight("1f1b", j, 3) for j in (1, 2, 3, 4, 5)] == [1, 2, 3, 3, 3]
-    assert activations_in_flight("gpipe", 1, 8) == 8
+    assert [Schedule.of("1f1b", 3).activations_in_flight(j) for j in (1, 2, 3, 4, 5)] == [1, 2, 3, 3, 3]
+    assert Schedule.of("gpipe", 8).activations_in_flight(1) == 8
     with pytest.raises(ValueError, match="interleaved"):
-        activations_in_flight("interleaved", 1, 8)
+        Schedule.of("interleaved", 8).activations_in_flight(1)
     # uniform stages: GPipe/1F1B take (m + p - 1) t; no-flush schedules m t
-    assert pipeline_iteration_s([2.0] * 4, 8, "1f1b") == pytest.approx(2.0 * (8 + 4 - 1))
-    assert pipeline_iteration_s([2.0] * 4, 8, "2bw") == pytest.approx(16.0)
+    assert Schedule.of("1f1b", 8).iteration_s([2.0] * 4) == pytest.approx(2.0 * (8 + 4 - 1))
+    assert Schedule.of("2bw", 8).iteration_s([2.0] * 4) == pytest.approx(16.0)
 
 
 def test_lower_bound_is_below_any_split(model):

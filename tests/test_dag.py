@@ -12,12 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partitioner.cluster import Cluster, DeviceType, Node
-from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.importers.pipedream import import_pipedream
 from partitioner.placement import supports
 from partitioner.plan import Plan
 from partitioner.profile import LayerProfile, LayerTime, Profile, crossing_bytes
+from partitioner.schedule import Schedule
 from partitioner.simulate import simulate_plan
 from solvers import SolveStatus
 from solvers.exact.cbc.chain import SCALE_MAX as CBC_SCALE_MAX
@@ -75,7 +76,7 @@ def enumerate_best(profile: Profile, cluster: Cluster, devices, schedule: str, m
         cost = CostModel(view, cluster, options)
         sizes = [stages.count(k) for k in range(p)]
         cuts = [0, *itertools.accumulate(sizes)]
-        fits = all(cost.stage_memory_bytes(cuts[k], cuts[k + 1], activations_in_flight(schedule, p - k, m), schedule)
+        fits = all(cost.stage_memory_bytes(cuts[k], cuts[k + 1], Schedule.of(schedule, m).activations_in_flight(p - k), Schedule.of(schedule, 1))
                    <= devices[k].memory_bytes for k in range(p))
         if not fits:
             continue

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.cost import CostModel, CostOptions
+from partitioner.schedule import Schedule
 from solvers import SolveStatus, solve
 from solvers.pipeline.dp import best_prefix_dp, chain_dp
 
@@ -31,13 +32,13 @@ def brute_force_pair(cost, devices, schedule, m):
         worst, total = 0.0, 0.0
         for k in range(p):
             a, b = cuts[k], cuts[k + 1]
-            in_flight = activations_in_flight(schedule, p - k, m)
-            if cost.stage_memory_bytes(a, b, in_flight, schedule) > devices[k].memory_bytes:
+            in_flight = Schedule.of(schedule, m).activations_in_flight(p - k)
+            if cost.stage_memory_bytes(a, b, in_flight, Schedule.of(schedule, 1)) > devices[k].memory_bytes:
                 worst = math.inf
                 break
             prev = devices[k - 1] if k else None
             nxt = devices[k + 1] if k + 1 < p else None
-            t = cost.pipeline_stage_time_s(a, b, devices[k], prev, nxt, schedule, m)
+            t = cost.pipeline_stage_time_s(a, b, devices[k], prev, nxt, Schedule.of(schedule, m))
             worst, total = max(worst, t), total + t
         if worst < best:
             best, best_total = worst, total
@@ -160,7 +161,7 @@ def test_fast_device_gets_more_layers():
 def test_chain_dp_returns_none_when_nothing_fits():
     prof = make_profile({"A": [1.0]}, param_bytes=[100 * GIB])
     cluster = flat_cluster(["A"], memory_gb={"A": 1})
-    assert chain_dp(CostModel(prof, cluster), cluster.devices) is None
+    assert chain_dp(CostModel(prof, cluster), cluster.devices, Schedule.of("1f1b", 1)) is None
 
 
 def test_unknown_solver_and_schedule():
@@ -202,9 +203,9 @@ def test_best_prefix_dp_equals_every_prefix_solved(inst):
     prof, cluster, options, schedule, m = inst
     cost = CostModel(prof, cluster, options)
     devs = cluster.devices
-    every = [chain_dp(cost, devs[:q], schedule, m) for q in range(1, min(len(devs), prof.num_layers) + 1)]
+    every = [chain_dp(cost, devs[:q], Schedule.of(schedule, m)) for q in range(1, min(len(devs), prof.num_layers) + 1)]
     feasible = [s for s in every if s is not None]
-    got = best_prefix_dp(cost, devs, schedule, m)
+    got = best_prefix_dp(cost, devs, Schedule.of(schedule, m))
     event("infeasible" if not feasible else f"best of {len(every)} prefix(es)")
     if not feasible:
         assert got is None

@@ -17,6 +17,7 @@ from partitioner.errors import FormatError, PartitionerError
 from partitioner.importers.sailor_runs import import_sailor_run, sailor_bandwidth
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner.schedule import Schedule
 from partitioner.simulate import simulate_plan
 from tests.conftest import big_type
 
@@ -52,7 +53,7 @@ def test_memory_per_parameter_fp32_and_mixed_precision():
     assert mixed.param_bytes(0, 2) == 2 * 2e9  # what data parallelism all-reduces: fp16 gradients
     sgd = CostModel(prof, one, CostOptions(precision="fp16", optimizer_state_factor=0.0, reserved_bytes=GIB))
     # a stage: 2 layers x 1e9 x (2 + 2 + 4) + 3 micro-batches x 2 x 1e6 saved + 1 GiB reserved
-    assert sgd.stage_memory_bytes(0, 2, 3) == pytest.approx(2 * 8e9 + 3 * 2e6 + GIB)
+    assert sgd.stage_memory_bytes(0, 2, 3, Schedule.of("1f1b", 1)) == pytest.approx(2 * 8e9 + 3 * 2e6 + GIB)
     fp16_profile = uniform(1, params=2e9, dtype="float16")  # 1e9 parameters counted at 2 bytes each
     assert CostModel(fp16_profile, one, CostOptions(reserved_bytes=0.0)).weight_bytes(0, 1) == 16e9
 

@@ -10,6 +10,7 @@ import pytest
 
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError
+from partitioner.schedule import Schedule
 from solvers.cluster.grouping import (
     count_set_partitions,
     group_ed,
@@ -26,7 +27,7 @@ from tests._hetero_fixtures import hetpipe_cluster, small_cluster, synthetic_pro
 def brute_worker(cost, devs, m):
     best = math.inf
     for perm in itertools.permutations(devs):
-        sol = chain_dp(cost, perm, "wsp", m)
+        sol = chain_dp(cost, perm, Schedule.of("wsp", m))
         if sol is not None:
             best = min(best, sol.bottleneck_s)
     return cost.profile.micro_batch_size / best if best < math.inf else -math.inf
@@ -167,8 +168,8 @@ def test_equivalent_workers_share_one_mapping_relabelled_onto_their_own_gpus():
     cost = CostModel(prof, cl)
     for node, vw in zip(cl.nodes, res.plan.virtual_workers, strict=True):
         assert {st.device for st in vw.stages} == {d.name for d in cl.devices if d.node == node.name}
-        fresh = WorkerPlanner(cost, "1f1b", 8).stages([d for d in cl.devices if d.node == node.name])
-        assert worker_throughput(cost, vw.stages, "1f1b", 8) == pytest.approx(fresh.throughput, rel=1e-12)
+        fresh = WorkerPlanner(cost, Schedule.of("1f1b", 8)).stages([d for d in cl.devices if d.node == node.name])
+        assert worker_throughput(cost, vw.stages, Schedule.of("1f1b", 8)) == pytest.approx(fresh.throughput, rel=1e-12)
     layouts = {tuple((st.layers, st.gpu_type) for st in vw.stages) for vw in res.plan.virtual_workers}
     assert len(layouts) == 2  # one per node kind
 

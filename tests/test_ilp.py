@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 import solvers
 from partitioner.cluster import Cluster, DeviceType, Node
-from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner.schedule import Schedule
 from solvers import SOLVERS, SolveStatus
 from solvers import solve as front_door
 from solvers.exact.cbc.chain import SCALE_MAX as CBC_SCALE_MAX
@@ -40,12 +41,11 @@ def brute_force(profile, cluster, devices, schedule, m, options, allow_fewer):
             worst = 0.0
             for k in range(q):
                 a, b = cuts[k], cuts[k + 1]
-                need = cost.stage_memory_bytes(a, b, activations_in_flight(schedule, q - k, m), schedule)
+                need = cost.stage_memory_bytes(a, b, Schedule.of(schedule, m).activations_in_flight(q - k), Schedule.of(schedule, 1))
                 if need > devs[k].memory_bytes:
                     worst = math.inf
                     break
-                worst = max(worst, cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k else None,
-                                                              devs[k + 1] if k + 1 < q else None, schedule, m))
+                worst = max(worst, cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k else None, devs[k + 1] if k + 1 < q else None, Schedule.of(schedule, m)))
             best = min(best, worst)
     return best
 
@@ -230,11 +230,10 @@ def brute_force_tie_break(profile, cluster, devices, schedule, m, options, allow
             times = []
             for k in range(q):
                 a, b = cuts[k], cuts[k + 1]
-                need = cost.stage_memory_bytes(a, b, activations_in_flight(schedule, q - k, m), schedule)
+                need = cost.stage_memory_bytes(a, b, Schedule.of(schedule, m).activations_in_flight(q - k), Schedule.of(schedule, 1))
                 if need > devs[k].memory_bytes:
                     break
-                times.append(cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k else None,
-                                                        devs[k + 1] if k + 1 < q else None, schedule, m))
+                times.append(cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k else None, devs[k + 1] if k + 1 < q else None, Schedule.of(schedule, m)))
             else:
                 found.append((max(times), q, sum(times)))
     if not found:

@@ -13,6 +13,7 @@ from partitioner.cluster import Cluster, DeviceType, Node
 from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner.schedule import Schedule
 from solvers import SolveStatus
 from solvers.exact.intervals import prepare
 from solvers.exact.joint import joint_data
@@ -41,7 +42,7 @@ def brute_force(profile, cluster, schedule, m, options, allow_fewer):
             if key in seen:
                 continue
             seen.add(key)
-            sol = chain_dp(cost, [devices[i] for i in perm], schedule, m, refine=False)
+            sol = chain_dp(cost, [devices[i] for i in perm], Schedule.of(schedule, m), refine=False)
             if sol is not None:
                 best = min(best, sol.bottleneck_s)
     return best

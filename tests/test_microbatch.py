@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.cost import CostModel, pipeline_iteration_s
+from partitioner.cost import CostModel
 from partitioner.errors import FormatError
+from partitioner.schedule import Schedule
 from solvers.cluster.microbatch import choose_micro_batches
 from solvers.cluster.planner import plan_cluster
 from tests._hetero_fixtures import small_cluster, synthetic_profile
@@ -38,7 +39,7 @@ def test_slicing_the_first_micro_batch_as_simulated(sched, p, m, slices, expecte
 
     plan, cluster = chain_plan(p, m, sched)
     assert simulate_plan(replace(plan, first_slices=slices), uniform_profile(p), cluster).iteration_s == expected
-    assert pipeline_iteration_s([3.0] * p, m, sched) == (m + p - 1) * 3.0  # the closed form knows no slicing
+    assert Schedule.of(sched, m).iteration_s([3.0] * p) == (m + p - 1) * 3.0  # the closed form knows no slicing
 
 
 def test_choice_is_the_best_candidate_and_covers_the_batch():

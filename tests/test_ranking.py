@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from partitioner.cluster import Cluster
-from partitioner.cost import CostModel, CostOptions, pipeline_iteration_s
+from partitioner.cost import CostModel, CostOptions
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner.schedule import Schedule
 from solvers import solve
 from solvers.pipeline.ranking import rank_plans
 
@@ -27,7 +28,7 @@ def test_dp_predictions_come_from_the_simulator_and_agree_with_closed_form() -> 
     times = CostModel(prof, cluster).plan_stage_times_s(plan)
     # with no transfers the simulator's makespan is bounded by the closed form (fill + drain
     # around the bottleneck), and equals it when the bottleneck is the first stage's
-    closed = pipeline_iteration_s(times, 6, "1f1b")
+    closed = Schedule.of("1f1b", 6).iteration_s(times)
     assert plan.predicted["iteration_s"] <= closed + 1e-12
     assert plan.predicted["iteration_s"] >= 6 * max(times) - 1e-12
     assert plan.predicted["bottleneck_s"] == pytest.approx(max(times))

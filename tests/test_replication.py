@@ -8,6 +8,7 @@ import pytest
 
 from partitioner.cost import CostModel, ring_allreduce_s
 from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner.schedule import Schedule
 from solvers.cluster.planner import plan_cluster
 from solvers.cluster.replication import replicate_chain
 from solvers.pipeline.dp import chain_dp
@@ -60,9 +61,9 @@ def test_replication_dp_equals_brute_force_and_beats_pure(seed):
     prof = synthetic_profile(7, seed=seed, act_mb=200, param_mb=10)
     cl = small_cluster([["TITAN-V", "TITAN-V", "RTX-2060", "RTX-2060"]], intra=4.0)
     cost = CostModel(prof, cl)
-    sol = replicate_chain(cost, cl.devices, "1f1b", 4)
+    sol = replicate_chain(cost, cl.devices, Schedule.of("1f1b", 4))
     assert sol.bottleneck_s == pytest.approx(brute(cost, list(cl.devices), 4), rel=1e-9)
-    assert sol.bottleneck_s <= chain_dp(cost, cl.devices, "1f1b", 4).bottleneck_s * (1 + 1e-12)
+    assert sol.bottleneck_s <= chain_dp(cost, cl.devices, Schedule.of("1f1b", 4)).bottleneck_s * (1 + 1e-12)
 
 
 def test_planner_with_replication_validates_and_is_no_worse():

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from partitioner.cluster import Cluster
-from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
-from partitioner.schedule import B, F
+from partitioner.schedule import B, F, Schedule
 from partitioner.simulate import Timeline, predict, simulate_plan
 
 NO_RESERVE = CostOptions(reserved_bytes=0.0)
@@ -67,7 +67,7 @@ def test_peak_memory_agrees_with_cost_model(sched: str, p: int, m: int) -> None:
     cost = CostModel(profile, cluster)
     expect = cost.plan_memory_bytes(plan)
     for k, dev in enumerate(tl.devices):
-        assert tl.peak_activations[dev] == activations_in_flight(sched, p - k, m)
+        assert tl.peak_activations[dev] == Schedule.of(sched, m).activations_in_flight(p - k)
         if sched == "2bw" and k == p - 1:
             # the last stage runs F and B back to back: it never holds a second version at a
             # STEP, where the cost model conservatively charges two on every stage

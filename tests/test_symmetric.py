@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from partitioner.cluster import Cluster, Node
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError
+from partitioner.schedule import Schedule
 from solvers.cluster.bounds.fleet import (
     fleet_bound,
     largest_layer_s,
@@ -32,7 +33,7 @@ def counts_plan(cost: CostModel, devs, planner: WorkerPlanner, objective: str, k
     whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in types}
     return plan_counts(devs, node_classes(devs, planner.node_kind), planner.throughput, planner.exact,
                        whole.__getitem__, memory.__getitem__, worker_memory_bytes(cost, planner.schedule),
-                       planner.micro_batches, cost.profile.micro_batch_size,
+                       planner.schedule.micro_batches, cost.profile.micro_batch_size,
                        fill=True, largest_layer_s=largest_layer_s(cost, types), virtual_workers=k,
                        max_worker_gpus=len(devs), covers_all=True)
 
@@ -60,7 +61,7 @@ def test_counts_equal_exhaustive_search(spec, objective):
     profile = synthetic_profile(10, seed=3, types=TYPES)
     cluster = small_cluster(spec, inter=2.0)
     cost = CostModel(profile, cluster)
-    planner = WorkerPlanner(cost, "1f1b", 4)
+    planner = WorkerPlanner(cost, Schedule.of("1f1b", 4))
     devs = list(cluster.devices)
     res = counts_plan(cost, devs, planner, objective)
     want = exhaustive(devs, planner, objective, range(1, len(devs) + 1))
@@ -76,7 +77,7 @@ def test_counts_equal_exhaustive_search_fixed_k(k):
     profile = synthetic_profile(10, seed=5, types=TYPES)
     cluster = small_cluster(SPECS[1], inter=2.0)
     cost = CostModel(profile, cluster)
-    planner = WorkerPlanner(cost, "1f1b", 4)
+    planner = WorkerPlanner(cost, Schedule.of("1f1b", 4))
     devs = list(cluster.devices)
     res = counts_plan(cost, devs, planner, "sync", k)
     assert res is not None and len(res.grouping) == k
@@ -93,17 +94,17 @@ def test_fleet_bound_is_never_below_the_best_grouping(spec, seed, m, objective, 
     profile = synthetic_profile(8, seed=seed, types=TYPES, param_mb=param_mb)
     cluster = small_cluster(spec, inter=2.0)
     cost = CostModel(profile, cluster)
-    planner = WorkerPlanner(cost, "1f1b", m)
+    planner = WorkerPlanner(cost, Schedule.of("1f1b", m))
     devs = list(cluster.devices)
     best = exhaustive(devs, planner, objective, range(1, len(devs) + 1))
-    bound = fleet_bound(cost, devs, "1f1b", m)
+    bound = fleet_bound(cost, devs, Schedule.of("1f1b", m))
     assert bound.samples_per_s <= bound.perfect_speedup * (1 + 1e-12)
     if best > -math.inf:
         assert bound.samples_per_s >= best * (1 - 1e-9)
     for k in range(1, len(devs) + 1):  # with K fixed
         at_k = exhaustive(devs, planner, objective, [k])
         if at_k > -math.inf:
-            assert fleet_bound(cost, devs, "1f1b", m, virtual_workers=k).samples_per_s >= at_k * (1 - 1e-9)
+            assert fleet_bound(cost, devs, Schedule.of("1f1b", m), virtual_workers=k).samples_per_s >= at_k * (1 - 1e-9)
     res = plan_cluster(profile, cluster, "auto", "opt", objective=objective, micro_batches=m, time_limit_s=30)
     if res.plan is not None:  # the certified gap is never negative
         assert price_plan(cost, res.plan, objective)["samples_per_s"] <= bound.samples_per_s * (1 + 1e-9)
@@ -165,14 +166,14 @@ def test_one_type_bound_in_closed_form_holds(objective, param_mb):
     profile = synthetic_profile(8, seed=4, types=TYPES, param_mb=param_mb)
     cluster = small_cluster([["RTX-2060"] * 2, ["RTX-2060"] * 2, ["RTX-2060"] * 2])
     cost = CostModel(profile, cluster)
-    planner = WorkerPlanner(cost, "1f1b", 4)
+    planner = WorkerPlanner(cost, Schedule.of("1f1b", 4))
     devs = list(cluster.devices)
     for k in range(1, len(devs) + 1):
         at_k = exhaustive(devs, planner, objective, [k])
-        bound = fleet_bound(cost, devs, "1f1b", 4, virtual_workers=k).samples_per_s
+        bound = fleet_bound(cost, devs, Schedule.of("1f1b", 4), virtual_workers=k).samples_per_s
         assert bound >= at_k * (1 - 1e-9) if at_k > -math.inf else bound >= 0
     best = exhaustive(devs, planner, objective, range(1, len(devs) + 1))
-    assert fleet_bound(cost, devs, "1f1b", 4).samples_per_s >= best * (1 - 1e-9)
+    assert fleet_bound(cost, devs, Schedule.of("1f1b", 4)).samples_per_s >= best * (1 - 1e-9)
 
 
 def test_the_planner_linear_programs_give_optimal_primal_and_dual_solutions() -> None:
@@ -207,8 +208,8 @@ def test_a_linear_program_without_an_answer_leaves_a_valid_bound(monkeypatch: py
     cluster = small_cluster([["TITAN-V"], ["TITAN-V", "RTX-2060"]], inter=2.0)
     cost = CostModel(profile, cluster)
     devs = list(cluster.devices)
-    real = fleet_bound(cost, devs, "1f1b", 2)
+    real = fleet_bound(cost, devs, Schedule.of("1f1b", 2))
     monkeypatch.setattr(lp, "linprog", lambda c, *a, **k: lp.LpResult("failed", np.zeros(len(c)), math.nan,
                                                                       np.zeros(0)))
-    fallback = fleet_bound(cost, devs, "1f1b", 2)
+    fallback = fleet_bound(cost, devs, Schedule.of("1f1b", 2))
     assert fallback.samples_per_s == fallback.perfect_speedup >= real.samples_per_s

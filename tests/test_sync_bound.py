@@ -16,6 +16,7 @@ from partitioner.cost import CostModel
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner.schedule import Schedule
 from solvers.cluster.bounds.sync import (
     allreduce_floor,
     exact_pipeline_floor_s,
@@ -91,18 +92,18 @@ def test_the_bound_is_never_below_any_plan(spec, seed, m, param_mb):
     cluster = small_cluster(spec, inter=2.0)
     cost = CostModel(profile, cluster)
     devs = list(cluster.devices)
-    classes = node_classes(devs, WorkerPlanner(cost, "1f1b", m).node_kind)
+    classes = node_classes(devs, WorkerPlanner(cost, Schedule.of("1f1b", m)).node_kind)
     best = best_by_enumeration(cost, m)
     if best == -math.inf:
         return
     for beat in (best * 0.5, best * 0.9, best * 0.999):
-        got = sync_bound(cost, devs, classes, "1f1b", m, beat)
+        got = sync_bound(cost, devs, classes, Schedule.of("1f1b", m), beat)
         assert got.complete
         assert got.samples_per_s >= best * (1 - 1e-9)
     for k in range(1, len(devs) + 1):  # K fixed
         at_k = best_by_enumeration(cost, m, k)
         if at_k > -math.inf:
-            assert sync_bound(cost, devs, classes, "1f1b", m, at_k * 0.5, workers=k).samples_per_s >= at_k * (1 - 1e-9)
+            assert sync_bound(cost, devs, classes, Schedule.of("1f1b", m), at_k * 0.5, workers=k).samples_per_s >= at_k * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("spec", [[["TITAN-V", "RTX-2060", "RTX-2060"], ["TITAN-V", "RTX-3090"], ["RTX-3090"]],
@@ -150,7 +151,7 @@ def test_exact_pipeline_floor_is_the_least_over_orders_and_splits(seed, m):
     cluster = small_cluster([["TITAN-V", "RTX-2060"], ["RTX-3090"]], inter=2.0)
     cost = CostModel(profile, cluster)
     devs = list(cluster.devices)
-    floor = exact_pipeline_floor_s(cost, devs, "1f1b", m)
+    floor = exact_pipeline_floor_s(cost, devs, Schedule.of("1f1b", m))
     times = []
     for stages in worker_options(devs, 6):
         plan = Plan("uneven", (VirtualWorker(stages),), "1f1b", 8, m)
@@ -164,7 +165,7 @@ def test_exact_pipeline_floor_is_the_least_over_orders_and_splits(seed, m):
     assert floor >= 0.8 * min(times)
     per = {t: np.array([cost.compute_s(t, i, i + 1) for i in range(6)]) for t in TYPES}
     assert floor >= pipeline_floor_s(per, {"TITAN-V": 1, "RTX-2060": 1, "RTX-3090": 1}, m, 0.0) * (1 - 1e-9)
-    assert exact_pipeline_floor_s(cost, devs, "gpipe", m) is None  # GPipe's fill is priced otherwise
+    assert exact_pipeline_floor_s(cost, devs, Schedule.of("gpipe", m)) is None  # GPipe's fill is priced otherwise
 
 
 def test_hetpipe_vgg19_plan_is_proven_optimal_with_the_allreduce():
@@ -193,7 +194,7 @@ def test_lower_bound_holds_when_speed_ratios_differ_by_layer(seed):
     cost = CostModel(uneven_profile(6, seed, 10.0), small_cluster([list(TYPES)], inter=2.0))
     devs = list(cost.cluster.devices)
     best = min(sol.bottleneck_s for order in itertools.permutations(devs)
-               if (sol := chain_dp(cost, list(order), "1f1b", 1)) is not None)
+               if (sol := chain_dp(cost, list(order), Schedule.of("1f1b", 1))) is not None)
     assert cost.lower_bound_s(devs) <= best * (1 + 1e-12)
 
 
@@ -211,7 +212,7 @@ def test_fleet_bound_holds_when_speed_ratios_differ_by_layer(seed):
     # a type's effective time is its best ratio to the reference times the reference's whole model
     for m in (1, 3):
         best = best_by_enumeration(cost, m)
-        assert fleet_bound(cost, devs, "1f1b", m).samples_per_s >= best * (1 - 1e-9)
+        assert fleet_bound(cost, devs, Schedule.of("1f1b", m)).samples_per_s >= best * (1 - 1e-9)
         assert throughput_upper_bound(cost, devs) >= best * (1 - 1e-9)
 
 

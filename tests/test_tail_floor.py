@@ -15,6 +15,7 @@ from partitioner.cost import CostModel
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner.schedule import Schedule
 from solvers.cluster.bounds.sync import allreduce_floor
 from solvers.cluster.bounds.tail import (
     TailTable,
@@ -66,7 +67,7 @@ def test_one_worker_alone_is_its_best_plan_exactly(types, seed, m, schedule, ove
                      CostOptions(overlap_comm=overlap))
     devs = list(cost.cluster.devices)
     best = min(priced(cost, [s], schedule, m) for s in splits(devs, 5))
-    got = worker_tail_floor_s(cost, devs, schedule, m, lambda x: np.zeros_like(x))
+    got = worker_tail_floor_s(cost, devs, Schedule.of(schedule, m), lambda x: np.zeros_like(x))
     assert got == pytest.approx(best, rel=1e-12) if math.isfinite(best) else got == math.inf
 
 
@@ -79,7 +80,7 @@ def test_a_worker_among_k_is_below_every_plan_that_holds_it(seed, m, schedule, p
     cost = CostModel(profile_with_steps(5, seed, param_mb), small_cluster([["TITAN-V", "RTX-2060", *second]], intra=0.5))
     devs = list(cost.cluster.devices)
     first, second = devs[:2], devs[2:]
-    table = worker_tail_table(cost, first, schedule, m, lambda x: np.vectorize(
+    table = worker_tail_table(cost, first, Schedule.of(schedule, m), lambda x: np.vectorize(
         lambda b: allreduce_floor(cost, devs, 2, float(b)))(x))
     assert table is not None
     n, least = cost.num_layers, math.inf
@@ -100,8 +101,8 @@ def test_too_many_splits_or_a_schedule_without_flush_gives_none():
     cost = CostModel(profile_with_steps(6, 0, 10.0), small_cluster([["TITAN-V", "RTX-2060", "RTX-3090"]]))
     devs = list(cost.cluster.devices)
     assert count_splits(6, 3, 6) == 60
-    assert worker_tail_table(cost, devs, "1f1b", 2, lambda x: 0 * x, limit=59) is None
-    assert worker_tail_table(cost, devs, "2bw", 2, lambda x: 0 * x) is None
-    assert worker_tail_table(cost, devs, "1f1b", 2, lambda x: 0 * x, limit=60) is not None
+    assert worker_tail_table(cost, devs, Schedule.of("1f1b", 2), lambda x: 0 * x, limit=59) is None
+    assert worker_tail_table(cost, devs, Schedule.of("2bw", 2), lambda x: 0 * x) is None
+    assert worker_tail_table(cost, devs, Schedule.of("1f1b", 2), lambda x: 0 * x, limit=60) is not None
     with pytest.raises(ValueError, match="one value per layer"):
         TailTable(1.0, np.zeros((2, 2)))

@@ -296,7 +296,7 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
             from solvers.pipeline.dp import chain_dp
 
             try:
-                sol = chain_dp(cost, devs, plan.schedule, plan.micro_batches)
+                sol = chain_dp(cost, devs, plan.pipeline_schedule)
             except PartitionerError as err:
                 notes.append(f"no exact DP bound: {err}")
             else:

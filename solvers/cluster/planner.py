@@ -33,11 +33,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from partitioner.cluster import Cluster, Device
-from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
-from partitioner.schedule import spec
+from partitioner.schedule import Schedule, spec
 from solvers.cluster.grouping import OBJECTIVES, POLICIES, combine, group, search_opt
 from solvers.cluster.replication import replicate_worker
 from solvers.pipeline.dp import diagnose_infeasible
@@ -66,12 +66,11 @@ class WorkerPlanner:
     (same GPU mix and intra-node bandwidth, no link overrides): such nodes are interchangeable.
     """
 
-    def __init__(self, cost: CostModel, schedule: str, micro_batches: int, replication: bool = False,
+    def __init__(self, cost: CostModel, schedule: Schedule, replication: bool = False,
                  exact_limit: int = 720, max_evaluations: int = 200):
         self.cost = cost
         self.max_evaluations = max_evaluations
         self.schedule = schedule
-        self.micro_batches = micro_batches
         self.replication = replication
         self.exact_limit = exact_limit
         self._memo: dict[Any, _Worker] = {}
@@ -132,8 +131,8 @@ class WorkerPlanner:
                 return template  # such a key names the devices themselves: the very same set
             return replace(template, stages=_relabel(template.stages, self.cost, devices))
         self.evaluations += 1
-        cost, sched, m = self.cost, self.schedule, self.micro_batches
-        res = map_worker(cost, devices, sched, m, exact_limit=self.exact_limit,
+        cost, sched = self.cost, self.schedule
+        res = map_worker(cost, devices, sched, exact_limit=self.exact_limit,
                          max_evaluations=self.max_evaluations, deadline=self.deadline)
         options: list[tuple[Stage, ...]] = []
         if res.solution is not None:
@@ -141,13 +140,13 @@ class WorkerPlanner:
             options.append(tuple(Stage(r, d.name, d.gpu_type) for r, d in zip(sol.ranges, sol.devices, strict=True)))
         if self.replication and len(devices) > 1:
             order = list(res.solution.devices) if res.solution is not None else list(devices)
-            rep = replicate_worker(cost, order, sched, m)
+            rep = replicate_worker(cost, order, sched)
             if rep is not None:
                 options.append(tuple(Stage(r, ds[0].name, ds[0].gpu_type, tuple(d.name for d in ds[1:]))
                                      for r, ds in rep.stages))
         best = _Worker(None, -math.inf, res.exact)
         for stages in options:
-            thr = worker_throughput(cost, stages, sched, m)
+            thr = worker_throughput(cost, stages, sched)
             if thr > best.throughput:
                 best = _Worker(stages, thr, res.exact)
         best = replace(best, ranges=tuple(st.layers for st in best.stages or ()))
@@ -204,16 +203,16 @@ def _relabel(stages: Sequence[Stage], cost: CostModel, devices: Sequence[Device]
                  for st in stages)
 
 
-def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: str, micro_batches: int) -> float:
+def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: Schedule) -> float:
     """Samples per second of one pipeline, priced by the cost model (-inf if it does not fit)."""
-    plan = Plan(cost.profile.model, (VirtualWorker(tuple(stages)),), schedule, cost.profile.micro_batch_size,
-                micro_batches)
+    plan = Plan(cost.profile.model, (VirtualWorker(tuple(stages)),), schedule.name, cost.profile.micro_batch_size,
+                schedule.micro_batches)
     try:
         cost.check_plan_memory(plan)
     except FormatError:
         return -math.inf
     it = cost.worker_iteration_s(plan, holders_known=False)  # the other workers are not known yet
-    return micro_batches * cost.profile.micro_batch_size / it if it > 0 else math.inf
+    return schedule.micro_batches * cost.profile.micro_batch_size / it if it > 0 else math.inf
 
 
 def price_plan(cost: CostModel, plan: Plan, objective: str = "sync") -> dict[str, float]:
@@ -297,7 +296,8 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     """
     t0 = time.perf_counter()
     _check_options(policy, objective, micro_batches, virtual_workers, time_limit_s)
-    activations_in_flight(schedule, 1, micro_batches)  # refuses schedules priced only by simulation
+    sched = Schedule.of(schedule, micro_batches)
+    sched.activations_in_flight(1)  # refuses schedules priced only by simulation
     cost = CostModel(profile, cluster, options)
     devs = list(cluster.subset(devices) if devices is not None else cluster.devices)
     n = len(devs)
@@ -306,7 +306,7 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     largest = max_worker_gpus(cost.num_layers)
     if isinstance(virtual_workers, int):
         _check_worker_size(n, virtual_workers, cost.num_layers, largest)
-    planner = WorkerPlanner(cost, schedule, micro_batches, replication, exact_limit)
+    planner = WorkerPlanner(cost, sched, replication, exact_limit)
     planner.deadline = t0 + time_limit_s
     k = None if virtual_workers == "auto" else int(virtual_workers)
     found: _Found | str
@@ -325,10 +325,10 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
                                method=f"hetero:{policy}", reason=found)
     if found.best is None:
         reason = ("no grouping of the cluster's GPUs into virtual workers fits in memory; even one "
-                  "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, schedule, micro_batches))
+                  "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, sched))
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
                            method=f"hetero:{policy}", reason=reason)
-    return _finish(found, cost, devs, policy, objective, replication, schedule, micro_batches, options, k, t0)
+    return _finish(found, cost, devs, policy, objective, replication, sched, options, k, t0)
 
 
 def _check_options(policy: str, objective: str, micro_batches: Any, virtual_workers: Any, time_limit_s: Any) -> None:
@@ -384,7 +384,7 @@ def _plan_fixed(devs: list[Device], k: int | None, policy: str, planner: WorkerP
     failing = next(w for w in g if planner.throughput(w) == -math.inf)
     return (f"policy {policy} with K={len(g)}: a virtual worker of {len(failing)} GPU(s) "
             f"({', '.join(d.name for d in failing)}) cannot hold the model: "
-            + diagnose_infeasible(cost, failing, planner.schedule, planner.micro_batches))
+            + diagnose_infeasible(cost, failing, planner.schedule))
 
 
 def _speed_of(cost: CostModel, devs: Sequence[Device]) -> Any:
@@ -408,11 +408,11 @@ def _plan_opt(devs: list[Device], k: int | None, planner: WorkerPlanner, objecti
     search = _plan_search(devs, k, planner, objective, time_limit_s, t0, simulate_top, sim, largest)
     if counts is None or counts.best is None or search.best is None:
         return search if counts is None or counts.best is None else counts
-    cost, m = planner.cost, planner.micro_batches
+    cost = planner.cost
 
     def priced(f: _Found) -> float:
         assert f.best is not None
-        plan = _plan_of(f.best[1], f.used, cost.profile, planner.schedule, m)[0]
+        plan = _plan_of(f.best[1], f.used, cost.profile, planner.schedule)[0]
         return price_plan(cost, plan, objective)["samples_per_s"]
 
     if priced(search) > priced(counts) * (1 + 1e-9):
@@ -426,9 +426,9 @@ def _sync_certified(found: _Found, devs: list[Device], k: int | None, planner: W
     plan): :func:`solvers.cluster.bounds.sync.sync_bound`, the bound with the
     all-reduce in it, which also prices the groupings that could beat the plan (a better one
     replaces it). Its figures go to ``details["sync_bound"]``."""
-    cost, sched, m = planner.cost, planner.schedule, planner.micro_batches
-    if (found.best is None or objective != "sync" or replication or len(devs) > 16 or not spec(sched).flushes
-            or spec(sched).sync != "allreduce" or not planner.interchangeable(devs)
+    cost, sched = planner.cost, planner.schedule
+    if (found.best is None or objective != "sync" or replication or len(devs) > 16 or not sched.spec.flushes
+            or sched.spec.sync != "allreduce" or not planner.interchangeable(devs)
             or time.perf_counter() >= deadline):
         return found
     from solvers.cluster.bounds.sync import sync_bound
@@ -437,10 +437,10 @@ def _sync_certified(found: _Found, devs: list[Device], k: int | None, planner: W
     planner.progress.note("bounding the plan with its all-reduce")
 
     def price(g: list[list[Device]]) -> float:
-        return price_plan(cost, _plan_of(g, planner, cost.profile, sched, m)[0], objective)["samples_per_s"]
+        return price_plan(cost, _plan_of(g, planner, cost.profile, sched)[0], objective)["samples_per_s"]
 
     current = price(found.best[1])  # the plan _finish builds: every worker mapped by the full search
-    sb = sync_bound(cost, devs, node_classes(devs, planner.node_kind), sched, m, current, workers=k,
+    sb = sync_bound(cost, devs, node_classes(devs, planner.node_kind), sched, current, workers=k,
                     exact_limit=planner.exact_limit, deadline=deadline, price=price)
     details = {**found.details, "sync_bound": {"samples_per_s": sb.samples_per_s, "complete": sb.complete,
                                                "templates": sb.templates, "refined": sb.refined,
@@ -459,15 +459,15 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     from solvers.cluster.bounds.fleet import effective_whole_s, largest_layer_s, worker_memory_bytes
     from solvers.cluster.templates import node_classes, plan_counts
 
-    cost, m = planner.cost, planner.micro_batches
+    cost, m = planner.cost, planner.schedule.micro_batches
     classes = node_classes(devs, planner.node_kind)
     complete = n_small = len(devs) <= 32
     # Templates are mapped by the screening search: every order where there are few (as many as
     # the full search where a proof is possible: small clusters, a schedule whose throughput is
     # a function of the bottleneck), else a few; the chosen grouping is re-planned in full.
-    provable = (n_small and not replication and not spec(planner.schedule).flushes
-                and (spec(planner.schedule).sync == "wave" or not cost.options.sync))
-    rater = WorkerPlanner(cost, planner.schedule, m, replication,
+    provable = (n_small and not replication and not planner.schedule.spec.flushes
+                and (planner.schedule.spec.sync == "wave" or not cost.options.sync))
+    rater = WorkerPlanner(cost, planner.schedule, replication,
                           planner.exact_limit if provable else min(planner.exact_limit, 24), 3)
     rater.deadline = planner.deadline
     # The baselines, where they apply, compete. Small clusters: at every candidate K, valued
@@ -495,10 +495,10 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     whole = effective_whole_s(cost, types)  # the templates' rate bounds hold for any profile
     res = plan_counts(devs, classes, rater.throughput, rater.exact, whole.__getitem__, memory.__getitem__,
                       worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size,
-                      fill=spec(planner.schedule).flushes and not replication,
+                      fill=planner.schedule.spec.flushes and not replication,
                       largest_layer_s=largest_layer_s(cost, types), virtual_workers=k,
                       max_worker_gpus=min(largest, cost.num_layers, len(devs) if complete else 16),
-                      covers_all=complete, wave_s=_wave_s(cost, planner.schedule, m), deadline=t0 + time_limit_s)
+                      covers_all=complete, wave_s=_wave_s(cost, planner.schedule), deadline=t0 + time_limit_s)
     if res is None or (k is not None and len(res.grouping) != k):
         return None
     best = (_grouping_value(res.grouping, rater, objective, m), res.grouping)
@@ -512,7 +512,7 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
         # included): the estimate that ranked them may not rank them as the cost model does.
         priced = []
         for g in [res.grouping] + ([baseline[1]] if baseline is not None else []):
-            plan = _plan_of(g, planner, cost.profile, planner.schedule, m)[0]
+            plan = _plan_of(g, planner, cost.profile, planner.schedule)[0]
             priced.append((price_plan(cost, plan, objective)["samples_per_s"], g))
         best, used = max(priced, key=lambda x: x[0]), planner
     elif time.perf_counter() < t0 + time_limit_s:  # large: the winner re-planned in full if that helps
@@ -526,12 +526,12 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
     return _Found(best, used, res.exact, details)
 
 
-def _wave_s(cost: CostModel, schedule: str, micro_batches: int) -> float:
+def _wave_s(cost: CostModel, schedule: Schedule) -> float:
     """WSP's push and pull of the whole model per micro-batch (0 for other schedules, or with a
     bandwidth curve, where the stages' shares need not add up to the whole)."""
-    if spec(schedule).sync != "wave" or cost.cluster.inter_curve is not None:
+    if schedule.spec.sync != "wave" or cost.cluster.inter_curve is not None:
         return 0.0
-    return cost.wave_sync_s(0, cost.num_layers, micro_batches)
+    return cost.wave_sync_s(0, cost.num_layers, schedule.micro_batches)
 
 
 def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, objective: str, time_limit_s: float,
@@ -541,10 +541,10 @@ def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, obje
     planner.progress.note("exhaustive search" if len(devs) <= 8 else "local search over groupings")
     cost, n = planner.cost, len(devs)
     nodes = len(dict.fromkeys(d.node for d in devs))
-    micro_batches = planner.micro_batches
+    micro_batches = planner.schedule.micro_batches
     # Large clusters: the grouping search screens workers with a cheaper mapping search; the
     # finalists are then re-planned with the full one.
-    screen = planner if n <= 8 else WorkerPlanner(cost, planner.schedule, micro_batches, planner.replication,
+    screen = planner if n <= 8 else WorkerPlanner(cost, planner.schedule, planner.replication,
                                                   min(planner.exact_limit, 24), 3)
     screen.deadline = planner.deadline
     speed = _speed_of(cost, devs)
@@ -598,14 +598,14 @@ def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, obje
     if simulate_top > 0 and len(scored) > 1:
         profile, cluster, options = sim
         best, ranking = _best_simulated(sorted(scored, key=lambda x: -x[0])[:simulate_top], planner,
-                                        profile, cluster, planner.schedule, micro_batches, options)
+                                        profile, cluster, planner.schedule, options)
         used = planner
         details["ranking"] = ranking
     return _Found(best, used, exact, details)
 
 
 def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, objective: str, replication: bool,
-            schedule: str, micro_batches: int, options: CostOptions | None, k: int | None,
+            schedule: Schedule, options: CostOptions | None, k: int | None,
             t0: float) -> SolveResult:
     """Build, price, certify and validate the plan of the chosen grouping."""
     from solvers.cluster.bounds.fleet import fleet_bound
@@ -613,10 +613,10 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     assert found.best is not None
     profile, cluster = cost.profile, cost.cluster
     _val, g = found.best
-    plan, mapped_exactly = _plan_of(g, found.used, profile, schedule, micro_batches)
+    plan, mapped_exactly = _plan_of(g, found.used, profile, schedule)
     exact = found.exact and mapped_exactly
     predicted = price_plan(cost, plan, objective)
-    bound = fleet_bound(cost, devs, schedule, micro_batches, replication=replication,
+    bound = fleet_bound(cost, devs, schedule, replication=replication,
                         virtual_workers=k)
     upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s)
     with_sync = found.details.get("sync_bound", {})
@@ -624,8 +624,8 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
         upper = min(upper, with_sync["samples_per_s"])
     # Exact search proves optimality only where throughput is a function of the bottleneck alone.
     # (The search prices the all-reduce between workers by an estimate, so with it no proof.)
-    closed_form = (not replication and not spec(schedule).flushes
-                   and (spec(schedule).sync == "wave" or not cost.options.sync))
+    closed_form = (not replication and not schedule.spec.flushes
+                   and (schedule.spec.sync == "wave" or not cost.options.sync))
     # ... or the plan reaches the bound.
     proven = (policy == "opt" and exact and closed_form) or predicted["samples_per_s"] >= upper * (1 - 1e-9)
     status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
@@ -639,7 +639,7 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
                                             "pipeline_fill": bound.pipeline_fill, "workers": bound.workers},
                                   **found.details})
     meta = {"policy": policy, "objective": objective, "replication": replication,
-            "worker_samples_per_s": [worker_throughput(cost, vw.stages, schedule, micro_batches)
+            "worker_samples_per_s": [worker_throughput(cost, vw.stages, schedule)
                                      for vw in plan.virtual_workers]}
     plan = with_predictions(replace(plan, solver=result.solver_info()), profile, cluster, options, predicted,
                             extra_meta=meta)
@@ -653,15 +653,14 @@ def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: st
     which is what makes data parallelism lose to pipelines on slow links."""
     rates = [planner.throughput(w) for w in g]
     val = combine(rates, objective)
-    if objective != "sync" or val == -math.inf or len(g) < 2 or spec(planner.schedule).sync != "allreduce":
+    if objective != "sync" or val == -math.inf or len(g) < 2 or planner.schedule.spec.sync != "allreduce":
         return val
     samples = micro_batches * planner.cost.profile.micro_batch_size
     iteration = samples / min(rates) + planner.sync_estimate_s(g)
     return len(g) * samples / iteration
 
 
-def _plan_of(g: list[list[Device]], planner: WorkerPlanner, profile: Profile, schedule: str,
-             micro_batches: int) -> tuple[Plan, bool]:
+def _plan_of(g: list[list[Device]], planner: WorkerPlanner, profile: Profile, schedule: Schedule) -> tuple[Plan, bool]:
     """The plan of a grouping, every worker mapped and split by ``planner``, and whether every
     mapping was exact."""
     workers, exact = [], True
@@ -670,16 +669,16 @@ def _plan_of(g: list[list[Device]], planner: WorkerPlanner, profile: Profile, sc
         assert r.stages is not None
         exact = exact and r.exact
         workers.append(VirtualWorker(r.stages))
-    return Plan(profile.model, tuple(workers), schedule, profile.micro_batch_size, micro_batches), exact
+    return Plan(profile.model, tuple(workers), schedule.name, profile.micro_batch_size, schedule.micro_batches), exact
 
 
 def _best_simulated(top: list[tuple[float, list[list[Device]]]], planner: WorkerPlanner, profile: Profile,
-                    cluster: Cluster, schedule: str, micro_batches: int, options: CostOptions | None
+                    cluster: Cluster, schedule: Schedule, options: CostOptions | None
                     ) -> tuple[tuple[float, list[list[Device]]], list[dict[str, Any]]]:
     """Of the closed form's best groupings, the one the simulator runs fastest (and the ranking)."""
     from solvers.pipeline.ranking import rank_plans
 
-    plans = [_plan_of(g, planner, profile, schedule, micro_batches)[0] for _, g in top]
+    plans = [_plan_of(g, planner, profile, schedule)[0] for _, g in top]
     ranked = rank_plans(plans, profile, cluster, options)
     winner = [p.virtual_workers for p in plans].index(ranked[0].plan.virtual_workers)
     return top[winner], [r.to_dict() for r in ranked]

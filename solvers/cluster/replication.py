@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.cluster import Device
-from partitioner.cost import CostModel, activations_in_flight
-from partitioner.schedule import spec
+from partitioner.cost import CostModel
+from partitioner.schedule import Schedule
 
 __all__ = ["ReplicatedSolution", "replicate_chain", "replicate_worker"]
 
@@ -53,8 +53,7 @@ def _runs(devices: Sequence[Device]) -> list[int]:
     return run
 
 
-def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
-                    micro_batches: int = 1, max_replicas: int | None = None) -> ReplicatedSolution | None:
+def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedule, max_replicas: int | None = None) -> ReplicatedSolution | None:
     """Minimum-bottleneck stages with replication over ``devices`` in this order, or None."""
     devices = list(devices)
     p, n = len(devices), cost.num_layers
@@ -74,7 +73,7 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: str = 
     for k in range(p - 1, -1, -1):
         prev = devices[k - 1] if k > 0 else None
         for s in range(1, p - k + 1):
-            in_flight = activations_in_flight(schedule, s, micro_batches)
+            in_flight = schedule.activations_in_flight(s)
             mem = cost.memory_matrix(in_flight, schedule)
             best = np.full(n + 1, np.inf)
             best_r = np.zeros(n + 1, dtype=np.intp)
@@ -90,9 +89,9 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: str = 
                     rate += 1.0 / np.maximum(cost.stage_time_matrix(d, prev, nxt), 1e-300)
                 t = 1.0 / rate
                 if r > 1:
-                    t = t + params * (cost.allreduce_s(1.0, group) / micro_batches)
-                if spec(schedule).sync == "wave":
-                    t = t + cost.wave_sync_matrix(micro_batches)
+                    t = t + params * (cost.allreduce_s(1.0, group) / schedule.micro_batches)
+                if schedule.spec.sync == "wave":
+                    t = t + cost.wave_sync_matrix(schedule.micro_batches)
                 ok = upper & (mem <= min(d.memory_bytes for d in group))
                 cand = np.where(ok, np.maximum(t, nxt_f[None, :]), np.inf)
                 arg = cand.argmin(axis=1)
@@ -115,15 +114,14 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: str = 
     return ReplicatedSolution(float(f[(0, s_best)][0]), tuple(stages))
 
 
-def replicate_worker(cost: CostModel, order: Sequence[Device], schedule: str = "1f1b",
-                     micro_batches: int = 1) -> ReplicatedSolution | None:
+def replicate_worker(cost: CostModel, order: Sequence[Device], schedule: Schedule) -> ReplicatedSolution | None:
     """Best replicated split over ``order`` and over ``order`` with each GPU type contiguous."""
     speed = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in order}}
     first = {t: k for k, t in reversed(list(enumerate(d.gpu_type for d in order)))}
     grouped = sorted(order, key=lambda d: (first[d.gpu_type], speed[d.gpu_type]))
     best: ReplicatedSolution | None = None
     for cand in ([*order], grouped):
-        sol = replicate_chain(cost, cand, schedule, micro_batches)
+        sol = replicate_chain(cost, cand, schedule)
         if sol is not None and (best is None or sol.bottleneck_s < best.bottleneck_s):
             best = sol
     return best

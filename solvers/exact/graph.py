@@ -42,10 +42,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from partitioner.cost import CostModel, activations_in_flight
+from partitioner.cost import CostModel
 from partitioner.errors import FormatError
 from partitioner.profile import Profile
-from partitioner.schedule import spec
 from solvers.exact.intervals import ChainProblem, dp_split
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
@@ -122,9 +121,9 @@ def dag_data(problem: ChainProblem, hint: bool) -> DagData:
             raise FormatError("devices", f"{devs[k].name} -> {devs[k + 1].name}",
                               "the graph model prices transfers on flat links (constant GB/s, no latency); this "
                               "link has a latency or a measured curve; plan the chain order (`chain_order`)")
-    wsp = spec(problem.schedule).sync == "wave"
+    wsp = problem.schedule.spec.sync == "wave"
     if wsp and cost.cluster.inter_curve is not None:
-        raise FormatError("schedule", problem.schedule, "the graph model prices WSP's wave sync on a flat inter-node "
+        raise FormatError("schedule", problem.schedule.name, "the graph model prices WSP's wave sync on a flat inter-node "
                           "link; this cluster has a measured curve; plan the chain order (dag=False)")
     edges = profile.graph_edges
     succ: list[list[int]] = [[] for _ in range(n)]
@@ -133,7 +132,7 @@ def dag_data(problem: ChainProblem, hint: bool) -> DagData:
     wave = np.zeros(n)
     if wsp:
         sync = cost._sync_prefix  # the cost model's own per-layer figures
-        wave = 2.0 * np.diff(sync) / problem.micro_batches
+        wave = 2.0 * np.diff(sync) / problem.schedule.micro_batches
     time_s = np.array([np.diff(cost._total_prefix(d.gpu_type)) for d in devs]) + wave[None, :]
     per_byte = [0.0] * p
     out_per_byte = [0.0] * p
@@ -145,7 +144,7 @@ def dag_data(problem: ChainProblem, hint: bool) -> DagData:
     weights = np.diff(cost.param_count_prefix) * cost.weight_factor(problem.schedule)
     saved, shared = profile.array("saved_bytes"), profile.array("shared_saved_bytes")
     shared[0] = 0.0  # the first layer has no predecessor to share with
-    flight = np.array([activations_in_flight(problem.schedule, p - k, problem.micro_batches) for k in range(p)],
+    flight = np.array([problem.schedule.activations_in_flight(p - k) for k in range(p)],
                       dtype=np.float64)
     mem = weights[None, :] + flight[:, None] * saved[None, :]
     reserved = cost.options.reserved_bytes
@@ -182,9 +181,9 @@ def price_assignment(data: DagData, stages: Sequence[int]) -> DagPlan:
     cuts = tuple(int(c) for c in np.concatenate([[0], np.cumsum(sizes)]))
     devs = problem.devices
     times = [cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k > 0 else None,
-                                        devs[k + 1] if k + 1 < p else None, problem.schedule, problem.micro_batches)
+                                        devs[k + 1] if k + 1 < p else None, problem.schedule)
              for k, (a, b) in enumerate(itertools.pairwise(cuts))]
-    fits = all(cost.stage_memory_bytes(a, b, activations_in_flight(problem.schedule, p - k, problem.micro_batches),
+    fits = all(cost.stage_memory_bytes(a, b, problem.schedule.activations_in_flight(p - k),
                                        problem.schedule) <= devs[k].memory_bytes
                for k, (a, b) in enumerate(itertools.pairwise(cuts)))
     return DagPlan(tuple(st), profile, cost, ChainSolution(max(times), cuts, devs), math.fsum(times), fits)
@@ -263,7 +262,7 @@ def finish_dag(data: DagData, method: str, status: SolveStatus, found: DagPlan |
                "from_hint": best is hint and found is not hint}
     if status is SolveStatus.UNKNOWN:
         status = SolveStatus.FEASIBLE  # the hint is a plan
-    plan = dp.plan_from_cuts(best.profile, best.cost, best.solution, problem.schedule, problem.micro_batches,
+    plan = dp.plan_from_cuts(best.profile, best.cost, best.solution, problem.schedule,
                              solver_name=method)
     objective = best.solution.bottleneck_s
     result = SolveResult(status, None, objective, min(lower_bound, objective), runtime_s, method, reason=reason,
@@ -293,9 +292,9 @@ def _diagnose(data: DagData) -> str:
     n, p = data.num_layers, data.num_stages
     if p > n:
         return f"{p} devices but only {n} layers: every stage needs at least one layer; give at most {n} devices"
-    chain = dp.diagnose_infeasible(problem.cost, problem.devices, problem.schedule, problem.micro_batches)
+    chain = dp.diagnose_infeasible(problem.cost, problem.devices, problem.schedule)
     if not chain.startswith("no contiguous split"):
         return chain
     return (f"no assignment of the {n} layers to {p} stages that respects the graph's edges fits every device's "
-            f"memory under {problem.schedule} with {problem.micro_batches} micro-batches; use more or larger "
+            f"memory under {problem.schedule} with {problem.schedule.micro_batches} micro-batches; use more or larger "
             f"devices or fewer micro-batches in flight")

@@ -33,9 +33,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from partitioner.cluster import Cluster, Device
-from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
+from partitioner.schedule import Schedule
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveResult, SolveStatus
@@ -130,8 +131,7 @@ class Arcs:
         """Arcs whose stage takes longer than ``seconds`` (the tie-break leaves them out)."""
         return np.flatnonzero(self.time_s > seconds).tolist()
 
-    def solution(self, chosen: Sequence[int], cost: CostModel, devices: Sequence[Device], schedule: str,
-                 micro_batches: int) -> ChainSolution:
+    def solution(self, chosen: Sequence[int], cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> ChainSolution:
         """The split made of the ``chosen`` arcs, priced exactly with the cost model."""
         by_stage = sorted((int(self.k[a]), int(self.i[a]), int(self.j[a])) for a in chosen)
         q = len(by_stage)
@@ -142,7 +142,7 @@ class Arcs:
             raise PartitionerError(f"the solver returned arcs that do not form a split: {by_stage}")
         devs = tuple(devices[:q])
         times = [cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k > 0 else None,
-                                            devs[k + 1] if k + 1 < q else None, schedule, micro_batches)
+                                            devs[k + 1] if k + 1 < q else None, schedule)
                  for k, (a, b) in enumerate(ChainSolution(0.0, tuple(cuts), devs).ranges)]
         return ChainSolution(max(times), tuple(cuts), devs)
 
@@ -161,7 +161,7 @@ def check_arc_count(total: int, max_arcs: int, model: str, advice: str) -> None:
                                f"(coarsen the profile) or raise max_arcs")
 
 
-def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
                allow_fewer: bool = False, max_arcs: int = DEFAULT_MAX_ARCS,
                max_time_s: float = math.inf) -> Arcs:
     """Every stage that fits its device's memory, for each pipeline length considered.
@@ -183,8 +183,8 @@ def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: str, micro_
             lo, hi = (0, 0) if k == 0 else (k, n_layers - (q - k))
             last_j = n_layers - (q - k - 1)
             rows = slice(lo, hi + 1)
-            in_flight = activations_in_flight(schedule, q - k, micro_batches)
-            t = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)
+            in_flight = schedule.activations_in_flight(q - k)
+            t = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
             ok = (cols[None, :] > cols[rows, None]) & (cols[None, :] <= last_j)
             if k == q - 1:
                 ok &= cols[None, :] == n_layers
@@ -213,8 +213,7 @@ class ChainProblem:
     profile: Profile
     cost: CostModel
     devices: tuple[Device, ...]
-    schedule: str
-    micro_batches: int
+    schedule: Schedule
     allow_fewer: bool
 
     @property
@@ -226,8 +225,8 @@ class ChainProblem:
 def prepare(profile: Profile, cluster: Cluster, devices: Sequence[str] | None, schedule: str,
             micro_batches: int | None, options: CostOptions | None, allow_fewer: bool) -> ChainProblem:
     """Check the common arguments exactly as ``solvers.pipeline.dp.solve`` does and bundle them."""
-    cost, devs, m = dp.chain_arguments(profile, cluster, devices, schedule, micro_batches, options)
-    return ChainProblem(profile, cost, devs, schedule, m, allow_fewer)
+    cost, devs, sched = dp.chain_arguments(profile, cluster, devices, schedule, micro_batches, options)
+    return ChainProblem(profile, cost, devs, sched, allow_fewer)
 
 
 def check_limits(time_limit_s: float, threads: int, seed: int = 0) -> None:
@@ -243,7 +242,7 @@ def check_limits(time_limit_s: float, threads: int, seed: int = 0) -> None:
 def dp_split(problem: ChainProblem) -> ChainSolution | None:
     """The DP's optimal split of ``problem`` (for hints and warm starts), or None if infeasible."""
     res = dp.solve(problem.profile, problem.cost.cluster, [d.name for d in problem.devices],
-                   schedule=problem.schedule, micro_batches=problem.micro_batches,
+                   schedule=problem.schedule.name, micro_batches=problem.schedule.micro_batches,
                    options=problem.cost.options, allow_fewer=problem.allow_fewer)
     if not res.ok or res.plan is None:
         return None
@@ -259,7 +258,7 @@ def model_arcs(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int
     (with ``prune``, none slower than that split's bottleneck), and the details to report."""
     start = dp_split(problem) if hint else None
     upper = start.bottleneck_s * (1 + 1e-9) if (start is not None and prune) else math.inf
-    arcs = build_arcs(problem.cost, problem.devices, problem.schedule, problem.micro_batches,
+    arcs = build_arcs(problem.cost, problem.devices, problem.schedule,
                       problem.allow_fewer, max_arcs, upper)
     return start, arcs, {"arcs": len(arcs), "hint": start is not None, "pruned": math.isfinite(upper)}
 
@@ -279,7 +278,7 @@ def setup_model(problem: ChainProblem, method: str, hint: bool, prune: bool, max
 
 def price_arcs(problem: ChainProblem, arcs: Arcs, chosen: Sequence[int]) -> ChainSolution:
     """The split a model chose (its arcs), priced exactly with the cost model."""
-    return arcs.solution(chosen, problem.cost, problem.devices, problem.schedule, problem.micro_batches)
+    return arcs.solution(chosen, problem.cost, problem.devices, problem.schedule)
 
 
 def no_plan_reason(time_limit_s: float, n_arcs: int | None = None) -> str:
@@ -306,13 +305,12 @@ def finish(problem: ChainProblem, method: str, status: SolveStatus, sol: ChainSo
            lower_bound: float, runtime_s: float, details: dict[str, object], reason: str = "") -> SolveResult:
     """A :class:`SolveResult` with the plan built exactly as the DP builds it."""
     if status is SolveStatus.INFEASIBLE:
-        reason = reason or dp.diagnose_infeasible(problem.cost, problem.tried_devices, problem.schedule,
-                                                  problem.micro_batches)
+        reason = reason or dp.diagnose_infeasible(problem.cost, problem.tried_devices, problem.schedule)
         return SolveResult(status, None, runtime_s=runtime_s, method=method, reason=reason, details=details)
     if sol is None:
         return SolveResult(status, None, lower_bound=lower_bound, runtime_s=runtime_s, method=method,
                            reason=reason, details=details)
-    plan = dp.plan_from_cuts(problem.profile, problem.cost, sol, problem.schedule, problem.micro_batches,
+    plan = dp.plan_from_cuts(problem.profile, problem.cost, sol, problem.schedule,
                              solver_name=method)
     result = SolveResult(status, None, sol.bottleneck_s, min(lower_bound, sol.bottleneck_s), runtime_s,
                          method, reason=reason, details=details)

@@ -42,9 +42,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from partitioner.cluster import Device
-from partitioner.cost import CostModel, activations_in_flight
+from partitioner.cost import CostModel
 from partitioner.errors import FormatError, PartitionerError
-from partitioner.schedule import spec
 from solvers.exact.intervals import ChainProblem, check_arc_count, dp_split, pipeline_lengths
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
@@ -152,7 +151,7 @@ class JointData:
             used[g] += 1
         p = self.problem
         times = [p.cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k else None,
-                                              devs[k + 1] if k + 1 < q else None, p.schedule, p.micro_batches)
+                                              devs[k + 1] if k + 1 < q else None, p.schedule)
                  for k, (a, b) in enumerate(itertools.pairwise(cuts))]
         return JointPlan(tuple(self.labels[g] for g in plan_labels), tuple(cuts),
                          ChainSolution(max(times), tuple(cuts), tuple(devs)))
@@ -197,8 +196,8 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
     """The arcs, link classes, symmetric nodes and the heuristic mapping's plan of ``problem``
     (its search stops at ``deadline``, a ``time.perf_counter()`` value, keeping the best found)."""
     cost, devices = problem.cost, problem.devices
-    if spec(problem.schedule).sync == "wave" and cost.cluster.inter_curve is not None:
-        raise FormatError("schedule", problem.schedule, "WSP's wave sync over a size-dependent inter-node "
+    if problem.schedule.spec.sync == "wave" and cost.cluster.inter_curve is not None:
+        raise FormatError("schedule", problem.schedule.name, "WSP's wave sync over a size-dependent inter-node "
                           "bandwidth is not priced by the joint mapping model; keep the device order "
                           "(`fixed_order`) or give inter_node_GBps as a number")
     dev_labels = device_labels(cost, devices)
@@ -217,7 +216,7 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
     pair_class, class_s = _link_classes(cost, labels, pools)
     cheapest = class_s.min(axis=0) if len(class_s) else np.zeros(n + 1)  # 0 at both ends of the chain
     cols = np.arange(n + 1)
-    wave = spec(problem.schedule).sync == "wave"
+    wave = problem.schedule.spec.sync == "wave"
     parts: list[tuple[np.ndarray, ...]] = []
     total = 0
     for r in range(positions):
@@ -228,9 +227,9 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
         row_ok[max(lo, 1):] = True
         row_ok[0] = (r + 1) in lengths  # this position may be the first stage
         rows = slice(0, hi + 1)
-        in_flight = activations_in_flight(problem.schedule, r + 1, problem.micro_batches)
+        in_flight = problem.schedule.activations_in_flight(r + 1)
         mem = cost.memory_matrix(in_flight, problem.schedule, rows)
-        sync = cost.wave_sync_matrix(problem.micro_batches, rows) if wave else np.zeros((hi + 1, n + 1))
+        sync = cost.wave_sync_matrix(problem.schedule.micro_batches, rows) if wave else np.zeros((hi + 1, n + 1))
         shape = (cols[None, :] > cols[rows, None]) & (cols[None, :] <= n - r) & row_ok[:, None]
         if r == 0:
             shape &= cols[None, :] == n
@@ -271,7 +270,7 @@ def _start(problem: ChainProblem, labels: tuple[Label, ...], pools: dict[Label, 
     cost = problem.cost
     sol = None
     if len(problem.devices) <= cost.num_layers:
-        sol = map_worker(cost, problem.devices, problem.schedule, problem.micro_batches,
+        sol = map_worker(cost, problem.devices, problem.schedule,
                          max_evaluations=HINT_EVALUATIONS, deadline=deadline).solution
     if sol is None and problem.allow_fewer:
         sol = dp_split(problem)
@@ -351,12 +350,12 @@ def canonical(data: JointData, plan: JointPlan) -> JointPlan:
 def diagnose(data: JointData) -> str:
     """Why no order and split fits: the chain's reasons where they hold for every order."""
     problem = data.problem
-    reason = dp.diagnose_infeasible(problem.cost, problem.tried_devices, problem.schedule, problem.micro_batches)
+    reason = dp.diagnose_infeasible(problem.cost, problem.tried_devices, problem.schedule)
     if reason.startswith("no contiguous split"):
         q = max(data.lengths, default=len(problem.devices))
-        first = activations_in_flight(problem.schedule, q, problem.micro_batches)
+        first = problem.schedule.activations_in_flight(q)
         reason = (f"no contiguous split of {data.num_layers} layers over these {len(problem.devices)} devices in "
-                  f"any order fits every device's memory under {problem.schedule} with {problem.micro_batches} "
+                  f"any order fits every device's memory under {problem.schedule} with {problem.schedule.micro_batches} "
                   f"micro-batches (the first stage keeps {first} in flight); use more or larger devices, fewer "
                   f"micro-batches in flight (1f1b instead of gpipe), or allow fewer devices")
     return reason
@@ -383,7 +382,7 @@ def finish_joint(data: JointData, method: str, status: SolveStatus, found: Joint
     if status is SolveStatus.FEASIBLE and best.solution.bottleneck_s <= lower_bound * (1 + PROVEN_REL):
         status = SolveStatus.OPTIMAL  # the plan meets a valid bound (the relaxation's, usually)
         details["proof"] = "bound"
-    plan = dp.plan_from_cuts(problem.profile, problem.cost, best.solution, problem.schedule, problem.micro_batches,
+    plan = dp.plan_from_cuts(problem.profile, problem.cost, best.solution, problem.schedule,
                              solver_name=method)
     objective = best.solution.bottleneck_s
     result = SolveResult(status, None, objective, min(lower_bound, objective), runtime_s, method, reason=reason,

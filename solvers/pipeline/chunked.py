@@ -28,7 +28,7 @@ from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError, OptionError, PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
-from partitioner.schedule import MULTI_CHUNK, check_schedule, spec
+from partitioner.schedule import MULTI_CHUNK, Schedule, check_schedule, spec
 from solvers.pipeline.dp import chain_dp
 from solvers.predictions import with_predictions
 from solvers.result import SolveResult, SolveStatus
@@ -71,7 +71,7 @@ def _one(profile: Profile, cluster: Cluster, cost: CostModel, devs: Sequence[str
                                   f"{profile.num_layers} layers")
     # Relaxed memory for the split: 1f1b with one micro-batch in flight prices each stage alone
     # (one weight version, as interleaved and bfs keep); per-stage times do not depend on it.
-    sol = chain_dp(cost, tuple(devices) * chunks, "1f1b", 1)
+    sol = chain_dp(cost, tuple(devices) * chunks, Schedule.of("1f1b", 1))
     if sol is None:
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method="dp:chunked",
                            reason=f"no split into {p * chunks} stages over {', '.join(devs)} x {chunks} fits even "

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.cluster import Cluster, Device
-from partitioner.cost import CostModel, CostOptions, activations_in_flight
+from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
+from partitioner.schedule import Schedule
 from solvers.predictions import with_predictions
 from solvers.result import SolveResult, SolveStatus
 
@@ -51,8 +52,7 @@ class ChainSolution:
         return list(zip(self.cuts[:-1], self.cuts[1:]))
 
 
-def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
-             micro_batches: int = 1, refine: bool = True) -> ChainSolution | None:
+def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, refine: bool = True) -> ChainSolution | None:
     """The minimum-bottleneck split of the chain over exactly ``devices`` in order, or None.
 
     With ``refine`` (the default), a second pass picks, among the splits that reach the optimal
@@ -63,17 +63,17 @@ def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
     p, n_layers = len(devices), cost.num_layers
     if p == 0 or p > n_layers:
         return None
-    best, back = _sweep(cost, devices, schedule, micro_batches)
-    return _solution(cost, devices, schedule, micro_batches, best, back, refine)
+    best, back = _sweep(cost, devices, schedule)
+    return _solution(cost, devices, schedule, best, back, refine)
 
 
-def _solution(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int, best: float,
+def _solution(cost: CostModel, devices: Sequence[Device], schedule: Schedule, best: float,
               back: list[np.ndarray], refine: bool) -> ChainSolution | None:
     """The split a first pass found (``best``, ``back``), refined to the least total stage time."""
     if not math.isfinite(best):
         return None
     if refine:
-        total, refined = _sweep(cost, devices, schedule, micro_batches, limit_s=best)
+        total, refined = _sweep(cost, devices, schedule, limit_s=best)
         if math.isfinite(total):  # always: the first pass's split is a candidate
             back = refined
     cuts = [0]
@@ -82,8 +82,7 @@ def _solution(cost: CostModel, devices: Sequence[Device], schedule: str, micro_b
     return ChainSolution(best, tuple(cuts), tuple(devices))
 
 
-def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b",
-                   micro_batches: int = 1, refine: bool = True) -> ChainSolution | None:
+def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, refine: bool = True) -> ChainSolution | None:
     """The best split over the first ``q`` devices, over every ``q``: the least bottleneck, the
     shortest pipeline among equals (refined as in :func:`chain_dp`), or None when no prefix fits.
 
@@ -96,7 +95,7 @@ def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "
     if q_max == 0:
         return None
     devices = devices[:q_max]
-    bounds = _prefix_lower_bounds(cost, devices, schedule, micro_batches)
+    bounds = _prefix_lower_bounds(cost, devices, schedule)
     best, best_q, best_back = math.inf, 0, None
     solved, tightened = 0, False
     while True:
@@ -107,11 +106,11 @@ def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "
             break
         if solved and not tightened:
             # More than one prefix is needed: a second bound, exact in memory, usually settles it.
-            bounds = np.maximum(bounds, _distance_lower_bounds(cost, devices, schedule, micro_batches))
+            bounds = np.maximum(bounds, _distance_lower_bounds(cost, devices, schedule))
             tightened = True
             continue
         q = min(open_q, key=lambda x: (bounds[x - 1], x))
-        value, back = _sweep(cost, devices[:q], schedule, micro_batches)
+        value, back = _sweep(cost, devices[:q], schedule)
         solved += 1
         bounds[q - 1] = value  # solved: its bound is its optimum
         if value < best or (value == best and q < best_q):
@@ -123,11 +122,10 @@ def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: str = "
     log.debug("allow_fewer: %d of %d prefixes solved exactly (second bound: %s)", solved, q_max, tightened)
     if best_back is None:
         return None
-    return _solution(cost, devices[:best_q], schedule, micro_batches, best, best_back, refine)
+    return _solution(cost, devices[:best_q], schedule, best, best_back, refine)
 
 
-def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: str,
-                         micro_batches: int) -> np.ndarray:
+def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> np.ndarray:
     """``bounds[q - 1] <= `` the optimal bottleneck over ``devices[:q]``, for every ``q``, in one pass.
 
     A forward pass, ``h_{k+1}(j) = min_{i < j} max(h_k(i), T_k(i, j))`` with ``h_0(0) = 0``, and
@@ -141,7 +139,7 @@ def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: s
     """
     p, n_layers = len(devices), cost.num_layers
     cols = np.arange(n_layers + 1)
-    fewest = min(activations_in_flight(schedule, d, micro_batches) for d in range(1, p + 1))
+    fewest = min(schedule.activations_in_flight(d) for d in range(1, p + 1))
     h = np.full(n_layers + 1, np.inf)
     h[0] = 0.0
     bounds = np.full(p, np.inf)
@@ -153,9 +151,9 @@ def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: s
         nxt = devices[k + 1] if k + 1 < p else None
         top = cost.max_stop(fewest, schedule, dev.memory_bytes * (1 + 1e-9), rows)
         invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
-        cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)
+        cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
         if nxt is not None and cost.boundary_vector_s(dev, nxt)[n_layers] != 0.0:
-            last = cost.pipeline_stage_time_matrix(dev, prev, None, schedule, micro_batches, rows)
+            last = cost.pipeline_stage_time_matrix(dev, prev, None, schedule, rows)
             cand[:, n_layers] = last[:, n_layers]
         np.maximum(cand, h[rows, None], out=cand)
         cand[invalid] = np.inf
@@ -164,8 +162,7 @@ def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: s
     return bounds
 
 
-def _distance_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: str,
-                           micro_batches: int) -> np.ndarray:
+def _distance_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> np.ndarray:
     """``bounds[q - 1] <= `` the optimal bottleneck over ``devices[:q]``, for every ``q``, in one pass
     indexed by the distance from the pipeline's end, where memory is exact.
 
@@ -191,13 +188,13 @@ def _distance_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule:
         kinds = {_pair_kind(cost, a, b): (a, b) for a, b in reversed(pairs)}
         if tuple(kinds) != pool_kinds:  # the pool shrinks as d grows: its kinds change a few times
             pool_kinds = tuple(kinds)
-            mats = [cost.pipeline_stage_time_matrix(a, None, b, schedule, micro_batches) for a, b in kinds.values()]
+            mats = [cost.pipeline_stage_time_matrix(a, None, b, schedule) for a, b in kinds.values()]
             fastest = mats[0] if len(mats) == 1 else np.minimum.reduce(mats)
         assert fastest is not None
         pool = devices[: q_max - d + 1]
         rows = slice(0, n_layers - d + 1)  # d - 1 stages after this one need >= d - 1 layers
         capacity = max(dev.memory_bytes for dev in pool) * (1 + 1e-9)
-        top = cost.max_stop(activations_in_flight(schedule, d, micro_batches), schedule, capacity, rows)
+        top = cost.max_stop(schedule.activations_in_flight(d), schedule, capacity, rows)
         invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
         cand = np.maximum(fastest[rows], g[None, :])
         cand[invalid] = np.inf
@@ -214,7 +211,7 @@ def _pair_kind(cost: CostModel, a: Device, b: Device | None) -> tuple[str, float
     return a.gpu_type, cost.cluster.bandwidth_gbps(a.name, b.name), a.node == b.node
 
 
-def _sweep(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+def _sweep(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
            limit_s: float | None = None) -> tuple[float, list[np.ndarray]]:
     """One backward pass over the stages: the optimum from layer 0 and the back-pointers.
 
@@ -234,11 +231,11 @@ def _sweep(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batc
         dev = devices[k]
         prev = devices[k - 1] if k > 0 else None
         nxt = devices[k + 1] if k + 1 < p else None
-        in_flight = activations_in_flight(schedule, p - k, micro_batches)
+        in_flight = schedule.activations_in_flight(p - k)
         # Feasible (i, j): i < j <= the largest stop whose stage fits in the device's memory.
         top = cost.max_stop(in_flight, schedule, dev.memory_bytes, rows)
         invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
-        cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, micro_batches, rows)  # T_k(i, j), fresh
+        cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)  # T_k(i, j), fresh
         if limit_s is None:
             np.maximum(cand, f[None, :], out=cand)
         else:
@@ -253,14 +250,14 @@ def _sweep(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batc
     return float(f[0]), back
 
 
-def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int) -> str:
+def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> str:
     """Why no split of the chain fits ``devices``, in words with the numbers that matter."""
     n_layers, p = cost.num_layers, len(devices)
     if p > n_layers:
         return (f"{p} devices but only {n_layers} layers: every stage needs at least one layer; "
                 f"give at most {n_layers} devices or allow fewer devices")
     largest = max(devices, key=lambda d: d.memory_bytes)
-    fewest = activations_in_flight(schedule, 1, micro_batches)
+    fewest = schedule.activations_in_flight(1)
     names = [layer.name for layer in cost.profile.layers]
     alone = np.array([cost.stage_memory_bytes(i, i + 1, fewest, schedule) for i in range(n_layers)])
     worst = int(alone.argmax())
@@ -274,17 +271,18 @@ def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: st
     if need > have:
         return (f"the model needs at least {need / GIB:.2f} GiB across {p} stages even with "
                 f"{fewest} micro-batch(es) in flight; the devices have {have / GIB:.2f} GiB in total")
-    first = activations_in_flight(schedule, p, micro_batches)
+    first = schedule.activations_in_flight(p)
     return (f"no contiguous split of {n_layers} layers over these {p} devices in this order fits every "
-            f"device's memory under {schedule} with {micro_batches} micro-batches (the first stage keeps "
+            f"device's memory under {schedule} with {schedule.micro_batches} micro-batches (the first stage keeps "
             f"{first} in flight); use more or larger devices, fewer micro-batches in flight "
             f"(1f1b instead of gpipe), or allow fewer devices")
 
 
 def chain_arguments(profile: Profile, cluster: Cluster, devices: Sequence[str] | None, schedule: str,
                     micro_batches: int | None, options: CostOptions | None
-                    ) -> tuple[CostModel, tuple[Device, ...], int]:
-    """Check the arguments every chain solver takes: (cost model, ordered devices, micro-batches).
+                    ) -> tuple[CostModel, tuple[Device, ...], Schedule]:
+    """Check the arguments every chain solver takes: (cost model, ordered devices, the schedule
+    with its micro-batch count, by default the number of devices).
 
     Refuses a device listed twice, a profile without times for a device's GPU type, a
     micro-batch count below 1, and a schedule without a per-stage memory rule.
@@ -297,8 +295,9 @@ def chain_arguments(profile: Profile, cluster: Cluster, devices: Sequence[str] |
     m = micro_batches if micro_batches is not None else len(devs)
     if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
         raise FormatError("micro_batches", m, "must be an integer >= 1")
-    activations_in_flight(schedule, 1, m)  # refuses schedules the chain solvers cannot price
-    return cost, devs, m
+    sched = Schedule.of(schedule, m)
+    sched.activations_in_flight(1)  # refuses schedules the chain solvers cannot price
+    return cost, devs, sched
 
 
 def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *,
@@ -313,21 +312,21 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     schedules around this one.
     """
     t0 = time.perf_counter()
-    cost, devs, m = chain_arguments(profile, cluster, devices, schedule, micro_batches, options)
-    best = best_prefix_dp(cost, devs, schedule, m) if allow_fewer else chain_dp(cost, devs, schedule, m)
+    cost, devs, sched = chain_arguments(profile, cluster, devices, schedule, micro_batches, options)
+    best = best_prefix_dp(cost, devs, sched) if allow_fewer else chain_dp(cost, devs, sched)
     elapsed = time.perf_counter() - t0
     if best is None:
         tried = devs[: profile.num_layers] if allow_fewer else devs
-        reason = diagnose_infeasible(cost, tried, schedule, m)
+        reason = diagnose_infeasible(cost, tried, sched)
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=elapsed, method="dp", reason=reason)
-    plan = plan_from_cuts(profile, cost, best, schedule, m, solver_name="dp")
+    plan = plan_from_cuts(profile, cost, best, sched, solver_name="dp")
     result = SolveResult(SolveStatus.OPTIMAL, None, best.bottleneck_s, best.bottleneck_s, elapsed, "dp",
                          details={"lower_bound_simple_s": cost.lower_bound_s(best.devices)})
     return _with_plan(result, plan)
 
 
-def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedule: str,
-                   micro_batches: int, solver_name: str, simulate: bool = True) -> Plan:
+def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedule: Schedule, solver_name: str,
+                   simulate: bool = True) -> Plan:
     """A one-virtual-worker plan from a split, with its predicted figures.
 
     The figures come from the discrete-event simulator (:func:`partitioner.simulate.predict`):
@@ -337,14 +336,14 @@ def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedu
     then the optimizer step); ``meta["predicted_by"]`` says which.
     """
     stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices, strict=True))
-    plan = Plan(profile.model, (VirtualWorker(stages),), schedule, profile.micro_batch_size, micro_batches,
+    plan = Plan(profile.model, (VirtualWorker(stages),), schedule.name, profile.micro_batch_size, schedule.micro_batches,
                 layer_order=profile.layer_order)
     times = cost.plan_stage_times_s(plan)
     iteration = cost.plan_iteration_s(plan)
     closed = {
         "bottleneck_s": max(times),
         "iteration_s": iteration,
-        "samples_per_s": micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
+        "samples_per_s": schedule.micro_batches * profile.micro_batch_size / iteration if iteration > 0 else math.inf,
     }
     return with_predictions(plan, profile, cost.cluster, cost.options, closed, simulate,
                             extra_meta={"stage_times_s": times}, cost=cost)

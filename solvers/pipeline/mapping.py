@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from partitioner.cluster import Device
 from partitioner.cost import CostModel
+from partitioner.schedule import Schedule
 from solvers.pipeline.dp import ChainSolution, chain_dp
 
 __all__ = ["MappingResult", "device_labels", "label_orders", "map_worker", "num_label_orders", "realise_order"]
@@ -99,7 +100,7 @@ def realise_order(order: Sequence[Label], pools: dict[Label, list[Device]]) -> l
     return out
 
 
-def map_worker(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b", micro_batches: int = 1,
+def map_worker(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
                *, exact_limit: int = 720, max_evaluations: int = 200,
                deadline: float | None = None) -> MappingResult:
     """Best pipeline order and split of ``devices`` (all of them are used, one stage each).
@@ -121,7 +122,7 @@ def map_worker(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b
     def consider(order: Sequence[Label]) -> ChainSolution | None:
         nonlocal best, evaluated
         # orders compete on the bottleneck; the winner's split is refined once, at the end
-        sol = chain_dp(cost, realise_order(order, pools), schedule, micro_batches, refine=False)
+        sol = chain_dp(cost, realise_order(order, pools), schedule, refine=False)
         evaluated += 1
         if sol is not None and (best is None or sol.bottleneck_s < best.bottleneck_s):
             best = sol
@@ -145,7 +146,7 @@ def map_worker(cost: CostModel, devices: Sequence[Device], schedule: str = "1f1b
                                lambda: evaluated, out_of_time)
     if result.solution is None:
         return result
-    refined = chain_dp(cost, result.solution.devices, schedule, micro_batches)  # same order, same bottleneck
+    refined = chain_dp(cost, result.solution.devices, schedule)  # same order, same bottleneck
     return MappingResult(refined, result.exact, result.orders_evaluated, result.lower_bound_s)
 
 

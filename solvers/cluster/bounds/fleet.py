@@ -56,7 +56,7 @@ import numpy as np
 
 from partitioner.cluster import Device
 from partitioner.cost import CostModel
-from partitioner.schedule import spec
+from partitioner.schedule import Schedule
 
 __all__ = ["FleetBound", "effective_whole_s", "fleet_bound", "largest_layer_s", "type_counts", "worker_memory_bytes", "worker_time_bound_s"]
 
@@ -117,11 +117,10 @@ def largest_layer_s(cost: CostModel, types: Sequence[str]) -> float:
     return float(per.min(axis=0).max())
 
 
-def worker_memory_bytes(cost: CostModel, schedule: str) -> float:
+def worker_memory_bytes(cost: CostModel, schedule: Schedule) -> float:
     """``M``: the weights (with the schedule's versions) and one micro-batch's activations of the model."""
-    from partitioner.cost import weight_versions
 
-    return cost.weight_bytes(0, cost.num_layers, weight_versions(schedule)) + cost.activation_bytes(0, cost.num_layers)
+    return cost.weight_bytes(0, cost.num_layers, schedule.weight_versions) + cost.activation_bytes(0, cost.num_layers)
 
 
 def worker_time_bound_s(times_s: Sequence[float], micro_batches: int, fill: bool = True,
@@ -182,23 +181,23 @@ class _NoLpAnswer(Exception):
     """The LP solver gave no answer (not a proof of infeasibility): the bound falls back."""
 
 
-def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+def fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
                 **options: Any) -> FleetBound:
     """The bound of the module docstring over ``devices``, under ``sync`` and ``wsp`` alike (options: ``replication``,
     ``virtual_workers`` to fix K, ``small_worker_gpus``, ``max_core``, ``rel_tol``). Should a linear
     program get no answer from the solver, the perfect speed-up (still a valid bound) is returned."""
     try:
-        return _fleet_bound(cost, devices, schedule, micro_batches, **options)
+        return _fleet_bound(cost, devices, schedule, **options)
     except _NoLpAnswer as why:
         counts = type_counts(devices)
         perfect = _perfect(cost, counts, _whole_s(cost, sorted(counts)))
         log.warning("fleet bound: a linear program got no answer (%s); the bound falls back to the perfect "
                     "speed-up", why)
         return FleetBound(perfect, perfect, worker_memory_bytes(cost, schedule),
-                          spec(schedule).flushes and not options.get("replication", False), 0)
+                          schedule.spec.flushes and not options.get("replication", False), 0)
 
 
-def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
                  *, replication: bool = False, virtual_workers: int | None = None,
                  small_worker_gpus: int = 4, max_core: int = 16, rel_tol: float = 2e-3) -> FleetBound:
     """The bound of the module docstring over ``devices``; ``virtual_workers`` fixes K.
@@ -211,9 +210,9 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: str, micr
     counts = type_counts(devices)
     types = sorted(counts)
     whole = _whole_s(cost, types)
-    b, m = cost.profile.micro_batch_size, micro_batches
+    b, m = cost.profile.micro_batch_size, schedule.micro_batches
     perfect = _perfect(cost, counts, whole)
-    fill = spec(schedule).flushes and not replication
+    fill = schedule.spec.flushes and not replication
     need = worker_memory_bytes(cost, schedule)
     reserved = cost.options.reserved_bytes
     cap = {t: next(d for d in devices if d.gpu_type == t).memory_bytes - reserved for t in types}

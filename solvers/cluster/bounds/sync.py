@@ -81,8 +81,8 @@ from typing import Any
 import numpy as np
 
 from partitioner.cluster import Device
-from partitioner.cost import CostModel, activations_in_flight
-from partitioner.schedule import spec
+from partitioner.cost import CostModel
+from partitioner.schedule import Schedule
 from solvers.cluster.bounds.fleet import effective_whole_s, worker_memory_bytes, worker_time_bound_s
 from solvers.cluster.bounds.tail import TailTable, worker_tail_table
 from solvers.cluster.templates import (
@@ -243,7 +243,7 @@ def pipeline_floor_s(per_layer_s: dict[str, np.ndarray], counts: dict[str, int],
     return (micro_batches - 1) * least_pace_s + float(np.sum(np.min([per_layer_s[t] for t in types], axis=0)))
 
 
-def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
                            exact_limit: int = 720) -> float | None:
     """The least ``fill + (m - 1) max_k t_k`` over every order and split of ``devices`` (one stage
     each, memory respected) under a 1F1B-like schedule: the closed form's iteration less its
@@ -255,7 +255,7 @@ def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule:
     f_k(i, j)`` over stages with ``t_k(i, j) <= P`` (``f``: compute plus the activation sent on
     and the gradient sent back); paces are tried upwards from the least bottleneck until
     ``(m - 1) P`` plus the unconstrained least fill can no longer win."""
-    sp = spec(schedule)
+    sp = schedule.spec
     if not sp.flushes or sp.all_forwards_first:
         return None
     devices = list(devices)
@@ -265,7 +265,7 @@ def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule:
     pools: dict[tuple[str, str], list[Device]] = {}
     for lab, d in zip(labels, devices, strict=True):
         pools.setdefault(lab, []).append(d)
-    m, n_layers = micro_batches, cost.num_layers
+    m, n_layers = schedule.micro_batches, cost.num_layers
     upper = np.triu(np.ones((n_layers + 1, n_layers + 1), bool), 1)
     best = math.inf
     for order in label_orders(labels):
@@ -275,8 +275,8 @@ def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule:
         for k, d in enumerate(devs):
             prev = devs[k - 1] if k else None
             nxt = devs[k + 1] if k + 1 < q else None
-            ok = upper & (cost.memory_matrix(activations_in_flight(schedule, q - k, m), schedule) <= d.memory_bytes)
-            t = cost.pipeline_stage_time_matrix(d, prev, nxt, schedule, m)
+            ok = upper & (cost.memory_matrix(schedule.activations_in_flight(q - k), schedule) <= d.memory_bytes)
+            t = cost.pipeline_stage_time_matrix(d, prev, nxt, schedule)
             f = (cost.compute_matrix(d.gpu_type) + cost.boundary_vector_s(d, prev)[:, None]
                  + cost.boundary_vector_s(d, nxt)[None, :])
             times.append(np.where(ok, t, math.inf))
@@ -322,8 +322,7 @@ def _least_fill(times: Sequence[np.ndarray], fills: Sequence[np.ndarray], pace: 
     return float(cur[-1])
 
 
-def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[NodeClass], schedule: str,
-               micro_batches: int, beat_samples_per_s: float, *, exact_limit: int = 720,
+def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[NodeClass], schedule: Schedule, beat_samples_per_s: float, *, exact_limit: int = 720,
                max_worker_gpus: int | None = None, deadline: float | None = None,
                fallback_samples_per_s: float = math.inf,
                price: Callable[[list[list[Device]]], float] | None = None,
@@ -343,15 +342,15 @@ def sync_bound(cost: CostModel, devices: Sequence[Device], classes: Sequence[Nod
     bottleneck of an exhaustive mapping search as the least pace (per template, where the
     search is exhaustive: at most ``exact_limit`` orders); then, for the templates of the
     workers that still fit, their :class:`~solvers.cluster.bounds.tail.TailTable` among ``K``."""
-    if not spec(schedule).flushes or spec(schedule).sync != "allreduce":
+    if not schedule.spec.flushes or schedule.spec.sync != "allreduce":
         raise ValueError(f"sync_bound: schedule {schedule} is not a flushing all-reduce schedule")
-    floors = _MixFloors(cost, devices, schedule, micro_batches)
+    floors = _MixFloors(cost, devices, schedule)
     affine = cost.options.sync and _affine_links(cost, devices)  # no all-reduce priced: no floor
     n = len(devices)
     listed = complete_templates(classes, min(n, cost.num_layers, max_worker_gpus or n))
     if listed is None:  # too many templates to list: no bound from here
         return SyncBound(fallback_samples_per_s, 0, 0, 0, affine, False, {"reason": "too many worker templates"})
-    search = _Search(floors, _Tails(cost, devices, classes, schedule, micro_batches, affine, floors.mix),
+    search = _Search(floors, _Tails(cost, devices, classes, schedule, affine, floors.mix),
                      classes, listed, exact_limit, deadline, price, beat_samples_per_s)
     try:
         for k in range(1, n + 1) if workers is None else [workers]:
@@ -375,8 +374,8 @@ class _MixFloors:
     """Step 0 and step 1 of bounding a worker's pipeline ``P``, per mix of GPU types: memory and the
     closed-form floors, then the LP of :func:`pipeline_floor_s`."""
 
-    def __init__(self, cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int):
-        self.m = micro_batches
+    def __init__(self, cost: CostModel, devices: Sequence[Device], schedule: Schedule):
+        self.m = schedule.micro_batches
         n_layers = cost.num_layers
         types = sorted({d.gpu_type for d in devices})
         self.whole = {t: cost.compute_s(t, 0, n_layers) for t in types}
@@ -434,10 +433,10 @@ class _Tails:
     (exactly, and as a curve over byte counts), stage 0's tail, and each template's
     :class:`~solvers.cluster.bounds.tail.TailTable` (built on demand, kept)."""
 
-    def __init__(self, cost: CostModel, devices: Sequence[Device], classes: Sequence[NodeClass], schedule: str,
-                 micro_batches: int, affine: bool, mix: Callable[[Template], Mix]):
+    def __init__(self, cost: CostModel, devices: Sequence[Device], classes: Sequence[NodeClass], schedule: Schedule,
+                 affine: bool, mix: Callable[[Template], Mix]):
         self.cost, self.devices, self.classes = cost, devices, classes
-        self.schedule, self.m, self.affine, self.mix = schedule, micro_batches, affine, mix
+        self.schedule, self.affine, self.mix = schedule, affine, mix
         self.pools: dict[str, dict[str, list[Device]]] = {}
         for d in devices:
             self.pools.setdefault(d.node, {}).setdefault(d.gpu_type, []).append(d)
@@ -473,7 +472,7 @@ class _Tails:
         """The template's :class:`~solvers.cluster.bounds.tail.TailTable` among ``k`` workers (None:
         too many orders and splits, or no floor to charge)."""
         if (tp, k) not in self.tables:
-            self.tables[tp, k] = (worker_tail_table(self.cost, self.devices_of(tp), self.schedule, self.m,
+            self.tables[tp, k] = (worker_tail_table(self.cost, self.devices_of(tp), self.schedule,
                                                     lambda x: self.floor_curve_s(k, x), TABLE_LIMIT)
                                   if self.affine else None)
         return self.tables[tp, k]
@@ -559,13 +558,13 @@ class _Search:
             return
         self.step[tp] = 2
         devs = tails.devices_of(tp)
-        exact = exact_pipeline_floor_s(tails.cost, devs, tails.schedule, floors.m, self.exact_limit)
+        exact = exact_pipeline_floor_s(tails.cost, devs, tails.schedule, self.exact_limit)
         if exact is not None:
             self.pipeline[tp] = max(self.pipeline[tp], exact)
             return
         if num_label_orders(device_labels(tails.cost, devs)) > self.exact_limit:
             return  # no exhaustive search for so many orders: the mix's floor stands
-        res = map_worker(tails.cost, devs, tails.schedule, floors.m, exact_limit=self.exact_limit,
+        res = map_worker(tails.cost, devs, tails.schedule, exact_limit=self.exact_limit,
                          deadline=self.deadline)
         if not res.exact:
             return

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.cluster import Device
-from partitioner.cost import CostModel, activations_in_flight
-from partitioner.schedule import spec
+from partitioner.cost import CostModel
+from partitioner.schedule import Schedule
 from solvers.pipeline.mapping import device_labels, label_orders, num_label_orders, realise_order
 
 __all__ = ["TailTable", "count_splits", "worker_tail_floor_s", "worker_tail_table"]
@@ -75,26 +75,26 @@ class TailTable:
             raise ValueError("TailTable: by_common_cut_s must be one value per layer boundary")
 
 
-def worker_tail_floor_s(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+def worker_tail_floor_s(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
                         allreduce_floor_s: Callable[[np.ndarray], np.ndarray], limit: int = 500_000) -> float | None:
     """The least over orders and splits of ``devices`` of the module docstring's
     ``max_k T_w - B_k + F_K(w_k) + U(k)`` (:attr:`TailTable.own_s`); ``None`` as
     :func:`worker_tail_table`."""
-    table = worker_tail_table(cost, devices, schedule, micro_batches, allreduce_floor_s, limit)
+    table = worker_tail_table(cost, devices, schedule, allreduce_floor_s, limit)
     return None if table is None else table.own_s
 
 
-def worker_tail_table(cost: CostModel, devices: Sequence[Device], schedule: str, micro_batches: int,
+def worker_tail_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
                       allreduce_floor_s: Callable[[np.ndarray], np.ndarray], limit: int = 500_000) -> TailTable | None:
     """:class:`TailTable` of ``devices`` (one stage each, memory respected); ``allreduce_floor_s``
     is ``F_K`` (an array of bytes -> seconds). ``None`` where the schedule is not a flushing
     all-reduce one or more than ``limit`` order-and-split pairs would be priced."""
-    sp = spec(schedule)
+    sp = schedule.spec
     if not sp.flushes or sp.sync != "allreduce":
         return None
     devices = list(devices)
     labels = device_labels(cost, devices)
-    q, n_layers, m = len(devices), cost.num_layers, micro_batches
+    q, n_layers, m = len(devices), cost.num_layers, schedule.micro_batches
     if q == 0 or count_splits(n_layers, q, num_label_orders(labels)) > limit:
         return None
     pools: dict[tuple[str, str], list[Device]] = {}
@@ -114,7 +114,7 @@ def worker_tail_table(cost: CostModel, devices: Sequence[Device], schedule: str,
     prefix_floor = floor[0]  # F_K(w[0, c)) for every c
     for order in label_orders(labels):
         devs = realise_order(order, pools)
-        parts = _stage_parts(cost, devs, schedule, m, tails)
+        parts = _stage_parts(cost, devs, schedule, tails)
         for chunk in _chunks(n_layers, q):
             starts = np.concatenate([np.zeros((len(chunk), 1), int), chunk], axis=1)
             stops = np.concatenate([chunk, np.full((len(chunk), 1), n_layers)], axis=1)
@@ -152,7 +152,7 @@ def worker_tail_table(cost: CostModel, devices: Sequence[Device], schedule: str,
     return TailTable(own_best, by_cut)
 
 
-def _stage_parts(cost: CostModel, devs: Sequence[Device], schedule: str, m: int,
+def _stage_parts(cost: CostModel, devs: Sequence[Device], schedule: Schedule,
                  tails: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     """Per stage position of one order: ``[start, stop]`` matrices of what the closed form uses."""
     q, out = len(devs), []
@@ -163,9 +163,9 @@ def _stage_parts(cost: CostModel, devs: Sequence[Device], schedule: str, m: int,
         a = np.broadcast_to(cost.boundary_vector_s(d, nxt)[None, :], f.shape)  # activation sent on at stop
         g = np.broadcast_to(cost.boundary_vector_s(d, prev)[:, None], f.shape)  # gradient sent back at start
         received = np.broadcast_to(cost.boundary_vector_s(nxt, d)[None, :], f.shape)  # gradient from the next
-        mem = cost.memory_matrix(activations_in_flight(schedule, q - k, m), schedule)
+        mem = cost.memory_matrix(schedule.activations_in_flight(q - k), schedule)
         out.append({"f": f, "b": b, "a": a, "g": g, "back": b + received, "round": f + b + a + received,
-                    "t": cost.pipeline_stage_time_matrix(d, prev, nxt, schedule, m),
+                    "t": cost.pipeline_stage_time_matrix(d, prev, nxt, schedule),
                     "fits": mem <= d.memory_bytes, "tail": tails[d.gpu_type]})
     return out
 
