@@ -8,8 +8,10 @@ GEMMs with the tensor-core rate. This module says what the operators are.
 :class:`Op` is one kernel (or a few fused into one) of one pass: ``kind`` (:data:`OP_KINDS`)
 decides how it is priced, ``flops``, ``act_bytes`` (activations read and written; they grow
 with the micro-batch), ``weight_bytes`` (parameters read or gradients written; they do not),
-``kernels`` (launches), ``gemm`` (``(batch, m, n, k)`` of a GEMM, for tile quantisation) and,
-for an all-reduce, ``comm_bytes`` over a group of ``group`` GPUs.
+``kernels`` (launches), ``gemm`` (``(batch, m, n, k)`` of a GEMM, for tile quantisation;
+``batch_dim`` names the one of the four that grows with the micro-batch: ``m`` of a forward or
+input-gradient GEMM, ``k`` of a weight gradient, ``batch`` of a batched GEMM) and, for an
+all-reduce, ``comm_bytes`` over a group of ``group`` GPUs.
 
 :func:`transformer_ops` decomposes a GPT-style decoder analytically from its shape, forward
 and backward, under ``t``-way Megatron tensor parallelism: QKV and the first FFN GEMM are
@@ -91,6 +93,7 @@ class Op:
     gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k); m carries the micro-batch
     comm_bytes: float = 0.0
     group: int = 1
+    batch_dim: int = 1  # index into gemm of the dimension that carries the micro-batch
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "op.name", self.name, "must be a non-empty string")
@@ -102,6 +105,8 @@ class Op:
               f"op.{self.name}.kernels", self.kernels, "must be an integer >= 0")
         check(isinstance(self.group, int) and not isinstance(self.group, bool) and self.group >= 1,
               f"op.{self.name}.group", self.group, "must be an integer >= 1")
+        check(self.batch_dim in (0, 1, 2, 3), f"op.{self.name}.batch_dim", self.batch_dim,
+              "must be 0, 1, 2 or 3 (batch, m, n, k)")
         if self.gemm is not None:
             dims = tuple(self.gemm)
             ok = len(dims) == 4 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in dims)
@@ -115,13 +120,14 @@ class Op:
 
     def scaled(self, f: float) -> Op:
         """The operator at ``f`` times the micro-batch: FLOPs, activation and message bytes and
-        the GEMM's ``m`` (its batch for a batched GEMM) scale; parameter bytes do not."""
+        the GEMM's ``batch_dim`` scale; parameter bytes do not."""
         gemm = self.gemm
         if gemm is not None:
-            b, m, n, k = gemm
-            gemm = (max(1, round(b * f)), m, n, k) if self.kind == "bgemm" else (b, max(1, round(m * f)), n, k)
-        return Op(self.name, self.kind, self.phase, self.flops * f, self.act_bytes * f, self.weight_bytes,
-                  self.kernels, gemm, self.comm_bytes * f, self.group)
+            dims = list(gemm)
+            dims[self.batch_dim] = max(1, round(dims[self.batch_dim] * f))
+            gemm = (dims[0], dims[1], dims[2], dims[3])
+        return replace(self, flops=self.flops * f, act_bytes=self.act_bytes * f, gemm=gemm,
+                       comm_bytes=self.comm_bytes * f)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "phase": self.phase}
@@ -134,6 +140,8 @@ class Op:
             d["gemm"] = list(self.gemm)
         if self.group != 1:
             d["group"] = self.group
+        if self.batch_dim != 1:
+            d["batch_dim"] = self.batch_dim
         return d
 
     @classmethod
@@ -141,7 +149,7 @@ class Op:
         if not isinstance(d, Mapping):
             raise FormatError(where.rstrip(".") or "op", d, "must be an object {name, kind, phase, ...}")
         unknown = sorted(set(d) - {"name", "kind", "phase", "flops", "act_bytes", "weight_bytes", "kernels",
-                                   "gemm", "comm_bytes", "group"})
+                                   "gemm", "comm_bytes", "group", "batch_dim"})
         if unknown:
             raise FormatError(f"{where}{unknown[0]}", d[unknown[0]], "is not an operator field")
         gemm = d.get("gemm")
@@ -150,7 +158,7 @@ class Op:
                        flops=d.get("flops", 0.0), act_bytes=d.get("act_bytes", 0.0),
                        weight_bytes=d.get("weight_bytes", 0.0), kernels=d.get("kernels", 1),
                        gemm=None if gemm is None else tuple(gemm) if isinstance(gemm, list) else gemm,
-                       comm_bytes=d.get("comm_bytes", 0.0), group=d.get("group", 1))
+                       comm_bytes=d.get("comm_bytes", 0.0), group=d.get("group", 1), batch_dim=d.get("batch_dim", 1))
         except FormatError as err:
             raise err.under(where) from None
 
@@ -347,12 +355,12 @@ class _Builder:
         self.ops.append(Op(f"{name}.dgrad", "gemm", "bwd", 2.0 * n * k * out, act, float(k * out * e),
                            gemm=(1, n, k, out)))
         self.ops.append(Op(f"{name}.wgrad", "gemm", "bwd", 2.0 * n * k * out, act, float(2 * w),
-                           gemm=(1, k, out, n)))
+                           gemm=(1, k, out, n), batch_dim=3))
 
     def bgemm(self, name: str, phase: str, batch: int, m: int, n: int, k: int) -> None:
         """A batched GEMM ``batch x [m, k] x [k, n]``: every operand and the result move once."""
         self.ops.append(Op(name, "bgemm", phase, 2.0 * batch * m * n * k,
-                           float(batch * (m * k + k * n + m * n) * self.e), gemm=(batch, m, n, k)))
+                           float(batch * (m * k + k * n + m * n) * self.e), gemm=(batch, m, n, k), batch_dim=0))
 
     def stream(self, name: str, phase: str, elems: float, reads: float, writes: float, *, kind: str = "elementwise",
                masks: float = 0.0, kernels: int = 1, flops_per_elem: float = 0.0) -> None:
