@@ -145,6 +145,56 @@ def table(title: str, results: Sequence[LayerResult], key: str, skip_embedding: 
             *summary_rows(results, key, skip_embedding)]
 
 
+def pipedream_check(directory: Path, cal: Any) -> list[str]:
+    """PipeDream's per-layer V100 profiles (one GPU type, so nothing to project between): the
+    operator model alone, with constants fitted on Sailor's other six types, against the measured
+    forward + backward time of every node it can decompose (convolutions, linear layers,
+    pooling, batch norm, ReLU, dropout)."""
+    from partitioner.cluster import resolve_gpu_type
+    from partitioner.importers.pipedream import parse_graph
+    from partitioner.operators import module_ops
+    from partitioner.projection_ops import Rates, layer_time_s
+
+    rates = Rates.of(resolve_gpu_type("V100-SXM2-16GB"), "fp32")
+    rows = ["", "**PipeDream's V100 profiles: the operator model alone (constants fitted on Sailor's six other "
+            "types, FP32), per node forward + backward**", "",
+            "| model | batch | nodes | node median % | node p90 % | sum of those nodes % | of the measured total |",
+            "|---|---|---|---|---|---|---|"]
+    for path in sorted(directory.glob("*.txt")):
+        nodes, edges = parse_graph(path.read_text())
+        inputs = [n for n in nodes.values() if n.is_input]
+        batch = max(1, round(inputs[0].activation_bytes / (3 * 224 * 224 * 4))) if inputs else 1
+        preds: dict[str, list[str]] = {}
+        for a, b in edges:
+            preds.setdefault(b, []).append(a)
+        got, real, total = [], [], 0.0
+        for nid, node in nodes.items():
+            total += node.fwd_s + node.bwd_s if not node.is_input else 0.0
+            in_elems = sum(nodes[p].activation_bytes for p in preds.get(nid, [])) / 4
+            ops = module_ops(node.description, in_elems, node.activation_bytes / 4, batch)
+            if not ops or node.fwd_s + node.bwd_s <= 0 or node.is_input:
+                continue
+            got.append(sum(layer_time_s(ops, rates, cal.params, ph, waves=cal.waves) for ph in ("fwd", "bwd")))
+            real.append(node.fwd_s + node.bwd_s)
+        if not got:
+            rows.append(f"| {path.stem} | {batch} | 0 | - | - | - | not decomposed (LSTM cells) |")
+            continue
+        e = np.abs(np.array(got) / np.array(real) - 1)
+        rows.append(f"| {path.stem} | {batch} | {len(got)} | {100 * np.median(e):.1f} | {100 * np.percentile(e, 90):.1f} | "
+                    f"{100 * (sum(got) / sum(real) - 1):+.1f} | {100 * sum(real) / total:.0f} % |")
+    return rows
+
+
+def _shown(path: Path) -> str:
+    """A data path relative to the checkout's parent (``shared/data/...``) when it is under it."""
+    for base in (ROOT.parent, ROOT.parent.resolve()):
+        try:
+            return str(path.relative_to(base))
+        except ValueError:
+            continue
+    return str(path)
+
+
 def _declared(fits: dict[str, Any]) -> tuple[str, str]:
     """The (math mode, structure key) most leave-one-type-out fits chose."""
     votes: dict[tuple[str, str], int] = {}
@@ -159,19 +209,19 @@ def within(results: Sequence[LayerResult], cls: dict[str, float]) -> float:
     return float(np.mean(np.array([r.error for r in results]) <= 2 * exp))
 
 
-def plot(results: Sequence[LayerResult], path: str) -> None:
+def plot(panels: Sequence[tuple[str, Sequence[LayerResult]]], path: str) -> None:
+    """Projected against measured per layer, one panel per (title, results), log axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
-    for ax, tp1 in zip(axes, (True, False), strict=True):
-        sel = [r for r in results if (r.tensor_parallel == 1) == tp1]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 5.2))
+    for ax, (title, sel) in zip(axes, panels, strict=True):
         for t in sorted({r.target for r in sel}):
             xs = [r.measured_s * 1e3 for r in sel if r.target == t]
             ys = [r.projected_s * 1e3 for r in sel if r.target == t]
-            ax.scatter(xs, ys, s=6, label=t, alpha=0.6)
+            ax.scatter(xs, ys, s=5, label=t, alpha=0.55)
         lo = min(r.measured_s for r in sel) * 1e3 / 2
         hi = max(r.measured_s for r in sel) * 1e3 * 2
         ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
@@ -180,18 +230,20 @@ def plot(results: Sequence[LayerResult], path: str) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("measured forward + backward per layer, ms")
-        ax.set_ylabel("projected, ms")
-        ax.set_title("tensor parallel 1" if tp1 else "tensor parallel 2-8 (target all-reduce from NCCL fits)")
+        ax.set_title(title, fontsize=9)
+    axes[0].set_ylabel("projected, ms")
     axes[0].legend(fontsize=7, loc="upper left")
-    fig.suptitle("OPT-350M per layer, projected leave-one-type-out (Sailor's seven GPU types); dotted: +-15 %")
+    fig.suptitle("OPT-350M per layer, each GPU type projected from the others with constants fitted without it "
+                 "(Sailor's seven types); dotted: +-15 %", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sailor", default=str(SHARED / "sailor_opt350"))
     ap.add_argument("--network", default=str(SHARED / "sailor_validation" / "network" / "intra_node_bandwidths.json"))
+    ap.add_argument("--pipedream", default=str(SHARED / "pipedream"))
     ap.add_argument("--math", default="fp32,tf32,fp16", help="math modes the fit may choose from")
     ap.add_argument("--recompute", default="both", choices=("both", "on", "off"))
     ap.add_argument("--no-waves", action="store_true", help="no GEMM tile/wave quantisation")
@@ -225,7 +277,8 @@ def main() -> int:
     old = old_method(configs, sailor)
     types = sorted({c.gpu_type for c in configs})
     lines = [f"# Projection error on Sailor's OPT-350M ({len(configs)} configurations of {len(types)} GPU types)", "",
-             f"Machine: {machine_line()}. Data: {sailor}.", "",
+             f"Machine: {machine_line()}. Data: {_shown(sailor)} (and {_shown(Path(args.pipedream))}, "
+             f"{_shown(net)}).", "",
              "Sailor's names -> catalog types: " + ", ".join(f"{c.sailor_name} -> {c.gpu_type}"
                                                             for c in {c.gpu_type: c for c in configs}.values()), "",
              f"Constants fitted on tensor-parallel degrees {args.train_tp}. Chosen per held-out type "
@@ -243,6 +296,9 @@ def main() -> int:
     lines += table("Leave-one-type-out, tensor parallel 2-8, target all-reduce read off its own embedding "
                    "(embedding left out)", [r for r in res_own if r.tensor_parallel > 1], "target", skip_embedding=True)
     lines += table("Leave-one-type-out, every configuration (NCCL fits for tensor parallel > 1)", res, "target")
+    known = tp1 + [r for r in res_own if r.tensor_parallel > 1 and r.layer > 0]
+    lines += table("Leave-one-type-out, every configuration, target all-reduce read off its own embedding "
+                   "(embedding left out at tensor parallel > 1)", known, "target")
     lines += table("From one measured type to every other, tensor parallel 1 (constants fitted without the target, "
                    "anchored on that one type)", [r for r in pairs if r.tensor_parallel == 1], "source")
     lines += table("From one measured type to every other, every configuration (as above; NCCL fits)", pairs,
@@ -250,7 +306,8 @@ def main() -> int:
     lines += table(f"From one measured type (constants fitted on it alone, structure declared: {declared[0]}, "
                    f"{declared[1]}) to every other, tensor parallel 1",
                    [r for r in single if r.tensor_parallel == 1], "source")
-    lines += table("From one measured type to every other, every configuration (NCCL fits)", single, "source")
+    lines += table("From one measured type (constants fitted on it alone) to every other, every configuration "
+                   "(NCCL fits)", single, "source")
     lines += ["", "**Old per-layer roofline projection (partitioner.projection), same configurations, from each "
               "other type**", "", "| target | TP 1 layer median % | TP 1 layer p90 % | all layer median % |",
               "|---|---|---|---|"]
@@ -259,6 +316,9 @@ def main() -> int:
         ea = [e for g, tp, e in old if t == "all" or g == t]
         lines.append(f"| {t} | {_pct(e1, 50)} | {_pct(e1, 90)} | {_pct(ea, 50)} |")
     pairs1 = [r for r in pairs if r.tensor_parallel == 1]
+    pd = Path(args.pipedream)
+    if pd.is_dir():
+        lines += pipedream_check(pd, fits["V100-SXM2-16GB"][0])
     cls = class_errors(pairs1)
     lines += ["", "Expected error per class of a layer's time (non-negative least squares of the single-source "
               "leave-one-type-out errors, tensor parallel 1, on each layer's op mix; what `profile project` "
@@ -271,7 +331,10 @@ def main() -> int:
     if args.out:
         atomic_write_text(args.out, text)
     if args.png:
-        plot(res, args.png)
+        plot([("tensor parallel 1", tp1),
+              ("tensor parallel 2-8, target all-reduce from NCCL fits", [r for r in res if r.tensor_parallel > 1]),
+              ("tensor parallel 2-8, target all-reduce known", [r for r in known if r.tensor_parallel > 1])],
+             args.png)
     return 0
 
 

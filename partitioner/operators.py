@@ -33,6 +33,7 @@ without torch.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -55,6 +56,7 @@ __all__ = [
     "embedding_ops",
     "head_ops",
     "layer_kind",
+    "module_ops",
     "transformer_ops",
     "zoo_ops",
 ]
@@ -584,3 +586,75 @@ def zoo_ops(model: str, config: Mapping[str, Any], micro_batch_size: int, names:
     shape = TransformerShape(int(config["hidden"]), int(config["heads"]), int(config["seq_len"]),
                              int(config["vocab"]), layout="torch", causal=not bert, post_ln=bert)
     return transformer_ops(shape, micro_batch_size, names, dtype=dtype)
+
+
+# -- layers described by their torch module ------------------------------------------------------
+
+_INT = r"(\d+)"
+
+
+def _pair(text: str, key: str, default: int) -> tuple[int, int]:
+    """``key=(a, b)`` or ``key=a`` of a module's repr, as a pair."""
+    m = re.search(rf"{key}=\(?\s*(\d+)(?:\s*,\s*(\d+))?", text)
+    if not m:
+        return default, default
+    a = int(m.group(1))
+    return a, int(m.group(2)) if m.group(2) else a
+
+
+def _feature(text: str, key: str) -> int:
+    m = re.search(rf"{key}=(\d+)", text)
+    return int(m.group(1)) if m else 1
+
+
+def module_ops(description: str, in_elems: float, out_elems: float, micro_batch_size: int,
+               dtype: str = "float32") -> tuple[Op, ...]:
+    """The operators of one torch module from its ``repr`` (``Conv2d(64, 128, kernel_size=(3, 3),
+    ...)``, ``Linear(in_features=..., out_features=...)``, ``ReLU``, ``MaxPool2d``, ``AvgPool2d``,
+    ``BatchNorm2d``, ``Dropout``, ``Add``, ``Concat``; others: none), given its input and output
+    elements for the whole micro-batch. A convolution is priced as its implicit GEMM
+    (``m`` = output pixels of the batch, ``n`` = output channels, ``k`` = input channels x kernel
+    area); backward as the input-gradient and weight-gradient GEMMs of the same size."""
+    e = element_bytes(dtype)
+    kind = re.split(r"[(\s]", description.strip(), maxsplit=1)[0]
+    bld = _Builder(1, e, 1, True)
+    if kind == "Conv2d":
+        args = description.split("(", 1)[-1].split("kernel_size")[0]
+        nums = [int(x) for x in re.findall(_INT, args)][:2]
+        cin, cout = nums if len(nums) == 2 else (1, 1)
+        kh, kw = _pair(description, "kernel_size", 1)
+        groups = _pair(description, "groups", 1)[0]
+        pixels = max(1, round(out_elems / max(cout, 1)))
+        k = max(1, cin // groups * kh * kw)
+        w = float(cout * k * e)
+        act = float((in_elems + out_elems) * e)
+        flops = 2.0 * pixels * cout * k
+        bld.ops.append(Op("conv", "gemm", "fwd", flops, act, w, gemm=(1, pixels, cout, k)))
+        bld.ops.append(Op("conv.dgrad", "gemm", "bwd", flops, act, w, gemm=(1, pixels, k, cout)))
+        bld.ops.append(Op("conv.wgrad", "gemm", "bwd", flops, act, 2 * w, gemm=(1, cout, k, pixels), batch_dim=3))
+    elif kind == "Linear":
+        fin, fout = _feature(description, "in_features"), _feature(description, "out_features")
+        lin = _Builder(micro_batch_size, e, 1, True)
+        lin.linear("linear", fin, fout)
+        bld.ops.extend(lin.ops)
+    elif kind == "ReLU":
+        bld.stream("relu", "fwd", out_elems, 1, 1)
+        bld.stream("relu.bwd", "bwd", out_elems, 2, 1)
+    elif kind in ("MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d"):
+        idx = 2 if kind == "MaxPool2d" else 0  # max pooling keeps int64 indices: two elements' worth
+        bld.stream("pool", "fwd", in_elems, 1, 0)
+        bld.stream("pool.out", "fwd", out_elems, 0, 1 + idx)
+        bld.stream("pool.bwd", "bwd", in_elems, 0, 1, kernels=2)
+        bld.stream("pool.bwd.grads", "bwd", out_elems, 1 + idx, 0)
+    elif kind == "BatchNorm2d":
+        bld.stream("batchnorm", "fwd", out_elems, 2, 1, kind="norm", kernels=2)
+        bld.stream("batchnorm.bwd", "bwd", out_elems, 4, 1, kind="norm", kernels=2)
+    elif kind == "Dropout":
+        bld.dropout("dropout", "fwd", out_elems)
+        bld.dropout("dropout.bwd", "bwd", out_elems)
+    elif kind == "Add":
+        bld.stream("add", "fwd", out_elems, 2, 1)
+    elif kind == "Concat":
+        bld.stream("concat", "fwd", out_elems, 1, 1)
+        bld.stream("concat.bwd", "bwd", out_elems, 1, 1)
+    return bld.ordered()

@@ -346,3 +346,18 @@ def test_cli_projects_a_sailor_profile_per_operator(tmp_path, capsys):
     assert not has_operators(cnn)
     with pytest.raises(PartitionerError, match="no operators"):
         project_with_ops(cnn, ["T4"])
+
+
+def test_module_ops_from_torch_reprs():
+    from partitioner.operators import module_ops
+
+    n, cin, cout, hw = 8, 64, 128, 28
+    conv = module_ops("Conv2d(64, 128, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))",
+                      n * cin * hw * hw, n * cout * hw * hw, n)
+    assert [op.name for op in conv] == ["conv", "conv.dgrad", "conv.wgrad"]
+    assert conv[0].flops == 2 * n * hw * hw * cout * cin * 9 and conv[0].gemm == (1, n * hw * hw, cout, cin * 9)
+    lin = module_ops("Linear(in_features=512, out_features=10, bias=True)", n * 512, n * 10, n)
+    assert lin[0].flops == 2 * n * 512 * 10
+    relu = module_ops("ReLU(inplace)", 100, 100, 1)
+    assert [op.phase for op in relu] == ["fwd", "bwd"] and relu[0].act_bytes == 800
+    assert module_ops("View(-1)", 10, 10, 1) == ()
