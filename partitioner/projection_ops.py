@@ -8,9 +8,9 @@ each priced from its arithmetic intensity and the type's catalog peaks:
   the type has them): ``fraction`` is the achievable share of that path's peak (one for tensor
   cores, one for CUDA cores; batched attention GEMMs get a factor of their own; a GeForce
   RTX 3090's TF32 tensor rate is no faster than its FP32 rate, so its GEMMs take the CUDA-core
-  path), ``waves`` the tile/wave
-  quantisation of the GEMM on the type's SMs (128 x 128 output tiles; a partly filled last
-  wave or a ragged edge tile wastes its share). It is never faster than moving its bytes;
+  path), ``waves`` the tile/wave quantisation of the GEMM on the type's SMs (128 x 128 output
+  tiles; a partly filled last wave or a ragged edge tile wastes its share). It is never faster
+  than moving its bytes;
 * an element-wise, normalisation, soft-max or embedding kernel takes
   ``bytes / (fraction x bandwidth)``;
 * every kernel takes at least ``launch_s`` (the host issuing it), and each pass of a layer
@@ -370,7 +370,8 @@ def anchored_s(layer: LayerOps, phase: str, sources: Sequence[Measured], target:
         comm = comm_time_s(layer.ops, phase, src.allreduce)
         compute = max(src.seconds - comm, MIN_COMPUTE_SHARE * src.seconds)
         model = layer_time_s(layer.ops, src.rates, p, phase, waves=waves)
-        logs.append(math.log(max(compute, 1e-12) * tgt / model))
+        ratio = tgt / model if model > 0 else 1.0  # a pass with no work carries over as measured
+        logs.append(math.log(max(compute, 1e-12) * max(ratio, 1e-12)))
     return math.exp(math.fsum(logs) / len(logs)) + comm_time_s(layer.ops, phase, target_allreduce)
 
 
