@@ -33,7 +33,7 @@ from partitioner.projection_eval import (
     sailor_configs,
     structures,
 )
-from partitioner.projection_fit import Sample, fit_params, predict_samples
+from partitioner.projection_fit import Sample, fit_params, leave_one_type_out, predict_samples
 from partitioner.projection_ops import (
     AllReduce,
     Calibration,
@@ -213,6 +213,20 @@ def test_fit_recovers_the_constants_it_was_made_with():
     assert np.max(np.abs(pred / meas - 1)) < 0.02
     assert got.gemm_tensor_fraction == pytest.approx(0.55, rel=0.05)
     assert got.memory_fraction == pytest.approx(0.8, rel=0.05)
+
+
+def test_sample_level_leave_one_type_out_never_sees_the_held_out_type():
+    samples = _synthetic_samples(OpModelParams(), ("A100-SXM4-40GB", "V100", "T4"))
+    calls: list[set[str]] = []
+
+    def spy(given, math_mode, waves=True):
+        calls.append({s.gpu_type for s in given})
+        return OpModelParams()
+
+    fits = leave_one_type_out(samples, "tf32", fit=spy)
+    assert list(fits) == sorted({s.gpu_type for s in samples})
+    assert [held not in seen for held, seen in zip(fits, calls, strict=True)] == [True] * 3
+    assert all(len(seen) == 2 for seen in calls)
 
 
 def _small_structs() -> dict[str, list[SailorConfig]]:
