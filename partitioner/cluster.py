@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from ._io import load_mapping, opt_field, req_field, req_number
+from ._io import load_mapping, opt_field, req_field, req_int, req_number
 from .bandwidth import Bandwidth, parse_bandwidth
 from .errors import FormatError, check
 
@@ -44,32 +44,47 @@ MAX_GPUS = 16_384  # GPUs in one cluster, all nodes together (bench/scale.py pla
 BANDWIDTH_GBPS_RANGE = (1e-6, 1e6)  # GB/s of a link: 1 kB/s .. 1 PB/s
 _DEVICE_RANGES = {  # field: (least, most), the least excluded
     "memory_GB": (0.0, 1e6), "fp32_tflops": (0.0, 1e6), "mem_GBps": (0.0, 1e7), "fp16_tensor_tflops": (0.0, 1e6),
+    "tf32_tensor_tflops": (0.0, 1e6), "bf16_tensor_tflops": (0.0, 1e6),
 }
 
 
 @dataclass(frozen=True)
 class DeviceType:
-    """A GPU model: memory, peak dense FP32 and tensor-core FLOP/s, memory bandwidth."""
+    """A GPU model: memory, peak dense FP32 and tensor-core FLOP/s, memory bandwidth.
+
+    ``tensor_flops`` is the dense FP16 tensor-core rate with FP32 accumulation (what
+    mixed-precision training gets; GeForce cards run it at half their FP16-accumulate rate),
+    ``tf32_flops`` and ``bf16_flops`` the dense TF32 and BF16 tensor-core rates (0 when the
+    GPU has none), ``sm_count`` its streaming multiprocessors (0 when unknown).
+    """
 
     name: str
     memory_bytes: float
     peak_flops: float  # dense FP32, FLOP/s
     mem_bandwidth_bps: float  # bytes/s
-    tensor_flops: float = 0.0  # dense FP16 tensor-core FLOP/s, 0 when the GPU has none
+    tensor_flops: float = 0.0  # dense FP16 tensor-core FLOP/s (FP32 accumulate), 0 when the GPU has none
     source: str = ""
+    tf32_flops: float = 0.0  # dense TF32 tensor-core FLOP/s, 0 when the GPU has none
+    bf16_flops: float = 0.0  # dense BF16 tensor-core FLOP/s, 0 when the GPU has none
+    sm_count: int = 0
 
     def __post_init__(self) -> None:
         check(bool(self.name) and ":" not in self.name, "name", self.name, "must be non-empty, without ':'")
         for f in ("memory_bytes", "peak_flops", "mem_bandwidth_bps"):
             v = getattr(self, f)
             check(isinstance(v, (int, float)) and v > 0, f"device_types.{self.name}.{f}", v, "must be > 0")
-        check(self.tensor_flops >= 0, f"device_types.{self.name}.tensor_flops", self.tensor_flops, "must be >= 0")
+        for f in ("tensor_flops", "tf32_flops", "bf16_flops", "sm_count"):
+            check(getattr(self, f) >= 0, f"device_types.{self.name}.{f}", getattr(self, f), "must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"memory_GB": self.memory_bytes / GIB, "fp32_tflops": self.peak_flops / 1e12,
              "mem_GBps": self.mem_bandwidth_bps / GB}
-        if self.tensor_flops:
-            d["fp16_tensor_tflops"] = self.tensor_flops / 1e12
+        for key, value in (("fp16_tensor_tflops", self.tensor_flops), ("tf32_tensor_tflops", self.tf32_flops),
+                           ("bf16_tensor_tflops", self.bf16_flops)):
+            if value:
+                d[key] = value / 1e12
+        if self.sm_count:
+            d["sm_count"] = self.sm_count
         if self.source:
             d["source"] = self.source
         return d
@@ -89,6 +104,9 @@ class DeviceType:
             mem_bandwidth_bps=num("mem_GBps", strict=True) * GB,
             tensor_flops=num("fp16_tensor_tflops", default=0.0) * 1e12,
             source=opt_field(d, "source", str, "", where),
+            tf32_flops=num("tf32_tensor_tflops", default=0.0) * 1e12,
+            bf16_flops=num("bf16_tensor_tflops", default=0.0) * 1e12,
+            sm_count=int(req_int(d, "sm_count", where, default=0, minimum=0, maximum=1_000_000)),
         )
 
 
@@ -98,12 +116,15 @@ def catalog() -> dict[str, DeviceType]:
 
     Every row carries its public source in the ``source`` column (vendor datasheet figures
     collected by satyaog/IGUANE, winston-zhang-orz/gpu-specs, xiaozheyao/triteia and spec
-    pages); see docs/formats.md.
+    pages) and the source of its tensor-core rates and SM count in ``tensor_source`` (NVIDIA's
+    architecture whitepapers); see docs/formats.md. ``tensor_flops`` is the FP16 rate with FP32
+    accumulation where the catalog gives it, else the FP16 (or BF16) column.
     """
     out: dict[str, DeviceType] = {}
     text = resources.files("partitioner").joinpath("data/gpu_catalog.csv").read_text(encoding="utf-8")
     for row in csv.DictReader(text.splitlines()):
-        tensor = row.get("fp16_tensor_tflops_dense") or row.get("bf16_tensor_tflops_dense") or "0"
+        tensor = (row.get("fp16_fp32acc_tensor_tflops_dense") or row.get("fp16_tensor_tflops_dense")
+                  or row.get("bf16_tensor_tflops_dense") or "0")
         out[row["gpu"]] = DeviceType(
             name=row["gpu"],
             memory_bytes=float(row["mem_gb"]) * GIB,
@@ -111,6 +132,9 @@ def catalog() -> dict[str, DeviceType]:
             mem_bandwidth_bps=float(row["mem_bw_GBps"]) * GB,
             tensor_flops=float(tensor) * 1e12,
             source=row["source"],
+            tf32_flops=float(row.get("tf32_tensor_tflops_dense") or 0) * 1e12,
+            bf16_flops=float(row.get("bf16_tensor_tflops_dense") or 0) * 1e12,
+            sm_count=int(row.get("sm_count") or 0),
         )
     return out
 

@@ -27,6 +27,7 @@ from .errors import FormatError, check
 
 __all__ = [
     "MAX_BYTES",
+    "MAX_EXPECTED_ERROR",
     "MAX_FLOPS",
     "MAX_LAYERS",
     "MAX_LAYER_S",
@@ -47,6 +48,7 @@ MAX_FLOPS = 1e21  # forward FLOPs per layer and micro-batch
 MAX_BYTES = float(2**60)  # bytes of one layer's parameters or tensors (1 EiB)
 MAX_MICRO_BATCH_SIZE = 2**20
 MAX_LAYERS = 10_000
+MAX_EXPECTED_ERROR = 1e3  # a projected time's expected relative error (100,000 %)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class LayerTime:
 
     ``update_s`` is the optimizer step of the layer's parameters, once per iteration (it does
     not depend on the micro-batch size); 0 when the profile did not time it.
+    ``expected_error`` is, for a projected time, its expected relative error (0.12: 12 %,
+    either way) as the projection estimates it; None when not known (and for measurements).
     """
 
     fwd_s: float
@@ -62,12 +66,16 @@ class LayerTime:
     projected: bool = False
     measured_on: str = ""  # the device that really took the numbers ("cpu", "cuda:NVIDIA H100 ...")
     update_s: float = 0.0
+    expected_error: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("fwd_s", "bwd_s", "update_s"):
             v = getattr(self, name)
             check(is_finite_number(v) and v >= 0, name, v,
                   "must be a finite number of seconds >= 0")
+        if self.expected_error is not None:
+            check(is_finite_number(self.expected_error) and 0 <= self.expected_error <= MAX_EXPECTED_ERROR,
+                  "expected_error", self.expected_error, f"must be a number in [0, {MAX_EXPECTED_ERROR:g}]")
 
     @property
     def total_s(self) -> float:
@@ -79,6 +87,8 @@ class LayerTime:
             d["measured_on"] = self.measured_on
         if self.update_s:
             d["update_s"] = self.update_s
+        if self.expected_error is not None:
+            d["expected_error"] = self.expected_error
         return d
 
     @classmethod
@@ -91,6 +101,8 @@ class LayerTime:
             projected=opt_field(d, "projected", bool, False, where),
             measured_on=opt_field(d, "measured_on", str, "", where),
             update_s=req_number(d, "update_s", where, default=0.0),
+            expected_error=(None if d.get("expected_error") is None
+                            else req_number(d, "expected_error", where, maximum=MAX_EXPECTED_ERROR)),
         )
 
 

@@ -87,6 +87,31 @@ def _memory_check(args: argparse.Namespace, device: str) -> None:
             f"but {have / 2**30:.1f} GiB is free; use a smaller --micro-batch-size or --analytic")
 
 
+def _operators(args: argparse.Namespace, names: list[str], config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"operators": table}`` for a transformer of the zoo (its layers' operators, for the
+    per-operator projection), else nothing."""
+    from partitioner.operators import zoo_ops
+
+    if config is None:
+        config = _build(args, 1, "meta").config
+    table = zoo_ops(args.model, config, args.batch_size, names, args.dtype)
+    return {} if table is None else {"operators": table.to_dict()}
+
+
+def _projected(profile: Profile, targets: list[str], method: str, source: str | None, efficiency: float,
+               math_mode: str | None = None) -> Profile:
+    """``profile`` with projected times on ``targets``: per operator (``method`` ops, or auto when
+    the profile has operators or a transformer shape), else the per-layer roofline."""
+    from partitioner.projection import project_profile
+    from partitioner.projection_ops import has_operators, project_with_ops
+
+    if method == "auto":
+        method = "ops" if has_operators(profile) else "roofline"
+    if method == "ops":
+        return project_with_ops(profile, targets, source=source, math_mode=math_mode)
+    return project_profile(profile, targets, source=source, efficiency=efficiency)
+
+
 def _profile(args: argparse.Namespace) -> int:
     from partitioner._io import check_outputs
     from partitioner.cluster import resolve_gpu_type
@@ -104,7 +129,7 @@ def _profile(args: argparse.Namespace) -> int:
                                           shared_saved_bytes=s.shared_saved_bytes) for s in stats),
                        dtype=args.dtype, source="partitioner analytic (FLOPs and bytes, no timing)",
                        meta={"unsupported_ops": {s.name: s.unsupported_ops for s in stats if s.unsupported_ops},
-                             "measured_on": {}})
+                             "measured_on": {}, **_operators(args, [s.name for s in stats])})
         profile = project_profile(base, targets, efficiency=args.efficiency, analytic=True)
     else:
         import torch
@@ -120,10 +145,11 @@ def _profile(args: argparse.Namespace) -> int:
             key, targets = targets[0], targets[1:]  # the first --gpu-type names the measured GPU
         profile = profile_model(m.layers, m.sample_input("cpu"), args.device, model_name=args.model,
                                 gpu_type=key, warmup=args.warmup, repeats=args.repeats,
-                                threads=args.threads, meta={"config": m.config},
+                                threads=args.threads,
+                                meta={"config": m.config, **_operators(args, [n for n, _ in m.layers], m.config)},
                                 dtype=getattr(torch, args.dtype))
         if targets:
-            profile = project_profile(profile, targets, efficiency=args.efficiency)
+            profile = _projected(profile, targets, "auto", None, args.efficiency)
     profile.save(args.output)
     types = ", ".join(f"{g}{' (projected)' if profile.is_projected(g) else ''}" for g in profile.gpu_types)
     print(f"profiled {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}, "
@@ -149,15 +175,23 @@ def _merge(args: argparse.Namespace) -> int:
 
 def _project(args: argparse.Namespace) -> int:
     from partitioner._io import check_outputs
-    from partitioner.projection import project_profile
 
     check_outputs({"-o": args.output}, (args.input,))
     profile = Profile.load(args.input)
-    out = project_profile(profile, args.gpu_type, source=args.source, efficiency=args.efficiency)
+    out = _projected(profile, args.gpu_type, args.method, args.source, args.efficiency, args.math)
     out.save(args.output)
     added = [g for g in out.gpu_types if g not in profile.gpu_types or profile.is_projected(g)]
-    print(f"projected {out.model} to {', '.join(added)} -> {args.output}")
+    print(f"projected {out.model} to {', '.join(_expected(out, g) for g in added)} -> {args.output}")
     return 0
+
+
+def _expected(profile: Profile, gpu: str) -> str:
+    """``TYPE`` and, when the projection estimated them, the range of its layers' expected errors."""
+    errs = [x.times[gpu].expected_error for x in profile.layers]
+    known = [e for e in errs if e is not None]
+    if not known:
+        return gpu
+    return f"{gpu} (per operator; expected error per layer {100 * min(known):.0f}-{100 * max(known):.0f} %)"
 
 
 def _emulate(args: argparse.Namespace) -> int:
@@ -222,10 +256,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     mp.add_argument("-o", "--output", required=True, help="merged profile JSON to write")
     mp.set_defaults(func=_merge)
 
-    pp = actions.add_parser("project", parents=[eff], help="add roofline-projected times for other GPU types")
+    pp = actions.add_parser("project", parents=[eff], help="add projected times for other GPU types")
     pp.add_argument("input", help="profile JSON with measured times")
     pp.add_argument("--gpu-type", action="append", required=True, metavar="NAME", help="catalog GPU type")
     pp.add_argument("--source", default=None, help="measured type to project from (default: the first)")
+    pp.add_argument("--method", choices=("auto", "ops", "roofline"), default="auto",
+                    help="ops: per operator, with the calibration fitted on Sailor's seven GPU types "
+                         "(docs/profiling.md); roofline: per layer; auto (default): ops when the profile has "
+                         "operators (meta.operators) or a transformer's shape")
+    pp.add_argument("--math", choices=("fp32", "tf32", "fp16", "bf16"), default=None,
+                    help="how the profile's GEMMs ran (default: from its dtype; Sailor's profiles: tf32)")
     pp.add_argument("-o", "--output", required=True, help="profile JSON to write")
     pp.set_defaults(func=_project)
 

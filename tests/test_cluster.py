@@ -13,9 +13,36 @@ def test_catalog_has_every_csv_row_with_sources():
         assert name in cat
         assert cat[name].source
     v100 = cat["V100-SXM2-16GB"]
+    assert v100.sm_count == 80 and v100.tf32_flops == 0
     assert v100.memory_bytes == 16 * GIB
     assert v100.peak_flops == pytest.approx(15.6672e12)
     assert v100.mem_bandwidth_bps == pytest.approx(900e9)
+
+
+def test_catalog_tensor_rates_accumulate_in_fp32():
+    """GeForce Turing and Ampere cards run FP16 tensor math at half rate with FP32 accumulation
+    (Turing and GA102 whitepapers); the catalog's tensor rate is that one, and every row with a
+    tensor rate or an SM count names where it comes from."""
+    cat = catalog()
+    assert cat["RTX-2080"].tensor_flops == pytest.approx(40.27392e12)
+    assert cat["RTX-2080-Ti"].tensor_flops == pytest.approx(53.79072e12)
+    assert cat["TITAN-RTX"].tensor_flops == pytest.approx(130.49856e12)  # full rate on the TITAN
+    r3090 = cat["RTX-3090"]
+    assert (r3090.tensor_flops, r3090.tf32_flops, r3090.bf16_flops, r3090.sm_count) == (71e12, 35.6e12, 71e12, 82)
+    gh = cat["GH200-96GB"]
+    assert gh.memory_bytes == 96 * GIB and gh.tf32_flops == pytest.approx(494.71488e12) and gh.sm_count == 132
+    for t in cat.values():
+        assert t.sm_count > 0
+
+
+def test_device_type_new_fields_round_trip():
+    t = catalog()["A100-SXM4-40GB"]
+    from partitioner.cluster import DeviceType
+
+    back = DeviceType.from_dict(t.name, t.to_dict())
+    assert (back.tf32_flops, back.bf16_flops, back.sm_count) == (t.tf32_flops, t.bf16_flops, t.sm_count)
+    old = DeviceType.from_dict("x", {"memory_GB": 8, "fp32_tflops": 10, "mem_GBps": 400})
+    assert (old.tf32_flops, old.bf16_flops, old.sm_count) == (0.0, 0.0, 0)
 
 
 @pytest.mark.parametrize(("alias", "name"), [("V100", "V100-SXM2-16GB"), ("titan v", "TITAN-V"),

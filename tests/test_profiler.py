@@ -11,6 +11,7 @@ from torch import nn
 
 from partitioner.errors import PartitionerError
 from partitioner.models import build_model
+from partitioner.operators import OperatorTable
 from partitioner.profile import Profile
 from partitioner.profiler import analyze_layers, profile_model
 from partitioner_cli import main as cli
@@ -85,10 +86,22 @@ def test_cli_profile_then_project(tmp_path, run_cli, capsys):
     assert rc == 0
     p = Profile.load(out)
     assert p.gpu_types == ("cpu", "T4") and not p.is_projected("cpu") and p.is_projected("T4")
-    assert all(layer.times["T4"].measured_on == "cpu" for layer in p.layers)
+    # a zoo transformer records its operators; from the CPU (not a GPU type) the operator model
+    # alone gives the GPU's times: nothing measured on the CPU is carried over
+    assert OperatorTable.from_dict(p.meta["operators"]).names == tuple(x.name for x in p.layers)
+    assert all(layer.times["T4"].measured_on == "" and layer.times["T4"].expected_error is not None
+               for layer in p.layers)
+    assert p.meta["projections"]["T4"]["method"] == "operators, model alone"
     out2 = tmp_path / "q.json"
     assert run_cli(["profile", "project", str(out), "--gpu-type", "TITAN-V", "-o", str(out2)]) == 0
     assert Profile.load(out2).gpu_types == ("cpu", "T4", "TITAN-V")
+    # the per-layer roofline stays available, calibrated on the CPU's best layers
+    out3 = tmp_path / "r.json"
+    assert run_cli(["profile", "project", str(out), "--gpu-type", "TITAN-V", "--method", "roofline",
+                    "-o", str(out3)]) == 0
+    r = Profile.load(out3)
+    assert all(layer.times["TITAN-V"].measured_on == "cpu" and layer.times["TITAN-V"].expected_error is None
+               for layer in r.layers)
 
 
 def test_cli_analytic(tmp_path, run_cli):
