@@ -21,7 +21,7 @@ WSP's push (an all-reduce of a wave's update over the same holders), each priced
 :meth:`partitioner.cost.CostModel.allreduce_s` on its holders' devices. Not emulated:
 activations and gradients sent between the stages of a pipeline (a receiver cannot know when
 its sender posted a message without a second message; they stay this machine's real sends).
-:func:`collectives` lists the holder sets; :mod:`runtime.emulate` makes each collective end at
+:func:`collectives` lists the holder sets; :mod:`runtime.emulation` makes each collective end at
 the latest member's start plus its emulated seconds.
 """
 

@@ -44,7 +44,7 @@ plan's cluster's time, dilated by the emulation's time scale
 A factor below 1 cannot be played (emulation only adds time): with a named reference slower than
 a type of the plan on some stage, the emulation is refused.
 
-Torch-free: :mod:`runtime.emulate` applies the factors in the executors.
+Torch-free: :mod:`runtime.emulation` applies the factors in the executors.
 """
 
 from __future__ import annotations

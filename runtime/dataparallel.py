@@ -11,7 +11,7 @@ gradient of the global batch's mean loss, as one process computes it. Every rank
 holder sets in the same (first-layer) order, so the collectives cannot wait on each other in a
 cycle. When every holder set is one rank (one virtual worker, nothing replicated) nothing is
 exchanged. Under ``--emulate-links`` each all-reduce takes the emulated links' time
-(:class:`runtime.emulate.LinkDelay`).
+(:class:`runtime.emulation.LinkDelay`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .emulate import LinkDelay
+from .emulation import LinkDelay
 from .layout import Layout
 
 __all__ = ["GradientAverager"]

@@ -52,7 +52,7 @@ from partitioner.schedule import (
     MicroBatching,
 )
 
-from .emulate import Stretch
+from .emulation import Stretch
 from .layout import Layout
 
 __all__ = ["PipelineExecutor", "StashingExecutor", "message_tag"]
@@ -109,7 +109,7 @@ class PipelineExecutor:
         self._reset()
 
     def emulate(self, stretch: Stretch) -> None:
-        """Stretch every forward and backward from now on (``train --emulate``, :mod:`runtime.emulate`);
+        """Stretch every forward and backward from now on (``train --emulate``, :mod:`runtime.emulation`);
         the seconds slept are counted as ``emulation``."""
         self.stretch = stretch
         self.seconds.setdefault("emulation", 0.0)

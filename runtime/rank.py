@@ -36,7 +36,7 @@ from partitioner.schedule import Action, F, MicroBatching, spec
 from .checkpoint import plan_sha256, restore_rank, resume_step, save_rank, write_manifest
 from .data import DataSource, make_data
 from .dataparallel import GradientAverager
-from .emulate import LinkDelay, Stretch
+from .emulation import LinkDelay, Stretch
 from .evaluate import evaluate_versions
 from .executor import PipelineExecutor, StashingExecutor
 from .layout import Layout, RankInfo

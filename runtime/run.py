@@ -55,7 +55,7 @@ class TrainConfig:
     resume: bool = False  # start from the last complete checkpoint in checkpoint_dir (if any)
     progress: bool = True  # a progress bar with the loss, when stderr is a terminal
     node: str = ""  # under torchrun: the plan node this machine is (default: the GROUP_RANK-th, runtime.nodes)
-    # heterogeneity emulation: every rank plays its device's GPU type (partitioner.emulation, runtime.emulate)
+    # heterogeneity emulation: every rank plays its device's GPU type (partitioner.emulation, runtime.emulation)
     emulation: Emulation | None = None
     # replicated stages: worker -> stage -> the replica of each micro-batch
     # (partitioner.placement.replica_assignment; empty: equal times, round-robin)

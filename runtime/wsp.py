@@ -46,7 +46,7 @@ from torch.func import functional_call
 
 from partitioner.schedule import Action, F
 
-from .emulate import LinkDelay
+from .emulation import LinkDelay
 from .executor import StashingExecutor
 from .layout import Layout
 

@@ -20,7 +20,7 @@ from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner_cli import main as cli
-from runtime.emulate import LinkDelay
+from runtime.emulation import LinkDelay
 from runtime.launch import TrainConfig, spawn_local, train_local
 
 # three types from the catalog, one per node: all-reduces between them cross the inter-node link

@@ -23,7 +23,7 @@ from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner.simulate import simulate_plan
 from partitioner_cli import main as cli
-from runtime.emulate import Stretch
+from runtime.emulation import Stretch
 from runtime.launch import TrainConfig, train_local
 
 # two GPU types from the catalog on one node whose links are this machine's
