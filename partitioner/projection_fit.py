@@ -37,6 +37,9 @@ __all__ = [
     "predict_samples",
 ]
 
+# operator classes of the fit's sample rows
+_MEMORY_BOUND, _GEMM, _BATCHED_GEMM, _SOFTMAX = 0, 1, 2, 3
+
 MEASURED_FLOOR_S = 20e-6  # a pass measured shorter than this is a timer artefact (Sailor's embedding backward)
 # a priori values and how far (a factor) each may move before the pull is felt
 PRIOR = {"gemm_tensor_fraction": (0.6, 3.0), "gemm_cuda_fraction": (0.7, 3.0), "bgemm_factor": (1.0, 3.0),
@@ -75,22 +78,22 @@ class _Design:
                     eff = wave_efficiency(op.gemm, rates.sm_count) if waves else 1.0
                     tc = op.flops / (rates.tensor_flops_per_s * eff) if rates.tensor else np.inf
                     cu = op.flops / (rates.cuda_flops_per_s * eff)
-                    kind = 1 if op.kind == "gemm" else 2
+                    op_class = _GEMM if op.kind == "gemm" else _BATCHED_GEMM
                 else:
-                    tc, cu, kind = np.inf, 0.0, 3 if op.kind == "softmax" else 0
-                rows.append((i, tc, cu, b_term, op.kernels, kind))
+                    tc, cu, op_class = np.inf, 0.0, _SOFTMAX if op.kind == "softmax" else _MEMORY_BOUND
+                rows.append((i, tc, cu, b_term, op.kernels, op_class))
         arr = np.array(rows, dtype=np.float64).reshape(-1, 6)
         self.sample = arr[:, 0].astype(np.int64)
         self.tc, self.cu, self.b_term, self.kernels = arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4]
-        self.kind = arr[:, 5].astype(np.int64)
+        self.op_class = arr[:, 5].astype(np.int64)
         self.n = len(samples)
         self.fwd = np.array([s.phase == "fwd" for s in samples])
         self.comm = np.array([s.comm_s for s in samples], dtype=np.float64)
 
     def predict(self, p: np.ndarray) -> np.ndarray:
         tc, cuda, bg, mem, soft, launch, lf, lb = p
-        compute = np.minimum(self.tc / tc, self.cu / cuda) / np.where(self.kind == 2, bg, 1.0)
-        mfrac = mem * np.where(self.kind == 3, soft, 1.0)
+        compute = np.minimum(self.tc / tc, self.cu / cuda) / np.where(self.op_class == _BATCHED_GEMM, bg, 1.0)
+        mfrac = mem * np.where(self.op_class == _SOFTMAX, soft, 1.0)
         work = np.maximum(compute, self.b_term / mfrac)
         t = np.maximum(work, self.kernels * launch)
         out = np.bincount(self.sample, weights=t, minlength=self.n)

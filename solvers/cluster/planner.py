@@ -44,7 +44,7 @@ from solvers.pipeline.dp import diagnose_infeasible
 from solvers.pipeline.mapping import map_worker
 from solvers.predictions import with_predictions
 from solvers.progress import Status, status
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["WorkerPlanner", "plan_cluster", "price_plan", "solve"]
 
@@ -353,7 +353,7 @@ class _Found:
     best: tuple[float, list[list[Device]]] | None
     used: WorkerPlanner
     exact: bool
-    details: dict[str, Any]
+    details: SolveDetails
 
 
 def _plan_fixed(devs: list[Device], k: int | None, policy: str, planner: WorkerPlanner, objective: str,
@@ -442,7 +442,7 @@ def _sync_certified(found: _Found, devs: list[Device], k: int | None, planner: W
     current = price(found.best[1])  # the plan _finish builds: every worker mapped by the full search
     sb = sync_bound(cost, devs, node_classes(devs, planner.node_kind), sched, current, workers=k,
                     exact_limit=planner.exact_limit, deadline=deadline, price=price)
-    details = {**found.details, "sync_bound": {"samples_per_s": sb.samples_per_s, "complete": sb.complete,
+    details: SolveDetails = {**found.details, "sync_bound": {"samples_per_s": sb.samples_per_s, "complete": sb.complete,
                                                "templates": sb.templates, "refined": sb.refined,
                                                "allreduce_floor": sb.allreduce_floor, "workers": sb.workers}}
     better = sb.details.get("grouping")
@@ -519,10 +519,10 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
         full = _grouping_value(best[1], planner, objective, m)
         if full >= best[0]:
             best, used = (full, best[1]), planner
-    details = {"grouping": "counts", "template_set": res.details["template_set"], "templates": res.templates,
-               "idle_gpus": len(devs) - sum(len(w) for w in best[1]),
-               "templates_planned": res.planned, "rounds": res.rounds,
-               "workers_per_template": res.details["workers_per_template"]}
+    details: SolveDetails = {"grouping": "counts", "template_set": res.details["template_set"],
+                             "templates": res.templates, "idle_gpus": len(devs) - sum(len(w) for w in best[1]),
+                             "templates_planned": res.planned, "rounds": res.rounds,
+                             "workers_per_template": res.details["workers_per_template"]}
     return _Found(best, used, res.exact, details)
 
 
@@ -551,7 +551,7 @@ def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, obje
     exact = True
     best: tuple[float, list[list[Device]]] | None = None
     used = planner
-    details: dict[str, Any] = {}
+    details: SolveDetails = {}
     ks = _candidate_ks(n, nodes) if k is None else [k]
     if k is None:
         ks = [x for x in ks if -(-n // x) <= largest] or [_check_worker_size(n, max(ks), cost.num_layers, largest)]

@@ -85,7 +85,7 @@ class SymmetricResult:
     templates: int
     planned: int
     rounds: int
-    details: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)  # template_set, workers_per_template
 
 
 def node_classes(devices: Sequence[Device], node_kind: Callable[[str], Any]) -> list[NodeClass]:

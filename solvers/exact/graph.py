@@ -48,7 +48,7 @@ from partitioner.profile import Profile
 from solvers.exact.intervals import ChainProblem, dp_split
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["DagData", "DagPlan", "DagVars", "dag_data", "finish_dag", "order_values", "price_assignment", "price_order",
            "single_stage", "tie_break_winner"]
@@ -246,7 +246,7 @@ def better(a: DagPlan | None, b: DagPlan | None) -> DagPlan | None:
 
 
 def finish_dag(data: DagData, method: str, status: SolveStatus, found: DagPlan | None, lower_bound: float,
-               runtime_s: float, details: dict[str, object], reason: str = "") -> SolveResult:
+               runtime_s: float, details: SolveDetails, reason: str = "") -> SolveResult:
     """A :class:`SolveResult` for the graph model: the better of ``found`` and the DP's split
     (both priced exactly), its plan with ``layer_order`` where it is not the profile's own."""
     problem = data.problem
@@ -270,7 +270,7 @@ def finish_dag(data: DagData, method: str, status: SolveStatus, found: DagPlan |
     return replace(result, plan=replace(plan, solver=result.solver_info()))
 
 
-def single_stage(data: DagData, method: str, t0: float, details: dict[str, object]) -> SolveResult | None:
+def single_stage(data: DagData, method: str, t0: float, details: SolveDetails) -> SolveResult | None:
     """The answer without a model when there is nothing to choose: more devices than layers
     (infeasible) or one device (the whole graph on it); None otherwise."""
     n, p = data.num_layers, data.num_stages

@@ -39,7 +39,7 @@ from partitioner.profile import Profile
 from partitioner.schedule import Schedule
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = [
     "DEFAULT_MAX_ARCS",
@@ -253,7 +253,7 @@ def dp_split(problem: ChainProblem) -> ChainSolution | None:
 
 
 def model_arcs(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int
-               ) -> tuple[ChainSolution | None, Arcs, dict[str, object]]:
+               ) -> tuple[ChainSolution | None, Arcs, SolveDetails]:
     """What CP-SAT and CBC both build on: the DP's split (with ``hint``), the candidate stages
     (with ``prune``, none slower than that split's bottleneck), and the details to report."""
     start = dp_split(problem) if hint else None
@@ -264,7 +264,7 @@ def model_arcs(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int
 
 
 def setup_model(problem: ChainProblem, method: str, hint: bool, prune: bool, max_arcs: int, t0: float
-                ) -> tuple[ChainSolution | None, Arcs, dict[str, object], SolveResult | None]:
+                ) -> tuple[ChainSolution | None, Arcs, SolveDetails, SolveResult | None]:
     """What both chain models start from (:func:`model_arcs`, the devices' order given), and the
     answer when there is no model to solve: no pipeline length to model (more devices than
     layers, and no shorter pipeline allowed)."""
@@ -288,7 +288,7 @@ def no_plan_reason(time_limit_s: float, n_arcs: int | None = None) -> str:
 
 
 def unsolved(answer: Callable[..., SolveResult], status: SolveStatus, bound_s: float, t0: float,
-             details: dict[str, object], reason: str) -> SolveResult | None:
+             details: SolveDetails, reason: str) -> SolveResult | None:
     """The answer when a model's first solve has no plan (INFEASIBLE, or UNKNOWN at the time
     limit, with ``reason``), or None when it has one; the bound goes to ``details["bound_s"]``
     unless infeasible. ``answer(status, plan, lower_bound, runtime_s, details, reason=...)``
@@ -302,7 +302,7 @@ def unsolved(answer: Callable[..., SolveResult], status: SolveStatus, bound_s: f
 
 
 def finish(problem: ChainProblem, method: str, status: SolveStatus, sol: ChainSolution | None,
-           lower_bound: float, runtime_s: float, details: dict[str, object], reason: str = "") -> SolveResult:
+           lower_bound: float, runtime_s: float, details: SolveDetails, reason: str = "") -> SolveResult:
     """A :class:`SolveResult` with the plan built exactly as the DP builds it."""
     if status is SolveStatus.INFEASIBLE:
         reason = reason or dp.diagnose_infeasible(problem.cost, problem.tried_devices, problem.schedule)

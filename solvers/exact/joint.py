@@ -48,7 +48,7 @@ from solvers.exact.intervals import ChainProblem, check_arc_count, dp_split, pip
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
 from solvers.pipeline.mapping import Label, device_labels, map_worker
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["HINT_SHARE", "PROVEN_REL", "JointData", "JointPlan", "JointVars", "canonical", "diagnose", "finish_joint",
            "joint_data", "mapping_details", "model_time_s", "needs_mapping", "read_plan", "start_values",
@@ -65,7 +65,7 @@ def needs_mapping(problem: ChainProblem) -> bool:
     return len(set(device_labels(problem.cost, problem.devices))) > 1
 
 
-def mapping_details(problem: ChainProblem, fixed_order: bool) -> dict[str, object]:
+def mapping_details(problem: ChainProblem, fixed_order: bool) -> SolveDetails:
     """The details of a graph-profile solve, whose convex stages keep the given device order:
     with devices of several labels and the order not asked to be kept, a note saying so."""
     if fixed_order or not needs_mapping(problem):
@@ -109,7 +109,7 @@ class JointData:
     class_s: np.ndarray
     symmetric_nodes: tuple[tuple[str, ...], ...]  # groups of interchangeable nodes, in cluster order
     start: JointPlan | None  # the heuristic mapping's plan (hint, upper bound)
-    details: dict[str, object] = field(default_factory=dict)
+    details: SolveDetails = field(default_factory=lambda: SolveDetails())
 
     def __post_init__(self) -> None:
         n_arcs, n_lab = len(self.r), len(self.labels)
@@ -251,9 +251,9 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
                      r_a.astype(np.intp), t_a.astype(np.intp), i_a.astype(np.intp), j_a.astype(np.intp),
                      w_a.astype(np.float64), s_a.astype(np.float64), type_names, pair_class, class_s,
                      _symmetric_nodes(cost, labels, pools, pair_class), None)
-    data.details.update(mapping="model", arcs=len(r_a), labels=len(labels), link_classes=len(class_s),
-                        symmetric_nodes=[list(g) for g in data.symmetric_nodes if len(g) > 1],
-                        hint=start is not None, pruned=math.isfinite(upper))
+    data.details.update({"mapping": "model", "arcs": len(r_a), "labels": len(labels), "link_classes": len(class_s),
+                         "symmetric_nodes": [list(g) for g in data.symmetric_nodes if len(g) > 1],
+                         "hint": start is not None, "pruned": math.isfinite(upper)})
     if start is None:
         return data
     start = canonical(data, start)
@@ -362,7 +362,7 @@ def diagnose(data: JointData) -> str:
 
 
 def finish_joint(data: JointData, method: str, status: SolveStatus, found: JointPlan | None, lower_bound: float,
-                 runtime_s: float, details: dict[str, object], reason: str = "") -> SolveResult:
+                 runtime_s: float, details: SolveDetails, reason: str = "") -> SolveResult:
     """A :class:`SolveResult` from the model's plan (or the hint's, when the model has none)."""
     problem = data.problem
     details = {**data.details, **details}

@@ -238,7 +238,7 @@ def with_relaxation(data: JointData) -> tuple[JointData, float]:
     if plan is None or (data.start is not None and plan.solution.bottleneck_s >= data.start.solution.bottleneck_s):
         return data, value
     plan = canonical(data, plan)
-    data.details.update(hint_s=plan.solution.bottleneck_s, hint_from="relaxation")
+    data.details.update({"hint_s": plan.solution.bottleneck_s, "hint_from": "relaxation"})
     return replace(data, start=plan), value
 
 

@@ -22,7 +22,7 @@ from partitioner.plan import Plan
 from partitioner.profile import Profile
 from partitioner.simulate import predict, simulate_plan
 from partitioner.timeline import Timeline
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["AUTO_SCHEDULES", "RankedPlan", "rank_plans", "solve_ranked"]
 
@@ -94,7 +94,7 @@ def solve_ranked(solve_one: Callable[..., SolveResult], profile: Profile, cluste
     source = next(r for r in results if r.plan is not None and r.plan.schedule == best.plan.schedule
                   and r.plan.micro_batches == best.plan.micro_batches)
     meta = {**best.plan.meta, "selected_by": f"simulated samples/s among {len(ranked)} candidates"}
-    details = {**source.details, "ranking": [c.to_dict() for c in ranked], "refused": refused}
+    details: SolveDetails = {**source.details, "ranking": [c.to_dict() for c in ranked], "refused": refused}
     log.info("chose %s with %d micro-batches: %.4g samples/s", best.plan.schedule, best.plan.micro_batches,
              best.samples_per_s)
     return replace(source, plan=replace(best.plan, meta=meta), details=details)

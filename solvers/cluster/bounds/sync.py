@@ -123,7 +123,7 @@ class SyncBound:
     refined: int  # templates whose pipeline bound came from an exhaustive mapping search
     allreduce_floor: bool  # whether the all-reduce term applies (links affine, no overrides)
     complete: bool  # False: stopped by the time limit; samples_per_s is then the fallback given
-    details: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)  # grouping: a better grouping found; reason
 
     def __post_init__(self) -> None:
         if not self.samples_per_s >= 0:
@@ -650,7 +650,7 @@ class _Search:
         """The bound: the largest over ``K``, or the best plan's value where no ``K`` beats it."""
         details: dict[str, Any] = {}
         if self.best_grouping is not None:
-            details.update(grouping=self.best_grouping, samples_per_s=self.best_value)
+            details.update({"grouping": self.best_grouping, "samples_per_s": self.best_value})
         return SyncBound(max(self.bound, self.best_value), self.result_k, len(self.templates), self._refined(),
                          self.tails.affine, True, details)
 

@@ -28,7 +28,7 @@ from solvers.exact import intervals
 from solvers.exact.cbc.run import bound_s, has_plan, run_cbc, solve_status
 from solvers.exact.intervals import Arcs, ChainHint, ChainProblem, ChainVars
 from solvers.pipeline.dp import ChainSolution
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["SCALE_MAX", "solve_chain"]
 
@@ -60,7 +60,7 @@ def solve_chain(problem: ChainProblem, *, time_limit_s: float, threads: int, see
 
     # solve, with CBC's log kept to read its bound
     cbc_log = run_cbc(prob, time_limit_s, threads, seed, warm_start=start is not None)
-    details.update(cbc_status=pulp.LpStatus[prob.status], cbc_solution=prob.sol_status)
+    details.update({"cbc_status": pulp.LpStatus[prob.status], "cbc_solution": prob.sol_status})
     # extract: the chosen arcs, priced exactly; CBC's bound converted back, less the slack
     bound = bound_s(cbc_log, unit_s, largest)
     status = solve_status(prob, bound, "the chain model")
@@ -132,7 +132,7 @@ def _picked(var: ChainVars) -> list[int]:
 
 def _tie_break(prob: Any, var: ChainVars, coef: list[float], arcs: Arcs, picked: list[int], sol: ChainSolution,
                problem: ChainProblem, time_limit_s: float, threads: int, seed: int,
-               details: dict[str, object]) -> ChainSolution:
+               details: SolveDetails) -> ChainSolution:
     """The DP's second pass on CBC: stages within the optimum found (exact seconds, as the DP
     compares), the shortest pipeline, then the least total stage time. ``sol`` if CBC finds nothing."""
     import pulp

@@ -20,7 +20,7 @@ from solvers.exact import graph as dag
 from solvers.exact.cbc.run import TOLERANCE_SLACK, bound_s, has_plan, run_cbc, solve_status
 from solvers.exact.graph import DagData, DagPlan, DagVars
 from solvers.exact.intervals import no_plan_reason, unsolved
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["solve_dag"]
 
@@ -31,7 +31,7 @@ GIB = 2.0**30
 
 
 def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, prune: bool, tie_break: bool,
-              t0: float, details: dict[str, Any]) -> SolveResult:
+              t0: float, details: SolveDetails) -> SolveResult:
     """Minimum-bottleneck convex stages over ``data``'s devices by CBC (see :mod:`solvers.exact.graph`)."""
     import pulp
 
@@ -41,7 +41,7 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
         return trivial
     largest = data.stage_time_bound_s()
     unit_s = largest / SCALE_MAX if largest > 0 else 1.0
-    details.update(unit_s=unit_s, layers=n, stages=p, edges=len(data.edges))
+    details.update({"unit_s": unit_s, "layers": n, "stages": p, "edges": len(data.edges)})
 
     prob = pulp.LpProblem("graph", pulp.LpMinimize)
     var = _variables(prob, data)
@@ -55,7 +55,7 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
         _warm(var, start)
 
     cbc_log = run_cbc(prob, time_limit_s, threads, seed, warm_start=start is not None)
-    details.update(cbc_status=pulp.LpStatus[prob.status], cbc_solution=prob.sol_status)
+    details.update({"cbc_status": pulp.LpStatus[prob.status], "cbc_solution": prob.sol_status})
     bound = bound_s(cbc_log, unit_s, largest)
     status = solve_status(prob, bound, None)
     answer = partial(dag.finish_dag, data, "milp")
@@ -169,7 +169,7 @@ def _extract(data: DagData, var: DagVars) -> DagPlan:
 
 
 def _tie_break(prob: Any, data: DagData, var: DagVars, found: DagPlan, unit_s: float, time_limit_s: float,
-               threads: int, seed: int, details: dict[str, object]) -> DagPlan:
+               threads: int, seed: int, details: SolveDetails) -> DagPlan:
     """Second solve: among assignments within the optimum found (units, CBC's tolerance), the
     least total stage time; taken within the slack it allows the bottleneck."""
     import pulp

@@ -27,7 +27,7 @@ from solvers.exact.cbc.run import TOLERANCE_SLACK, bound_s, has_plan, run_cbc, s
 from solvers.exact.intervals import no_plan_reason, unsolved
 from solvers.exact.joint import JointData, JointPlan, JointVars
 from solvers.exact.joint_bound import before_model, relaxed_floor
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["solve_joint"]
 
@@ -56,7 +56,7 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
     if done is not None:
         return done
     units = _in_units(data)
-    details: dict[str, object] = {"unit_s": units.unit_s}
+    details: SolveDetails = {"unit_s": units.unit_s}
 
     prob = pulp.LpProblem("joint", pulp.LpMinimize)
     var = _variables(prob, data)
@@ -67,7 +67,7 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
         _warm(data, data.start, var)
 
     cbc_log = run_cbc(prob, joint.model_time_s(time_limit_s, t0), threads, seed, warm_start=data.start is not None)
-    details.update(cbc_status=pulp.LpStatus[prob.status], cbc_solution=prob.sol_status)
+    details.update({"cbc_status": pulp.LpStatus[prob.status], "cbc_solution": prob.sol_status})
     bound = bound_s(cbc_log, units.unit_s, units.largest_s)
     bound = max(bound, relaxed_floor(relaxed)) if math.isfinite(bound) else relaxed_floor(relaxed) or math.nan
     status = solve_status(prob, bound, "the joint model")
@@ -228,7 +228,7 @@ def _warm(data: JointData, plan: JointPlan, var: JointVars) -> None:
 
 
 def _tie_break(prob: Any, data: JointData, var: JointVars, found: JointPlan, time_limit_s: float, threads: int,
-               seed: int, details: dict[str, object]) -> JointPlan:
+               seed: int, details: SolveDetails) -> JointPlan:
     """Second solve: B within CBC's tolerance of the optimum (a bound tighter than its tolerances
     can make its presolve call the model infeasible), the shortest pipeline, then the least total
     stage time; the exact comparison is made after pricing."""

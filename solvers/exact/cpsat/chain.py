@@ -25,7 +25,7 @@ from solvers.exact import intervals
 from solvers.exact.cpsat.run import bound_s, run_model, solve_again, solve_status
 from solvers.exact.intervals import Arcs, ChainHint, ChainProblem, ChainVars
 from solvers.pipeline.dp import ChainSolution
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["solve_chain"]
 
@@ -124,7 +124,7 @@ def _picked(solver: Any, var: ChainVars) -> list[int]:
 
 def _tie_break(model: Any, solver: Any, var: ChainVars, arcs: Arcs, ticks: list[int], picked: list[int],
                sol: ChainSolution, problem: ChainProblem, time_limit_s: float,
-               details: dict[str, object]) -> ChainSolution:
+               details: SolveDetails) -> ChainSolution:
     """Second solve, as the DP's second pass: only stages within the optimum found (exact seconds,
     as the DP compares), the shortest pipeline, then the least total stage time (in ticks:
     within q ticks of the exact least total). ``sol`` if CP-SAT finds nothing."""

@@ -23,7 +23,7 @@ from solvers.exact import graph as dag
 from solvers.exact.cpsat.run import bound_s, run_model, solve_again, solve_status
 from solvers.exact.graph import DagData, DagPlan, DagVars
 from solvers.exact.intervals import no_plan_reason, unsolved
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["solve_dag"]
 
@@ -33,7 +33,7 @@ MEMORY_UNITS = 1e12  # the largest capacity, in memory units (integers CP-SAT su
 
 
 def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, prune: bool, resolution: int,
-              tie_break: bool, t0: float, details: dict[str, Any]) -> SolveResult:
+              tie_break: bool, t0: float, details: SolveDetails) -> SolveResult:
     """Minimum-bottleneck convex stages over ``data``'s devices by CP-SAT (see :mod:`solvers.exact.graph`)."""
     from ortools.sat.python import cp_model
 
@@ -42,7 +42,7 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
     if trivial is not None:
         return trivial
     tick_s = data.stage_time_bound_s() / resolution or 1.0
-    details.update(tick_s=tick_s, layers=n, stages=p, edges=len(data.edges))
+    details.update({"tick_s": tick_s, "layers": n, "stages": p, "edges": len(data.edges)})
 
     m = cp_model.CpModel()
     var = _variables(m, data, resolution + 1)
@@ -174,7 +174,7 @@ def _extract(data: DagData, solver: Any, var: DagVars) -> DagPlan:
 
 
 def _tie_break(m: Any, solver: Any, data: DagData, var: DagVars, found: DagPlan, tick_s: float,
-               time_limit_s: float, details: dict[str, object]) -> DagPlan:
+               time_limit_s: float, details: SolveDetails) -> DagPlan:
     """Second solve: among assignments within the optimum, the least total stage time. A stage's
     ticks round each layer down, so two plans of the same exact bottleneck can differ by up to
     n ticks: the bound leaves room for n, and the answer is taken only if its exact bottleneck is

@@ -50,7 +50,7 @@ from solvers.exact.cpsat.run import bound_s, run_model, solve_again, solve_statu
 from solvers.exact.intervals import no_plan_reason, unsolved
 from solvers.exact.joint import JointData, JointPlan, JointVars
 from solvers.exact.joint_bound import before_model, relaxed_floor
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = ["solve_joint"]
 
@@ -83,7 +83,7 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
     if done is not None:
         return done
     tk = _in_ticks(data, resolution)
-    details: dict[str, object] = {"tick_s": tk.tick_s, "rounding_ticks": tk.rounding}
+    details: SolveDetails = {"tick_s": tk.tick_s, "rounding_ticks": tk.rounding}
 
     model = cp_model.CpModel()
     var = _variables(model, data, tk.top)
@@ -259,7 +259,7 @@ def _hint(model: Any, data: JointData, plan: JointPlan, var: JointVars) -> None:
 
 
 def _tie_break(model: Any, solver: Any, data: JointData, var: JointVars, tk: _Ticks, found: JointPlan,
-               time_limit_s: float, details: dict[str, object]) -> JointPlan:
+               time_limit_s: float, details: SolveDetails) -> JointPlan:
     """Second solve: stages within the optimum's ticks (B <= B*), the shortest pipeline, then the
     least total stage time (minimise W * sum u + sum T); its answer where its bottleneck is no worse."""
     from ortools.sat.python import cp_model

@@ -12,7 +12,7 @@ from typing import Any
 
 from partitioner.errors import PartitionerError
 from solvers.progress import solve_cpsat
-from solvers.result import SolveStatus
+from solvers.result import SolveDetails, SolveStatus
 
 __all__ = ["FLOAT_SAFETY_TICKS", "bound_s", "cpsat_solver", "run_model", "solve_again", "solve_status"]
 
@@ -34,13 +34,13 @@ def cpsat_solver(time_limit_s: float, threads: int, seed: int) -> Any:
 
 
 def run_model(model: Any, label: str, tick_s: float, time_limit_s: float, threads: int, seed: int,
-              details: dict[str, object]) -> tuple[Any, int]:
+              details: SolveDetails) -> tuple[Any, int]:
     """Solve ``model`` (its progress shown under ``label``); the solver and its status code, with
     CP-SAT's status, wall time and branches recorded in ``details``."""
     solver = cpsat_solver(time_limit_s, threads, seed)
     code = solve_cpsat(solver, model, label, tick_s)
-    details.update(cpsat_status=solver.status_name(code), cpsat_wall_s=solver.wall_time,
-                   branches=solver.num_branches)
+    details.update({"cpsat_status": solver.status_name(code), "cpsat_wall_s": solver.wall_time,
+                    "branches": solver.num_branches})
     return solver, code
 
 
@@ -63,7 +63,7 @@ def bound_s(solver: Any, tick_s: float) -> float:
     return max(0.0, (solver.best_objective_bound - FLOAT_SAFETY_TICKS) * tick_s)
 
 
-def solve_again(solver: Any, model: Any, time_limit_s: float, details: dict[str, object]) -> bool:
+def solve_again(solver: Any, model: Any, time_limit_s: float, details: SolveDetails) -> bool:
     """The tie-break's second solve of the changed ``model`` within ``time_limit_s`` (its status
     in ``details["tie_break"]``); whether it found a plan."""
     from ortools.sat.python import cp_model
