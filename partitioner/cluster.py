@@ -423,9 +423,9 @@ class Cluster:
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        from ._io import write_json
+        from ._io import write_loadable
 
-        write_json(path, self.to_dict())
+        write_loadable(path, self.to_dict(), Cluster.from_dict, "cluster")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Cluster:

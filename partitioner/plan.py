@@ -16,7 +16,7 @@ from ._io import (
     req_field,
     req_int,
     req_number,
-    write_json,
+    write_loadable,
 )
 from .errors import FormatError, check
 from .pricing import CostOptions
@@ -374,7 +374,7 @@ class Plan:
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        write_json(path, self.to_dict())
+        write_loadable(path, self.to_dict(), Plan.from_dict, "plan")
 
     def cost_options(self) -> CostOptions | None:
         """The :class:`CostOptions` the plan was priced with, or None for a plan that does not say."""
