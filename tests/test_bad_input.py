@@ -308,3 +308,31 @@ def test_explain_refuses_a_time_limit_that_is_not_positive(tmp_path: Path,
     for value in ("0", "-1", "nan"):
         one_line_error(capsys, ["explain", "plan.json", "--profile", str(VGG), "--cluster", str(V100X8),
                                 "--time-limit", value], f"--time-limit: {value} is out of range")
+
+
+# -- GPU names and option names ----------------------------------------------------------------
+
+
+def test_a_family_gpu_name_is_refused_with_its_members(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    one_line_error(capsys, ["profile", "project", str(VGG), "--gpu-type", "A100", "-o", str(tmp_path / "p.json")],
+                   "'A100': ambiguous: it may be A100-SXM4-40GB, A100-SXM4-80GB, A100-PCIe-80GB; name one")
+    assert not (tmp_path / "p.json").exists()
+    assert main(["profile", "project", str(VGG), "--gpu-type", "A100-SXM4-80GB", "-o", str(tmp_path / "p.json")]) == 0
+
+
+def test_options_are_never_abbreviated(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from partitioner_cli.main import build_parser
+
+    one_line_error(capsys, ["plan", str(VGG), "--cluster", str(V100X8), "--micro-batch", "4"],
+                   "unrecognized arguments: --micro-batch 4")
+    one_line_error(capsys, ["import", "sailor-network", str(NETWORK), "--gpu-type", "GH-96", "--node", "2",
+                            "--gpus-per-node", "4", "-o", "c.json"], "--nodes")
+
+    def parsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        return [p, *(q for s in subs for child in s.choices.values() for q in parsers(child))]
+
+    every = parsers(build_parser())
+    assert len(every) > 15 and all(p.allow_abbrev is False for p in every)
