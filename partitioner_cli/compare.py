@@ -18,7 +18,7 @@ from partitioner.errors import FormatError
 from partitioner.plan import MAX_MICRO_BATCHES, SCHEDULES
 from partitioner.profile import Profile
 from partitioner.schedule import spec
-from partitioner_cli._args import Renamed, bounded_float, bounded_int
+from partitioner_cli._args import Renamed, as_flags, bounded_float, bounded_int
 from partitioner_cli.plan import add_cost_arguments, cost_options_from_args
 
 __all__ = ["format_comparison", "register"]
@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     title = (f"{profile.model} on {cluster.name}: {what}, {args.schedule}, {args.micro_batches} micro-batches "
              f"of {profile.micro_batch_size}")
     print(title)
-    print(format_comparison(rows))
+    print(as_flags(format_comparison(rows)))
     if args.output:
         from partitioner._io import write_json
 

@@ -12,7 +12,7 @@ from partitioner.cost import PRECISIONS, CostModel, CostOptions
 from partitioner.placement import supports
 from partitioner.plan import SCHEDULES
 from partitioner.profile import MAX_MICRO_BATCH_SIZE, Profile
-from partitioner_cli._args import Renamed, bounded_float, bounded_int, count_or_auto
+from partitioner_cli._args import Renamed, as_flags, bounded_float, bounded_int, count_or_auto
 
 __all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
 
@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     with shown():  # a status line (incumbent, bound, gap) for solves past two seconds, on a terminal
         result = plan(profile, cluster, request)
     if not result.ok or result.plan is None:
-        print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
+        print(f"partitioner plan: {result.status}: {as_flags(result.reason or '')}", file=sys.stderr)
         return 1
     for line in result.details.get("messages", ()):
         print(line)
