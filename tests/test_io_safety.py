@@ -36,7 +36,7 @@ def test_an_output_may_not_be_an_input_by_name_symlink_or_hard_link(tmp_path: Pa
 def test_two_outputs_on_one_file_by_name_or_hard_link_are_refused(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text("{}")
     os.link(tmp_path / "a.json", tmp_path / "b.json")
-    with pytest.raises(PartitionerError, match="--png .*b.json is also the -o output"):
+    with pytest.raises(PartitionerError, match=r"--png .*b\.json is also the -o output"):
         check_outputs({"-o": tmp_path / "a.json", "--png": tmp_path / "b.json"}, [])
     with pytest.raises(PartitionerError, match="is also the -o output"):
         check_outputs({"-o": tmp_path / "x", "--snippet": tmp_path / "sub" / ".." / "x"}, [])
@@ -53,7 +53,7 @@ def test_an_output_folder_is_checked_with_the_files_it_will_receive(tmp_path: Pa
     other = tmp_path / "in.json"
     other.write_text("{}")
     os.link(other, out / "profile.json")  # an input under another name inside the folder
-    with pytest.raises(PartitionerError, match="would receive profile.json"):
+    with pytest.raises(PartitionerError, match=r"would receive profile\.json"):
         check_outputs({}, [other], folders={"-o": (out, ("profile.json",))})
     with pytest.raises(PartitionerError, match="is a file; name a folder"):
         check_outputs({}, [], folders={"-o": (other, names)})
