@@ -11,9 +11,21 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["MAX_SIMULATED_PASSES", "MAX_TRACED_PASSES", "OPTION_FLAGS", "HelpFormatter", "Renamed", "as_flags",
-           "bounded_float",
-           "bounded_int", "canonical_names", "check_simulation_size", "cli_message", "count_or_auto"]
+__all__ = [
+    "MAX_SIMULATED_PASSES",
+    "MAX_TRACED_PASSES",
+    "OPTION_FLAGS",
+    "HelpFormatter",
+    "Renamed",
+    "as_flags",
+    "bounded_float",
+    "bounded_int",
+    "canonical_names",
+    "check_simulation_size",
+    "cli_message",
+    "count_or_auto",
+    "device_list",
+]
 
 # The most (stage, micro-batch, iteration) passes one simulation may take: at most about 5 s of the
 # discrete-event simulator on one core (docs/formats.md).
@@ -171,6 +183,19 @@ def as_flags(text: str, flags: Mapping[str, str] | None = None) -> str:
     names = {**OPTION_FLAGS, **(flags or {})}
     text = _BACKQUOTED.sub(lambda m: names.get(m.group(1), m.group(0)), text)
     return canonical_names(text)
+
+
+def device_list(text: str | None) -> list[str] | None:
+    """``--devices a,b,c`` as a list of names (``None`` when not given); an empty name (``a,,b``,
+    ``,``) is refused, not dropped."""
+    from partitioner.errors import FormatError
+
+    if text is None:
+        return None
+    names = [d.strip() for d in text.split(",")]
+    if not all(names):
+        raise FormatError("--devices", text, "must be comma-separated device names (NODE:INDEX), none empty")
+    return names
 
 
 def count_or_auto(text: str | None) -> int | str | None:

@@ -18,7 +18,7 @@ from partitioner.errors import FormatError
 from partitioner.plan import MAX_MICRO_BATCHES, SCHEDULES
 from partitioner.profile import Profile
 from partitioner.schedule import spec
-from partitioner_cli._args import Renamed, as_flags, bounded_float, bounded_int
+from partitioner_cli._args import Renamed, as_flags, bounded_float, bounded_int, device_list
 from partitioner_cli.plan import add_cost_arguments, cost_options_from_args
 
 __all__ = ["format_comparison", "register"]
@@ -99,12 +99,7 @@ def _run(args: argparse.Namespace) -> int:
             vw = 0
         if vw < 1:
             raise FormatError("--virtual-workers", args.virtual_workers, "must be an integer >= 1 or 'auto'")
-    devices = None
-    if args.devices is not None:
-        devices = [d.strip() for d in args.devices.split(",")]
-        if not all(devices):
-            raise FormatError("--devices", args.devices, "must be comma-separated device names (NODE:INDEX), "
-                                                         "none empty")
+    devices = device_list(args.devices)
     rows = compare(profile, cluster, virtual_workers=vw, schedule=args.schedule, micro_batches=args.micro_batches,
                    options=cost_options_from_args(args), devices=devices, time_limit_s=args.time_limit)
     what = "one pipeline" if vw is None else f"virtual workers {vw}"

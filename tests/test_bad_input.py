@@ -303,6 +303,12 @@ def test_compare_refuses_bad_options_before_work(flags: list[str], expect: str, 
     one_line_error(capsys, ["compare", str(VGG), "--cluster", str(V100X8), *flags], expect)
 
 
+@pytest.mark.parametrize("devices", [",", "n0:0,,n0:1", ""])
+def test_plan_refuses_an_empty_device_name(devices: str, capsys: pytest.CaptureFixture[str]) -> None:
+    one_line_error(capsys, ["plan", str(VGG), "--cluster", str(V100X8), "--devices", devices],
+                   f"--devices = {devices!r}: must be comma-separated device names (NODE:INDEX), none empty")
+
+
 def test_explain_refuses_a_time_limit_that_is_not_positive(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     for value in ("0", "-1", "nan"):
