@@ -213,7 +213,9 @@ def _graph_mutation(data: bytes, rng: random.Random) -> bytes:
         del lines[rng.randrange(len(lines))]
     elif op == "dupnode" and nodes:
         pick = rng.choice(nodes)
-        lines.append(next(ln for ln in lines if ln.startswith(pick + " ")))
+        line = next((ln for ln in lines if ln.startswith(pick + " ")), None)  # an earlier round may have cut it
+        if line is not None:
+            lines.append(line)
     elif op == "bignode":
         lines.append(f"node{'7' * rng.choice((19, 5000))} -- Relu -- forward_compute_time=1.0, "
                      "backward_compute_time=1.0, activation_size=1.0, parameter_size=0.0")
