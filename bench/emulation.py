@@ -2,7 +2,7 @@
 
 On this machine, vgg19-tiny is profiled on the CPU (one torch thread) and projected to the GPU
 types of examples/clusters/emulate3.yaml (one A100, two T4, links at this machine's 2 GB/s)
-and to the reference type (default H100, faster than both, so every emulated action has slack).
+and to the reference type (default H100-SXM5-80GB, faster than both, so every emulated action has slack).
 The emulated profile (``partitioner.emulation.emulated_profile``) is what the planner sees:
 ``partitioner plan`` makes the heterogeneity-aware plan (dp over the cluster, opt), and
 ``--solver uniform`` and ``--solver pipedream`` the baselines. Each plan is trained with
@@ -16,7 +16,7 @@ virtual workers of one device each (the A100 and a T4), gpt2-tiny on the text ta
 Communication is this machine's and every run has the same wave count: bench/wsp.py measures WSP
 with the cluster's links emulated and runs that end by time.
 
-    python bench/emulation.py [--rounds 3] [--steps 8] [--rules profiled,scaled] [--reference H100]
+    python bench/emulation.py [--rounds 3] [--steps 8] [--rules profiled,scaled] [--reference H100-SXM5-80GB]
                               [--wsp [--wsp-steps 30] [--png loss_vs_time.png]]
 """
 
@@ -43,7 +43,7 @@ from partitioner.emulation import emulated_profile, emulation_for, predict_emula
 from partitioner.models import build_model
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profiler import profile_model
-from partitioner.projection import project_profile
+from partitioner.projection.roofline import project_profile
 from runtime.launch import TrainConfig, train_local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reference", default="H100", help="the emulation's reference type (default H100)")
+    ap.add_argument("--reference", default="H100-SXM5-80GB", help="the emulation's reference type (default H100-SXM5-80GB)")
     ap.add_argument("--rules", default="profiled,scaled", help="emulation rules to run (comma-separated)")
     ap.add_argument("--wsp", action="store_true", help="also WSP against synchronous data parallelism")
     ap.add_argument("--wsp-steps", type=int, default=30)

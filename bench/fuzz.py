@@ -3,21 +3,24 @@
 Run from the repository root: ``python bench/fuzz.py [--files 3000] [--seed 0] [--timeout 10]
 [--out bench/results/fuzz.md]``.
 
-The example profiles, clusters and PipeDream graphs, plans made from them and a copy of the
-Sailor test profile are mutated (:func:`mutate`: deleted fields, swapped types, extreme
-numbers, truncation, other encodings, NUL bytes, YAML alias bombs, deep nesting, cycles ...)
-and every command that reads that kind of file is run on each mutated file: ``plan``,
-``simulate``, ``import pipedream``, ``import sailor``, ``profile project``, ``profile merge``
-and ``train`` (its argument and file validation only: the process launch is replaced by a
-stub, nothing trains). Each call runs in a child process forked from this one (which has
-imported everything once), with a wall-clock limit (``--timeout``, default 10 s) and an
-address-space limit. A call is counted as
+The example profiles, clusters and PipeDream graphs, plans made from them, a copy of the
+Sailor test profile, one of Sailor's measured runs and its network files are mutated
+(:func:`mutate`: deleted fields, swapped types, extreme numbers, truncation, other encodings,
+NUL bytes, YAML alias bombs, deep nesting, cycles ...) and every command that reads that kind
+of file is run on each mutated file: ``plan``, ``simulate``, ``compare``, ``explain``,
+``export`` (all three targets, with a snippet), ``import pipedream``, ``import sailor``,
+``import sailor-run``, ``import sailor-network``, ``profile project``, ``profile merge`` and
+``train`` (its argument and file validation only: the process launch is replaced by a stub,
+nothing trains). Each call runs in a child process forked from this one (which has imported
+everything once), with a wall-clock limit (``--timeout``, default 10 s) and an address-space
+limit. A call is counted as
 
 * **traceback**: it printed a Python traceback, reported an internal error, or ended with an
   exit status other than 0 (done), 1 (infeasible / does not fit) or 2 (bad input);
 * **hang**: it ran past the limit and was killed;
-* **silent wrong**: it succeeded but an output file is not strict JSON (NaN, Infinity) or its
-  printed report shows ``nan`` / ``inf``.
+* **silent wrong**: it succeeded but an output file is not strict JSON (NaN, Infinity), is a
+  plan, profile or cluster its own reader refuses, is a generated Python snippet that does not
+  parse, or its printed report shows ``nan`` / ``inf``; or any call changed one of its inputs.
 
 The mutation helpers are also used by ``tests/test_fuzz.py``.
 """
@@ -51,7 +54,8 @@ if str(ROOT) not in sys.path:
 
 from partitioner._io import _yaml_load  # noqa: E402  (the project's bounded YAML reader)
 
-__all__ = ["Corpus", "build_corpus", "check_outputs_finite", "command_lines", "mutate", "run_in_process"]
+__all__ = ["Corpus", "build_corpus", "check_outputs_finite", "check_outputs_valid", "command_lines", "mutate",
+           "output_paths", "run_in_process"]
 
 EXTREME_NUMBERS: tuple[Any, ...] = (
     0, -1, 1, 2, 0.5, -0.0, 1e-320, 5e-324, 1e-300, 1e308, -1e308, 1.7976931348623157e308, 2**31, 2**53 + 1,
@@ -209,7 +213,9 @@ def _graph_mutation(data: bytes, rng: random.Random) -> bytes:
         del lines[rng.randrange(len(lines))]
     elif op == "dupnode" and nodes:
         pick = rng.choice(nodes)
-        lines.append(next(ln for ln in lines if ln.startswith(pick + " ")))
+        line = next((ln for ln in lines if ln.startswith(pick + " ")), None)  # an earlier round may have cut it
+        if line is not None:
+            lines.append(line)
     elif op == "bignode":
         lines.append(f"node{'7' * rng.choice((19, 5000))} -- Relu -- forward_compute_time=1.0, "
                      "backward_compute_time=1.0, activation_size=1.0, parameter_size=0.0")
@@ -263,6 +269,9 @@ class Corpus:
     bases: tuple[Base, ...]
     graphs: tuple[Path, ...]
     sailor: Path
+    sailor_run: Path  # one of Sailor's measured runs (plan_config_*.json), read with sailor and network
+    network: Path  # Sailor's fitted inter-node curves
+    intra: Path  # Sailor's intra-node curves
 
 
 def _zoo_profile(path: Path) -> None:
@@ -301,18 +310,48 @@ def build_corpus(work: Path) -> Corpus:
         res.plan.save(plan_path)
         bases.append(Base(name, prof, cl, plan_path, model, flags))
     graphs = (ex / "profiles/vgg16_pipedream_graph.txt", ROOT / "tests/data/pipedream/resnet18.txt")
-    return Corpus(tuple(bases), graphs, ROOT / "tests/data/sailor_opt350")
+    data = ROOT / "tests/data"
+    return Corpus(tuple(bases), graphs, data / "sailor_opt350",
+                  data / "sailor_validation/clariden_opt350/plan_config_N4_D2.json",
+                  data / "sailor_validation/network/network_coeffs_all_homo.json",
+                  data / "sailor_validation/network/intra_node_bandwidths.json")
 
 
-def command_lines(corpus: Corpus, role: str, base: Base | None, mutated: Path, out: Path) -> list[list[str]]:
-    """Every command that reads a file of ``role`` (profile, cluster, plan, graph, sailor), with
-    ``mutated`` in that place."""
+ROLES = ("profile", "cluster", "plan", "graph", "sailor", "sailor-run", "network", "intra")
+EXPORT_TARGETS = ("torch-pipelining", "deepspeed", "megatron")
+
+
+def output_paths(out: Path) -> list[Path]:
+    """Every file a command line of :func:`command_lines` may write, given its ``out``."""
+    return [out, out.with_suffix(".py"), out.with_suffix(".sh"), out.with_suffix(".png"),
+            *(out.with_suffix("") / name for name in ("plan.json", "profile.json", "cluster.json"))]
+
+
+def command_lines(corpus: Corpus, role: str, base: Base | None, mutated: Path, out: Path,
+                  pick: int = 0) -> list[list[str]]:
+    """Every command that reads a file of ``role`` (see :data:`ROLES`), with ``mutated`` in that
+    place; outputs go to ``out`` (and the other names of :func:`output_paths`). ``pick`` varies
+    the choices a role has (the export target)."""
     o = str(out)
+    folder = str(out.with_suffix(""))
     if role == "graph":
         return [["import", "pipedream", str(mutated), "-o", o],
                 ["import", "pipedream", str(mutated), "--micro-batch-size", "4", "--model", "m", "-o", o]]
     if role == "sailor":
-        return [["import", "sailor", str(mutated), "-o", o]]
+        return [["import", "sailor", str(mutated), "-o", o],
+                ["import", "sailor-run", str(corpus.sailor_run), "--profiles", str(mutated), "--network",
+                 str(corpus.network), "-o", folder]]
+    if role == "sailor-run":
+        return [["import", "sailor-run", str(mutated), "--profiles", str(corpus.sailor), "--network",
+                 str(corpus.network), "-o", folder]]
+    if role in ("network", "intra"):
+        net, intra = (mutated, corpus.intra) if role == "network" else (corpus.network, mutated)
+        lines = [["import", "sailor-network", str(net), "--gpu-type", "GH-96", "--nodes", "2", "--gpus-per-node",
+                  "4", "--intra", str(intra), "-o", o]]
+        if role == "network":
+            lines.append(["import", "sailor-run", str(corpus.sailor_run), "--profiles", str(corpus.sailor),
+                          "--network", str(mutated), "-o", folder])
+        return lines
     assert base is not None
     prof = str(mutated) if role == "profile" else str(base.profile)
     cl = str(mutated) if role == "cluster" else str(base.cluster)
@@ -320,7 +359,14 @@ def command_lines(corpus: Corpus, role: str, base: Base | None, mutated: Path, o
     lines = []
     if role in ("profile", "cluster"):
         lines.append(["plan", prof, "--cluster", cl, *base.plan_flags, "-o", o])
+        lines.append(["compare", prof, "--cluster", cl, "--micro-batches", "4", "--time-limit", "1", "-o", o])
     lines.append(["simulate", plan, "--profile", prof, "--cluster", cl, "--trace", o])
+    lines.append(["explain", plan, "--profile", prof, "--cluster", cl, "--json", o, "--no-what-if"])
+    if role in ("plan", "profile"):
+        target = EXPORT_TARGETS[pick % len(EXPORT_TARGETS)]
+        snippet = out.with_suffix(".sh" if target == "megatron" else ".py")  # Megatron-LM's is a command line
+        lines.append(["export", plan, "--to", target, *(["--profile", prof] if target == "torch-pipelining" else []),
+                      "-o", o, "--snippet", str(snippet)])
     if role == "profile":
         lines.append(["profile", "project", prof, "--gpu-type", "A100-SXM4-40GB", "-o", o])
         lines.append(["profile", "merge", prof, str(base.profile), "-o", o])
@@ -358,6 +404,51 @@ def check_outputs_finite(paths: Sequence[Path]) -> str:
             json.loads(p.read_text(encoding="utf-8"), parse_constant=refuse)
         except (ValueError, UnicodeDecodeError) as exc:
             return f"{p.name}: {exc}"
+    return ""
+
+
+def check_outputs_valid(paths: Sequence[Path]) -> str:
+    """'' if every existing path is strict JSON (:func:`check_outputs_finite`), every plan, profile
+    or cluster among them loads with its reader, every ``.py`` file parses and every line of a
+    ``.sh`` file splits into words as a shell reads them; else what is wrong."""
+    import ast
+    import shlex
+
+    from partitioner.cluster import Cluster
+    from partitioner.errors import PartitionerError
+    from partitioner.plan import Plan
+    from partitioner.profile import Profile
+
+    readers = {"partitioner.plan/1": Plan.load, "partitioner.profile/1": Profile.load,
+               "partitioner.cluster/1": Cluster.load}
+    for p in paths:
+        if not p.exists():
+            continue
+        if p.suffix == ".py":
+            try:
+                ast.parse(p.read_text(encoding="utf-8"))
+            except (SyntaxError, ValueError, UnicodeDecodeError) as exc:
+                return f"{p.name}: the generated Python does not parse: {exc}"
+            continue
+        if p.suffix == ".sh":
+            for line in p.read_text(encoding="utf-8").splitlines():
+                try:
+                    shlex.split(line, comments=True)
+                except ValueError as exc:
+                    return f"{p.name}: a generated command line does not split: {exc}: {line[:120]}"
+            continue
+        if p.suffix != ".json":
+            continue
+        bad = check_outputs_finite([p])
+        if bad:
+            return bad
+        data = json.loads(p.read_text(encoding="utf-8"))
+        reader = readers.get(str(data.get("format"))) if isinstance(data, dict) else None
+        if reader is not None:
+            try:
+                reader(p)
+            except PartitionerError as exc:
+                return f"{p.name}: written, but its reader refuses it: {exc}"
     return ""
 
 
@@ -445,6 +536,9 @@ def run_forked(argv: Sequence[str], timeout_s: float, scratch: Path, mem_bytes: 
 
 PRELOAD = ("partitioner_cli.main", "partitioner_cli.import_", "partitioner_cli.plan",
            "partitioner_cli.profile", "partitioner_cli.simulate", "partitioner_cli.train",
+           "partitioner_cli.compare", "partitioner_cli.explain", "partitioner_cli.export",
+           "solvers.analysis.compare", "solvers.analysis.explain", "partitioner.export",
+           "partitioner.importers.sailor_runs", "matplotlib.pyplot",
            "partitioner.simulate", "partitioner.trace", "runtime.launch", "runtime.stage", "solvers", "yaml")
 
 
@@ -470,7 +564,8 @@ def campaign(n_files: int, seed: int, timeout_s: float, work: Path,
     for b in corpus.bases:
         roles += [("profile", b, b.profile, "json"), ("cluster", b, b.cluster, "yaml"), ("plan", b, b.plan, "json")]
     roles += [("graph", None, g, "graph") for g in corpus.graphs]
-    roles.append(("sailor", None, corpus.sailor, "json"))
+    roles += [("sailor", None, corpus.sailor, "json"), ("sailor-run", None, corpus.sailor_run, "json"),
+              ("network", None, corpus.network, "json"), ("intra", None, corpus.intra, "json")]
     counts: Counter[str] = Counter()
     by_command: dict[str, Counter[str]] = {}
     examples: dict[str, list[str]] = {"traceback": [], "hang": [], "silent wrong": []}
@@ -496,19 +591,24 @@ def campaign(n_files: int, seed: int, timeout_s: float, work: Path,
             mutated.write_bytes(mutate(src.read_bytes(), kind, rng))
             label = f"{role}:{src.name}"
         out = case / "out.json"
-        for argv in command_lines(corpus, role, base, mutated, out):
+        inputs = [p for p in (mutated.rglob("*") if mutated.is_dir() else [mutated]) if p.is_file()]
+        before = {p: p.read_bytes() for p in inputs}
+        for argv in command_lines(corpus, role, base, mutated, out, pick=i // len(roles)):
             command = " ".join(argv[:2]) if argv[0] in ("import", "profile") else argv[0]
             o = run_forked(argv, timeout_s, case, mem)
             counts["calls"] += 1
             per = by_command.setdefault(command, Counter())
             per["calls"] += 1
             verdict = ""
+            bad = ""
             if o.hang:
                 verdict = "hang"
             elif o.traceback:
                 verdict = "traceback"
+            elif any(not p.exists() or p.read_bytes() != data for p, data in before.items()):
+                verdict, bad = "silent wrong", "an input was changed"
             elif o.rc == 0:
-                bad = check_outputs_finite([out])
+                bad = check_outputs_valid(output_paths(out))
                 if not bad and _NON_FINITE_WORD.search(o.stdout):
                     bad = f"printed {_NON_FINITE_WORD.search(o.stdout).group(0)!r}"  # type: ignore[union-attr]
                 if bad:
@@ -518,14 +618,16 @@ def campaign(n_files: int, seed: int, timeout_s: float, work: Path,
                 counts[verdict] += 1
                 per[verdict] += 1
                 if len(examples[verdict]) < 20:
-                    tail = (o.stderr.strip().splitlines() or [""])[-1][:300]
+                    tail = bad or (o.stderr.strip().splitlines() or [""])[-1][:300]
                     examples[verdict].append(f"{label} | {' '.join(argv[:2])} | rc {o.rc} | {tail}")
                     keep = work / "kept" / f"{i:05d}"
                     shutil.copytree(case, keep, dirs_exist_ok=True)
             if o.seconds > slowest[0]:
                 slowest = (o.seconds, f"{label} | {' '.join(argv[:2])}")
-            with contextlib.suppress(FileNotFoundError):
-                out.unlink()
+            for p in output_paths(out):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            shutil.rmtree(out.with_suffix(""), ignore_errors=True)
         shutil.rmtree(case, ignore_errors=True)
         counts["files"] += 1
         if (i + 1) % 200 == 0:
@@ -560,7 +662,8 @@ def _report(result: dict[str, Any], args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--files", type=int, default=3000, help="mutated files (default 3000)")
+    ap.add_argument("--files", type=int, default=3000,
+                    help="mutated files (default 3000; 200 is a quick run of a few minutes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per call before it counts as a hang")
     ap.add_argument("--out", default=None, help="write the Markdown report here")

@@ -3,10 +3,10 @@
 # OPT-350M-shaped model in fp16 (for the comparison with Sailor's measured profiles,
 # bench/sailor_profiles.py), and one training run whose iteration and peak memory are printed
 # beside the simulator's and the cost model's.
-#     bash bench/gpu_checks.sh OUT_DIR [GPU_TYPE]      (GPU_TYPE: a catalog name, default H100)
+#     bash bench/gpu_checks.sh OUT_DIR [GPU_TYPE]      (GPU_TYPE: a catalog name, default H100-SXM5-80GB)
 set -uo pipefail
 out=${1:?usage: bench/gpu_checks.sh OUT_DIR [GPU_TYPE]}
-gpu=${2:-H100}
+gpu=${2:-H100-SXM5-80GB}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"

@@ -135,15 +135,15 @@ def _fmt(r: SolveResult) -> tuple[str, str, str, str]:
 
 def joint_instances() -> list[tuple[str, Profile, Cluster]]:
     """(name, profile, cluster) of the joint mapping benchmark."""
-    from partitioner.projection import project_profile
+    from partitioner.projection.roofline import project_profile
 
     hetpipe = Cluster.load(ROOT / "examples" / "clusters" / "hetpipe.yaml")
     node = hetpipe.nodes[0]
     doubled = Cluster("hetpipe-8x4", tuple(Node(f"n{i}", node.gpus, node.intra_gbps) for i in range(8)),
                       hetpipe.inter_gbps, hetpipe.device_types)
     resnet152 = Profile.load(ROOT / "examples" / "profiles" / "resnet152_hetpipe.json")
-    resnet50 = import_pipedream(PROFILES / "resnet50.txt", gpu_type="V100")
-    resnet50 = dataclasses.replace(project_profile(resnet50, HETPIPE_TYPES, source="V100"), edges=())
+    resnet50 = import_pipedream(PROFILES / "resnet50.txt", gpu_type="V100-SXM2-16GB")
+    resnet50 = dataclasses.replace(project_profile(resnet50, HETPIPE_TYPES, source="V100-SXM2-16GB"), edges=())
     return [(f"{name} x {len(cl.devices)}", prof, cl) for name, prof in (("resnet152", resnet152),
                                                                            ("resnet50", resnet50))
             for cl in (hetpipe, doubled)]

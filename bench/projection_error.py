@@ -4,10 +4,10 @@ Data: Sailor's per-layer profiles of OPT-350M (26 layers) on seven GPU types, at
 micro-batch size and tensor-parallel degree Sailor measured (130 configurations).
 
 For each GPU type T (the *target*), the operator model's constants are fitted on the six
-other types only (``partitioner.projection_fit.leave_one_type_out``; the structure too: math
+other types only (``partitioner.projection.fit.leave_one_type_out``; the structure too: math
 mode and activation recomputation are chosen by the fit's loss on those six types), then
 every layer of every configuration of T is projected from each other type that measured the
-same configuration (``partitioner.projection_ops.anchored_s``, geometric mean over the
+same configuration (``partitioner.projection.operator_model.anchored_s``, geometric mean over the
 sources) and compared with T's measurement. Nothing of T is seen by the fit. The same is done
 from each single type: constants fitted on that type alone, projected to every other type.
 
@@ -20,7 +20,7 @@ can do when the target's all-reduce is known, from the target's own embedding la
 
 Error of a layer: |projected / measured - 1| of its forward + backward time; whole model:
 the same of the sum over the 26 layers. The old per-layer roofline projection
-(``partitioner.projection``) is shown for comparison.
+(``partitioner.projection.roofline``) is shown for comparison.
 
     python bench/projection_error.py [--sailor DIR] [--out results.md] [--png plot.png]
 """
@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 
 from bench._machine import machine_line  # noqa: E402
 from partitioner._io import atomic_write_text  # noqa: E402
-from partitioner.projection_eval import (  # noqa: E402
+from partitioner.projection.evaluation import (  # noqa: E402
     LayerResult,
     SailorConfig,
     allreduce_from_embedding,
@@ -54,7 +54,7 @@ from partitioner.projection_eval import (  # noqa: E402
     single_source_fits,
     structures,
 )
-from partitioner.projection_ops import AllReduce  # noqa: E402
+from partitioner.projection.operator_model import AllReduce  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 
@@ -84,11 +84,11 @@ def own_comm(configs: Sequence[SailorConfig]) -> Callable[[SailorConfig], AllRed
 
 
 def old_method(configs: Sequence[SailorConfig], sailor: Path) -> list[tuple[str, int, float]]:
-    """The per-layer roofline projection (partitioner.projection) on the same configurations:
+    """The per-layer roofline projection (partitioner.projection.roofline) on the same configurations:
     (target, tensor-parallel degree, per-layer error) from every other type."""
     from partitioner.importers.sailor import import_sailor
     from partitioner.profile import LayerProfile, Profile
-    from partitioner.projection import project_profile
+    from partitioner.projection.roofline import project_profile
 
     out: list[tuple[str, int, float]] = []
     by = {(c.gpu_type, c.micro_batch_size, c.tensor_parallel): c for c in configs}
@@ -152,8 +152,8 @@ def pipedream_check(directory: Path, cal: Any) -> list[str]:
     pooling, batch norm, ReLU, dropout)."""
     from partitioner.cluster import resolve_gpu_type
     from partitioner.importers.pipedream import parse_graph
-    from partitioner.operators import module_ops
-    from partitioner.projection_ops import Rates, layer_time_s
+    from partitioner.projection.operator_model import Rates, layer_time_s
+    from partitioner.projection.operators import module_ops
 
     rates = Rates.of(resolve_gpu_type("V100-SXM2-16GB"), "fp32")
     rows = ["", "**PipeDream's V100 profiles: the operator model alone (constants fitted on Sailor's six other "
@@ -308,7 +308,7 @@ def main() -> int:
                    [r for r in single if r.tensor_parallel == 1], "source")
     lines += table("From one measured type (constants fitted on it alone) to every other, every configuration "
                    "(NCCL fits)", single, "source")
-    lines += ["", "**Old per-layer roofline projection (partitioner.projection), same configurations, from each "
+    lines += ["", "**Old per-layer roofline projection (partitioner.projection.roofline), same configurations, from each "
               "other type**", "", "| target | TP 1 layer median % | TP 1 layer p90 % | all layer median % |",
               "|---|---|---|---|"]
     for t in [*types, "all"]:

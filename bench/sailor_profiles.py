@@ -10,7 +10,7 @@ an NVIDIA H100 80GB HBM3, see docs/gpu.md). Two tables:
 1. Per micro-batch size: the forward and backward of a transformer block (median over the 24),
    of the embedding and of the head, ours against Sailor's on GH200 (GH-96, the same Hopper GPU
    with faster memory), as times and ratios.
-2. Projection: our measured profile projected (``partitioner.projection``) to every GPU type
+2. Projection: our measured profile projected (``partitioner.projection.roofline``) to every GPU type
    Sailor measured, against Sailor's measured forward time of a block there. Forward only:
    Sailor's backward includes what Megatron-DeepSpeed does in backward (see docs/gpu.md).
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from partitioner.importers.sailor import import_sailor  # noqa: E402
 from partitioner.profile import Profile  # noqa: E402
-from partitioner.projection import is_catalog_type, project_profile  # noqa: E402
+from partitioner.projection.roofline import is_catalog_type, project_profile  # noqa: E402
 
 SIZES = (1, 2, 4, 8)
 

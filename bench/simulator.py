@@ -27,7 +27,7 @@ def uniform(p: int, v: int = 1, nodes: int = 1) -> tuple[Profile, Cluster]:
     prof = Profile("uniform", 1, tuple(LayerProfile(f"l{i}", param_bytes=1e6, saved_bytes=1e6,
                                                     times={"V100": LayerTime(FWD / v, BWD / v)})
                                        for i in range(p * v)))
-    return prof, Cluster.homogeneous("V100", nodes, p // nodes, 16, 7)
+    return prof, Cluster.homogeneous("V100-SXM2-16GB", nodes, p // nodes, 16, 7)
 
 
 def plan(p: int, m: int, schedule: str, v: int = 1, nodes: int = 1) -> Plan:

@@ -53,7 +53,7 @@ def pipedream_profile(path: Path, gpu_types: tuple[str, ...]) -> Profile:
     """A PipeDream profile at micro-batch 32 with FLOP/s-projected times for ``gpu_types``."""
     prof = import_pipedream(path, gpu_type="V100", micro_batch_size=64 if path.stem == "gnmt" else None)
     shrink = MICRO_BATCH / prof.micro_batch_size
-    v100 = resolve_gpu_type("V100").peak_flops
+    v100 = resolve_gpu_type("V100-SXM2-16GB").peak_flops
     layers = []
     for layer in prof.layers:
         t = layer.times["V100"]

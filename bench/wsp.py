@@ -3,7 +3,7 @@
 The cluster is examples/clusters/hetpipe3.yaml: three GPU types of the HetPipe paper's cluster
 (TITAN V, TITAN RTX, RTX 2060), one per node, 56 Gb/s InfiniBand between nodes. Each GPU is one
 virtual worker holding the whole model (3 processes, gloo, one torch thread each), played on
-this CPU by ``train --emulate --emulate-links`` (reference H100, faster than every type, so
+this CPU by ``train --emulate --emulate-links`` (reference H100-SXM5-80GB, faster than every type, so
 every compute action has slack): compute is stretched to each type's projected time, and the
 all-reduces between the workers (the gradient all-reduce of sync, WSP's push) take what the
 cost model gives them on the cluster's links, times the emulation's time scale.
@@ -47,7 +47,7 @@ from partitioner.emulation import emulated_cost, emulation_for, predict_emulated
 from partitioner.models import build_model
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profiler import profile_model
-from partitioner.projection import project_profile
+from partitioner.projection.roofline import project_profile
 from runtime.launch import TrainConfig, train_local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=30.0, help="each run ends by time after this many seconds")
     ap.add_argument("--target-loss", type=float, default=3.6, help="time to the global model's held-out loss <= this")
     ap.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (at 0.3 the loss spikes, sync's too)")
-    ap.add_argument("--reference", default="H100", help="the emulation's reference type (default H100)")
+    ap.add_argument("--reference", default="H100-SXM5-80GB", help="the emulation's reference type (default H100-SXM5-80GB)")
     ap.add_argument("--png", help="write the loss-against-time plot here")
     ap.add_argument("--write", action="store_true", help="write docs/img/wsp.png and the section of docs/results.md")
     args = ap.parse_args(argv)

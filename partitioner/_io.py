@@ -7,7 +7,7 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,6 +18,7 @@ __all__ = [
     "MAX_YAML_NODES",
     "atomic_write_bytes",
     "atomic_write_text",
+    "check_loadable",
     "check_outputs",
     "finite_json",
     "load_mapping",
@@ -27,6 +28,7 @@ __all__ = [
     "req_int",
     "req_number",
     "write_json",
+    "write_loadable",
 ]
 
 T = TypeVar("T")
@@ -122,52 +124,105 @@ def write_json(path: str | os.PathLike[str], data: Any) -> None:
 _INDENT_BELOW_CHARS = 4 * 2**20
 
 
+def check_loadable(path: str | os.PathLike[str], data: Mapping[str, Any], loader: Any, what: str) -> None:
+    """Refuse ``data``, to be written to ``path``, unless ``loader`` (a ``from_dict``) accepts it:
+    a command never writes a file its own reader refuses. A value beyond the file format's limits
+    (a projected time past 1e6 s, a bandwidth past 1e6 GB/s, 10^17 micro-batches) is refused in one
+    line naming the field."""
+    try:
+        loader(data)
+    except FormatError as err:
+        raise PartitionerError(f"{path}: not written: the {what} would have {err}, which its reader refuses "
+                               "(the inputs are beyond the limits of docs/formats.md)") from None
+
+
+def write_loadable(path: str | os.PathLike[str], data: Mapping[str, Any], loader: Any, what: str) -> None:
+    """:func:`write_json` of ``data`` once :func:`check_loadable` accepts it (else nothing is written)."""
+    check_loadable(path, data, loader, what)
+    write_json(path, data)
+
+
+def _same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """``a`` and ``b`` name one file: the same resolved path, or (both existing) the same inode, so
+    that symbolic and hard links count."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except (OSError, ValueError):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _writable_at(flag: str, out: str | os.PathLike[str], real: str) -> None:
+    """Refuse ``real`` (the resolved output path) unless its nearest existing directory takes a new file."""
+    parent = Path(real).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PartitionerError(f"{flag} {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PartitionerError(f"{flag} {out}: the directory {parent} is not writable")
+    # try it: permissions are not the whole story (read-only mounts, /proc, /sys)
+    try:
+        fd, tmp = _create_temp(parent / Path(real).name)
+    except OSError as exc:
+        raise PartitionerError(f"{flag} {out}: cannot write in {parent} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
 def check_outputs(outputs: Mapping[str, str | os.PathLike[str] | None],
-                  inputs: Iterable[str | os.PathLike[str]]) -> None:
+                  inputs: Iterable[str | os.PathLike[str]], *,
+                  folders: Mapping[str, tuple[str | os.PathLike[str] | None, Sequence[str]]] | None = None,
+                  input_dirs: Iterable[str | os.PathLike[str]] = ()) -> None:
     """Refuse, before any work, outputs that would replace an input or cannot be written.
 
-    ``outputs`` maps a flag (``-o``, ``--trace``) to a path or ``None``. An output may not
-    be one of ``inputs`` (compared by resolved path, and by inode when both exist, so
-    symbolic and hard links count), nor another output, nor a directory; its directory (or
-    the nearest one that exists, which the writer will create the rest under) must be a
-    writable directory.
+    ``outputs`` maps a flag (``-o``, ``--trace``) to a file path or ``None``; ``folders`` maps a
+    flag to an output folder and the names of the files it will receive (``-o OUTDIR``:
+    ``plan.json``, ...); ``input_dirs`` are folders whose files are read (a Sailor profile
+    directory). Refused: an output file, or a file an output folder will receive, that is one of
+    ``inputs`` (by resolved path, and by inode when both exist, so symbolic and hard links count)
+    or another output, or a directory; an output folder that is an existing file or one of
+    ``input_dirs``; an output file directly inside one of ``input_dirs`` (it would be read as
+    one of its files next time); a place where nothing can be written.
     """
     ins = [Path(p) for p in inputs]
-    real_ins = {os.path.realpath(p): p for p in ins}
-    seen: dict[str, str] = {}
+    in_dirs = [Path(p) for p in input_dirs]
+    files: list[tuple[str, str | os.PathLike[str], bool]] = []  # (flag, path, inside an output folder)
     for flag, out in outputs.items():
-        if out is None or str(out) == "":
+        if out is not None and str(out) != "":
+            files.append((flag, out, False))
+    for flag, (folder, names) in (folders or {}).items():
+        if folder is None or str(folder) == "":
             continue
+        d = Path(folder)
+        if d.exists() and not d.is_dir():
+            raise PartitionerError(f"{flag} {folder} is a file; name a folder (new or existing) for "
+                                   f"{', '.join(names)}")
+        same_dir = next((p for p in (*in_dirs, *ins) if _same_file(d, p)), None)
+        if same_dir is not None:
+            raise PartitionerError(f"{flag} {folder} is the input folder {same_dir}; name another folder")
+        files += [(flag, d / name, True) for name in names]
+    written: list[tuple[str, str | os.PathLike[str]]] = []
+    for flag, out, in_folder in files:
         o = Path(out)
-        real = os.path.realpath(o)
-        same = real_ins.get(real)
-        if same is None and o.exists():
-            for p in ins:
-                with contextlib.suppress(OSError):
-                    if os.path.samefile(o, p):
-                        same = p
-                        break
+        same = next((p for p in ins if _same_file(o, p)), None)
         if same is not None:
-            raise PartitionerError(f"{flag} {out} is one of the input files ({same}); name a new output file")
-        if real in seen:
-            raise PartitionerError(f"{flag} {out} is also the {seen[real]} output; name two different files")
-        seen[real] = flag
+            what = f"{flag} {o.parent} would receive {o.name}, which" if in_folder else f"{flag} {out}"
+            raise PartitionerError(f"{what} is one of the input files ({same}); name a new output "
+                                   f"{'folder' if in_folder else 'file'}")
+        other = next((f for f, p in written if _same_file(o, p)), None)
+        if other is not None:
+            raise PartitionerError(f"{flag} {out} is also the {other} output; name two different files")
+        written.append((flag, out))
         if o.is_dir():
             raise PartitionerError(f"{flag} {out} is a directory; name a file")
-        parent = Path(real).parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-        if not parent.is_dir():
-            raise PartitionerError(f"{flag} {out}: {parent} is not a directory")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise PartitionerError(f"{flag} {out}: the directory {parent} is not writable")
-        if parent == Path(real).parent:  # try it: permissions are not the whole story (read-only mounts, /proc)
-            try:
-                fd, tmp = _create_temp(Path(real))
-            except OSError as exc:
-                raise PartitionerError(f"{flag} {out}: cannot write in {parent} ({exc.strerror or exc})") from None
-            os.close(fd)
-            os.unlink(tmp)
+        inside = next((d for d in in_dirs if d.is_dir() and _same_file(o.parent, d)), None)
+        if inside is not None:
+            raise PartitionerError(f"{flag} {out} is inside the input folder {inside}, whose files are read as "
+                                   "input; name a file elsewhere")
+        _writable_at(flag, out, os.path.realpath(o))
 
 
 def read_text(path: str | os.PathLike[str]) -> str:

@@ -30,6 +30,7 @@ __all__ = [
     "Link",
     "Node",
     "catalog",
+    "gpu_family",
     "resolve_gpu_type",
 ]
 
@@ -139,14 +140,23 @@ def catalog() -> dict[str, DeviceType]:
     return out
 
 
-# Short names people type, and the names other tools' profiles use (Sailor, PipeDream).
+# Short names people type, and the names other tools' profiles use (Sailor, PipeDream), each
+# for one catalog type. Sailor's ``A100-40``, ``A100-80`` and ``V100-16`` name the parts of its
+# published clusters (SXM boards).
 _ALIASES = {
-    "V100": "V100-SXM2-16GB", "V10016": "V100-SXM2-16GB", "V10032": "V100-SXM2-32GB",
-    "P100": "P100-PCIe-16GB", "A100": "A100-SXM4-40GB", "A10040": "A100-SXM4-40GB",
-    "A10080": "A100-SXM4-80GB", "H100": "H100-SXM5-80GB", "H100SXM": "H100-SXM5-80GB",
+    "V10016": "V100-SXM2-16GB", "P100": "P100-PCIe-16GB", "A10040": "A100-SXM4-40GB",
+    "A10080": "A100-SXM4-80GB", "H100SXM": "H100-SXM5-80GB",
     "H100PCIE": "H100-PCIe-80GB", "TITANV": "TITAN-V", "TITANRTX": "TITAN-RTX",
     "RTX2060": "RTX-2060", "RTX2080": "RTX-2080", "RTX2080TI": "RTX-2080-Ti", "RTX3090": "RTX-3090",
     "P4000": "Quadro-P4000", "QUADROP4000": "Quadro-P4000",
+}
+# Names of a family whose members differ in memory or speed: refused with the members, never
+# taken as one of them (an A100 may have 40 or 80 GB).
+_AMBIGUOUS = {
+    "V100": ("V100-SXM2-16GB", "V100-SXM2-32GB", "V100-PCIe-16GB", "V100-PCIe-32GB"),
+    "V10032": ("V100-SXM2-32GB", "V100-PCIe-32GB"),
+    "A100": ("A100-SXM4-40GB", "A100-SXM4-80GB", "A100-PCIe-80GB"),
+    "H100": ("H100-SXM5-80GB", "H100-PCIe-80GB"),
 }
 
 
@@ -154,8 +164,16 @@ def _key(name: str) -> str:
     return "".join(ch for ch in name.upper() if ch.isalnum())
 
 
+def gpu_family(name: str) -> tuple[str, ...]:
+    """The catalog types a family name stands for (``A100``: the 40 and 80 GB parts), ``()`` for
+    any other name. :func:`resolve_gpu_type` refuses such a name; a profile's times keyed by one
+    serve every member the cluster names (the cluster, not the key, says which part it is)."""
+    return _AMBIGUOUS.get(_key(name), ())
+
+
 def resolve_gpu_type(name: str, extra: Mapping[str, DeviceType] | None = None) -> DeviceType:
-    """Look a GPU type up by name or alias (case, spaces and dashes ignored)."""
+    """Look a GPU type up by name or alias (case, spaces and dashes ignored). A name that stands
+    for several catalog types (``A100``: 40 or 80 GB) is refused with them, as is an unknown one."""
     extra = extra or {}
     if name in extra:
         return extra[name]
@@ -169,6 +187,9 @@ def resolve_gpu_type(name: str, extra: Mapping[str, DeviceType] | None = None) -
                 return table[real]
     if k in _ALIASES:
         return cat[_ALIASES[k]]
+    if k in _AMBIGUOUS:
+        raise FormatError("gpu type", name, f"ambiguous: it may be {', '.join(_AMBIGUOUS[k])}; name one "
+                          "(they differ in memory or speed)")
     known = sorted({*cat, *extra})
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -248,14 +269,20 @@ class Cluster:
         check(len(self.nodes) >= 1, "nodes", [], "must list at least one node")
         check(self.inter_gbps > 0, "inter_node_GBps", self.inter_gbps, "must be > 0")
         names = [n.name for n in self.nodes]
+        seen: set[str] = set()
         for i, name in enumerate(names):
-            check(name not in names[:i], f"nodes[{i}].name", name, "duplicates an earlier node name")
+            check(name not in seen, f"nodes[{i}].name", name, "duplicates an earlier node name")
+            seen.add(name)
+        resolved: set[str] = set()
         for i, node in enumerate(self.nodes):
             for k, t in enumerate(node.gpus):
+                if t in resolved:
+                    continue
                 try:
                     resolve_gpu_type(t, self.device_types)
                 except FormatError as err:
                     raise FormatError(f"nodes[{i}].gpus[{k}]", t, err.expected) from None
+                resolved.add(t)
         total = sum(len(n.gpus) for n in self.nodes)
         check(total <= MAX_GPUS, "nodes", f"{total:,} GPUs", f"at most {MAX_GPUS:,} GPUs in a cluster are supported")
         devs = {d.name for d in self.devices}
@@ -447,9 +474,9 @@ class Cluster:
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        from ._io import write_json
+        from ._io import write_loadable
 
-        write_json(path, self.to_dict())
+        write_loadable(path, self.to_dict(), Cluster.from_dict, "cluster")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Cluster:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cluster import GIB, Cluster, Device, resolve_gpu_type
+from .cluster import GIB, Cluster, Device, gpu_family, resolve_gpu_type
 from .errors import FormatError, PartitionerError
 from .pricing import PRECISIONS, CostOptions
 from .profile import Profile
@@ -147,6 +147,9 @@ class CostModel:
             out.setdefault(key, key)
             with contextlib.suppress(FormatError):  # a type the catalog does not know keeps its own name
                 out.setdefault(resolve_gpu_type(key, self.cluster.device_types).name, key)
+        for key in self.profile.gpu_types:  # a family key (A100) serves the members no key names exactly
+            for member in gpu_family(key):
+                out.setdefault(member, key)
         return out
 
     def has_times(self, gpu_type: str) -> bool:

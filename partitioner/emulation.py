@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from .cluster import Cluster, DeviceType, Node, resolve_gpu_type
+from .cluster import Cluster, DeviceType, Node, gpu_family, resolve_gpu_type
 from .cost import CostModel
 from .emulated_links import EmulatedCollective, collectives, dilated_cluster, time_scale
 from .errors import FormatError, OptionError, check
@@ -190,7 +190,7 @@ def _profile_key(profile: Profile, name: str, device_types: Mapping[str, DeviceT
         with contextlib.suppress(FormatError):
             if resolve_gpu_type(key, device_types).name == want:
                 return key
-    return None
+    return next((key for key in profile.gpu_types if want in gpu_family(key)), None)  # a family key (A100)
 
 
 def _have(profile: Profile) -> str:

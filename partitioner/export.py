@@ -30,11 +30,11 @@ A plan a target cannot run raises :class:`ExportError`, one line naming what the
 from __future__ import annotations
 
 import itertools
-import json
+import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .errors import PartitionerError
+from .errors import FormatError, PartitionerError
 from .plan import Plan, VirtualWorker
 from .schedule import spec
 
@@ -79,6 +79,7 @@ def _check_plan(plan: Plan, target: str) -> int:
         raise ExportError(target, f"first_slices = {plan.first_slices}: {target} runs micro-batches of one size; "
                                   f"re-plan without slicing the first micro-batch")
     n_layers = plan.virtual_workers[0].stages[-1].stop
+    _check_devices(plan)
     for w, vw in enumerate(plan.virtual_workers):
         for k, st in enumerate(vw.stages):
             if st.replicas:
@@ -90,6 +91,21 @@ def _check_plan(plan: Plan, target: str) -> int:
                                    f"not cover [0, {n_layers}) contiguously; check the plan with "
                                    f"`partitioner simulate`")
     return n_layers
+
+
+def _check_devices(plan: Plan) -> None:
+    """What :meth:`Plan.validate` checks of devices without a profile or a cluster: a device serves
+    one virtual worker (where a device holds several stages of one is each target's question,
+    :func:`_pipeline_shape`)."""
+    owner: dict[str, int] = {}
+    for w, vw in enumerate(plan.virtual_workers):
+        for k, st in enumerate(vw.stages):
+            for dev in st.devices:
+                if owner.get(dev, w) != w:
+                    raise FormatError(f"virtual_workers[{w}].stages[{k}].device", dev,
+                                      f"already used by virtual_workers[{owner[dev]}]: a device runs one virtual "
+                                      "worker (one rank of the exported job)")
+                owner[dev] = w
 
 
 def _pipeline_shape(plan: Plan, target: str) -> list[int]:
@@ -210,7 +226,9 @@ def _torch_snippet(e: Mapping[str, Any]) -> str:
     ]
     spec = e["pipelines"][0]["split_spec"]
     if spec is not None:
-        shown = ", ".join(f"'{k}': SplitPoint.BEGINNING" for k in spec)
+        # layer names come from the user's profile: embedded as Python literals (repr), never
+        # spliced between quotes, so no name can end the string and add code
+        shown = ", ".join(f"{str(k)!r}: SplitPoint.BEGINNING" for k in spec)
         lines += ["", "# or trace the model with torch's frontend (pipeline 0's split points):",
                   "from torch.distributed.pipelining import pipeline, SplitPoint",
                   f"pipe = pipeline(model_as_sequential, mb_args=(micro_batch,), split_spec={{{shown}}})"]
@@ -282,7 +300,7 @@ def _deepspeed_snippet(e: Mapping[str, Any]) -> str:
             f"net = PlannedPipelineModule(layers=layers, num_stages={e['num_stages']})",
         ]
     lines += ["engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),",
-              f"                                       config={json.dumps(e['config'])})",
+              f"                                       config={e['config']!r})",
               "loss = engine.train_batch(data_iter)   # one plan iteration: gradient_accumulation_steps micro-batches"]
     return "\n".join(lines) + "\n"
 
@@ -376,8 +394,8 @@ def _megatron_snippet(e: Mapping[str, Any]) -> str:
     else:
         lines += [f"# --decoder-first/last-pipeline-num-layers cannot express it: {e['uneven_args_unavailable']}"]
     lines += ["# Megatron-LM with --pipeline-model-parallel-layout:",
-              "torchrun ... pretrain_gpt.py " + " ".join(e["args"]) + f" --pipeline-model-parallel-layout "
-              f"'{e['layout']}'"]
+              "torchrun ... pretrain_gpt.py " + " ".join(e["args"]) + " --pipeline-model-parallel-layout "
+              + shlex.quote(e["layout"])]
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,7 @@ from ._io import (
     req_field,
     req_int,
     req_number,
-    write_json,
+    write_loadable,
 )
 from .errors import FormatError, check
 from .pricing import CostOptions
@@ -54,8 +54,9 @@ class Stage:
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "replicas", tuple(self.replicas))
         ok = (len(self.layers) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in self.layers)
-              and 0 <= self.layers[0] < self.layers[1])
-        check(ok, "layers", list(self.layers), "must be [start, stop) with 0 <= start < stop")
+              and 0 <= self.layers[0] < self.layers[1] <= MAX_LAYERS)
+        check(ok, "layers", list(self.layers), f"must be [start, stop) with 0 <= start < stop <= {MAX_LAYERS:,} "
+              "(a profile has at most that many layers)")
         check(isinstance(self.device, str) and self.device != "", "device", self.device, "must name a device (NODE:INDEX)")
         for k, r in enumerate(self.replicas):
             check(isinstance(r, str) and r != "", f"replicas[{k}]", r, "must name a device (NODE:INDEX)")
@@ -372,7 +373,7 @@ class Plan:
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        write_json(path, self.to_dict())
+        write_loadable(path, self.to_dict(), Plan.from_dict, "plan")
 
     def cost_options(self) -> CostOptions | None:
         """The :class:`CostOptions` the plan was priced with, or None for a plan that does not say."""

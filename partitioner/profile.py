@@ -21,7 +21,7 @@ from ._io import (
     req_field,
     req_int,
     req_number,
-    write_json,
+    write_loadable,
 )
 from .errors import FormatError, check
 
@@ -479,7 +479,7 @@ class Profile:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile atomically as JSON."""
-        write_json(path, self.to_dict())
+        write_loadable(path, self.to_dict(), Profile.from_dict, "profile")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Profile:

@@ -11,8 +11,21 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["MAX_SIMULATED_PASSES", "MAX_TRACED_PASSES", "OPTION_FLAGS", "HelpFormatter", "Renamed", "bounded_float",
-           "bounded_int", "canonical_names", "check_simulation_size", "cli_message", "count_or_auto"]
+__all__ = [
+    "MAX_SIMULATED_PASSES",
+    "MAX_TRACED_PASSES",
+    "OPTION_FLAGS",
+    "HelpFormatter",
+    "Renamed",
+    "as_flags",
+    "bounded_float",
+    "bounded_int",
+    "canonical_names",
+    "check_simulation_size",
+    "cli_message",
+    "count_or_auto",
+    "device_list",
+]
 
 # The most (stage, micro-batch, iteration) passes one simulation may take: at most about 5 s of the
 # discrete-event simulator on one core (docs/formats.md).
@@ -145,7 +158,7 @@ OPTION_FLAGS: dict[str, str] = {
     "emulate_local": "--emulate-local", "emulate_reference": "--emulate-reference",
     "emulate_link_gbps": "--emulate-link-GBps", "emulate_links": "--emulate-links", "plan_node": "--plan-node",
     "checkpoint_dir": "--checkpoint-dir", "max_seconds": "--max-seconds", "steps": "--steps", "data": "--data",
-    "device": "--device", "micro_batch_size": "--micro-batch-size",
+    "device": "--device", "micro_batch_size": "--micro-batch-size", "precision": "--precision",
 }
 _BACKQUOTED = re.compile(r"`(\w+)`")
 
@@ -161,8 +174,28 @@ def cli_message(err: Exception, flags: Mapping[str, str] | None = None) -> str:
     text = str(err)
     if isinstance(err, OptionError) and err.field in names:
         text = str(FormatError(names[err.field], err.value, err.expected, file=err.file))
+    return as_flags(text, flags)
+
+
+def as_flags(text: str, flags: Mapping[str, str] | None = None) -> str:
+    """``text`` (a message of the library: an infeasibility reason, a note) with every option
+    written ```keyword``` named by its flag (``flags``, a command's own, over :data:`OPTION_FLAGS`)."""
+    names = {**OPTION_FLAGS, **(flags or {})}
     text = _BACKQUOTED.sub(lambda m: names.get(m.group(1), m.group(0)), text)
     return canonical_names(text)
+
+
+def device_list(text: str | None) -> list[str] | None:
+    """``--devices a,b,c`` as a list of names (``None`` when not given); an empty name (``a,,b``,
+    ``,``) is refused, not dropped."""
+    from partitioner.errors import FormatError
+
+    if text is None:
+        return None
+    names = [d.strip() for d in text.split(",")]
+    if not all(names):
+        raise FormatError("--devices", text, "must be comma-separated device names (NODE:INDEX), none empty")
+    return names
 
 
 def count_or_auto(text: str | None) -> int | str | None:

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from partitioner.cluster import Cluster
-from partitioner.errors import FormatError, PartitionerError
-from partitioner.plan import SCHEDULES
+from partitioner.errors import FormatError
+from partitioner.plan import MAX_MICRO_BATCHES, SCHEDULES
 from partitioner.profile import Profile
 from partitioner.schedule import spec
-from partitioner_cli._args import Renamed
+from partitioner_cli._args import Renamed, as_flags, bounded_float, bounded_int, device_list
 from partitioner_cli.plan import add_cost_arguments, cost_options_from_args
 
 __all__ = ["format_comparison", "register"]
@@ -86,12 +85,10 @@ def _png(rows: Sequence[Any], path: str, title: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from partitioner._io import check_outputs
     from solvers.analysis.compare import compare
 
-    inputs = {os.path.realpath(p) for p in (args.profile, args.cluster)}
-    for flag, out in (("-o", args.output), ("--png", args.png)):
-        if out and os.path.realpath(out) in inputs:
-            raise PartitionerError(f"{flag} {out} is one of the input files; name a new output file")
+    check_outputs({"-o": args.output, "--png": args.png}, (args.profile, args.cluster))
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
     vw: int | str | None = args.virtual_workers
@@ -102,16 +99,14 @@ def _run(args: argparse.Namespace) -> int:
             vw = 0
         if vw < 1:
             raise FormatError("--virtual-workers", args.virtual_workers, "must be an integer >= 1 or 'auto'")
-    if args.micro_batches < 1:
-        raise FormatError("--micro-batches", args.micro_batches, "must be an integer >= 1")
-    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    devices = device_list(args.devices)
     rows = compare(profile, cluster, virtual_workers=vw, schedule=args.schedule, micro_batches=args.micro_batches,
                    options=cost_options_from_args(args), devices=devices, time_limit_s=args.time_limit)
     what = "one pipeline" if vw is None else f"virtual workers {vw}"
     title = (f"{profile.model} on {cluster.name}: {what}, {args.schedule}, {args.micro_batches} micro-batches "
              f"of {profile.micro_batch_size}")
     print(title)
-    print(format_comparison(rows))
+    print(as_flags(format_comparison(rows)))
     if args.output:
         from partitioner._io import write_json
 
@@ -144,12 +139,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(baselines: K np-grouped workers; auto: one per node)")
     p.add_argument("--schedule", default="1f1b", choices=[s for s in SCHEDULES if not spec(s).multi_chunk],
                    help="pipeline schedule (default: 1f1b)")
-    p.add_argument("--micro-batches", "--microbatches", action=Renamed, dest="micro_batches", type=int, default=8,
+    p.add_argument("--micro-batches", "--microbatches", action=Renamed, dest="micro_batches",
+                   type=bounded_int(1, MAX_MICRO_BATCHES), default=8,
                    metavar="N",
                    help="micro-batches per iteration, the same for every solver (default 8)")
     p.add_argument("--devices", default=None,
                    help="comma-separated device names in pipeline order (default: all, in file order)")
-    p.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--time-limit", type=bounded_float(0.001, 7 * 86400.0), default=10.0, metavar="SECONDS",
                    help="limit of cpsat, milp and the cluster planner, each (default 10)")
     add_cost_arguments(p)
     p.add_argument("--png", metavar="OUT.png", help="bar chart of the throughputs")

@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from partitioner.cluster import Cluster
-from partitioner.errors import FormatError, PartitionerError
+from partitioner.errors import FormatError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
+from partitioner_cli._args import bounded_float
 from partitioner_cli.plan import add_cost_arguments, cost_options_from_args
 
 __all__ = ["register"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from partitioner._io import write_json
+    from partitioner._io import check_outputs, write_json
     from solvers.analysis.explain import explain_plan, format_explanation
 
-    if args.json and os.path.realpath(args.json) in {os.path.realpath(p) for p in (args.plan, args.profile,
-                                                                                      args.cluster)}:
-        raise PartitionerError(f"--json {args.json} is one of the input files; name a new output file")
-    if not args.time_limit > 0:
-        raise FormatError("--time-limit", args.time_limit, "must be > 0 seconds")
+    check_outputs({"--json": args.json}, (args.plan, args.profile, args.cluster))
     plan = Plan.load(args.plan)
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
@@ -56,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
     p.add_argument("--json", metavar="OUT.json", default=None, help="write the same figures as JSON here")
     p.add_argument("--no-what-if", action="store_true", help="skip re-planning with one more GPU of each type")
-    p.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--time-limit", type=bounded_float(0.001, 7 * 86400.0), default=10.0, metavar="SECONDS",
                    help="limit of each cluster-planner re-plan for several virtual workers (default 10)")
     add_cost_arguments(p)
     p.set_defaults(func=_run)

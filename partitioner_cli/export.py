@@ -8,7 +8,6 @@ DeepSpeed or Megatron-LM take it (docs/export.md).
 from __future__ import annotations
 
 import argparse
-import os
 
 from partitioner.errors import PartitionerError
 from partitioner.export import TARGETS, export_plan
@@ -69,14 +68,11 @@ def _summary(e: dict) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from partitioner._io import atomic_write_text, write_json
+    from partitioner._io import atomic_write_text, check_outputs, write_json
 
     if args.to not in TARGETS:
         raise PartitionerError(f"unknown target '{args.to}'; valid targets: {', '.join(TARGETS)}")
-    inputs = {os.path.realpath(p) for p in (args.plan, args.profile) if p}
-    for flag, out in (("-o", args.output), ("--snippet", args.snippet)):
-        if out and os.path.realpath(out) in inputs:
-            raise PartitionerError(f"{flag} {out} is one of the input files; name a new output file")
+    check_outputs({"-o": args.output, "--snippet": args.snippet}, [p for p in (args.plan, args.profile) if p])
     plan = Plan.load(args.plan)
     n_layers = plan.virtual_workers[0].stages[-1].stop
     names = _layer_names(plan, args.profile, n_layers) if args.to == "torch-pipelining" else None

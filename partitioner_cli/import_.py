@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from typing import Any
 
+from partitioner.cluster import BANDWIDTH_GBPS_RANGE, MAX_GPUS
 from partitioner.profile import MAX_MICRO_BATCH_SIZE
-from partitioner_cli._args import bounded_int
+from partitioner_cli._args import bounded_float, bounded_int
 
 __all__ = ["register"]
 
@@ -30,7 +33,7 @@ def _sailor(args: argparse.Namespace) -> int:
     from partitioner._io import check_outputs
     from partitioner.importers.sailor import import_sailor
 
-    check_outputs({"-o": args.output}, sorted(Path(args.directory).glob("*.json")))
+    check_outputs({"-o": args.output}, sorted(Path(args.directory).glob("*.json")), input_dirs=(args.directory,))
     profile = import_sailor(args.directory, micro_batch_size=args.micro_batch_size,
                             tensor_parallel=args.tensor_parallel, model=args.model, all_sizes=args.all_sizes)
     profile.save(args.output)
@@ -39,33 +42,63 @@ def _sailor(args: argparse.Namespace) -> int:
         if len(sizes) > 1 else ""
     print(f"imported {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}{also}, "
           f"measured on {', '.join(profile.gpu_types)} -> {args.output}")
+    _clip_note(profile.meta)
     return 0
+
+
+def _clip_note(meta: Mapping[str, Any]) -> None:
+    """Say how many measured times the import lowered as noise (docs/formats.md, Sailor profiles)."""
+    clipped = meta.get("clipped_to_larger_micro_batch")
+    if clipped:
+        counts = ", ".join(f"{n} on {g}" for g, n in clipped.items())
+        print(f"note: layer times above the same layer's time at a larger measured micro-batch were lowered to it "
+              f"as timing noise ({counts}; meta.clipped_to_larger_micro_batch); never to 0")
 
 
 def _sailor_run(args: argparse.Namespace) -> int:
     import os
     from dataclasses import replace
+    from pathlib import Path
 
+    from partitioner._io import check_loadable, check_outputs, write_json
+    from partitioner.cluster import Cluster
     from partitioner.importers.sailor_runs import import_sailor_run
+    from partitioner.plan import Plan
+    from partitioner.profile import Profile
 
+    check_outputs({}, [args.plan_config, args.network, *sorted(Path(args.profiles).glob("*.json"))],
+                  folders={"-o": (args.output, ("plan.json", "profile.json", "cluster.json"))},
+                  input_dirs=(args.profiles,))
     run = import_sailor_run(args.plan_config, args.profiles, args.network)
-    os.makedirs(args.output, exist_ok=True)
     measured = {"iteration_s": run.measured_iteration_s, "peak_memory_bytes": run.measured_peak_bytes}
     plan = replace(run.plan, pricing=run.options, meta={**run.plan.meta, "measured": measured})
     paths = [os.path.join(args.output, name) for name in ("plan.json", "profile.json", "cluster.json")]
-    plan.save(paths[0])
-    run.profile.save(paths[1])
-    run.cluster.save(paths[2])
+    files = [(paths[0], plan.to_dict(), Plan.from_dict, "plan"),
+             (paths[1], run.profile.to_dict(), Profile.from_dict, "profile"),
+             (paths[2], run.cluster.to_dict(), Cluster.from_dict, "cluster")]
+    for path, data, loader, what in files:  # all three readable before any is written
+        check_loadable(path, data, loader, what)
+    for path, data, _, _ in files:
+        write_json(path, data)
     print(f"imported {run.name}: {len(plan.virtual_workers)} virtual worker(s) of "
           f"{len(plan.virtual_workers[0].stages)} stage(s), {plan.micro_batches} micro-batches of "
           f"{plan.micro_batch_size}, {len(run.cluster.devices)} tensor-parallel groups of "
           f"{run.profile.meta.get('tensor_parallel', 1)} GPUs; measured {run.measured_iteration_s:.3f} s per "
           f"iteration, peak {run.measured_peak_bytes / 2**30:.2f} GiB -> {', '.join(paths)}")
+    _clip_note(run.profile.meta)
     return 0
 
 
 def _sailor_network(args: argparse.Namespace) -> int:
-    from partitioner.cluster import Cluster, Node
+    from partitioner._io import check_outputs
+    from partitioner.cluster import MAX_GPUS, Cluster, Node
+    from partitioner.errors import PartitionerError
+
+    check_outputs({"-o": args.output}, [p for p in (args.file, args.intra) if p])
+    if args.nodes * args.gpus_per_node > MAX_GPUS:
+        raise PartitionerError(f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = "
+                               f"{args.nodes * args.gpus_per_node:,} GPUs; at most {MAX_GPUS:,} GPUs in a cluster "
+                               "are supported")
     from partitioner.importers.sailor_runs import sailor_bandwidth
 
     inter = sailor_bandwidth(args.file, "inter", args.gpu_type, args.gpus_per_node)
@@ -115,9 +148,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     sn = formats.add_parser("sailor-network", help="Sailor's fitted NCCL curves -> a cluster file")
     sn.add_argument("file", help="Sailor network_coeffs_all_homo.json")
     sn.add_argument("--gpu-type", required=True, help="Sailor's GPU name (GH-96, A100-40, V100-16, ...)")
-    sn.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    sn.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (a key of the curves)")
+    sn.add_argument("--nodes", type=bounded_int(1, MAX_GPUS), required=True, help="number of nodes")
+    sn.add_argument("--gpus-per-node", type=bounded_int(1, MAX_GPUS), required=True,
+                    help="GPUs per node (a key of the curves)")
     sn.add_argument("--intra", metavar="FILE", help="Sailor intra_node_bandwidths.json for the intra-node curve")
-    sn.add_argument("--intra-gbps", type=float, default=100.0, help="flat intra-node GB/s without --intra")
+    sn.add_argument("--intra-gbps", type=bounded_float(*BANDWIDTH_GBPS_RANGE), default=100.0,
+                    help="flat intra-node GB/s without --intra")
     sn.add_argument("-o", "--output", required=True, help="cluster file to write (.yaml or .json)")
     sn.set_defaults(func=_sailor_network)

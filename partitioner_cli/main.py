@@ -32,10 +32,13 @@ COMMAND_MODULES = (
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """A bad option is one line (``PROG: error: ...``, exit 2), not the usage block."""
+    """A bad option is one line (``PROG: error: ...``, exit 2), not the usage block. Options are
+    matched whole: no abbreviations (``--micro-batch`` is not taken for ``--micro-batches``), on
+    this parser and on every subcommand's (sub-parsers are of the parent's class)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:

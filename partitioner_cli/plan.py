@@ -12,7 +12,14 @@ from partitioner.cost import PRECISIONS, CostModel, CostOptions
 from partitioner.placement import supports
 from partitioner.plan import SCHEDULES
 from partitioner.profile import MAX_MICRO_BATCH_SIZE, Profile
-from partitioner_cli._args import Renamed, bounded_float, bounded_int, count_or_auto
+from partitioner_cli._args import (
+    Renamed,
+    as_flags,
+    bounded_float,
+    bounded_int,
+    count_or_auto,
+    device_list,
+)
 
 __all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
 
@@ -61,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     options = cost_options_from_args(args)
     request = PlanRequest(
         solver=args.solver, schedule=args.schedule, options=options,
-        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) if args.devices else None,
+        devices=None if args.devices is None else tuple(device_list(args.devices) or ()),
         allow_fewer=bool(args.allow_fewer), chunks=args.chunks,
         micro_batches=count_or_auto(args.micro_batches),
         global_batch=args.global_batch,
@@ -72,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
     with shown():  # a status line (incumbent, bound, gap) for solves past two seconds, on a terminal
         result = plan(profile, cluster, request)
     if not result.ok or result.plan is None:
-        print(f"partitioner plan: {result.status}: {result.reason}", file=sys.stderr)
+        print(f"partitioner plan: {result.status}: {as_flags(result.reason or '')}", file=sys.stderr)
         return 1
     for line in result.details.get("messages", ()):
         print(line)

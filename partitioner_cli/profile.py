@@ -90,7 +90,7 @@ def _memory_check(args: argparse.Namespace, device: str) -> None:
 def _operators(args: argparse.Namespace, names: list[str], config: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"operators": table}`` for a transformer of the zoo (its layers' operators, for the
     per-operator projection), else nothing."""
-    from partitioner.operators import zoo_ops
+    from partitioner.projection.operators import zoo_ops
 
     if config is None:
         config = _build(args, 1, "meta").config
@@ -102,8 +102,8 @@ def _projected(profile: Profile, targets: list[str], method: str, source: str | 
                math_mode: str | None = None) -> Profile:
     """``profile`` with projected times on ``targets``: per operator (``method`` ops, or auto when
     the profile has operators or a transformer shape), else the per-layer roofline."""
-    from partitioner.projection import project_profile
-    from partitioner.projection_ops import has_operators, project_with_ops
+    from partitioner.projection.operator_model import has_operators, project_with_ops
+    from partitioner.projection.roofline import project_profile
 
     if method == "auto":
         method = "ops" if has_operators(profile) else "roofline"
@@ -115,7 +115,7 @@ def _projected(profile: Profile, targets: list[str], method: str, source: str | 
 def _profile(args: argparse.Namespace) -> int:
     from partitioner._io import check_outputs
     from partitioner.cluster import resolve_gpu_type
-    from partitioner.projection import project_profile
+    from partitioner.projection.roofline import project_profile
 
     check_outputs({"-o": args.output}, ())
     targets = [resolve_gpu_type(g).name for g in args.gpu_type or []]

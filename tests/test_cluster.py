@@ -45,11 +45,39 @@ def test_device_type_new_fields_round_trip():
     assert (old.tf32_flops, old.bf16_flops, old.sm_count) == (0.0, 0.0, 0)
 
 
-@pytest.mark.parametrize(("alias", "name"), [("V100", "V100-SXM2-16GB"), ("titan v", "TITAN-V"),
+@pytest.mark.parametrize(("alias", "name"), [("V100-16", "V100-SXM2-16GB"), ("titan v", "TITAN-V"),
                                              ("Titan-RTX", "TITAN-RTX"), ("A100-40", "A100-SXM4-40GB"),
                                              ("quadro p4000", "Quadro-P4000"), ("rtx_3090", "RTX-3090")])
 def test_aliases(alias, name):
     assert resolve_gpu_type(alias).name == name
+
+
+@pytest.mark.parametrize(("alias", "members"), [
+    ("A100", "A100-SXM4-40GB, A100-SXM4-80GB, A100-PCIe-80GB"),
+    ("v100", "V100-SXM2-16GB, V100-SXM2-32GB, V100-PCIe-16GB, V100-PCIe-32GB"),
+    ("H 100", "H100-SXM5-80GB, H100-PCIe-80GB"),
+    ("V100-32", "V100-SXM2-32GB, V100-PCIe-32GB"),
+])
+def test_a_family_name_is_refused_with_its_members(alias, members):
+    """A100 may have 40 or 80 GB: the name is never taken as one of them."""
+    with pytest.raises(FormatError, match=f"gpu type = '{alias}': ambiguous: it may be {members}; name one"):
+        resolve_gpu_type(alias)
+    with pytest.raises(FormatError, match=rf"nodes\[0\]\.gpus\[0\] = '{alias}': ambiguous: it may be {members}"):
+        Cluster.from_dict({"inter_node_GBps": 7, "nodes": [{"intra_node_GBps": 16, "gpus": {alias: 1}}]})
+    # a cluster may still define the name itself
+    c = Cluster.from_dict({"inter_node_GBps": 7, "nodes": [{"intra_node_GBps": 16, "gpus": {alias: 1}}],
+                           "device_types": {alias: {"memory_GB": 40, "fp32_tflops": 19.5, "mem_GBps": 1555}}})
+    assert c.devices[0].memory_bytes == 40 * GIB
+
+
+def test_profile_times_keyed_by_a_family_serve_the_member_the_cluster_names():
+    from partitioner.cost import CostModel
+    from partitioner.profile import LayerProfile, LayerTime, Profile
+
+    prof = Profile("m", 1, (LayerProfile("a", times={"A100": LayerTime(1.0, 2.0)}),))
+    for member in ("A100-SXM4-40GB", "A100-SXM4-80GB"):
+        cluster = Cluster.from_dict({"inter_node_GBps": 7, "nodes": [{"intra_node_GBps": 16, "gpus": {member: 1}}]})
+        assert CostModel(prof, cluster).fwd_bwd_s(member, 0, 1) == (1.0, 2.0)
 
 
 def test_example_clusters_load(tmp_path):

@@ -55,7 +55,7 @@ def test_time_scale_is_the_local_time_over_the_reference() -> None:
 def test_a_dilated_cluster_prices_every_link_scale_times_longer(scale: float) -> None:
     cluster = Cluster.from_dict({"name": "c", "inter_node_GBps": {"GBps": 3, "latency_us": 20,
                                                                   "points": [[1e3, 0.5], [1e7, 3]]},
-                                 "nodes": [{"name": "a", "intra_node_GBps": 16, "gpus": {"V100": 2}},
+                                 "nodes": [{"name": "a", "intra_node_GBps": 16, "gpus": {"V100-SXM2-16GB": 2}},
                                            {"name": "b", "intra_node_GBps": {"GBps": 10, "log2_MB_poly": [0.1, 5]},
                                             "gpus": {"T4": 2}}]})
     slow = dilated_cluster(cluster, scale)

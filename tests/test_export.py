@@ -211,3 +211,91 @@ def test_cli_errors_are_one_line(args: list[str], expect: str, tmp_path: Path,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expect in err
     assert not (tmp_path / "e.json").exists()
+
+
+# -- untrusted input ---------------------------------------------------------------------------
+
+# runs print(1) if spliced between quotes (no dot in it: module names map '.' to '_')
+HOSTILE = "blk': 1}); exec(bytes((112, 114, 105, 110, 116, 40, 49, 41))); ({'x"
+
+
+def _calls(tree: object) -> list[str]:
+    import ast
+
+    return sorted(ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call))  # type: ignore[arg-type]
+
+
+def test_a_hostile_layer_name_stays_a_string_in_the_snippet(tmp_path: Path) -> None:
+    """Layer names come from the user's profile: the generated Python holds them as string
+    constants, verbatim, and gains no call whatever they contain."""
+    import ast
+
+    plan = Plan("m", (worker([0, 2, 4], TWO),), micro_batch_size=2, micro_batches=4)
+    plain = export_plan(plan, "torch-pipelining", ["l0", "l1", "l2", "l3"])["snippet"]
+    for name in (HOSTILE, 'a"b\'c\\\n#', "x'''; import os; '''", "\u2028é'"):
+        snippet = export_plan(plan, "torch-pipelining", ["l0", "l1", name, "l3"])["snippet"]
+        tree = ast.parse(snippet)
+        constants = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        assert name.replace(".", "_") in constants
+        assert _calls(tree) == _calls(ast.parse(plain))
+    # the command writes the same snippet from a profile with that name
+    from partitioner.profile import LayerProfile, LayerTime, Profile
+
+    Profile("m", 2, tuple(LayerProfile(n, times={"T": LayerTime(1.0, 2.0)}) for n in ["l0", "l1", HOSTILE, "l3"])
+            ).save(tmp_path / "p.json")
+    plan.save(tmp_path / "plan.json")
+    snip = tmp_path / "s.py"
+    assert main(["export", str(tmp_path / "plan.json"), "--to", "torch-pipelining", "--profile",
+                 str(tmp_path / "p.json"), "-o", str(tmp_path / "e.json"), "--snippet", str(snip)]) == 0
+    tree = ast.parse(snip.read_text())
+    assert HOSTILE in [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)]
+    assert _calls(tree) == _calls(ast.parse(plain))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_device_in_two_virtual_workers_is_refused_by_every_target(target: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    plan = Plan("gpt2-tiny", (worker([0, 2, 4], TWO), worker([0, 2, 4], ["b:0", "a:1"])), micro_batch_size=2,
+                micro_batches=4)
+    with pytest.raises(PartitionerError, match=r"virtual_workers\[1\]\.stages\[1\]\.device = 'a:1': already used "
+                                               r"by virtual_workers\[0\]"):
+        export_plan(plan, target)
+    plan.save(tmp_path / "plan.json")
+    assert main(["export", str(tmp_path / "plan.json"), "--to", target, "-o", str(tmp_path / "e.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "already used by virtual_workers[0]" in err
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_a_stage_past_any_profile_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan file with a stage [2, 10**18] (megatron would list one letter per layer)."""
+    data = Plan("gpt2-tiny", (worker([0, 2, 4], TWO),)).to_dict()
+    data["virtual_workers"][0]["stages"][1]["layers"] = [2, 10**18]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    assert main(["export", str(tmp_path / "plan.json"), "--to", "megatron", "-o", str(tmp_path / "e.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "stages[1].layers = [2, 1000000000000000000]: must be [start, stop) with 0 <= start < stop <= 10,000" in err
+
+
+@pytest.mark.parametrize("same", ["name", "hard link"])
+def test_export_outputs_are_not_inputs_nor_each_other(same: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    plan_path = tmp_path / "plan.json"
+    Plan("gpt2-tiny", (worker([0, 2, 4], TWO),)).save(plan_path)
+    before = plan_path.read_bytes()
+    if same == "name":
+        argv = ["-o", str(tmp_path / "x"), "--snippet", str(tmp_path / "x")]
+        expect = "--snippet " + str(tmp_path / "x") + " is also the -o output"
+    else:
+        os.link(plan_path, tmp_path / "other.json")
+        argv = ["-o", str(tmp_path / "other.json")]
+        expect = "is one of the input files"
+    assert main(["export", str(plan_path), "--to", "deepspeed", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expect in err
+    assert plan_path.read_bytes() == before and not (tmp_path / "x").exists()
+    if same == "hard link":
+        assert os.path.samefile(plan_path, tmp_path / "other.json")

@@ -77,8 +77,8 @@ def test_curve_interpolates_in_log_size_and_adds_latency():
 
 def test_cluster_curve_round_trip_and_use(tmp_path):
     data = {"name": "x", "inter_node_GBps": {"GBps": 20, "latency_us": 3, "points": [[1e5, 1.0], [1e8, 20.0]]},
-            "nodes": [{"name": "a", "intra_node_GBps": 50, "gpus": {"V100": 2}},
-                      {"name": "b", "intra_node_GBps": {"GBps": 80, "log2_MB_poly": [1.0, 40.0]}, "gpus": {"V100": 2}}]}
+            "nodes": [{"name": "a", "intra_node_GBps": 50, "gpus": {"V100-SXM2-16GB": 2}},
+                      {"name": "b", "intra_node_GBps": {"GBps": 80, "log2_MB_poly": [1.0, 40.0]}, "gpus": {"V100-SXM2-16GB": 2}}]}
     cl = Cluster.from_dict(data)
     again = Cluster.from_dict(json.loads(json.dumps(cl.to_dict())))
     assert again == cl and cl.has_curves
@@ -89,15 +89,15 @@ def test_cluster_curve_round_trip_and_use(tmp_path):
 
 def test_non_positive_curve_names_link_size_and_value():
     cl = Cluster.from_dict({"inter_node_GBps": {"GBps": 90, "log2_MB_poly": [-1.0, 0.0, 10.0]},
-                            "nodes": [{"intra_node_GBps": 50, "gpus": {"V100": 1}}] * 1
-                            + [{"name": "m", "intra_node_GBps": 50, "gpus": {"V100": 1}}]})
+                            "nodes": [{"intra_node_GBps": 50, "gpus": {"V100-SXM2-16GB": 1}}] * 1
+                            + [{"name": "m", "intra_node_GBps": 50, "gpus": {"V100-SXM2-16GB": 1}}]})
     assert cl.transfer_s(1e6, "n0:0", "m:0") == pytest.approx(1e6 / 10e9)
     with pytest.raises(PartitionerError, match=r"inter_node_GBps: the bandwidth curve gives -6 GB/s for a "
                                                r"message of 1.6e\+07 bytes"):
         cl.transfer_s(16e6, "n0:0", "m:0")  # x = 4: 10 - 4^2
     with pytest.raises(FormatError, match=r"points\[1\] = \[2000000.0, 0.0\]: GB/s must be > 0"):
         Cluster.from_dict({"inter_node_GBps": {"points": [[1e6, 1.0], [2e6, 0.0]]},
-                           "nodes": [{"intra_node_GBps": 5, "gpus": {"V100": 1}}]})
+                           "nodes": [{"intra_node_GBps": 5, "gpus": {"V100-SXM2-16GB": 1}}]})
 
 
 def test_sailor_network_curve():

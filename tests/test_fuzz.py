@@ -12,17 +12,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.fuzz import (
+    ROLES,
     Base,
     Corpus,
     build_corpus,
     check_outputs_finite,
+    check_outputs_valid,
     command_lines,
     mutate,
+    output_paths,
     run_in_process,
 )
 
 CALL_LIMIT_S = 10.0
-ROLES = ("profile", "cluster", "plan", "graph")
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +46,45 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
 def _source(corpus: Corpus, role: str, pick: int) -> tuple[Base | None, Path, str]:
     if role == "graph":
         return None, corpus.graphs[pick % len(corpus.graphs)], "graph"
+    if role in ("sailor", "sailor-run", "network", "intra"):
+        return None, {"sailor": corpus.sailor, "sailor-run": corpus.sailor_run, "network": corpus.network,
+                      "intra": corpus.intra}[role], "json"
     base = corpus.bases[pick % len(corpus.bases)]
     path = {"profile": base.profile, "cluster": base.cluster, "plan": base.plan}[role]
     return base, path, "yaml" if path.suffix == ".yaml" else "json"
 
 
 def _check_one(corpus: Corpus, tmp: Path, role: str, pick: int, seed: int) -> None:
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(dir=tmp))  # hypothesis runs many examples in one tmp_path
     base, src, kind = _source(corpus, role, pick)
-    mutated = tmp / f"in{'.txt' if kind == 'graph' else src.suffix}"
-    mutated.write_bytes(mutate(src.read_bytes(), kind, random.Random(seed)))
+    rng = random.Random(seed)
+    if role == "sailor":  # one file of the profile folder mutated
+        mutated = tmp / "sailor"
+        shutil.copytree(src, mutated)
+        victim = rng.choice(sorted(mutated.glob("*.json")))
+        victim.write_bytes(mutate(victim.read_bytes(), "json", rng))
+        inputs = sorted(mutated.glob("*"))
+    else:
+        mutated = tmp / f"in{'.txt' if kind == 'graph' else src.suffix}"
+        mutated.write_bytes(mutate(src.read_bytes(), kind, rng))
+        inputs = [mutated]
     out = tmp / "out.json"
-    for argv in command_lines(corpus, role, base, mutated, out):
-        out.unlink(missing_ok=True)
-        before = mutated.read_bytes()
+    for argv in command_lines(corpus, role, base, mutated, out, pick=pick):
+        for p in output_paths(out):
+            p.unlink(missing_ok=True)
+        shutil.rmtree(out.with_suffix(""), ignore_errors=True)
+        before = [p.read_bytes() for p in inputs]
         rc, _, stderr, seconds = run_in_process(argv)
         context = f"{' '.join(argv)} (seed {seed})\nstderr: {stderr[-1500:]}"
         assert rc in (0, 1, 2), context
         assert "Traceback" not in stderr and "internal error" not in stderr, context
         assert seconds < CALL_LIMIT_S, context
-        assert mutated.read_bytes() == before, f"an input was changed: {context}"
+        assert [p.read_bytes() for p in inputs] == before, f"an input was changed: {context}"
         if rc == 0:
-            assert check_outputs_finite([out]) == "", context
+            assert check_outputs_valid(output_paths(out)) == "", context
         else:  # an error is one line
             assert len(stderr.strip().splitlines()) <= 1 or stderr.lstrip().startswith("usage:"), context
 
@@ -134,12 +154,12 @@ def test_cases_the_issue_lists(tmp_path: Path, corpus: Corpus) -> None:
     rc, _, err, seconds = run_in_process(["plan", str(base.profile), "--cluster", str(bomb)])
     assert rc == 2 and "aliases" in err and seconds < 5
     gpus = tmp_path / "many.yaml"
-    gpus.write_text("inter_node_GBps: 10\nnodes:\n - {name: n0, intra_node_GBps: 16, gpus: {V100: 1000000000}}\n")
+    gpus.write_text("inter_node_GBps: 10\nnodes:\n - {name: n0, intra_node_GBps: 16, gpus: {V100-SXM2-16GB: 1000000000}}\n")
     rc, _, err, _ = run_in_process(["plan", str(base.profile), "--cluster", str(gpus)])
     assert rc == 2 and "at most 16,384 GPUs" in err
     link = tmp_path / "link.yaml"
-    link.write_text("inter_node_GBps: 10\nnodes:\n - {name: n0, intra_node_GBps: 16, gpus: {V100: 2}}\n"
-                    " - {name: n1, intra_node_GBps: 16, gpus: {V100: 2}}\nlinks:\n - {between: [n0, 'n1:0'], GBps: 3}\n")
+    link.write_text("inter_node_GBps: 10\nnodes:\n - {name: n0, intra_node_GBps: 16, gpus: {V100-SXM2-16GB: 2}}\n"
+                    " - {name: n1, intra_node_GBps: 16, gpus: {V100-SXM2-16GB: 2}}\nlinks:\n - {between: [n0, 'n1:0'], GBps: 3}\n")
     rc, _, err, _ = run_in_process(["plan", str(base.profile), "--cluster", str(link)])
     assert rc == 2 and "not a node and a device" in err
 
@@ -181,3 +201,34 @@ def test_a_plan_at_another_micro_batch_size_is_priced_by_rescaling_with_a_note(t
     assert "note: the plan's micro-batch size is" in out1
     iteration = [line for line in out0.splitlines() if line.startswith("iteration")]
     assert iteration and iteration == [line for line in out1.splitlines() if line.startswith("iteration")]
+
+
+def test_outputs_are_checked_with_their_readers(tmp_path: Path) -> None:
+    """What the fuzzer counts as silent wrong: a plan its reader refuses, a snippet that does not parse."""
+    import json
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"format": "partitioner.plan/1", "model": "m", "micro_batch_size": 1,
+                                "micro_batches": 5000, "virtual_workers": [{"stages": [
+                                    {"layers": [0, 1], "device": "n0:0"}]}]}))
+    assert "reader refuses it" in check_outputs_valid([plan])
+    snippet = tmp_path / "s.py"
+    snippet.write_text("split_spec={'a': 1}); exec(1); ({'b': 2}\n")
+    assert "does not parse" in check_outputs_valid([snippet])
+    shell = tmp_path / "s.sh"
+    shell.write_text("torchrun x --layout 'E|t\n")
+    assert "does not split" in check_outputs_valid([shell])
+    snippet.write_text("x = {'a': 1}\n")
+    shell.write_text("# comment\ntorchrun x --layout 'E|t'\n")
+    assert check_outputs_valid([snippet, shell, tmp_path / "absent.json"]) == ""
+
+
+def test_every_role_has_command_lines(corpus: Corpus, tmp_path: Path) -> None:
+    commands = set()
+    for role in ROLES:
+        base = None if role in ("graph", "sailor", "sailor-run", "network", "intra") else corpus.bases[0]
+        for pick in range(3):
+            for argv in command_lines(corpus, role, base, tmp_path / "in.json", tmp_path / "out.json", pick=pick):
+                commands.add(" ".join(argv[:2]) if argv[0] in ("import", "profile") else argv[0])
+    assert commands >= {"plan", "simulate", "compare", "explain", "export", "import pipedream", "import sailor",
+                        "import sailor-run", "import sailor-network", "profile project", "profile merge"}

@@ -348,3 +348,24 @@ def test_a_long_solve_shows_its_incumbent_bound_and_gap_only_when_asked(capsys: 
     quiet.update(1.0, 0.5)
     quiet.close()
     assert capsys.readouterr().err == ""
+
+
+def test_a_cbc_crash_in_the_tie_break_keeps_the_proven_plan(monkeypatch):
+    """CBC may crash on a warm-started solve cut short by its time limit; the first solve's proven
+    plan then stands, and the tie-break says it failed."""
+    import pulp
+
+    from solvers.exact.cbc import run
+
+    real = run.run_cbc
+
+    def crash_second(prob, time_limit_s, threads, seed, warm_start, keep_log=True):
+        if not keep_log:  # the tie-break's solve
+            raise pulp.PulpSolverError("Pulp: Error while executing")
+        return real(prob, time_limit_s, threads, seed, warm_start, keep_log)
+
+    monkeypatch.setattr(run, "run_cbc", crash_second)
+    profile, cluster = _chain(8, ["gA", "gB", "gA"])
+    r = solve_cbc(profile, cluster, hint=True, time_limit_s=20.0, fixed_order=True)
+    assert r.status is SolveStatus.OPTIMAL and r.details["tie_break"] == "CBC failed"
+    assert r.objective == pytest.approx(solvers.solve(profile, cluster, solver="dp").objective, rel=1e-6)

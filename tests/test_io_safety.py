@@ -33,6 +33,41 @@ def test_an_output_may_not_be_an_input_by_name_symlink_or_hard_link(tmp_path: Pa
         check_outputs({"-o": tmp_path / "a.json", "--trace": tmp_path / "a.json"}, [src])
 
 
+def test_two_outputs_on_one_file_by_name_or_hard_link_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text("{}")
+    os.link(tmp_path / "a.json", tmp_path / "b.json")
+    with pytest.raises(PartitionerError, match=r"--png .*b\.json is also the -o output"):
+        check_outputs({"-o": tmp_path / "a.json", "--png": tmp_path / "b.json"}, [])
+    with pytest.raises(PartitionerError, match="is also the -o output"):
+        check_outputs({"-o": tmp_path / "x", "--snippet": tmp_path / "sub" / ".." / "x"}, [])
+
+
+def test_an_output_folder_is_checked_with_the_files_it_will_receive(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    src = out / "plan.json"
+    src.write_text("{}")
+    names = ("plan.json", "profile.json")
+    with pytest.raises(PartitionerError, match=r"-o .*out would receive plan.json, which is one of the input files"):
+        check_outputs({}, [src], folders={"-o": (out, names)})
+    other = tmp_path / "in.json"
+    other.write_text("{}")
+    os.link(other, out / "profile.json")  # an input under another name inside the folder
+    with pytest.raises(PartitionerError, match=r"would receive profile\.json"):
+        check_outputs({}, [other], folders={"-o": (out, ("profile.json",))})
+    with pytest.raises(PartitionerError, match="is a file; name a folder"):
+        check_outputs({}, [], folders={"-o": (other, names)})
+    with pytest.raises(PartitionerError, match="is the input folder"):
+        check_outputs({}, [], folders={"-o": (tmp_path / "x" / "..", names)}, input_dirs=[tmp_path])
+    with pytest.raises(PartitionerError, match="is inside the input folder"):
+        check_outputs({"-o": tmp_path / "p.json"}, [], input_dirs=[tmp_path])
+    check_outputs({}, [other], folders={"-o": (tmp_path / "new" / "deeper", names)})  # created by the writer
+    assert not (tmp_path / "new").exists()
+    if Path("/proc/self").exists():
+        with pytest.raises(PartitionerError, match="cannot write in /proc"):
+            check_outputs({}, [], folders={"-o": ("/proc/partitioner-test", names)})
+
+
 def test_an_output_path_that_cannot_be_written_is_refused_first(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(PartitionerError, match="is a directory"):

@@ -11,9 +11,9 @@ from torch import nn
 
 from partitioner.errors import PartitionerError
 from partitioner.models import build_model
-from partitioner.operators import OperatorTable
 from partitioner.profile import Profile
 from partitioner.profiler import analyze_layers, profile_model
+from partitioner.projection.operators import OperatorTable
 from partitioner_cli import main as cli
 
 B, IN, OUT = 4, 32, 16

@@ -11,7 +11,7 @@ from partitioner.cluster import resolve_gpu_type
 from partitioner.errors import PartitionerError
 from partitioner.importers.sailor import import_sailor
 from partitioner.profile import LayerProfile, LayerTime, Profile
-from partitioner.projection import (
+from partitioner.projection.roofline import (
     Roofs,
     analytic_profile_times,
     layer_traffic_bytes,
@@ -33,7 +33,7 @@ def _profile(gpu="V100-SXM2-16GB"):
 
 
 def test_compute_and_memory_bound_layers_scale_by_their_roof():
-    v100, a100 = resolve_gpu_type("V100"), resolve_gpu_type("A100-SXM4-40GB")
+    v100, a100 = resolve_gpu_type("V100-SXM2-16GB"), resolve_gpu_type("A100-SXM4-40GB")
     p = project_profile(_profile(), ["A100-SXM4-40GB"])
     mm, ew = (layer.times["A100-SXM4-40GB"] for layer in p.layers)
     assert mm.fwd_s == pytest.approx(0.5 * v100.peak_flops / a100.peak_flops)
@@ -65,7 +65,7 @@ def test_analytic_is_the_roofline_over_efficiency():
 
 def test_half_precision_compares_like_with_like():
     half = Profile("toy", 8, _profile().layers, dtype="float16")
-    v100, a100, r2060 = (resolve_gpu_type(n) for n in ("V100", "A100-SXM4-40GB", "RTX-2060"))
+    v100, a100, r2060 = (resolve_gpu_type(n) for n in ("V100-SXM2-16GB", "A100-SXM4-40GB", "RTX-2060"))
     assert r2060.tensor_flops == 0
     p = project_profile(half, ["A100-SXM4-40GB", "RTX-2060"])
     mm = p.layers[0].times
@@ -85,6 +85,8 @@ def test_cpu_source_uses_relative_efficiency():
 
 def test_never_projects_over_a_measurement():
     with pytest.raises(PartitionerError, match="already has measured"):
+        project_profile(_profile(), ["V100-SXM2-16GB"])
+    with pytest.raises(PartitionerError, match="'V100': ambiguous: it may be V100-SXM2-16GB, V100-SXM2-32GB"):
         project_profile(_profile(), ["V100"])
     with pytest.raises(PartitionerError, match="no measured"):
         project_profile(Profile("x", 1, (LayerProfile("a", flops=1.0),)), ["T4"])

@@ -12,19 +12,8 @@ import pytest
 
 from partitioner.cluster import resolve_gpu_type
 from partitioner.errors import FormatError, PartitionerError
-from partitioner.operators import (
-    LayerOps,
-    Op,
-    OperatorTable,
-    TransformerShape,
-    block_ops,
-    embedding_ops,
-    head_ops,
-    transformer_ops,
-    zoo_ops,
-)
 from partitioner.profile import LayerProfile, LayerTime, Profile
-from partitioner.projection_eval import (
+from partitioner.projection.evaluation import (
     SailorConfig,
     allreduce_from_embedding,
     class_errors,
@@ -33,8 +22,8 @@ from partitioner.projection_eval import (
     sailor_configs,
     structures,
 )
-from partitioner.projection_fit import Sample, fit_params, leave_one_type_out, predict_samples
-from partitioner.projection_ops import (
+from partitioner.projection.fit import Sample, fit_params, leave_one_type_out, predict_samples
+from partitioner.projection.operator_model import (
     AllReduce,
     Calibration,
     Measured,
@@ -49,6 +38,17 @@ from partitioner.projection_ops import (
     op_mix,
     project_with_ops,
     wave_efficiency,
+)
+from partitioner.projection.operators import (
+    LayerOps,
+    Op,
+    OperatorTable,
+    TransformerShape,
+    block_ops,
+    embedding_ops,
+    head_ops,
+    transformer_ops,
+    zoo_ops,
 )
 
 SAILOR = Path(__file__).parent / "data" / "sailor_opt350"
@@ -142,7 +142,7 @@ def test_wave_efficiency():
 
 def test_gemms_take_the_faster_path():
     p = OpModelParams(gemm_tensor_fraction=0.6, gemm_cuda_fraction=1.1)
-    a100, r3090, v100 = (Rates.of(resolve_gpu_type(n), "tf32") for n in ("A100-SXM4-40GB", "RTX-3090", "V100"))
+    a100, r3090, v100 = (Rates.of(resolve_gpu_type(n), "tf32") for n in ("A100-SXM4-40GB", "RTX-3090", "V100-SXM2-16GB"))
     assert gemm_rate(a100, p) == pytest.approx(0.6 * 155.93472e12)
     assert gemm_rate(r3090, p) == pytest.approx(1.1 * 35.58e12)  # its TF32 tensor rate is no faster than FP32
     assert gemm_rate(v100, p) == pytest.approx(1.1 * 15.6672e12)  # no TF32 on Volta
@@ -177,7 +177,7 @@ def test_projecting_a_type_onto_itself_returns_its_times():
 
 def test_op_mix_and_expected_error():
     cal = default_calibration()
-    rates = Rates.of(resolve_gpu_type("V100"), cal.math)
+    rates = Rates.of(resolve_gpu_type("V100-SXM2-16GB"), cal.math)
     block = transformer_ops(OPT, 1, ["block0"], recompute=True).layers[0]
     mix = op_mix(block.ops, rates, cal.params)
     assert sum(mix.values()) == pytest.approx(1.0)
@@ -206,7 +206,7 @@ def _synthetic_samples(truth: OpModelParams, types: tuple[str, ...]) -> list[Sam
 
 def test_fit_recovers_the_constants_it_was_made_with():
     truth = OpModelParams(0.55, 1.05, 1.1, 0.8, 0.95, 6e-6, 1.2e-4, 0.9e-4)
-    samples = _synthetic_samples(truth, ("A100-SXM4-40GB", "V100", "RTX-3090", "TITAN-RTX", "H100-SXM5-80GB"))
+    samples = _synthetic_samples(truth, ("A100-SXM4-40GB", "V100-SXM2-16GB", "RTX-3090", "TITAN-RTX", "H100-SXM5-80GB"))
     got = fit_params(samples, "tf32", prior_weight=1e-6)
     pred = predict_samples(samples, got, "tf32")
     meas = np.array([s.measured_s for s in samples])
@@ -216,7 +216,7 @@ def test_fit_recovers_the_constants_it_was_made_with():
 
 
 def test_sample_level_leave_one_type_out_never_sees_the_held_out_type():
-    samples = _synthetic_samples(OpModelParams(), ("A100-SXM4-40GB", "V100", "T4"))
+    samples = _synthetic_samples(OpModelParams(), ("A100-SXM4-40GB", "V100-SXM2-16GB", "T4"))
     calls: list[set[str]] = []
 
     def spy(given, math_mode, waves=True):
@@ -303,7 +303,7 @@ def test_sailor_import_is_projected_per_operator():
         assert np.median(np.abs(got / meas - 1)) < 0.35
         assert out.meta["projections"][g]["method"] == "operators"
     with pytest.raises(PartitionerError, match="already has measured"):
-        project_with_ops(prof, ["V100"])
+        project_with_ops(prof, ["V100-SXM2-16GB"])
 
 
 def test_profile_round_trip_with_the_new_fields(tmp_path):
@@ -363,7 +363,7 @@ def test_cli_projects_a_sailor_profile_per_operator(tmp_path, capsys):
 
 
 def test_module_ops_from_torch_reprs():
-    from partitioner.operators import module_ops
+    from partitioner.projection.operators import module_ops
 
     n, cin, cout, hw = 8, 64, 128, 28
     conv = module_ops("Conv2d(64, 128, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))",

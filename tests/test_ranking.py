@@ -21,7 +21,7 @@ def profile(n: int = 8, saved: float = 1e6, out: float = 0.0) -> Profile:
 
 
 def test_dp_predictions_come_from_the_simulator_and_agree_with_closed_form() -> None:
-    prof, cluster = profile(), Cluster.homogeneous("V100", 1, 4, 16, 7)
+    prof, cluster = profile(), Cluster.homogeneous("V100-SXM2-16GB", 1, 4, 16, 7)
     res = solve(prof, cluster, "dp", schedule="1f1b", micro_batches=6)
     plan = res.plan
     assert res.ok and plan is not None and plan.meta["predicted_by"] == "simulator"
@@ -36,7 +36,7 @@ def test_dp_predictions_come_from_the_simulator_and_agree_with_closed_form() -> 
 
 
 def test_auto_schedule_prefers_no_flush_and_respects_memory() -> None:
-    prof, cluster = profile(), Cluster.homogeneous("V100", 1, 4, 16, 7)
+    prof, cluster = profile(), Cluster.homogeneous("V100-SXM2-16GB", 1, 4, 16, 7)
     res = solve(prof, cluster, "dp", schedule="auto", micro_batches=[4, 8])
     assert res.ok and res.plan is not None
     ranking = res.details["ranking"]
@@ -50,14 +50,14 @@ def test_auto_schedule_prefers_no_flush_and_respects_memory() -> None:
 def test_auto_refuses_what_does_not_fit_and_says_why() -> None:
     # activations so large that gpipe (all m in flight on every stage) cannot fit
     prof = profile(saved=3 * GIB)
-    cluster = Cluster.homogeneous("V100", 1, 4, 16, 7)
+    cluster = Cluster.homogeneous("V100-SXM2-16GB", 1, 4, 16, 7)
     res = solve(prof, cluster, "dp", schedule="auto", micro_batches=[8], options=CostOptions())
     assert res.ok and res.plan is not None and res.plan.schedule != "gpipe"
     assert any(r.startswith("gpipe") for r in res.details["refused"])
 
 
 def test_rank_plans_orders_by_simulated_throughput() -> None:
-    prof, cluster = profile(), Cluster.homogeneous("V100", 1, 4, 16, 7)
+    prof, cluster = profile(), Cluster.homogeneous("V100-SXM2-16GB", 1, 4, 16, 7)
     plans = [solve(prof, cluster, "dp", schedule=s, micro_batches=m).plan for s in ("gpipe", "1f1b")
              for m in (2, 8)]
     ranked = rank_plans([p for p in plans if p is not None], prof, cluster)

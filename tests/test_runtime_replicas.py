@@ -97,7 +97,7 @@ def test_replica_lists_cover_every_micro_batch_once_and_messages_match(draw: int
 
     from .test_simulate import uniform_profile
 
-    tl = simulate_plan(replace(plan, micro_batch_size=4), uniform_profile(6), Cluster.homogeneous("V100", 1, 20, 16, 7))
+    tl = simulate_plan(replace(plan, micro_batch_size=4), uniform_profile(6), Cluster.homogeneous("V100-SXM2-16GB", 1, 20, 16, 7))
     assert tl.iteration_s > 0
 
 

@@ -29,7 +29,7 @@ def uniform_profile(n_layers: int, fwd_s: float = 1.0, bwd_s: float = 2.0, out_b
 def chain_plan(p: int, m: int, schedule: str, v: int = 1, workers: int = 1, staleness: int = 0,
                nodes: int = 1) -> tuple[Plan, Cluster]:
     per_node = p * workers // nodes
-    cluster = Cluster.homogeneous("V100", nodes, per_node, 16, 7)
+    cluster = Cluster.homogeneous("V100-SXM2-16GB", nodes, per_node, 16, 7)
     devs = [d.name for d in cluster.devices]
     vws = tuple(VirtualWorker(tuple(Stage((s, s + 1), devs[w * p + s % p]) for s in range(p * v)))
                 for w in range(workers))
@@ -104,7 +104,7 @@ def test_transfers_are_priced_additively_and_overlapped() -> None:
 
 def test_link_contention_serialises_transfers() -> None:
     # two virtual workers on node n0 both send to node n1 over the same inter-node link
-    cluster = Cluster.homogeneous("V100", 2, 2, 16, 7)
+    cluster = Cluster.homogeneous("V100-SXM2-16GB", 2, 2, 16, 7)
     plan = Plan("toy", (VirtualWorker((Stage((0, 1), "n0:0"), Stage((1, 2), "n1:0"))),
                         VirtualWorker((Stage((0, 1), "n0:1"), Stage((1, 2), "n1:1")))), "gpipe", 4, 1)
     prof = uniform_profile(2, out_bytes=7e9 * 1.0)  # one second per transfer
@@ -118,7 +118,7 @@ def test_link_contention_serialises_transfers() -> None:
 def test_wsp_bounds_clock_gap(d: int) -> None:
     # a fast and a slow virtual worker: the fast one must wait, never more than D clocks ahead
     cluster = Cluster.from_dict({"name": "het", "inter_node_GBps": 7, "nodes": [
-        {"name": "n0", "intra_node_GBps": 16, "gpus": {"V100": 2}},
+        {"name": "n0", "intra_node_GBps": 16, "gpus": {"V100-SXM2-16GB": 2}},
         {"name": "n1", "intra_node_GBps": 16, "gpus": {"TITAN-V": 2}}]})
     gpu_fast, gpu_slow = (cluster.device("n0:0").gpu_type, cluster.device("n1:0").gpu_type)
     layers = tuple(LayerProfile(f"l{i}", param_bytes=1e6, saved_bytes=1e6,
@@ -167,11 +167,11 @@ def test_bad_plans_are_refused() -> None:
     bad = Plan("toy", (VirtualWorker((Stage((0, 1), "n0:0"), Stage((1, 2), "n0:1"), Stage((2, 3), "n0:1"),
                                       Stage((3, 4), "n0:0"))),), "interleaved", 4, 2, chunks=2)
     with pytest.raises(FormatError, match="must be on n0:0"):
-        simulate_plan(bad, uniform_profile(4), Cluster.homogeneous("V100", 1, 2, 16, 7))
+        simulate_plan(bad, uniform_profile(4), Cluster.homogeneous("V100-SXM2-16GB", 1, 2, 16, 7))
     rep = Plan("toy", (VirtualWorker((Stage((0, 1), "n0:0", replicas=("n0:1",)), Stage((1, 2), "n0:0"))),),
                "interleaved", 4, 2, chunks=2)
     with pytest.raises(FormatError, match="replicated stages run one chunk per device"):
-        simulate_plan(rep, uniform_profile(2), Cluster.homogeneous("V100", 1, 2, 16, 7))
+        simulate_plan(rep, uniform_profile(2), Cluster.homogeneous("V100-SXM2-16GB", 1, 2, 16, 7))
 
 
 @pytest.mark.parametrize("sched", ["gpipe", "1f1b"])

@@ -20,7 +20,7 @@ from partitioner_cli import simulate as simulate_command
 
 
 def _setup(tmp_path: Path, schedule: str = "1f1b", m: int = 4) -> tuple[Path, Path, Path]:
-    cluster = Cluster.homogeneous("V100", 2, 2, 16, 7)
+    cluster = Cluster.homogeneous("V100-SXM2-16GB", 2, 2, 16, 7)
     gpu = cluster.devices[0].gpu_type
     prof = Profile("toy", 8, tuple(LayerProfile(f"l{i}", param_bytes=1e6, saved_bytes=1e7, output_bytes=1e7,
                                                 times={gpu: LayerTime(0.01, 0.02)}) for i in range(4)))

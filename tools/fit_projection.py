@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from partitioner._io import atomic_write_text  # noqa: E402
-from partitioner.projection_eval import (  # noqa: E402
+from partitioner.projection.evaluation import (  # noqa: E402
     class_errors,
     evaluate,
     loto_fits,
@@ -30,8 +30,8 @@ from partitioner.projection_eval import (  # noqa: E402
     sailor_samples,
     structures,
 )
-from partitioner.projection_fit import fit_structure  # noqa: E402
-from partitioner.projection_ops import Calibration  # noqa: E402
+from partitioner.projection.fit import fit_structure  # noqa: E402
+from partitioner.projection.operator_model import Calibration  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 

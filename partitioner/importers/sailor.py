@@ -35,8 +35,16 @@ from typing import Any
 
 from .._io import load_mapping
 from ..cluster import resolve_gpu_type
-from ..errors import FormatError, PartitionerError
-from ..profile import MAX_BYTES, MAX_LAYER_S, MAX_LAYERS, LayerProfile, LayerTime, Profile
+from ..errors import FormatError
+from ..profile import (
+    MAX_BYTES,
+    MAX_LAYER_S,
+    MAX_LAYERS,
+    MAX_MICRO_BATCH_SIZE,
+    LayerProfile,
+    LayerTime,
+    Profile,
+)
 
 __all__ = ["SAILOR_SKIP", "import_sailor", "sailor_gpu_name"]
 
@@ -66,17 +74,41 @@ def _num(d: Any, key: str, where: str, most: float = MAX_BYTES) -> float:
     return float(value)
 
 
+def _count(d: dict[str, Any], key: str, most: int) -> int:
+    """A positive integer field of the model shape, at most ``most``."""
+    value = d.get(key)
+    if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most):
+        raise FormatError(key, value, f"must be an integer in [1, {most:,}]")
+    return value
+
+
+def _times(row: Any, field: str, path: Path) -> tuple[float, float, float]:
+    """``[fwd_s, bwd_s]`` or ``[fwd_s, bwd_s, update_s]``: numbers (not booleans) of seconds in [0, 1e6]."""
+    if not (isinstance(row, list) and 2 <= len(row) <= 3 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_LAYER_S for v in row)):
+        raise FormatError(field, row, f"must be [fwd_s, bwd_s, update_s], numbers of seconds in [0, {MAX_LAYER_S:g}]",
+                          file=str(path))
+    return float(row[0]), float(row[1]), float(row[2]) if len(row) > 2 else 0.0
+
+
 def _int_key(k: str) -> tuple[int, str]:
     return (int(k), "") if k.isdigit() and len(k) < 19 else (2**63, k)
 
 
-def _monotone(fwd: float, bwd: float, larger: list[Any], layer: str) -> tuple[float, float]:
+def _monotone(fwd: float, bwd: float, larger: list[tuple[str, Any]], layer: str, path: Path) -> tuple[float, float]:
     """A layer does not take longer on fewer samples: a time above the same layer's time at a
-    larger measured micro-batch is measurement noise, and that larger time bounds it."""
-    for table in larger:
+    larger measured micro-batch (``larger``: (field prefix, table) pairs) is measurement noise,
+    and that larger time bounds it. A bound of 0 is a time below the timer's resolution and
+    bounds nothing, so a measured time is never lowered to 0 (a measured 0 is kept)."""
+    for where, table in larger:
         row = table.get(layer)
-        if isinstance(row, list) and len(row) >= 2 and all(isinstance(v, (int, float)) for v in row[:2]):
-            fwd, bwd = min(fwd, float(row[0])), min(bwd, float(row[1]))
+        if row is None:
+            continue
+        f, b, _ = _times(row, f"{where}.{layer}", path)
+        if 0 < f < fwd:
+            fwd = f
+        if 0 < b < bwd:
+            bwd = b
     return fwd, bwd
 
 
@@ -90,26 +122,26 @@ def _megatron_block_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int
     return float(seq * batch * hidden * (10 + 24 / tp + 5 * heads * seq / (hidden * tp)))
 
 
-def _other_sizes(data: dict[str, Any], tp: str, own: int, n_all: int, clip_noise: bool, sailor_name: str
-                 ) -> dict[int, list[LayerTime]]:
-    """Times of every other micro-batch size measured at degree ``tp`` on all ``n_all`` layers."""
+def _other_sizes(data: dict[str, Any], tp: str, own: int, n_all: int, clip_noise: bool, sailor_name: str,
+                 path: Path) -> dict[int, list[LayerTime]]:
+    """Times of every other micro-batch size measured at degree ``tp`` on all ``n_all`` layers
+    (a size measured on fewer layers is left out)."""
     sizes = sorted(int(k) for k in data if str(k).isdigit() and len(str(k)) < 19 and isinstance(data[k], dict)
                    and isinstance(data[k].get(tp), dict))
     out: dict[int, list[LayerTime]] = {}
     for size in sizes:
-        if size == own:
+        if size == own or size > MAX_MICRO_BATCH_SIZE:
             continue
         table = data[str(size)][tp]
-        larger = [data[str(x)][tp] for x in sizes if x > size] if clip_noise else []
+        if not all(str(i) in table for i in range(n_all)):
+            continue
+        larger = [(f"{x}.{tp}", data[str(x)][tp]) for x in sizes if x > size] if clip_noise else []
         rows = []
         for i in range(n_all):
-            row = table.get(str(i)) if isinstance(table, dict) else None
-            if not (isinstance(row, list) and len(row) >= 2 and all(isinstance(v, (int, float)) for v in row)):
-                break
-            fwd, bwd = _monotone(float(row[0]), float(row[1]), larger, str(i))
-            rows.append(LayerTime(fwd, bwd, measured_on=sailor_name, update_s=float(row[2]) if len(row) > 2 else 0.0))
-        if len(rows) == n_all:
-            out[size] = rows
+            fwd0, bwd0, up = _times(table[str(i)], f"{size}.{tp}.{i}", path)
+            fwd, bwd = _monotone(fwd0, bwd0, larger, str(i), path)
+            rows.append(LayerTime(fwd, bwd, measured_on=sailor_name, update_s=up))
+        out[size] = rows
     return out
 
 
@@ -134,9 +166,9 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
     cfg_path = _one(root, "training_config")
     cfg = load_mapping(cfg_path)
     try:
-        h, s = int(_num(cfg, "hidden_size", "", 2**20)), int(_num(cfg, "sequence_length", "", 2**24))
-        vocab, n_all = int(_num(cfg, "vocab_size", "", 2**24)), int(_num(cfg, "num_all_layers", "", MAX_LAYERS))
-        heads = int(_num(cfg, "heads", "", 2**20)) if activations == "megatron" else 0
+        h, s = _count(cfg, "hidden_size", 2**20), _count(cfg, "sequence_length", 2**24)
+        vocab, n_all = _count(cfg, "vocab_size", 2**24), _count(cfg, "num_all_layers", MAX_LAYERS)
+        heads = _count(cfg, "heads", 2**20) if activations == "megatron" else 0
     except FormatError as err:
         raise err.in_file(str(cfg_path)) from None
     name = model or str(cfg.get("model", root.name))
@@ -158,46 +190,7 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
     if not gpu_files:
         wanted = f" for {', '.join(gpu_types)}" if gpu_types else ""
         raise FormatError("directory", str(root), f"has no <GPU>.json profile files{wanted}")
-    times: dict[str, list[LayerTime]] = {}
-    times_at: dict[int, dict[str, list[LayerTime]]] = {}
-    noise: dict[str, int] = {}
-    names_map: dict[str, str] = {}
-    for path in gpu_files:
-        sailor_name = path.stem
-        gpu = sailor_gpu_name(sailor_name)
-        names_map[sailor_name] = gpu
-        data = load_mapping(path)
-        by_tp = data.get(str(b))
-        if not isinstance(by_tp, dict) or tp not in by_tp:
-            have = sorted((k for k, v in data.items() if isinstance(v, dict) and tp in v), key=_int_key)
-            raise FormatError(f"{b}.{tp}", None, f"no times for micro-batch {b} at tensor-parallel degree {tp}; "
-                              f"micro-batch sizes with that degree: {', '.join(have) or 'none'}", file=str(path))
-        per_layer = by_tp[tp]
-        if not isinstance(per_layer, dict):
-            raise FormatError(f"{b}.{tp}", per_layer, "must be an object {layer: [fwd_s, bwd_s, update_s]}",
-                              file=str(path))
-        larger = [data[k][tp] for k in sorted(data, key=_int_key)
-                  if str(k).isdigit() and b < _int_key(str(k))[0] < 2**63 and isinstance(data[k], dict) and tp in data[k]
-                  and isinstance(data[k][tp], dict)]
-        rows = []
-        ups = []
-        clipped = 0
-        for i in range(n_all):
-            row = per_layer.get(str(i))
-            if not (isinstance(row, list) and len(row) >= 2 and all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_LAYER_S for v in row)):
-                raise FormatError(f"{b}.{tp}.{i}", row, f"must be [fwd_s, bwd_s, update_s], seconds in "
-                                  f"[0, {MAX_LAYER_S:g}]", file=str(path))
-            ups.append(float(row[2]) if len(row) > 2 else 0.0)
-            fwd, bwd = _monotone(float(row[0]), float(row[1]), larger if clip_noise else [], str(i))
-            clipped += (fwd, bwd) != (float(row[0]), float(row[1]))
-            rows.append(LayerTime(fwd, bwd, projected=False, measured_on=sailor_name, update_s=ups[-1]))
-        times[gpu] = rows
-        if clipped:
-            noise[gpu] = clipped
-        if all_sizes:
-            for size, table in _other_sizes(data, tp, b, n_all, clip_noise, sailor_name).items():
-                times_at.setdefault(size, {})[gpu] = table
+    times, times_at, noise, names_map = _gpu_times(gpu_files, b, tp, n_all, clip_noise, all_sizes)
     layers = []
     for i in range(n_all):
         li = info.get(str(i))
@@ -222,8 +215,6 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
                           if len(by_gpu) == len(times)}))
         except FormatError as err:
             raise err.in_file(str(info_path)) from None
-    if not layers:
-        raise PartitionerError(f"{cfg_path}: num_all_layers is 0")
     meta = {"measured_on": {g: s_name for s_name, g in names_map.items()},
             "sailor_gpu_names": names_map, "tensor_parallel": tensor_parallel,
             "seq_len": s, "hidden_size": h, "vocab_size": vocab,
@@ -231,3 +222,45 @@ def import_sailor(directory: str | os.PathLike[str], *, micro_batch_size: int = 
     if noise:
         meta["clipped_to_larger_micro_batch"] = noise
     return Profile(name, b, tuple(layers), dtype=dtype, source=f"sailor:{root.name}", meta=meta)
+
+
+def _gpu_times(gpu_files: list[Path], b: int, tp: str, n_all: int, clip_noise: bool, all_sizes: bool
+               ) -> tuple[dict[str, list[LayerTime]], dict[int, dict[str, list[LayerTime]]], dict[str, int],
+                          dict[str, str]]:
+    """Each GPU file's per-layer times at micro-batch ``b`` and degree ``tp`` (with ``all_sizes``,
+    at every other size too), the noise clips counted per GPU type, and Sailor's name of each type."""
+    times: dict[str, list[LayerTime]] = {}
+    times_at: dict[int, dict[str, list[LayerTime]]] = {}
+    noise: dict[str, int] = {}
+    names_map: dict[str, str] = {}
+    for path in gpu_files:
+        sailor_name = path.stem
+        gpu = sailor_gpu_name(sailor_name)
+        names_map[sailor_name] = gpu
+        data = load_mapping(path)
+        by_tp = data.get(str(b))
+        if not isinstance(by_tp, dict) or tp not in by_tp:
+            have = sorted((k for k, v in data.items() if isinstance(v, dict) and tp in v), key=_int_key)
+            raise FormatError(f"{b}.{tp}", None, f"no times for micro-batch {b} at tensor-parallel degree {tp}; "
+                              f"micro-batch sizes with that degree: {', '.join(have) or 'none'}", file=str(path))
+        per_layer = by_tp[tp]
+        if not isinstance(per_layer, dict):
+            raise FormatError(f"{b}.{tp}", per_layer, "must be an object {layer: [fwd_s, bwd_s, update_s]}",
+                              file=str(path))
+        larger = [(f"{k}.{tp}", data[k][tp]) for k in sorted(data, key=_int_key)
+                  if str(k).isdigit() and b < _int_key(str(k))[0] < 2**63 and isinstance(data[k], dict) and tp in data[k]
+                  and isinstance(data[k][tp], dict)]
+        rows = []
+        clipped = 0
+        for i in range(n_all):
+            fwd0, bwd0, up = _times(per_layer.get(str(i)), f"{b}.{tp}.{i}", path)
+            fwd, bwd = _monotone(fwd0, bwd0, larger if clip_noise else [], str(i), path)
+            clipped += (fwd, bwd) != (fwd0, bwd0)
+            rows.append(LayerTime(fwd, bwd, projected=False, measured_on=sailor_name, update_s=up))
+        times[gpu] = rows
+        if clipped:
+            noise[gpu] = clipped
+        if all_sizes:
+            for size, table in _other_sizes(data, tp, b, n_all, clip_noise, sailor_name, path).items():
+                times_at.setdefault(size, {})[gpu] = table
+    return times, times_at, noise, names_map

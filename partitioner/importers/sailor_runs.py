@@ -22,19 +22,18 @@ inside a node the intra-node curve where the file has one.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._io import load_mapping
+from .._io import is_finite_number, load_mapping
 from ..bandwidth import Bandwidth
-from ..cluster import GIB, Cluster, DeviceType, Link, Node
+from ..cluster import BANDWIDTH_GBPS_RANGE, GIB, MAX_GPUS, Cluster, DeviceType, Link, Node
 from ..cost import CostOptions
-from ..errors import FormatError, check
-from ..plan import Plan, Stage, VirtualWorker
-from ..profile import Profile
+from ..errors import FormatError
+from ..plan import MAX_MICRO_BATCHES, Plan, Stage, VirtualWorker
+from ..profile import MAX_BYTES, MAX_LAYER_S, MAX_LAYERS, MAX_MICRO_BATCH_SIZE, Profile
 from .sailor import import_sailor, sailor_gpu_name
 
 __all__ = ["MEGATRON_DEEPSPEED_RESERVED_GIB", "SailorRun", "import_sailor_run", "sailor_bandwidth"]
@@ -62,12 +61,17 @@ def sailor_bandwidth(path: str | os.PathLike[str], kind: str, gpu: str, gpus_per
     entry = table.get(gpu, {})
     row = entry.get(str(gpus_per_node)) if isinstance(entry, dict) else None
     if row is None:
-        have = sorted(table) if gpu not in table else sorted(entry)
+        have = sorted(map(str, table)) if not isinstance(entry, dict) or gpu not in table else sorted(entry)
         raise FormatError(f"{kind}.{gpu}.{gpus_per_node}", None,
-                          f"not in the file (it has: {', '.join(map(str, have))})", file=str(path))
+                          f"not in the file (it has: {', '.join(have)})", file=str(path))
+    lo, hi = BANDWIDTH_GBPS_RANGE
     ok = (isinstance(row, list) and len(row) == 2 and isinstance(row[0], list) and len(row[0]) == 3
-          and all(isinstance(c, (int, float)) for c in row[0]) and isinstance(row[1], (int, float)) and row[1] > 0)
-    check(ok, f"{kind}.{gpu}.{gpus_per_node}", row, "must be [[a, b, c], max_bytes_per_s]")
+          and all(is_finite_number(c) and abs(c) <= 1e12 for c in row[0]) and is_finite_number(row[1])
+          and lo * 1e9 <= row[1] <= hi * 1e9)
+    if not ok:
+        raise FormatError(f"{kind}.{gpu}.{gpus_per_node}", row,
+                          f"must be [[a, b, c], max_bytes_per_s]: finite coefficients, the cap in "
+                          f"[{lo * 1e9:g}, {hi * 1e9:g}] bytes/s", file=str(path))
     return Bandwidth(float(row[1]) / 1e9, log2_mb_poly=tuple(float(c) for c in row[0]),
                      name=f"{Path(path).name}:{kind}.{gpu}.{gpus_per_node}")
 
@@ -86,7 +90,7 @@ class SailorRun:
     nodes: int
 
 
-def _field(d: dict[str, Any], key: str, kind: type, file: str) -> Any:
+def _field(d: dict[str, Any], key: str, kind: type | tuple[type, ...], file: str) -> Any:
     v = d.get(key)
     if not isinstance(v, kind) or isinstance(v, bool):
         what = "a number" if kind in (int, float, (int, float)) else getattr(kind, "__name__", str(kind))
@@ -94,67 +98,196 @@ def _field(d: dict[str, Any], key: str, kind: type, file: str) -> Any:
     return v
 
 
+def _int_field(d: dict[str, Any], key: str, file: str, least: int, most: int) -> int:
+    v = d.get(key)
+    if not (isinstance(v, int) and not isinstance(v, bool) and least <= v <= most):
+        raise FormatError(key, v, f"must be an integer in [{least:,}, {most:,}]", file=file)
+    return v
+
+
+def _num_field(d: dict[str, Any], key: str, file: str, most: float, unit: str) -> float:
+    """A measured figure: a finite number > 0 and at most ``most``."""
+    v: Any = d.get(key)
+    if not (is_finite_number(v) and 0 < v <= most):
+        raise FormatError(key, v, f"must be a number of {unit} > 0 and <= {most:g} (a measured figure)", file=file)
+    return float(v)
+
+
 def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os.PathLike[str],
                       network: str | os.PathLike[str], options: CostOptions | None = None,
                       activations: str = "megatron", clip_noise: bool = True) -> SailorRun:
     """Read one of Sailor's measured runs (see the module docstring); ``activations`` and
-    ``clip_noise`` are passed to :func:`partitioner.importers.sailor.import_sailor`."""
+    ``clip_noise`` are passed to :func:`partitioner.importers.sailor.import_sailor`. Every field
+    is checked, and the plan against the profile and cluster built, before it is returned: a bad
+    field is one :class:`FormatError` naming the file, the field and what is valid."""
     file = str(plan_config)
     cfg = load_mapping(plan_config)
+    layout = _read_layout(cfg, file)
+    mbs = _int_field(cfg, "mbs", file, 1, MAX_MICRO_BATCH_SIZE)
+    gbs = _int_field(cfg, "gbs", file, 1, 2**53)
+    same_dp = len(set(layout.dp)) == 1
+    n_dp = int(layout.dp[0]) if same_dp else 1
+    _check(gbs % (mbs * n_dp) == 0, "gbs", gbs, f"must be a multiple of mbs x dp = {mbs * n_dp}", file)
+    _check(gbs // (mbs * n_dp) <= MAX_MICRO_BATCHES, "gbs", gbs,
+           f"gives gbs / (mbs x dp) = {gbs // (mbs * n_dp):,} micro-batches per pipeline; a plan holds at most "
+           f"{MAX_MICRO_BATCHES:,} (gbs at most {MAX_MICRO_BATCHES * mbs * n_dp:,})", file)
+    real = _num_field(cfg, "real", file, MAX_LAYER_S, "seconds")
+    peak = _num_field(cfg, "max_mem", file, MAX_BYTES, "bytes")
+    profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=layout.tp,
+                            gpu_types=tuple(layout.types), activations=activations, clip_noise=clip_noise)
+    placed = _place(layout)
+    cluster = _cluster(network, layout, placed)
+    where = "pipeline_list[0]"
+    ranges = layout.ranges
+    _check(ranges[-1][1] == profile.num_layers, f"{where}.layers_per_stage[{len(ranges) - 1}]",
+           layout.stages[-1], f"must end at the model's last layer, {profile.num_layers - 1} (the profile has "
+           f"{profile.num_layers})", file)
+    groups, device = layout.groups, placed.device
+    if same_dp:  # replica d of every stage forms pipeline d (as Megatron-DeepSpeed runs them)
+        workers = [VirtualWorker(tuple(Stage(r, device[(k, w)], sailor_gpu_name(groups[k][w][0]))
+                                       for k, r in enumerate(ranges))) for w in range(n_dp)]
+    else:  # replica counts differ by stage: one pipeline whose stages are replicated
+        workers = [VirtualWorker(tuple(Stage(r, device[(k, 0)], sailor_gpu_name(groups[k][0][0]),
+                                             tuple(device[(k, i)] for i in range(1, len(groups[k]))))
+                                       for k, r in enumerate(ranges)))]
+    opts = options or CostOptions(precision="fp16", reserved_bytes=MEGATRON_DEEPSPEED_RESERVED_GIB * GIB)
+    plan = Plan(profile.model, tuple(workers), "1f1b", mbs, gbs // (mbs * n_dp),
+                meta={"source": f"sailor:{Path(file).name}", "tensor_parallel": layout.tp})
+    try:  # what a reader checks of the three files together (every field above was checked on its own)
+        plan.validate(profile, cluster)
+    except FormatError as err:
+        raise err.in_file(file) from None
+    n_field = cfg.get("N")
+    return SailorRun(Path(file).stem, plan, profile, cluster, opts, real, peak,
+                     n_field if isinstance(n_field, int) and not isinstance(n_field, bool) else len(cluster.nodes))
+
+
+def _check(ok: bool, field: str, value: Any, expected: str, file: str) -> None:
+    if not ok:
+        raise FormatError(field, value, expected, file=file)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A run's pipeline as its file states it: each stage's layers and range, each stage's
+    replicas as (GPU type, GPUs per node, tensor-parallel degree), the replica counts, the one
+    tensor-parallel degree and the GPU types in order of first use."""
+
+    stages: list[list[int]]
+    ranges: list[tuple[int, int]]
+    groups: list[list[tuple[str, int, int]]]
+    dp: list[int]
+    tp: int
+    types: list[str]
+
+
+def _read_layout(cfg: dict[str, Any], file: str) -> _Layout:
     pipes = _field(cfg, "pipeline_list", list, file)
-    check(len(pipes) == 1 and isinstance(pipes[0], dict), "pipeline_list", f"{len(pipes)} pipelines",
-          "one pipeline (every replica cut alike) is supported")
+    _check(len(pipes) == 1 and isinstance(pipes[0], dict), "pipeline_list", f"{len(pipes)} pipelines",
+           "one pipeline (every replica cut alike) is supported", file)
     pipe = pipes[0]
-    stages = pipe.get("layers_per_stage")
-    replicas = pipe.get("tmp_per_stage")
-    dp = pipe.get("dp")
+    stages, replicas, dp = pipe.get("layers_per_stage"), pipe.get("tmp_per_stage"), pipe.get("dp")
     if not (isinstance(stages, list) and isinstance(replicas, list) and isinstance(dp, list)
             and len(stages) == len(replicas) == len(dp) >= 1):
         raise FormatError("pipeline_list[0]", "layers_per_stage/tmp_per_stage/dp",
                           "must be lists with one entry per stage", file=file)
+    ranges = _read_ranges(stages, file)
+    groups = _read_replicas(replicas, dp, file)
+    tps = sorted({tp for row in groups for _, _, tp in row})
+    _check(len(tps) == 1, "pipeline_list[0].tmp_per_stage", f"tensor-parallel degrees {tps}",
+           "one degree per run is supported (the profile describes one shard)", file)
+    types = list(dict.fromkeys(g for row in groups for g, _, _ in row))
+    return _Layout(stages, ranges, groups, dp, tps[0], types)
+
+
+def _read_ranges(stages: list[Any], file: str) -> list[tuple[int, int]]:
+    """Stage ``k`` holds layers ``[start, stop)``; the stages cover the layers in order, without
+    overlap or gap."""
     where = "pipeline_list[0]"
-    groups: list[list[tuple[str, int, int]]] = []  # per stage, per replica: (gpu, gpus_per_node, tp)
+    _check(len(stages) <= MAX_LAYERS, f"{where}.layers_per_stage", f"{len(stages):,} stages",
+           f"at most {MAX_LAYERS:,} (one layer each) are supported", file)
+    ranges: list[tuple[int, int]] = []
+    for k, layers in enumerate(stages):
+        start = ranges[-1][1] if ranges else 0
+        ok = (isinstance(layers, list) and 1 <= len(layers) <= MAX_LAYERS
+              and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+              and layers == list(range(layers[0], layers[0] + len(layers))))
+        _check(ok, f"{where}.layers_per_stage[{k}]", layers, "must be consecutive layer indices", file)
+        if layers[0] != start:
+            what = (f"overlaps stage {k - 1}, which ends at layer {start - 1}" if layers[0] < start
+                    else f"skips layer {start}" if layers[0] == start + 1 else f"skips layers {start}..{layers[0] - 1}")
+            _check(False, f"{where}.layers_per_stage[{k}]", layers,
+                   f"{what}; the stages must cover the layers in order from layer 0", file)
+        ranges.append((layers[0], layers[-1] + 1))
+    return ranges
+
+
+def _read_replicas(replicas: list[Any], dp: list[Any], file: str) -> list[list[tuple[str, int, int]]]:
+    """Per stage, per replica: (GPU type, GPUs per node, tensor-parallel degree)."""
+    where = "pipeline_list[0]"
+    groups: list[list[tuple[str, int, int]]] = []
+    total = 0
     for k, reps in enumerate(replicas):
         count = dp[k]
-        check(isinstance(count, int) and not isinstance(count, bool) and count >= 1 and isinstance(reps, list)
-              and len(reps) == count, f"{where}.dp[{k}]", count,
-              f"must be the number of replicas listed in tmp_per_stage[{k}]")
+        _check(isinstance(count, int) and not isinstance(count, bool) and 1 <= count <= MAX_GPUS
+               and isinstance(reps, list) and len(reps) == count, f"{where}.dp[{k}]", count,
+               f"must be the number of replicas listed in tmp_per_stage[{k}] (1 to {MAX_GPUS:,})", file)
+        total += count
+        _check(total <= MAX_GPUS, f"{where}.dp", f"{total:,} replicas or more",
+               f"at most {MAX_GPUS:,} GPUs in a cluster are supported", file)
         row = []
         for i, rep in enumerate(reps):
             try:
-                row.append((str(rep[0][0][0]), int(rep[0][0][1]), int(rep[1])))
-            except (IndexError, TypeError, ValueError):
+                gpu, gpn, tp = rep[0][0][0], rep[0][0][1], rep[1]
+            except (IndexError, KeyError, TypeError):
                 raise FormatError(f"{where}.tmp_per_stage[{k}][{i}]", rep,
                                   "must be [[[gpu, gpus_per_node, zone]], tensor_parallel]", file=file) from None
+            _check(isinstance(gpu, str) and gpu != "", f"{where}.tmp_per_stage[{k}][{i}][0][0][0]", gpu,
+                   "must be a GPU type name", file)
+            for name, v, at in (("gpus_per_node", gpn, "[0][0][1]"), ("tensor_parallel", tp, "[1]")):
+                _check(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_GPUS,
+                       f"{where}.tmp_per_stage[{k}][{i}]{at}", v,
+                       f"{name} must be an integer in [1, {MAX_GPUS:,}]", file)
+            row.append((gpu, gpn, tp))
         groups.append(row)
-    tps = sorted({tp for row in groups for _, _, tp in row})
-    check(len(tps) == 1, f"{where}.tmp_per_stage", f"tensor-parallel degrees {tps}",
-          "one degree per run is supported (the profile describes one shard)")
-    tp = tps[0]
-    types = list(dict.fromkeys(g for row in groups for g, _, _ in row))
-    mbs = int(_field(cfg, "mbs", int, file))
-    gbs = int(_field(cfg, "gbs", int, file))
-    same_dp = len(set(dp)) == 1
-    n_dp = int(dp[0]) if same_dp else 1
-    check(gbs % (mbs * n_dp) == 0, "gbs", gbs, f"must be a multiple of mbs x dp = {mbs * n_dp}")
-    profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=tp, gpu_types=tuple(types),
-                            activations=activations, clip_noise=clip_noise)
-    # Tensor-parallel groups fill nodes of their GPU type in order: gpus_per_node // tp per node.
+    return groups
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Nodes (their GPU type, GPUs per node, GPUs used) and each (stage, replica)'s device."""
+
+    node_types: list[str]
+    node_gpus: list[int]
+    slots: list[int]
+    device: dict[tuple[int, int], str]
+
+
+def _place(layout: _Layout) -> _Placement:
+    """Tensor-parallel groups fill nodes of their GPU type in order: gpus_per_node // tp per node."""
     node_types: list[str] = []
     node_gpus: list[int] = []
     slots: list[int] = []
     open_node: dict[str, int] = {}
     device: dict[tuple[int, int], str] = {}
-    for k, row in enumerate(groups):
+    for k, row in enumerate(layout.groups):
         for i, (gpu, gpn, _) in enumerate(row):
             n = open_node.get(gpu)
-            if n is None or slots[n] >= max(1, gpn // tp):
+            if n is None or slots[n] >= max(1, gpn // layout.tp):
                 n = open_node[gpu] = len(node_types)
                 node_types.append(gpu)
                 node_gpus.append(gpn)
                 slots.append(0)
             device[(k, i)] = f"n{n}:{slots[n]}"
             slots[n] += 1
+    return _Placement(node_types, node_gpus, slots, device)
+
+
+def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placement) -> Cluster:
+    """The run's nodes with Sailor's measured curves: each type's intra-node curve inside a node
+    (its inter-node one where none is given), between nodes the type's inter-node curve, and
+    between nodes of two types the slower type's."""
+    types, node_types, node_gpus = layout.types, placed.node_types, placed.node_gpus
     extra = {sailor_gpu_name(g): _EXTRA_TYPES[g] for g in types if g in _EXTRA_TYPES}
 
     def curve(kind: str, gpu: str, gpn: int) -> Bandwidth | None:
@@ -165,12 +298,13 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
 
     inter_of = {g: curve("inter", g, node_gpus[node_types.index(g)]) or curve("inter", g, 1) for g in types}
     missing = [g for g, c in inter_of.items() if c is None]
-    check(not missing, "network", missing, f"{Path(network).name} has no inter-node curve for these GPU types")
+    if missing:
+        raise FormatError("inter", missing, "no inter-node curve for these GPU types", file=str(network))
     nodes = []
     for n, (gpu, gpn) in enumerate(zip(node_types, node_gpus, strict=True)):
         intra = curve("intra", gpu, gpn) or inter_of[gpu]
         assert intra is not None
-        nodes.append(Node(f"n{n}", (sailor_gpu_name(gpu),) * slots[n], intra.gbps, intra_curve=intra))
+        nodes.append(Node(f"n{n}", (sailor_gpu_name(gpu),) * placed.slots[n], intra.gbps, intra_curve=intra))
 
     def speed(c: Bandwidth | None) -> float:
         return c.gbps_at(1e8) if c is not None else 0.0
@@ -187,27 +321,5 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
                     links.append(Link(f"n{x}", f"n{y}", c.gbps, c))
     inter = inter_of[slowest]
     assert inter is not None
-    cluster = Cluster(f"sailor-{'+'.join(types)}-{len(nodes)}n-tp{tp}", tuple(nodes), inter.gbps, extra,
-                      tuple(links), inter_curve=inter)
-    ranges = []
-    for k, layers in enumerate(stages):
-        check(isinstance(layers, list) and len(layers) >= 1 and all(isinstance(x, int) for x in layers)
-              and layers == list(range(layers[0], layers[0] + len(layers))),
-              f"{where}.layers_per_stage[{k}]", layers, "must be consecutive layer indices")
-        ranges.append((layers[0], layers[-1] + 1))
-    if same_dp:  # replica d of every stage forms pipeline d (as Megatron-DeepSpeed runs them)
-        workers = [VirtualWorker(tuple(Stage(r, device[(k, w)], sailor_gpu_name(groups[k][w][0]))
-                                       for k, r in enumerate(ranges))) for w in range(n_dp)]
-    else:  # replica counts differ by stage: one pipeline whose stages are replicated
-        workers = [VirtualWorker(tuple(Stage(r, device[(k, 0)], sailor_gpu_name(groups[k][0][0]),
-                                             tuple(device[(k, i)] for i in range(1, len(groups[k]))))
-                                       for k, r in enumerate(ranges)))]
-    opts = options or CostOptions(precision="fp16", reserved_bytes=MEGATRON_DEEPSPEED_RESERVED_GIB * GIB)
-    real = float(_field(cfg, "real", (int, float), file))  # type: ignore[arg-type]
-    peak = float(_field(cfg, "max_mem", (int, float), file))  # type: ignore[arg-type]
-    check(math.isfinite(real) and real > 0, "real", real, "must be > 0 seconds")
-    plan = Plan(profile.model, tuple(workers), "1f1b", mbs, gbs // (mbs * n_dp),
-                meta={"source": f"sailor:{Path(file).name}", "tensor_parallel": tp})
-    n_field = cfg.get("N")
-    return SailorRun(Path(file).stem, plan, profile, cluster, opts, real, peak,
-                     n_field if isinstance(n_field, int) and not isinstance(n_field, bool) else len(nodes))
+    return Cluster(f"sailor-{'+'.join(types)}-{len(nodes)}n-tp{layout.tp}", tuple(nodes), inter.gbps, extra,
+                   tuple(links), inter_curve=inter)

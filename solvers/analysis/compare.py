@@ -75,6 +75,12 @@ def _entry(name: str, kind: str, run: Any) -> Comparison:
         r = run()
     except (PartitionerError, ValueError) as err:  # a policy that does not apply to this cluster
         return Comparison(name, kind, "n/a", reason=str(err).splitlines()[0])
+    except Exception as err:
+        if type(err).__name__ != "PulpSolverError":
+            raise
+        # CBC, an outside program, ended abnormally (it can crash when a time limit stops a
+        # warm-started search): this row has no result; the others stand
+        return Comparison(name, kind, "error", reason=f"the MILP solver CBC failed ({' '.join(str(err).split())[:160]})")
     if not r.ok:
         return Comparison(name, kind, str(r.status), solve_s=r.runtime_s, reason=r.reason)
     plan = r.plan

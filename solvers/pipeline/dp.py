@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -251,7 +251,8 @@ def _sweep(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
 
 
 def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> str:
-    """Why no split of the chain fits ``devices``, in words with the numbers that matter."""
+    """Why no split of the chain fits ``devices``, in words with the numbers that matter, and the
+    changes that would make it fit (:func:`_memory_levers`), each checked on the cost model."""
     n_layers, p = cost.num_layers, len(devices)
     if p > n_layers:
         return (f"{p} devices but only {n_layers} layers: every stage needs at least one layer; "
@@ -261,21 +262,153 @@ def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: Sc
     names = [layer.name for layer in cost.profile.layers]
     alone = np.array([cost.stage_memory_bytes(i, i + 1, fewest, schedule) for i in range(n_layers)])
     worst = int(alone.argmax())
+    reserved = cost.options.reserved_bytes
     if alone[worst] > largest.memory_bytes:
-        return (f"layer {worst} ({names[worst]}) alone needs {alone[worst] / GIB:.2f} GiB "
-                f"({fewest} micro-batch(es) of activations in flight under {schedule}, "
-                f"{cost.options.reserved_bytes / GIB:.2f} GiB reserved); the largest device "
-                f"({largest.name}, {largest.gpu_type}) has {largest.memory_bytes / GIB:.2f} GiB")
-    need = cost.stage_memory_bytes(0, n_layers, fewest, schedule) + (p - 1) * cost.options.reserved_bytes
+        reason = (f"layer {worst} ({names[worst]}) alone needs {alone[worst] / GIB:.2f} GiB "
+                  f"({fewest} micro-batch(es) of activations in flight under {schedule}, "
+                  f"{reserved / GIB:.2f} GiB reserved); the largest device "
+                  f"({largest.name}, {largest.gpu_type}) has {largest.memory_bytes / GIB:.2f} GiB")
+
+        def figure(m: _Memory) -> str:
+            return f"layer {worst} needs {m.stage(worst, worst + 1, 1) / GIB:.2f} GiB"
+
+        return reason + _memory_levers(cost, devices, schedule, figure)
+    need = cost.stage_memory_bytes(0, n_layers, fewest, schedule) + (p - 1) * reserved
     have = sum(d.memory_bytes for d in devices)
     if need > have:
-        return (f"the model needs at least {need / GIB:.2f} GiB across {p} stages even with "
-                f"{fewest} micro-batch(es) in flight; the devices have {have / GIB:.2f} GiB in total")
+        reason = (f"the model needs at least {need / GIB:.2f} GiB across {p} stages even with "
+                  f"{fewest} micro-batch(es) in flight; the devices have {have / GIB:.2f} GiB in total")
+
+        def figure(m: _Memory) -> str:
+            return f"the model needs {(m.stage(0, n_layers, 1) + (p - 1) * reserved) / GIB:.2f} GiB"
+
+        return reason + _memory_levers(cost, devices, schedule, figure)
     first = schedule.activations_in_flight(p)
     return (f"no contiguous split of {n_layers} layers over these {p} devices in this order fits every "
             f"device's memory under {schedule} with {schedule.micro_batches} micro-batches (the first stage keeps "
-            f"{first} in flight); use more or larger devices, fewer micro-batches in flight "
-            f"(1f1b instead of gpipe), or allow fewer devices")
+            f"{first} in flight)" + _memory_levers(cost, devices, schedule, None))
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """Stage memory under a changed setting (:meth:`CostModel.stage_memory_bytes` with the weight
+    bytes per parameter and the activations scaled): ``weight_scale`` for another precision,
+    ``act_scale`` for another micro-batch size, and the schedule and micro-batches in flight."""
+
+    cost: CostModel
+    schedule: Schedule
+    weight_scale: float = 1.0
+    act_scale: float = 1.0
+
+    def stage(self, start: int, stop: int, stages_from_end: int) -> float:
+        c = self.cost
+        in_flight = self.schedule.activations_in_flight(stages_from_end) * self.act_scale
+        params = float(c.param_count_prefix[stop] - c.param_count_prefix[start])
+        saved = float(c.saved_stop[stop] - c.saved_start[start])
+        return params * c.weight_factor(self.schedule) * self.weight_scale + saved * in_flight + \
+            c.options.reserved_bytes
+
+    def fits(self, devices: Sequence[Device]) -> bool:
+        """Whether some contiguous split over ``devices`` in this order fits every device's memory:
+        each stage as long as its device holds (stage memory only grows with its end, and a later
+        start leaves the next stage more room), leaving a layer for each stage after it."""
+        c, n_layers, p = self.cost, self.cost.num_layers, len(devices)
+        if p > n_layers:
+            return False
+        w = c.param_count_prefix * (c.weight_factor(self.schedule) * self.weight_scale)
+        tops: dict[float, np.ndarray] = {}
+        start = 0
+        for k, dev in enumerate(devices):
+            f = self.schedule.activations_in_flight(p - k) * self.act_scale
+            if f not in tops:
+                tops[f] = w + c.saved_stop * f
+            base = w[start] + c.saved_start[start] * f
+            stop = int(np.searchsorted(tops[f], dev.memory_bytes - c.options.reserved_bytes + base, side="right")) - 1
+            stop = min(stop, n_layers - (p - k - 1))
+            if stop <= start:
+                return False
+            start = stop
+        return start == n_layers
+
+
+# Work of one memory check (distinct micro-batch counts in flight x layers) above which the
+# levers that need a search are left out of a diagnosis: it stays well within a second.
+_LEVER_WORK = 4_000_000
+
+
+def _memory_levers(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
+                   figure: Callable[[_Memory], str] | None) -> str:
+    """``"; it would fit with: ..."``: each change that makes the split fit, computed: mixed
+    precision, a smaller micro-batch, fewer micro-batches in flight (1F1B, fewer micro-batches),
+    more pipeline stages; with ``figure`` the memory it then needs. ``""`` if none is checked."""
+    from dataclasses import replace as _replace
+
+    p, n_layers = len(devices), cost.num_layers
+    micro_batches = schedule.micro_batches
+    base = _Memory(cost, schedule)
+    searches = min(p, micro_batches) * n_layers <= _LEVER_WORK
+    out: list[str] = []
+
+    def say(lever: str, m: _Memory, note: str = "") -> None:
+        said = [f"{figure(m)} then"] if figure is not None else []
+        out.append(f"{lever} ({'; '.join([*said, *([note] if note else [])])})" if said or note else lever)
+
+    if cost.options.precision == "fp32":
+        versions = schedule.weight_versions
+        half = _replace(cost.options, precision="fp16").bytes_per_parameter(versions)
+        scale = half / cost.options.bytes_per_parameter(versions)
+        if scale < 1 and _replace(base, weight_scale=scale).fits(devices):
+            say("`precision` fp16 or bf16 (mixed precision)", _replace(base, weight_scale=scale))
+    one_f_one_b = Schedule.of("1f1b", micro_batches)
+    first, first_1f1b = schedule.activations_in_flight(p), one_f_one_b.activations_in_flight(p)
+    if schedule.spec.flushes and first > first_1f1b:  # GPipe keeps every micro-batch in flight
+        one = _replace(base, schedule=one_f_one_b)
+        if one.fits(devices):
+            say(f"`schedule` 1f1b instead of {schedule}", one,
+                f"at most {first_1f1b} micro-batches in flight, not {first}")
+    if searches:
+        b = cost.profile.micro_batch_size
+        if b > 1 and _replace(base, act_scale=1 / b).fits(devices):
+            lo, hi = 1, b - 1  # the largest size that fits, in [lo, hi]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if _replace(base, act_scale=mid / b).fits(devices) else (lo, mid - 1)
+            say(f"micro-batches of at most {lo} samples instead of {b}", _replace(base, act_scale=lo / b),
+                "profile at that size")
+        in_flight = [schedule.activations_in_flight(p - k) for k in range(p)]
+        one_mb = schedule.with_micro_batches(1)
+        if micro_batches > 1 and in_flight != [one_mb.activations_in_flight(p - k) for k in range(p)] \
+                and _replace(base, schedule=one_mb).fits(devices):
+            lo, hi = 1, micro_batches - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if _replace(base, schedule=schedule.with_micro_batches(mid)).fits(devices) \
+                    else (lo, mid - 1)
+            say(f"`micro_batches` {lo} or fewer instead of {micro_batches}",
+                _replace(base, schedule=schedule.with_micro_batches(lo)))
+        largest = max(devices, key=lambda d: d.memory_bytes)
+        k = next((q for q in _stage_counts(p, n_layers) if base.fits([largest] * q)), None)
+        if k is not None:
+            lo = p + 1  # the fewest stages that fit, in [lo, k]
+            while lo < k:
+                mid = (lo + k) // 2
+                lo, k = (lo, mid) if base.fits([largest] * mid) else (mid + 1, k)
+            out.append(f"more pipeline stages: {k} devices of {largest.memory_bytes / GIB:.2f} GiB like "
+                       f"{largest.name} instead of {p} (fewer virtual workers leave each pipeline more devices)")
+    if not out:
+        checked = "mixed precision, 1f1b" if not searches else \
+            "mixed precision, a smaller micro-batch, fewer micro-batches, more pipeline stages"
+        return f"; no single change among {checked} makes it fit"
+    return "; it would fit with " + ", or ".join(out)
+
+
+def _stage_counts(p: int, n_layers: int) -> list[int]:
+    """Pipeline lengths to try above ``p``: doubling, then all ``n_layers`` (at most one stage per layer)."""
+    out, q = [], p
+    while q < n_layers:
+        q = min(2 * q, n_layers)
+        out.append(q)
+    return out
 
 
 def chain_arguments(profile: Profile, cluster: Cluster, devices: Sequence[str] | None, schedule: str,

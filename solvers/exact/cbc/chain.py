@@ -25,7 +25,7 @@ from functools import partial
 from typing import Any
 
 from solvers.exact import intervals
-from solvers.exact.cbc.run import bound_s, has_plan, run_cbc, solve_status
+from solvers.exact.cbc.run import bound_s, run_cbc, solve_again, solve_status
 from solvers.exact.intervals import Arcs, ChainHint, ChainProblem, ChainVars
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveDetails, SolveResult, SolveStatus
@@ -144,8 +144,6 @@ def _tie_break(prob: Any, var: ChainVars, coef: list[float], arcs: Arcs, picked:
     prob.setObjective(weight * pulp.lpSum(q * yq for q, yq in var.y.items())
                       + pulp.lpSum(c * xa for c, xa in zip(coef, var.x, strict=True)))
     _warm_arcs(var, set(picked))
-    run_cbc(prob, time_limit_s, threads, seed, warm_start=True, keep_log=False)
-    details["tie_break"] = pulp.LpStatus[prob.status]
-    if not has_plan(prob):
+    if not solve_again(prob, time_limit_s, threads, seed, details):
         return sol
     return intervals.price_arcs(problem, arcs, _picked(var))

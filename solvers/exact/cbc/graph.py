@@ -17,7 +17,13 @@ from functools import partial
 from typing import Any
 
 from solvers.exact import graph as dag
-from solvers.exact.cbc.run import TOLERANCE_SLACK, bound_s, has_plan, run_cbc, solve_status
+from solvers.exact.cbc.run import (
+    TOLERANCE_SLACK,
+    bound_s,
+    run_cbc,
+    solve_again,
+    solve_status,
+)
 from solvers.exact.graph import DagData, DagPlan, DagVars
 from solvers.exact.intervals import no_plan_reason, unsolved
 from solvers.result import SolveDetails, SolveResult, SolveStatus
@@ -178,8 +184,6 @@ def _tie_break(prob: Any, data: DagData, var: DagVars, found: DagPlan, unit_s: f
     prob += var.bottleneck <= best + TOLERANCE_SLACK * SCALE_MAX  # B <= B* + slack
     prob.setObjective(pulp.lpSum(var.t))  # minimise sum_k t_k
     _warm(var, found.stages)
-    run_cbc(prob, time_limit_s, threads, seed, warm_start=True, keep_log=False)
-    details["tie_break"] = pulp.LpStatus[prob.status]
-    if not has_plan(prob):
+    if not solve_again(prob, time_limit_s, threads, seed, details):
         return found
     return dag.tie_break_winner(found, _extract(data, var), 2 * TOLERANCE_SLACK * SCALE_MAX * unit_s)

@@ -23,7 +23,13 @@ from typing import Any, NamedTuple
 
 from partitioner.errors import PartitionerError
 from solvers.exact import joint
-from solvers.exact.cbc.run import TOLERANCE_SLACK, bound_s, has_plan, run_cbc, solve_status
+from solvers.exact.cbc.run import (
+    TOLERANCE_SLACK,
+    bound_s,
+    run_cbc,
+    solve_again,
+    solve_status,
+)
 from solvers.exact.intervals import no_plan_reason, unsolved
 from solvers.exact.joint import JointData, JointPlan, JointVars
 from solvers.exact.joint_bound import before_model, relaxed_floor
@@ -239,9 +245,7 @@ def _tie_break(prob: Any, data: JointData, var: JointVars, found: JointPlan, tim
     prob.setObjective(weight * pulp.lpSum(var.u[r][g] for r in range(data.positions) for g in range(len(data.labels)))
                       + pulp.lpSum(var.t_stage))
     _warm(data, found, var)
-    run_cbc(prob, time_limit_s, threads, seed, warm_start=True, keep_log=False)
-    details["tie_break"] = pulp.LpStatus[prob.status]
-    if not has_plan(prob):
+    if not solve_again(prob, time_limit_s, threads, seed, details):
         return found
     try:
         again = joint.read_plan(data, var, _on)

@@ -10,6 +10,7 @@ less :data:`TOLERANCE_SLACK` of the largest time the model holds.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -19,9 +20,12 @@ from typing import Any
 
 from partitioner.errors import PartitionerError
 from solvers.progress import status
-from solvers.result import SolveStatus
+from solvers.result import SolveDetails, SolveStatus
 
-__all__ = ["TOLERANCE_SLACK", "bound_s", "cbc_bound", "has_plan", "run_cbc", "seed_options", "solve_status"]
+__all__ = ["TOLERANCE_SLACK", "bound_s", "cbc_bound", "has_plan", "run_cbc", "seed_options", "solve_again",
+           "solve_status"]
+
+log = logging.getLogger(__name__)
 
 TOLERANCE_SLACK = 1e-6  # of the largest time a model holds, taken off CBC's bound
 
@@ -67,6 +71,22 @@ def run_cbc(prob: Any, time_limit_s: float, threads: int, seed: int, warm_start:
     finally:
         if log_path is not None:
             os.unlink(log_path)
+
+
+def solve_again(prob: Any, time_limit_s: float, threads: int, seed: int, details: SolveDetails) -> bool:
+    """The tie-break's second solve, warm-started from the first solve's plan: whether CBC gave a
+    plan (its status in ``details["tie_break"]``). CBC itself may crash on a warm-started solve
+    cut short by its time limit; the first solve's proven plan then stands."""
+    import pulp
+
+    try:
+        run_cbc(prob, time_limit_s, threads, seed, warm_start=True, keep_log=False)
+    except pulp.PulpSolverError as err:
+        log.warning("CBC failed in the tie-break (%s); the first solve's plan stands", err)
+        details["tie_break"] = "CBC failed"
+        return False
+    details["tie_break"] = pulp.LpStatus[prob.status]
+    return has_plan(prob)
 
 
 def bound_s(log_text: str, unit_s: float, largest_s: float) -> float:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cluster import DeviceType, resolve_gpu_type
-from .errors import FormatError, PartitionerError
-from .profile import LayerTime, Profile
+from ..cluster import DeviceType, gpu_family, resolve_gpu_type
+from ..errors import FormatError, PartitionerError
+from ..profile import LayerTime, Profile
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -86,7 +86,10 @@ def _source_roofs(profile: Profile, source: str, extra: Mapping[str, DeviceType]
     try:
         return Roofs.of(resolve_gpu_type(source, extra), profile.dtype, precision), True
     except FormatError:
-        pass
+        if gpu_family(source):  # measured on "an A100": which one's peaks to calibrate with is unknown
+            raise FormatError("source", source, f"names several GPU types ({', '.join(gpu_family(source))}); key the "
+                              "measured times by the exact type (partitioner profile merge, or edit the "
+                              "profile's times keys)") from None
     return _estimated_roofs(profile, source), False
 
 

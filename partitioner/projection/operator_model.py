@@ -1,6 +1,6 @@
 """Per-operator projection of layer times between GPU types.
 
-A layer's time on a GPU type is the sum of its operators' times (``partitioner.operators``),
+A layer's time on a GPU type is the sum of its operators' times (``partitioner.projection.operators``),
 each priced from its arithmetic intensity and the type's catalog peaks:
 
 * a GEMM takes ``flops / (fraction x peak x waves)`` on the faster of the paths its math
@@ -19,7 +19,7 @@ each priced from its arithmetic intensity and the type's catalog peaks:
   interconnect, which is not a property of the GPU type: it is an input, never fitted here.
 
 The fractions and overheads (:class:`OpModelParams`) are fitted on measured GPU types
-(``partitioner.projection_fit``); :class:`Calibration` bundles them with the expected error
+(``partitioner.projection.fit``); :class:`Calibration` bundles them with the expected error
 of each operator class measured leave-one-type-out. :func:`project_with_ops` projects a
 profile: each layer's measured time on the source type is multiplied by the ratio of the
 model's times on the target and on the source (the source's measurement carries what the
@@ -38,8 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from .cluster import DeviceType, resolve_gpu_type
-from .errors import FormatError, OptionError, PartitionerError, check
+from ..cluster import DeviceType, resolve_gpu_type
+from ..errors import FormatError, OptionError, PartitionerError, check
+from ..profile import LayerTime, Profile
 from .operators import (
     COMPUTE_KINDS,
     LayerOps,
@@ -49,7 +50,6 @@ from .operators import (
     layer_kind,
     transformer_ops,
 )
-from .profile import LayerTime, Profile
 
 __all__ = [
     "CALIBRATION_FORMAT",

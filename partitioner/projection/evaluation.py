@@ -6,7 +6,7 @@ measured, with the operators of its layers. :func:`evaluate` projects each confi
 caller-supplied function on data that never includes the target (leave-one-type-out, or one
 source type alone), and returns every layer's projected and measured time
 (:class:`LayerResult`). :func:`class_errors` turns those residuals into the expected error of
-each operator class that :class:`~partitioner.projection_ops.Calibration` carries.
+each operator class that :class:`~partitioner.projection.operator_model.Calibration` carries.
 ``bench/projection_error.py`` prints the figures, ``tools/fit_projection.py`` writes the
 package's calibration.
 """
@@ -23,11 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from .cluster import DeviceType, resolve_gpu_type
-from .errors import FormatError, check
-from .operators import OperatorTable, TransformerShape, transformer_ops
-from .projection_fit import Sample, fit_structure
-from .projection_ops import (
+from ..cluster import DeviceType, resolve_gpu_type
+from ..errors import FormatError, check
+from .fit import Sample, fit_structure
+from .operator_model import (
     ERROR_CLASSES,
     AllReduce,
     Calibration,
@@ -38,6 +37,7 @@ from .projection_ops import (
     layer_time_s,
     op_mix,
 )
+from .operators import OperatorTable, TransformerShape, transformer_ops
 
 __all__ = [
     "SAILOR_TYPES",
@@ -104,7 +104,7 @@ def sailor_configs(directory: str | os.PathLike[str], *, types: Mapping[str, str
     times as measured (no noise clipping), with the operators of its layers in ``dtype``.
 
     ``types`` maps Sailor's GPU names to catalog types (default :data:`SAILOR_TYPES`)."""
-    from .importers.sailor import import_sailor
+    from ..importers.sailor import import_sailor
 
     root = Path(directory)
     cfg = _training_config(root)
@@ -247,7 +247,7 @@ def structures(directory: str | os.PathLike[str], maths: Sequence[str] = ("fp32"
                recompute: Sequence[bool] = (False, True)) -> dict[str, list[SailorConfig]]:
     """The candidate structures a fit chooses from: Sailor's configurations decomposed with each
     element type the math modes need, with and without recomputation (keys as
-    :func:`~partitioner.projection_fit.fit_structure` reads them)."""
+    :func:`~partitioner.projection.fit.fit_structure` reads them)."""
     out = {}
     for rc in recompute:
         for dtype in sorted({"float16" if m in ("fp16", "bf16") else "float32" for m in maths}):

@@ -1,6 +1,6 @@
 """Layers as operators: the GEMMs, element-wise kernels and collectives a layer runs.
 
-A projection between GPU types (``partitioner.projection_ops``) prices each operator on the
+A projection between GPU types (``partitioner.projection.operator_model``) prices each operator on the
 target from its FLOPs, its memory traffic and the target's peaks, then sums them: a layer
 whose time is mostly attention soft-max moves with memory bandwidth, one that is mostly
 GEMMs with the tensor-core rate. This module says what the operators are.
@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .errors import FormatError, OptionError, check
+from ..errors import FormatError, OptionError, check
 
 __all__ = [
     "COMPUTE_KINDS",
@@ -61,7 +61,7 @@ __all__ = [
     "zoo_ops",
 ]
 
-OPERATORS_FORMAT = "partitioner.operators/1"
+OPERATORS_FORMAT = "partitioner.projection.operators/1"
 COMPUTE_KINDS = ("gemm", "bgemm")  # priced by FLOPs (dense GEMMs; batched attention GEMMs)
 MEMORY_KINDS = ("elementwise", "norm", "softmax", "embedding")  # priced by bytes moved
 OP_KINDS = (*COMPUTE_KINDS, *MEMORY_KINDS, "allreduce")

@@ -1,7 +1,7 @@
 """Fitting the operator model's constants on measured GPU types, and judging them on others.
 
 A :class:`Sample` is one measured pass of one layer on one GPU type, with the layer's
-operators. :func:`fit_params` finds the :class:`~partitioner.projection_ops.OpModelParams`
+operators. :func:`fit_params` finds the :class:`~partitioner.projection.operator_model.OpModelParams`
 that minimise the (robust) squared log-ratio of predicted to measured times over the samples
 it is given, each GPU type weighing the same, with a weak pull towards a priori values (so
 that a constant the samples cannot tell apart, the tensor-core fraction from samples of a
@@ -10,7 +10,7 @@ GPU without tensor cores, stays at a plausible value instead of running off).
 held-out type is never seen by the fit that is used to predict it (tests check this).
 
 The data the package's calibration was fitted on are Sailor's OPT-350M profiles
-(``partitioner.projection_eval``; docs/profiling.md).
+(``partitioner.projection.evaluation``; docs/profiling.md).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cluster import DeviceType
-from .errors import OptionError, check
+from ..cluster import DeviceType
+from ..errors import OptionError, check
+from .operator_model import Calibration, OpModelParams, Rates, wave_efficiency
 from .operators import COMPUTE_KINDS, LayerOps
-from .projection_ops import Calibration, OpModelParams, Rates, wave_efficiency
 
 __all__ = [
     "MEASURED_FLOOR_S",
