@@ -17,6 +17,7 @@ __all__ = [
     "OPTION_FLAGS",
     "HelpFormatter",
     "Renamed",
+    "add_plan_inputs",
     "as_flags",
     "bounded_float",
     "bounded_int",
@@ -32,6 +33,13 @@ __all__ = [
 MAX_SIMULATED_PASSES = 100_000
 # With a trace or an image of every event: its size grows with the passes (about 0.9 kB each).
 MAX_TRACED_PASSES = 20_000
+
+
+def add_plan_inputs(parser: argparse.ArgumentParser) -> None:
+    """The three inputs of a command that reads a saved plan: PLAN, ``--profile``, ``--cluster``."""
+    parser.add_argument("plan", help="plan JSON (from `partitioner plan`)")
+    parser.add_argument("--profile", required=True, help="the profile the plan was made for")
+    parser.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
 
 
 def bounded_int(least: int, most: int) -> Callable[[str], int]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 
 from partitioner.cluster import Cluster
-from partitioner.errors import FormatError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
-from partitioner_cli._args import bounded_float
-from partitioner_cli.plan import add_cost_arguments, cost_options_from_args
+from partitioner_cli._args import add_plan_inputs, bounded_float
+from partitioner_cli.plan import add_cost_arguments, plan_cost_options
 
 __all__ = ["register"]
 
@@ -22,17 +21,7 @@ def _run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
-    saved = plan.cost_options()
-    options = cost_options_from_args(args, saved)
-    if saved is None:
-        print("note: the plan does not record the options it was priced with (an older plan); "
-              "priced with the defaults and the flags given")
-    elif options != saved:
-        print("note: the flags given override the options the plan was priced with")
-    try:
-        plan.validate(profile, cluster)
-    except FormatError as err:
-        raise err.in_file(args.plan) from None
+    options = plan_cost_options(args, plan, profile, cluster)
     e = explain_plan(plan, profile, cluster, options, what_if=not args.no_what_if, time_limit_s=args.time_limit)
     print(format_explanation(e))
     if args.json:
@@ -47,9 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "send) or link, where the simulated iteration goes (bubble, all-reduce, "
                                    "optimizer step), memory headroom per GPU, the gap to the best bound known, "
                                    "and the samples/s one more GPU of each timed type would give.")
-    p.add_argument("plan", help="plan JSON (from `partitioner plan`)")
-    p.add_argument("--profile", required=True, help="the profile the plan was made for")
-    p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
+    add_plan_inputs(p)
     p.add_argument("--json", metavar="OUT.json", default=None, help="write the same figures as JSON here")
     p.add_argument("--no-what-if", action="store_true", help="skip re-planning with one more GPU of each type")
     p.add_argument("--time-limit", type=bounded_float(0.001, 7 * 86400.0), default=10.0, metavar="SECONDS",

@@ -9,8 +9,9 @@ from dataclasses import replace
 from partitioner._io import check_outputs, finite_json
 from partitioner.cluster import GIB, Cluster
 from partitioner.cost import PRECISIONS, CostModel, CostOptions
+from partitioner.errors import FormatError
 from partitioner.placement import supports
-from partitioner.plan import SCHEDULES
+from partitioner.plan import SCHEDULES, Plan
 from partitioner.profile import MAX_MICRO_BATCH_SIZE, Profile
 from partitioner_cli._args import (
     Renamed,
@@ -21,7 +22,7 @@ from partitioner_cli._args import (
     device_list,
 )
 
-__all__ = ["add_cost_arguments", "cost_options_from_args", "register"]
+__all__ = ["add_cost_arguments", "cost_options_from_args", "plan_cost_options", "register"]
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +57,24 @@ def cost_options_from_args(args: argparse.Namespace, base: CostOptions | None = 
     if args.no_sync is not None:
         changes["sync"] = False
     return replace(base, **changes) if changes else base  # type: ignore[arg-type]
+
+
+def plan_cost_options(args: argparse.Namespace, plan: Plan, profile: Profile, cluster: Cluster) -> CostOptions:
+    """The options a saved plan is priced with: those it records, with every cost flag given over
+    them (a note says when the plan records none or a flag overrides them); the plan checked
+    against the profile and cluster (an error names ``args.plan``)."""
+    saved = plan.cost_options()
+    options = cost_options_from_args(args, saved)
+    if saved is None:
+        print("note: the plan does not record the options it was priced with (an older plan); "
+              "priced with the defaults and the flags given")
+    elif options != saved:
+        print("note: the flags given override the options the plan was priced with")
+    try:
+        plan.validate(profile, cluster)
+    except FormatError as err:
+        raise err.in_file(args.plan) from None
+    return options
 
 
 def _run(args: argparse.Namespace) -> int:

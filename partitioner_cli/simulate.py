@@ -7,11 +7,11 @@ import math
 
 from partitioner._io import check_outputs
 from partitioner.cluster import GIB, Cluster
-from partitioner.errors import FormatError, PartitionerError
+from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
-from partitioner_cli._args import bounded_int, check_simulation_size
-from partitioner_cli.plan import add_cost_arguments, cost_options_from_args
+from partitioner_cli._args import add_plan_inputs, bounded_int, check_simulation_size
+from partitioner_cli.plan import add_cost_arguments, plan_cost_options
 
 __all__ = ["register"]
 
@@ -26,17 +26,7 @@ def _run(args: argparse.Namespace) -> int:
     cluster = Cluster.load(args.cluster)
     check_simulation_size(plan, args.iterations, args.plan, traced=bool(args.trace or args.png))
     profile = profile_for_plan(plan, profile, args.profile)
-    saved = plan.cost_options()
-    options = cost_options_from_args(args, saved)
-    if saved is None:
-        print("note: the plan does not record the options it was priced with (an older plan); "
-              "priced with the defaults and the flags given")
-    elif options != saved:
-        print("note: the flags given override the options the plan was priced with")
-    try:
-        plan.validate(profile, cluster)
-    except FormatError as err:
-        raise err.in_file(args.plan) from None
+    options = plan_cost_options(args, plan, profile, cluster)
     tl = simulate_plan(plan, profile, cluster, options, iterations=args.iterations)
     if not (math.isfinite(tl.iteration_s) and tl.iteration_s > 0 and math.isfinite(tl.samples_per_s)):
         raise PartitionerError(f"{args.profile}: the plan's iteration takes {tl.iteration_s:g} s: every layer it "
@@ -87,9 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="time a plan with the discrete-event simulator",
                        description="Simulate PLAN's schedule with the cost model: iteration time, throughput, "
                                    "bubble and peak memory per device; optionally a Perfetto trace and a PNG.")
-    p.add_argument("plan", help="plan JSON (from `partitioner plan`)")
-    p.add_argument("--profile", required=True, help="the profile the plan was made for")
-    p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
+    add_plan_inputs(p)
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace here")
     p.add_argument("--png", metavar="OUT.png", help="write a timeline image here")
     p.add_argument("--waits", action="store_true", help="show receive waits in the trace")

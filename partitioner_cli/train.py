@@ -21,7 +21,7 @@ from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
 from partitioner.schedule import spec
-from partitioner_cli._args import bounded_float, bounded_int, check_simulation_size
+from partitioner_cli._args import add_plan_inputs, bounded_float, bounded_int, check_simulation_size
 from partitioner_cli.simulate import profile_for_plan
 
 if TYPE_CHECKING:
@@ -252,9 +252,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "one process per plan device; synchronous data parallelism between virtual "
                                    "workers (gpipe, 1f1b, interleaved, bfs), PipeDream-2BW (2bw) or WSP with the "
                                    "plan's staleness (wsp). Reports the measured iteration time against the simulator's.")
-    p.add_argument("plan", help="plan JSON")
-    p.add_argument("--profile", required=True, help="the profile the plan was made for")
-    p.add_argument("--cluster", required=True, help="the cluster file (YAML or JSON)")
+    add_plan_inputs(p)
     p.add_argument("--model", required=True,
                    help="zoo model to train (must be the plan's model), or module:function returning a "
                         "runtime.model.ModelSpec (docs/runtime.md)")

@@ -35,7 +35,7 @@ def _setup(tmp_path: Path, schedule: str = "1f1b", m: int = 4) -> tuple[Path, Pa
 
 def _two_workers(tmp_path: Path, schedule: str) -> tuple[Path, Path, Path]:
     """Two virtual workers of two stages each (four V100s on two nodes), optimizer steps timed."""
-    cluster = Cluster.homogeneous("V100", 2, 2, 16, 7)
+    cluster = Cluster.homogeneous("V100-SXM2-16GB", 2, 2, 16, 7)
     gpu = cluster.devices[0].gpu_type
     prof = Profile("toy", 8, tuple(LayerProfile(f"l{i}", param_bytes=1e8, saved_bytes=1e7, output_bytes=1e7,
                                                 times={gpu: LayerTime(0.01, 0.02, update_s=0.005)}) for i in range(4)))
