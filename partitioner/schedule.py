@@ -58,6 +58,7 @@ __all__ = [
     "ACTION_KINDS",
     "ALLREDUCE",
     "COMPUTE_KINDS",
+    "DEFAULT_MICRO_BATCHES",
     "PULL",
     "PUSH",
     "RECV_ACT",
@@ -200,6 +201,12 @@ def spec(schedule: str) -> ScheduleSpec:
         return SCHEDULES[schedule]
     except (KeyError, TypeError):
         raise FormatError("schedule", schedule, f"must be one of {', '.join(SCHEDULES)}") from None
+
+
+# The micro-batches per iteration when a caller gives none: a cluster of virtual workers (the
+# cluster planner, its baselines, compare) runs 8; one pipeline over p devices (the dp, cpsat and
+# milp solvers) runs p, which fills it once.
+DEFAULT_MICRO_BATCHES = 8
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from partitioner.cluster import Cluster
 from partitioner.errors import FormatError
 from partitioner.plan import MAX_MICRO_BATCHES, SCHEDULES
 from partitioner.profile import Profile
-from partitioner.schedule import spec
+from partitioner.schedule import DEFAULT_MICRO_BATCHES, spec
 from partitioner_cli._args import Renamed, as_flags, bounded_float, bounded_int, device_list
 from partitioner_cli.plan import add_cost_arguments, cost_options_from_args
 
@@ -140,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", default="1f1b", choices=[s for s in SCHEDULES if not spec(s).multi_chunk],
                    help="pipeline schedule (default: 1f1b)")
     p.add_argument("--micro-batches", "--microbatches", action=Renamed, dest="micro_batches",
-                   type=bounded_int(1, MAX_MICRO_BATCHES), default=8,
+                   type=bounded_int(1, MAX_MICRO_BATCHES), default=DEFAULT_MICRO_BATCHES,
                    metavar="N",
                    help="micro-batches per iteration, the same for every solver (default 8)")
     p.add_argument("--devices", default=None,

@@ -35,7 +35,7 @@ from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
-from partitioner.schedule import Schedule
+from partitioner.schedule import DEFAULT_MICRO_BATCHES, Schedule
 from solvers.cluster.grouping import group
 from solvers.cluster.planner import price_plan, throughput_upper_bound
 from solvers.pipeline.dp import chain_dp
@@ -125,7 +125,7 @@ def _cuts(rule: str, cost: CostModel, devices: Sequence[Device], schedule: Sched
 
 
 def solve(profile: Profile, cluster: Cluster, *, rule: str, virtual_workers: int = 1, policy: str | None = None,
-          schedule: str = "1f1b", micro_batches: int = 8, options: CostOptions | None = None,
+          schedule: str = "1f1b", micro_batches: int = DEFAULT_MICRO_BATCHES, options: CostOptions | None = None,
           objective: str = "sync", devices: Sequence[str] | None = None) -> SolveResult:
     """Plan with the baseline ``rule`` (see the module docstring)."""
     t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from partitioner.cost import CostOptions
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
+from partitioner.schedule import DEFAULT_MICRO_BATCHES
 from solvers import solve
 
 __all__ = ["BASELINE_NAMES", "CHAIN_SOLVERS", "POLICIES", "Comparison", "compare"]
@@ -91,7 +92,7 @@ def _entry(name: str, kind: str, run: Any) -> Comparison:
 
 
 def compare(profile: Profile, cluster: Cluster, *, virtual_workers: int | str | None = None,
-            schedule: str = "1f1b", micro_batches: int = 8, options: CostOptions | None = None,
+            schedule: str = "1f1b", micro_batches: int = DEFAULT_MICRO_BATCHES, options: CostOptions | None = None,
             devices: Sequence[str] | None = None, time_limit_s: float = 10.0,
             solvers: Sequence[str] | None = None) -> list[Comparison]:
     """Run every applicable solver (or those named in ``solvers``) on the same inputs."""

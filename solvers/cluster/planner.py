@@ -37,7 +37,7 @@ from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
-from partitioner.schedule import Schedule, spec
+from partitioner.schedule import DEFAULT_MICRO_BATCHES, Schedule, spec
 from solvers.cluster.grouping import OBJECTIVES, POLICIES, combine, group, search_opt
 from solvers.cluster.replication import replicate_worker
 from solvers.pipeline.dp import diagnose_infeasible
@@ -279,7 +279,7 @@ def _candidate_ks(n: int, nodes: int) -> list[int]:
 
 def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str = "auto", policy: str = "opt",
                  *, objective: str = "sync", replication: bool = False, schedule: str = "1f1b",
-                 micro_batches: int = 8, options: CostOptions | None = None, exact_limit: int = 720,
+                 micro_batches: int = DEFAULT_MICRO_BATCHES, options: CostOptions | None = None, exact_limit: int = 720,
                  time_limit_s: float = 50.0, devices: Sequence[str] | None = None,
                  simulate_top: int = 0) -> SolveResult:
     """Group, map and split ``profile`` over ``cluster`` (see the module docstring).
