@@ -307,6 +307,8 @@ class StashingExecutor(PipelineExecutor):
         self.lr = lr
         self.workers = layout.workers
         self.push_times: dict[int, float] = {}  # iteration (wave) -> when its STEP (PUSH) ran
+        # iteration (wave) -> (stage, parameter) -> the gradient summed over its micro-batches
+        self._grads: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
         layer_of = {(s, n): int(n.split("_", 1)[0]) for s, mod in self.stages.items()
                     for n, _ in mod.named_parameters()}
         self.groups: list[tuple[Any, list[tuple[int, str]]]] = []
@@ -322,6 +324,40 @@ class StashingExecutor(PipelineExecutor):
 
     def _setup(self, layout: Layout, rank: int) -> None:
         """The subclass's own state, made last in construction (after the holder sets' groups)."""
+
+    def _stashed(self, key: tuple[int, int], s: int) -> dict[str, torch.Tensor]:
+        """The weights micro-batch ``key``'s forward on stage ``s`` used, given up by the stash."""
+        raise NotImplementedError
+
+    def _backward(self, j: int, s: int) -> None:
+        """Micro-batch ``j``'s backward on stage ``s`` with the weights its forward used: their
+        gradients accumulate into the micro-batch's iteration (wave), its input's is kept for the
+        stage before."""
+        key = (j, s)
+        out = self._outputs.pop(key)
+        grad: torch.Tensor | None = None
+        if s != self.num_stages - 1:
+            grad = self._out_grads.pop(key, None)
+            if grad is None:
+                grad = self._in_grads.pop((j, s + 1), None)
+                if grad is None:
+                    grad = torch.zeros_like(out)
+        used = self._stashed(key, s)
+        x = self._inputs.pop(key, None)
+        wants_x = s > 0 and x is not None and x.requires_grad
+        inputs: list[torch.Tensor] = list(used.values())
+        if wants_x and x is not None:
+            inputs.append(x)
+        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True)
+        acc = self._grads.setdefault(j // self.m, {})
+        for (name, leaf), g in zip(used.items(), grads, strict=False):
+            k = (s, name)
+            if g is None:
+                acc.setdefault(k, torch.zeros_like(leaf))
+            else:
+                acc[k] = acc[k] + g if k in acc else g.detach().clone()
+        if s > 0:
+            self._in_grads[key] = grads[-1] if wants_x else None
 
     def _leaf_copies(self) -> dict[int, dict[str, torch.Tensor]]:
         """Stage -> parameter name -> a copy of the module's parameter as a leaf that takes gradients."""

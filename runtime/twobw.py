@@ -45,7 +45,6 @@ class TwoBwExecutor(StashingExecutor):
     def _setup(self, layout: Layout, rank: int) -> None:
         # version -> stage -> parameter name -> leaf tensor (never modified in place)
         self.versions: dict[int, dict[int, dict[str, torch.Tensor]]] = {0: self._leaf_copies()}
-        self._grads: dict[int, dict[tuple[int, str], torch.Tensor]] = {}  # iteration -> summed gradient
         self._updates: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # version -> (all-reduce, flat g) per group
         self._used: dict[tuple[int, int], int] = {}  # (micro-batch, stage) -> version its forward used
 
@@ -82,32 +81,9 @@ class TwoBwExecutor(StashingExecutor):
         self._used[key] = v
         self._keep_output(key, functional_call(self.stages[s], weights, (self._input(j, s),)))
 
-    def _backward(self, j: int, s: int) -> None:
-        key = (j, s)
-        out = self._outputs.pop(key)
-        grad: torch.Tensor | None = None
-        if s != self.num_stages - 1:
-            grad = self._out_grads.pop(key, None)
-            if grad is None:
-                grad = self._in_grads.pop((j, s + 1), None)
-                if grad is None:
-                    grad = torch.zeros_like(out)
-        used = self.versions[self._used.pop(key)][s]
-        x = self._inputs.pop(key, None)
-        wants_x = s > 0 and x is not None and x.requires_grad
-        inputs: list[torch.Tensor] = list(used.values())
-        if wants_x and x is not None:
-            inputs.append(x)
-        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True)
-        acc = self._grads.setdefault(j // self.m, {})
-        for (name, leaf), g in zip(used.items(), grads, strict=False):
-            k = (s, name)
-            if g is None:
-                acc.setdefault(k, torch.zeros_like(leaf))
-            else:
-                acc[k] = acc[k] + g if k in acc else g.detach().clone()
-        if s > 0:
-            self._in_grads[key] = grads[-1] if wants_x else None
+    def _stashed(self, key: tuple[int, int], s: int) -> dict[str, torch.Tensor]:
+        """The weights micro-batch ``key``'s forward on stage ``s`` used (no longer kept here)."""
+        return self.versions[self._used.pop(key)][s]
 
     # -- updates ----------------------------------------------------------------------------
 

@@ -74,7 +74,6 @@ class WspExecutor(StashingExecutor):
         self.pull_times: dict[int, float] = {}  # wave -> when this rank had its global weights
         self.snapshots: dict[int, dict[int, dict[str, torch.Tensor]]] | None = None  # wave -> global weights
         self.global_flat = [self._flat(keys, lambda s, n: self.leaves[s][n].detach()) for _, keys in self.groups]
-        self._grads: dict[int, dict[tuple[int, str], torch.Tensor]] = {}  # wave -> accumulated gradient
         self._own: dict[int, list[torch.Tensor]] = {}  # wave -> own update per group (pushed, not pulled)
         self._works: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # wave -> (pending all-reduce, buffer)
         self._used: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -104,32 +103,9 @@ class WspExecutor(StashingExecutor):
         self._used[key] = used
         self._keep_output(key, functional_call(self.stages[s], used, (x,)))
 
-    def _backward(self, j: int, s: int) -> None:
-        key = (j, s)
-        out = self._outputs.pop(key)
-        grad: torch.Tensor | None = None
-        if s != self.num_stages - 1:
-            grad = self._out_grads.pop(key, None)
-            if grad is None:
-                grad = self._in_grads.pop((j, s + 1)) if (j, s + 1) in self._in_grads else None
-                if grad is None:
-                    grad = torch.zeros_like(out)
-        used = self._used.pop(key)
-        x = self._inputs.pop(key, None)
-        wants_x = s > 0 and x is not None and x.requires_grad
-        inputs: list[torch.Tensor] = list(used.values())
-        if wants_x and x is not None:
-            inputs.append(x)
-        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True)
-        acc = self._grads.setdefault(j // self.m, {})
-        for (name, leaf), g in zip(used.items(), grads, strict=False):
-            if g is not None:
-                k = (s, name)
-                acc[k] = acc[k] + g if k in acc else g.detach().clone()
-            else:
-                acc.setdefault((s, name), torch.zeros_like(leaf))
-        if s > 0:
-            self._in_grads[key] = grads[-1] if wants_x else None
+    def _stashed(self, key: tuple[int, int], s: int) -> dict[str, torch.Tensor]:
+        """The weights micro-batch ``key``'s forward on stage ``s`` used (no longer kept here)."""
+        return self._used.pop(key)
 
     # -- waves -----------------------------------------------------------------------------
 

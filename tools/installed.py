@@ -32,8 +32,19 @@ def requirements(extra: str = "dev") -> list[str]:
     return [*data.get("dependencies", []), *data.get("optional-dependencies", {}).get(extra, [])]
 
 
+def scripts() -> dict[str, str]:
+    """``project.scripts`` of pyproject.toml (command -> "module:function")."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    m = re.search(r"^\[project\.scripts\]\s*\n(.*?)(?:^\[|\Z)", text, re.S | re.M)
+    return dict(re.findall(r'^(\S+)\s*=\s*"([^"]+)"', m.group(1), re.M)) if m else {}
+
+
 def missing() -> list[str]:
     out = []
+    installed = {e.name: e.value for e in metadata.entry_points(group="console_scripts")}
+    for name, target in scripts().items():
+        if installed.get(name) != target:
+            out.append(f"the {name} command runs {installed.get(name) or 'nothing'}, not {target}")
     for pkg in PACKAGES:
         spec = importlib.util.find_spec(pkg)
         origin = Path(spec.origin).resolve() if spec and spec.origin else None
