@@ -81,3 +81,31 @@ def test_cli_bad_virtual_workers_is_one_line(tmp_path: Path, capsys: pytest.Capt
                  "--virtual-workers", "zero"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--virtual-workers = 'zero': must be an integer >= 1 or 'auto'" in err
+
+
+def test_every_row_of_one_problem_is_judged_by_one_certificate() -> None:
+    """The rows plan the same problem, so each gap is measured against the best bound any row
+    proved, never past a plan it bounds; a row is optimal only where it reaches that bound."""
+    prof, cluster = _inputs()
+    for k in (2, "auto"):
+        rows = [r for r in compare(prof, cluster, virtual_workers=k, micro_batches=4, time_limit_s=5) if r.ok]
+        bounds = {r.lower_bound for r in rows}
+        assert len(bounds) == 1, (k, bounds)
+        (bound,) = bounds
+        for r in rows:
+            assert r.objective >= bound * (1 - 1e-9), r.name  # s per sample: no plan beats the bound
+            assert r.gap == pytest.approx(max(0.0, (r.objective - bound) / r.objective), abs=1e-12)
+            assert (r.status == "optimal") == (r.objective <= bound * (1 + 1e-9)), r.name
+
+
+def test_shared_certificate_takes_the_tightest_bound() -> None:
+    from solvers.analysis.compare import Comparison, shared_certificate
+
+    rows = [Comparison("a", "policy", "optimal", 2, 1.0, 0.9, 0.0, "s/sample"),
+            Comparison("b", "policy", "feasible", 2, 1.2, 0.95, 0.2, "s/sample"),
+            Comparison("c", "baseline", "feasible", 2, 1.5, 0.5, 0.6, "s/sample"),
+            Comparison("d", "policy", "n/a")]
+    out = shared_certificate(rows)
+    assert [r.lower_bound for r in out[:3]] == [0.95, 0.95, 0.95]
+    assert [r.status for r in out] == ["feasible", "feasible", "feasible", "n/a"]
+    assert out[0].gap == pytest.approx(0.05) and out[2].gap == pytest.approx(1 - 0.95 / 1.5)

@@ -136,3 +136,13 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
         rc = main(argv)
         err = capsys.readouterr().err
         assert rc == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_the_cluster_planners_certificate_is_in_the_units_plan_prints():
+    profile, cluster = _inputs()
+    result = plan_cluster(profile, cluster, virtual_workers=2, micro_batches=4)
+    e = explain_plan(result.plan, profile, cluster, what_if=False)
+    line = next(x for x in format_explanation(e).splitlines() if x.startswith("gap: "))
+    upper = 1 / result.lower_bound
+    assert f"objective {1 / result.objective:.1f} samples/s, upper bound {upper:.1f} samples/s" in line
+    assert f"gap {100 * result.gap:.2f}%" in line

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from partitioner.cluster import Cluster
@@ -27,7 +27,7 @@ from partitioner.profile import Profile
 from partitioner.schedule import DEFAULT_MICRO_BATCHES
 from solvers import solve
 
-__all__ = ["BASELINE_NAMES", "CHAIN_SOLVERS", "POLICIES", "Comparison", "compare"]
+__all__ = ["BASELINE_NAMES", "CHAIN_SOLVERS", "POLICIES", "Comparison", "compare", "shared_certificate"]
 
 CHAIN_SOLVERS = ("dp", "cpsat", "milp")
 POLICIES = ("np", "ed", "hd", "opt")
@@ -126,4 +126,28 @@ def compare(profile: Profile, cluster: Cluster, *, virtual_workers: int | str | 
         if want(name):
             out.append(_entry(name, "baseline", lambda n=name: solve(profile, cluster, n, virtual_workers=k,
                                                                       policy="np", **common)))
+    return shared_certificate(out)
+
+
+def shared_certificate(rows: list[Comparison]) -> list[Comparison]:
+    """``rows`` judged by one certificate: the best bound any of them proved.
+
+    Every row plans the same problem (the cluster's GPUs in ``K`` virtual workers, or any ``K``,
+    priced by the same closed form), and every row's bound holds for every plan of it: the fleet
+    bound and the bound with the all-reduce for any grouping (of ``K`` workers where ``K`` is
+    given), the baselines' perfect speed-up for any plan at all. So the largest of the bounds (in
+    seconds per sample) bounds every row; each gap is measured against it, and a row is
+    ``optimal`` only when it reaches it."""
+    bounds = [r.lower_bound for r in rows if r.ok and r.unit == "s/sample" and math.isfinite(r.lower_bound)]
+    if not bounds:
+        return rows
+    best = max(bounds)
+    out = []
+    for r in rows:
+        if not (r.ok and r.unit == "s/sample" and math.isfinite(r.objective) and r.objective > 0):
+            out.append(r)
+            continue
+        gap = max(0.0, (r.objective - best) / r.objective)
+        status = "optimal" if r.objective <= best * (1 + 1e-9) else "feasible"
+        out.append(replace(r, lower_bound=best, gap=0.0 if status == "optimal" else gap, status=status))
     return out

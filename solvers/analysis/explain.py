@@ -357,8 +357,13 @@ def format_explanation(e: Explanation, max_untimed: int = 8) -> str:
         obj, lb = e.solver.get("objective"), e.solver.get("lower_bound")
         txt = f"solver {e.solver.get('name')} {e.solver.get('status')}"
         if isinstance(obj, (int, float)) and isinstance(lb, (int, float)):
-            unit = "s per sample" if str(e.solver.get("name", "")).startswith("hetero") else "s bottleneck"
-            txt += f", objective {obj:.6g}, bound {lb:.6g} ({unit})"
+            gap_pct = 100 * max(0.0, (obj - lb) / obj) if obj > 0 and math.isfinite(lb) else math.nan
+            if str(e.solver.get("name", "")).startswith("hetero") and obj > 0 and lb > 0:
+                # in the units `partitioner plan` prints: samples/s, the bound an upper one
+                txt += f", objective {1 / obj:.1f} samples/s, upper bound {1 / lb:.1f} samples/s"
+            else:
+                txt += f", objective {_ms(obj)}, lower bound {_ms(lb)} (bottleneck)"
+            txt += f", gap {gap_pct:.2f}%"
         gap.append(txt)
     if "dp_same_order_s" in bnd and not math.isnan(bnd["dp_same_order_s"]):
         gap.append(f"exact DP on the same device order {_ms(bnd['dp_same_order_s'])} "

@@ -627,8 +627,11 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     closed_form = (not replication and not schedule.spec.flushes
                    and (schedule.spec.sync == "wave" or not cost.options.sync))
     # ... or the plan reaches the bound.
-    proven = (policy == "opt" and exact and closed_form) or predicted["samples_per_s"] >= upper * (1 - 1e-9)
+    searched = policy == "opt" and exact and closed_form
+    proven = searched or predicted["samples_per_s"] >= upper * (1 - 1e-9)
     status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
+    if searched:  # the exhaustive search is the certificate: its plan is the best any plan reaches
+        upper = min(upper, predicted["samples_per_s"])
     result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / upper,
                          time.perf_counter() - t0, f"hetero:{policy}",
                          details={"virtual_workers": len(g), "objective": objective,
