@@ -94,11 +94,14 @@ def test_one_more_gpu_only_for_timed_types():
     assert "not timed in the profile" in text and "B" in text.split("not timed in the profile")[1]
 
 
-def test_add_gpu_goes_to_the_least_loaded_node():
+def test_add_gpu_joins_a_node_of_its_type_or_a_node_of_its_own():
     cluster = flat_cluster(["A", "A", "B"], per_node=2)
     bigger, name = add_gpu(cluster, "B")
     assert name == "n1:1" and bigger.device(name).gpu_type == "B"
     assert len(bigger.devices) == len(cluster.devices) + 1
+    other, name = add_gpu(cluster, "T4")  # no node holds a T4: a new node, not a T4 among the A's
+    assert name == "new0:0" and other.device(name).gpu_type == "T4"
+    assert [n.gpus for n in other.nodes[:-1]] == [n.gpus for n in cluster.nodes]
 
 
 def test_cli_prints_and_writes_json(tmp_path, capsys):

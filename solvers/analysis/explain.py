@@ -171,10 +171,19 @@ def _stage_costs(cost: CostModel, plan: Plan) -> list[StageCost]:
 
 
 def add_gpu(cluster: Cluster, gpu_type: str, node: str | None = None) -> tuple[Cluster, str]:
-    """``cluster`` with one more ``gpu_type`` GPU on ``node`` (default: the node with the fewest
-    GPUs, the first on ties); returns the new cluster and the new device's name."""
+    """``cluster`` with one more ``gpu_type`` GPU on ``node``; returns the new cluster and the new
+    device's name. By default the GPU joins the node of its type with the fewest GPUs (the first on
+    ties), or, where no node holds that type, a new node of its own (a GPU of another type is not
+    put into a machine of different GPUs), with the intra-node bandwidth of the cluster's first node."""
     if node is None:
-        node = min(cluster.nodes, key=lambda n: len(n.gpus)).name
+        same = [n for n in cluster.nodes if gpu_type in n.gpus]
+        if not same:
+            taken = {n.name for n in cluster.nodes}
+            name = next(f"new{i}" for i in range(len(taken) + 1) if f"new{i}" not in taken)
+            first = cluster.nodes[0]
+            added = Node(name, (gpu_type,), first.intra_gbps, first.intra_curve)
+            return replace(cluster, nodes=(*cluster.nodes, added)), f"{name}:0"
+        node = min(same, key=lambda n: len(n.gpus)).name
     nodes: list[Node] = []
     name = ""
     for n in cluster.nodes:
