@@ -158,3 +158,12 @@ def test_quiet_profile_writes_no_estimate_and_no_progress(profiled, capsys, monk
     profiled()  # the same run without --quiet writes the estimate and layer lines
     err = capsys.readouterr().err
     assert "estimate: about" in err and "profile gpt2-tiny: layer 4/4 (done)" in err
+
+
+def test_a_terminal_gets_a_bar_not_plain_lines():
+    out = io.StringIO()
+    with Progress("profile toy", 3, unit="layer", file=out, terminal=True, after_s=0.0) as line:
+        for step in range(4):
+            line.update(step, "timing")
+    text = out.getvalue()
+    assert "3/3" in text and "layer/s" in text and "elapsed" not in text
