@@ -22,6 +22,7 @@ so shapes, FLOPs and memory of big models are known without allocating them.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -35,6 +36,7 @@ from torch import nn
 
 from .errors import PartitionerError
 from .profile import LayerProfile, LayerTime, Profile
+from .progress import Progress, duration, is_silenced, note
 
 __all__ = ["LayerStats", "analyze_layers", "available_memory_bytes", "device_label", "profile_model", "saved_tensor_bytes"]
 
@@ -174,16 +176,34 @@ def _flops_by_layer(layers: LayerList, x: torch.Tensor) -> tuple[dict[str, float
     return {name: 2.0 * float(by_module.get(k, 0)) for k, (name, _) in zip(keys, layers, strict=False)}, unsupported
 
 
-def _progress(items: list[Any], enabled: bool | None, desc: str) -> Iterable[Any]:
-    """A bar over the layers on a terminal, shown once profiling has taken two seconds (by time,
-    not by layer count: a few slow layers deserve one too)."""
-    if enabled is None:
-        enabled = hasattr(os, "isatty") and os.isatty(2)
-    if not enabled:
-        return items
-    from tqdm import tqdm
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
-    return tqdm(items, desc=desc, unit="layer", delay=2.0)
+
+def _estimate(chain: LayerList, x: torch.Tensor, timer: _Timer, warmup: int, repeats: int, budget_s: float,
+              min_time_s: float) -> tuple[float, float, float]:
+    """Seconds profiling ``chain`` will take, its parameter bytes, and the largest bytes one layer
+    adds while it is timed (its gradients, input, saved tensors, output and output gradient).
+
+    From one forward pass with grad, layer by layer (backward taken as twice the forward), and
+    the run counts :func:`_time_layer` would choose for such times: an estimate."""
+    total_s = 0.0
+    params = 0.0
+    work = 0.0
+    for name, layer in chain:
+        xi = _grad_input(x)
+        tf, (y, storages) = timer.time(saved_storages, layer, xi, name)
+        p = float(sum(_nbytes(q) for q in layer.parameters()))
+        params += p
+        work = max(work, p + _nbytes(xi) + sum(storages.values()) + 2 * _nbytes(y))
+        x = y.detach()
+        del y, xi, storages
+        t = max(3 * tf, 1e-6)
+        w = min(warmup, 1) if t > budget_s / 4 else warmup
+        n = repeats if t * repeats >= min_time_s else min(20 * repeats, max(repeats, math.ceil(min_time_s / t)))
+        n = min(n, 1 if t > budget_s else max(3, math.ceil(budget_s / t)))
+        total_s += (w + n + 0.5) * t
+    return total_s, params, work
 
 
 def analyze_layers(layers: nn.Sequential | Iterable[Any], sample_input: torch.Tensor, *,
@@ -327,24 +347,35 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
         out: list[LayerProfile] = []
         runs: list[int] = []
         shared = _SharedSaved()
-        for name, layer in _progress(chain, progress, f"profiling {model_name}"):
-            xi = _grad_input(x)
-            y, storages = saved_storages(layer, xi, name)
-            saved, shared_bytes = sum(storages.values()), shared.step(xi, y, storages)
-            out_bytes = _nbytes(y)
-            nxt = y.detach()  # the next layer's input
-            del y
-            f_s, b_s, n = _time_layer(layer, xi, name, timer, warmup, repeats, layer_budget_s, min_layer_time_s)
-            runs.append(n)
-            out.append(LayerProfile(
-                name=name, flops=flops[name],
-                param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
-                saved_bytes=float(saved), output_bytes=float(out_bytes), shared_saved_bytes=float(shared_bytes),
-                times={key: LayerTime(f_s, b_s, projected=False, measured_on=label)}))
-            x = nxt
-            for p in layer.parameters():
-                p.grad = None
-            log.debug("%s: fwd %.3g s, bwd %.3g s (%d runs)", name, f_s, b_s, n)
+        show = (not is_silenced()) if progress is None else (progress and not is_silenced())
+        expected_s = None
+        if show:
+            expected_s, param_bytes, work = _estimate(chain, x, timer, warmup, repeats, layer_budget_s, min_layer_time_s)
+            note(f"profile {model_name}: {len(chain)} layers on {label}, micro-batch {batch}; estimate: about "
+                 f"{duration(expected_s)} and {_size(param_bytes + work)} of memory (parameters {_size(param_bytes)}, the "
+                 f"largest layer's gradients and activations {_size(work)})")
+        with Progress(f"profile {model_name}", len(chain), unit="layer", show=show, ticking=True,
+                      expected_s=expected_s) as line:
+            for i, (name, layer) in enumerate(chain):
+                line.update(i, f"timing {name}: forward and backward")
+                xi = _grad_input(x)
+                y, storages = saved_storages(layer, xi, name)
+                saved, shared_bytes = sum(storages.values()), shared.step(xi, y, storages)
+                out_bytes = _nbytes(y)
+                nxt = y.detach()  # the next layer's input
+                del y
+                f_s, b_s, n = _time_layer(layer, xi, name, timer, warmup, repeats, layer_budget_s, min_layer_time_s)
+                runs.append(n)
+                out.append(LayerProfile(
+                    name=name, flops=flops[name],
+                    param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
+                    saved_bytes=float(saved), output_bytes=float(out_bytes), shared_saved_bytes=float(shared_bytes),
+                    times={key: LayerTime(f_s, b_s, projected=False, measured_on=label)}))
+                x = nxt
+                for p in layer.parameters():
+                    p.grad = None
+                log.debug("%s: fwd %.3g s, bwd %.3g s (%d runs)", name, f_s, b_s, n)
+            line.update(len(chain), "done")
     except RuntimeError as exc:
         if _is_oom(exc):
             raise PartitionerError(f"micro-batch size {batch} does not fit in memory on {label} while profiling "

@@ -324,7 +324,9 @@ def _run(args: argparse.Namespace) -> int:
                                f"{', '.join(known)}")
     chosen = [known[n] for n in dict.fromkeys(args.names)] or [b for b in BENCHMARKS if not b.long]
     if args.write and shutil.which("git") is None:
-        print("note: git not found; the results record no commit", file=sys.stderr)
+        from partitioner.progress import note
+
+        note("note: git not found; the results record no commit")  # on stderr, unless --quiet
     failed = 0
     for bench in chosen:
         print(f"== {bench.name}: {bench.summary}", flush=True)

@@ -13,9 +13,10 @@ from typing import Any, NoReturn
 
 from partitioner import __version__
 from partitioner.errors import PartitionerError
+from partitioner.progress import silenced
 from partitioner_cli._args import HelpFormatter, cli_message
 
-__all__ = ["build_parser", "main", "verbosity"]
+__all__ = ["build_parser", "main", "quiet", "verbosity"]
 
 # One module per subcommand, in the order ``--help`` lists them.
 COMMAND_MODULES = (
@@ -47,12 +48,14 @@ class _OneLineParser(argparse.ArgumentParser):
 
 class _CommandParser(_OneLineParser):
     """A subcommand's parser: accepts ``-v/--verbose`` after the subcommand too (counted in
-    ``verbose_here``, added to the count given before it)."""
+    ``verbose_here``, added to the count given before it), and ``-q/--quiet`` (``quiet_here``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.add_argument("-v", "--verbose", dest="verbose_here", action="count", default=argparse.SUPPRESS,
                           help="more log output (-vv: debug)")
+        self.add_argument("-q", "--quiet", dest="quiet_here", action="store_true", default=argparse.SUPPRESS,
+                          help="no progress lines or notes on stderr (errors and log output still appear)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Partition DNN training over heterogeneous GPU clusters (pipeline + data parallel).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress lines or notes on stderr (errors and log output still appear)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -70,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 def verbosity(args: argparse.Namespace) -> int:
     """How many ``-v`` were given, before and after the subcommand."""
     return int(args.verbose) + int(getattr(args, "verbose_here", 0))
+
+
+def quiet(args: argparse.Namespace) -> bool:
+    """Whether ``-q/--quiet`` was given, before or after the subcommand."""
+    return bool(getattr(args, "quiet", False) or getattr(args, "quiet_here", False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = getattr(args, "option_flags", {})
         level = logging.WARNING - 10 * min(verbose, 2)
         logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-        rc = args.func(args)
+        with silenced(quiet(args)):  # progress and notes off; logging unchanged
+            rc = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
     except PartitionerError as err:
         # Bad input and infeasible problems: one clear line, no traceback.

@@ -1,12 +1,15 @@
-"""A status line for long solves: incumbent, bound, gap and time, on a terminal only.
+"""A status line for long solves: incumbent, bound, gap and time, on stderr.
 
 Solvers report through :func:`status`; nothing is shown unless the caller asked for it with
-``with shown():`` (the CLI does, when stderr is a terminal) and the solve has run for more than
-:data:`AFTER_S` seconds, so quick solves, tests, pipes and library use stay silent::
+``with shown():`` (the CLI does, unless ``--quiet``), so tests and library use stay silent. It is
+drawn by :class:`partitioner.progress.Progress`: on a terminal a status line once the solve has
+run :data:`AFTER_S` seconds; otherwise a plain line every :data:`partitioner.progress.INTERVAL_S`
+seconds once it has run that long::
 
     with shown():
         result = solve(...)            # a CP-SAT solve of 30 s shows, from its second second,
                                        # "cpsat  best 29.688 ms  bound 28.989 ms  gap 2.4%  [00:07]"
+                                       # (not a terminal: "cpsat: best 29.69 ms  bound ..., 10 s elapsed")
 """
 
 from __future__ import annotations
@@ -14,22 +17,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from partitioner.progress import AFTER_S, Progress, is_silenced
+
 __all__ = ["AFTER_S", "Status", "shown", "solve_cpsat", "status"]
 
-AFTER_S = 2.0  # a solve shorter than this shows nothing
 _SHOWN: contextvars.ContextVar[bool] = contextvars.ContextVar("partitioner_progress", default=False)
 
 
 @contextlib.contextmanager
 def shown(enabled: bool | None = None) -> Iterator[None]:
-    """Show the status of the solves run inside (``enabled`` default: stderr is a terminal)."""
-    token = _SHOWN.set(sys.stderr.isatty() if enabled is None else enabled)
+    """Show the status of the solves run inside (``enabled`` default: unless silenced)."""
+    token = _SHOWN.set(not is_silenced() if enabled is None else enabled)
     try:
         yield
     finally:
@@ -41,27 +43,20 @@ class Status:
     before a first solution); the line keeps its elapsed time moving between updates."""
 
     def __init__(self, label: str, unit_s: float = 1e-3, unit: str = "ms", *, file: Any = None,
-                 after_s: float | None = None, show: bool | None = None):
+                 after_s: float | None = None, show: bool | None = None, terminal: bool | None = None,
+                 clock: Any = None):
         self.label, self.unit_s, self.unit = label, unit_s, unit
-        self._bar: Any = None
-        self.active = _SHOWN.get() if show is None else show
+        active = _SHOWN.get() if show is None else show
         self._shown_at = 0.0
-        self._stop = threading.Event()
+        self._line = Progress(label, file=file, show=active, terminal=terminal, after_s=after_s, ticking=True,
+                              **({"clock": clock} if clock is not None else {}))
+        self.active = self._line.active
+        self._bar: Any = self._line._bar
         if self.active:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=None, desc=label, bar_format="{desc}  [{elapsed}]", delay=AFTER_S if after_s is None else after_s,
-                             file=file or sys.stderr, leave=False, dynamic_ncols=True)
-            self._bar.set_description_str(f"{label}  searching", refresh=False)
-            threading.Thread(target=self._tick, daemon=True).start()
-
-    def _tick(self) -> None:
-        while not self._stop.wait(0.5):
-            with contextlib.suppress(Exception):
-                self._bar.refresh()
+            self._line.update(text="searching", refresh=False)
 
     def update(self, best: float | None, bound: float | None) -> None:
-        if self._bar is None:
+        if not self.active:
             return
         parts = []
         if best is not None and math.isfinite(best):
@@ -72,20 +67,18 @@ class Status:
             parts.append(f"gap {100 * max(0.0, best - bound) / best:.1f}%")
         now = time.monotonic()
         refresh = now - self._shown_at >= 0.2  # the solver may hold the GIL: refresh from here too
-        self._bar.set_description_str(f"{self.label}  {'  '.join(parts) or 'searching'}", refresh=refresh)
+        self._line.update(text="  ".join(parts) or "searching", refresh=refresh)
         if refresh:
             self._shown_at = now
 
     def note(self, text: str) -> None:
         """Say what the solve is doing now (a phase, when there is no incumbent to show)."""
-        if self._bar is not None:
-            self._bar.set_description_str(f"{self.label}  {text}", refresh=True)
+        if self.active:
+            self._line.update(text=text)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        self._line.close()
+        self._bar = None
 
     def __enter__(self) -> Status:
         return self
