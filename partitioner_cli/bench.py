@@ -109,6 +109,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               _script("projection_error", "--out", "{tmp}/projection_error.md", "--png", "{img}/projection_loto.png"),
               figures=("projection_loto.png",),
               needs=(str(SHARED / "sailor_opt350"),)),
+    Benchmark("projection_plans", "plans from projected profiles simulated on measured times (Sailor OPT-350M, "
+              "mixed RTX-3090 / RTX-2080 Ti / TITAN-RTX cluster)",
+              _script("projection_plans"), _script("projection_plans"),
+              needs=(str(SHARED / "sailor_opt350"),)),
     Benchmark("cli_startup", "wall time of CLI commands that never need torch",
               _script("cli_startup", "--runs", "3"), _script("cli_startup", "--runs", "5", "--pyc")),
     Benchmark("scale", "cluster planner's solve time, gap and memory against layers x GPUs",
