@@ -207,7 +207,7 @@ class LayerResult:
     measured_s: float
     projected_s: float  # anchored on the sources' measurements
     alone_s: float  # the model alone, nothing measured
-    mix: Mapping[str, float]  # the layer's op mix on the target (projection_ops.op_mix)
+    mix: Mapping[str, float]  # the layer's op mix on the target (operator_model.op_mix)
 
     @property
     def error(self) -> float:
