@@ -132,29 +132,69 @@ def _profile(args: argparse.Namespace) -> int:
                              "measured_on": {}, **_operators(args, [s.name for s in stats])})
         profile = project_profile(base, targets, efficiency=args.efficiency, analytic=True)
     else:
-        import torch
-
-        from partitioner.profiler import profile_model
-
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise PartitionerError("--device cuda: torch sees no CUDA device here (use --device cpu, or --analytic)")
+        _check_device(args)
         _memory_check(args, args.device)
         m = _build(args, args.batch_size, "cpu")
-        key = None
-        if args.device == "cuda" and targets:
-            key, targets = targets[0], targets[1:]  # the first --gpu-type names the measured GPU
-        profile = profile_model(m.layers, m.sample_input("cpu"), args.device, model_name=args.model,
-                                gpu_type=key, warmup=args.warmup, repeats=args.repeats,
-                                threads=args.threads,
-                                meta={"config": m.config, **_operators(args, [n for n, _ in m.layers], m.config)},
-                                dtype=getattr(torch, args.dtype))
-        if targets:
-            profile = _projected(profile, targets, "auto", None, args.efficiency)
+        profile = _measure(args, args.model, m.layers, m.sample_input("cpu"), targets,
+                           {"config": m.config, **_operators(args, [n for n, _ in m.layers], m.config)})
+    _save(args, profile, t0)
+    return 0
+
+
+def _profile_model_ref(args: argparse.Namespace) -> int:
+    """``partitioner profile model MODULE:FUNCTION``: a user's model, the ``runtime.model.ModelSpec``
+    its function returns (as ``train --model`` takes it), measured per layer on its own batches."""
+    from partitioner._io import check_outputs
+    from partitioner.cluster import resolve_gpu_type
+    from runtime.model import is_model_ref, load_model_spec
+
+    check_outputs({"-o": args.output}, ())
+    if not is_model_ref(args.ref):
+        raise PartitionerError(f"model {args.ref!r}: give MODULE:FUNCTION, a function returning a "
+                               f"runtime.model.ModelSpec (the zoo's models are profiled by name)")
+    for flag, given in (("--analytic", args.analytic), ("--seq-len", args.seq_len),
+                        ("--image-size", args.image_size), ("--vocab", args.vocab)):
+        if given:
+            raise PartitionerError(f"{flag}: applies to the zoo's models; your model's function sets its own "
+                                   f"shapes and its batches come from its make_batch")
+    targets = [resolve_gpu_type(g).name for g in args.gpu_type or []]
+    t0 = time.perf_counter()
+    _check_device(args)
+    spec = load_model_spec(args.ref)
+    sample = spec.batch(0, args.batch_size)[0]
+    profile = _measure(args, args.ref, spec.layers, sample, targets, {"model_ref": args.ref})
+    _save(args, profile, t0)
+    return 0
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise PartitionerError("--device cuda: torch sees no CUDA device here (use --device cpu, or --analytic)")
+
+
+def _measure(args: argparse.Namespace, name: str, layers: Any, sample: Any, targets: list[str],
+             meta: dict[str, Any]) -> Profile:
+    """``layers`` measured per layer on ``sample`` (the first --gpu-type names the GPU measured with
+    --device cuda), with the other types projected."""
+    import torch
+
+    from partitioner.profiler import profile_model
+
+    key = None
+    if args.device == "cuda" and targets:
+        key, targets = targets[0], targets[1:]  # the first --gpu-type names the measured GPU
+    profile = profile_model(layers, sample, args.device, model_name=name, gpu_type=key, warmup=args.warmup,
+                            repeats=args.repeats, threads=args.threads, meta=meta, dtype=getattr(torch, args.dtype))
+    return _projected(profile, targets, "auto", None, args.efficiency) if targets else profile
+
+
+def _save(args: argparse.Namespace, profile: Profile, t0: float) -> None:
     profile.save(args.output)
     types = ", ".join(f"{g}{' (projected)' if profile.is_projected(g) else ''}" for g in profile.gpu_types)
     print(f"profiled {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}, "
           f"times for {types} in {time.perf_counter() - t0:.1f} s -> {args.output}")
-    return 0
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -218,7 +258,7 @@ def _emulate(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("profile", help="measure a zoo model, merge profiles, project to other GPU types",
                             description="Measure a model of the zoo per layer (or merge/project profiles).")
-    actions = parser.add_subparsers(dest="target", required=True, metavar="MODEL|merge|project|emulate")
+    actions = parser.add_subparsers(dest="target", required=True, metavar="MODEL|model|merge|project|emulate")
 
     eff = argparse.ArgumentParser(add_help=False)
     eff.add_argument("--efficiency", type=bounded_float(1e-3, 1.0), default=0.5,
@@ -250,6 +290,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name in _zoo_names():
         p = actions.add_parser(name, parents=[common], help=f"profile the zoo model {name}")
         p.set_defaults(func=_profile, model=name)
+
+    up = actions.add_parser("model", parents=[common],
+                            help="profile your own model: MODULE:FUNCTION returning a runtime.model.ModelSpec "
+                                 "(as train --model takes it)")
+    up.add_argument("ref", metavar="MODULE:FUNCTION", help="e.g. mypkg.models:build (importable from here)")
+    up.set_defaults(func=_profile_model_ref)
 
     mp = actions.add_parser("merge", help="combine profiles of one model measured on different GPU types")
     mp.add_argument("inputs", nargs="+", help="profile JSON files of the same model")
