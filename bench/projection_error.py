@@ -49,6 +49,7 @@ from partitioner.projection.evaluation import (  # noqa: E402
     SailorConfig,
     allreduce_from_embedding,
     class_errors,
+    declared_choice,
     evaluate,
     loto_fits,
     single_source_fits,
@@ -195,14 +196,6 @@ def _shown(path: Path) -> str:
     return str(path)
 
 
-def _declared(fits: dict[str, Any]) -> tuple[str, str]:
-    """The (math mode, structure key) most leave-one-type-out fits chose."""
-    votes: dict[tuple[str, str], int] = {}
-    for cal, key in fits.values():
-        votes[(cal.math, key)] = votes.get((cal.math, key), 0) + 1
-    return max(votes, key=lambda k: votes[k])
-
-
 def within(results: Sequence[LayerResult], cls: dict[str, float]) -> float:
     """Share of layers whose error is within twice the expected error of their op mix."""
     exp = np.array([sum(r.mix[k] * cls[k] for k in cls) for r in results])
@@ -270,7 +263,7 @@ def main() -> int:
     pairs = evaluate(structs, fits, nccl_comm(curves), by="pair")
     # one type alone cannot tell the math mode or recomputation (a V100 has no TF32 to tell FP32 from),
     # so the strict single-type fits take the structure the leave-one-type-out fits chose, as declared
-    declared = _declared(fits)
+    declared = declared_choice(fits)
     one = {k: v for k, v in structs.items() if k == declared[1]}
     singles = single_source_fits(one, **{**kw, "maths": (declared[0],)})
     single = evaluate(one, singles, nccl_comm(curves), by="source")

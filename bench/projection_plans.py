@@ -40,12 +40,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._machine import machine_line  # noqa: E402
-from bench.projection_error import _declared  # noqa: E402
 from partitioner.cluster import Cluster, Node  # noqa: E402
 from partitioner.importers.sailor import import_sailor  # noqa: E402
 from partitioner.profile import LayerProfile, LayerTime, Profile  # noqa: E402
 from partitioner.projection.evaluation import (  # noqa: E402
     SailorConfig,
+    declared_choice,
     loto_fits,
     single_source_fits,
     structures,
@@ -162,7 +162,7 @@ def main() -> int:
     m = args.micro_batches
     structs = structures(sailor)
     fits = loto_fits(structs)  # keyed by catalog type
-    math_mode, key = _declared(fits)
+    math_mode, key = declared_choice(fits)
     singles = single_source_fits({key: structs[key]}, maths=(math_mode,))
     configs0 = next(iter(structs.values()))
     cat = {c.sailor_name: c.gpu_type for c in configs0}  # Sailor's name -> catalog type of the projection

@@ -46,6 +46,7 @@ __all__ = [
     "TargetComm",
     "allreduce_from_embedding",
     "class_errors",
+    "declared_choice",
     "evaluate",
     "loto_fits",
     "own_allreduce",
@@ -342,6 +343,14 @@ def evaluate(structs: Mapping[str, Sequence[SailorConfig]], fits: Mapping[str, t
             if srcs:
                 out += project_config(tgt, srcs, cal, own, target_comm(tgt), label)
     return out
+
+
+def declared_choice(fits: Mapping[str, tuple[Calibration, str]]) -> tuple[str, str]:
+    """The (math mode, structure key) most of the leave-one-type-out ``fits`` chose."""
+    votes: dict[tuple[str, str], int] = {}
+    for cal, key in fits.values():
+        votes[(cal.math, key)] = votes.get((cal.math, key), 0) + 1
+    return max(votes, key=lambda k: votes[k])
 
 
 def class_errors(results: Sequence[LayerResult], *, alone: bool = False) -> dict[str, float]:
