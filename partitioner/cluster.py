@@ -11,7 +11,7 @@ import difflib
 import functools
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -23,6 +23,7 @@ __all__ = [
     "BANDWIDTH_GBPS_RANGE",
     "CLUSTER_FORMAT",
     "GIB",
+    "KIND_SEP",
     "MAX_GPUS",
     "Cluster",
     "Device",
@@ -30,13 +31,17 @@ __all__ = [
     "Link",
     "Node",
     "catalog",
+    "device_kind",
+    "device_name",
     "gpu_family",
     "resolve_gpu_type",
+    "split_kind",
 ]
 
 CLUSTER_FORMAT = "partitioner.cluster/1"
 GIB = 2**30
 GB = 1e9
+KIND_SEP = "@tp"  # Device.kind: "A100-SXM4-40GB@tp4" is a tensor-parallel group of 4 such GPUs
 
 # What a cluster file may hold (docs/formats.md): ranges far beyond real hardware that keep
 # every transfer time and memory sum of the cost model finite, and a GPU count the solvers
@@ -70,7 +75,8 @@ class DeviceType:
     sm_count: int = 0
 
     def __post_init__(self) -> None:
-        check(bool(self.name) and ":" not in self.name, "name", self.name, "must be non-empty, without ':'")
+        check(bool(self.name) and ":" not in self.name and KIND_SEP not in self.name, "name", self.name,
+              f"must be non-empty, without ':' or '{KIND_SEP}'")
         for f in ("memory_bytes", "peak_flops", "mem_bandwidth_bps"):
             v = getattr(self, f)
             check(isinstance(v, (int, float)) and v > 0, f"device_types.{self.name}.{f}", v, "must be > 0")
@@ -199,18 +205,27 @@ def resolve_gpu_type(name: str, extra: Mapping[str, DeviceType] | None = None) -
 
 @dataclass(frozen=True)
 class Device:
-    """One GPU of the cluster, named ``NODE:INDEX``."""
+    """One GPU of the cluster, named ``NODE:INDEX``, or a tensor-parallel group of ``gpus`` GPUs of
+    one type on one node, GPUs ``INDEX .. INDEX + gpus - 1``, named ``NODE:FIRST-LAST``.
+
+    A group runs one shard of a stage on each of its GPUs (Megatron-style tensor parallelism):
+    ``memory_bytes`` is what each of its GPUs has, and ``kind`` (the GPU type and the degree)
+    is what the profile's times are looked up by."""
 
     name: str
     node: str
     index: int
     type: DeviceType
+    gpus: int = 1
 
     def __post_init__(self) -> None:
         check(isinstance(self.index, int) and not isinstance(self.index, bool) and self.index >= 0,
               "device.index", self.index, "must be an integer >= 0")
-        check(self.name == f"{self.node}:{self.index}", "device.name", self.name,
-              f"must be NODE:INDEX, here {self.node}:{self.index}")
+        check(isinstance(self.gpus, int) and not isinstance(self.gpus, bool) and self.gpus >= 1,
+              "device.gpus", self.gpus, "must be an integer >= 1")
+        want = device_name(self.node, self.index, self.gpus)
+        check(self.name == want, "device.name", self.name, f"must be {'NODE:INDEX' if self.gpus == 1 else 'NODE:FIRST-LAST'}"
+              f", here {want}")
         check(isinstance(self.type, DeviceType), "device.type", self.type, "must be a DeviceType")
 
     @property
@@ -218,8 +233,41 @@ class Device:
         return self.type.name
 
     @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree: the GPUs of the group (1 for one GPU)."""
+        return self.gpus
+
+    @property
+    def kind(self) -> str:
+        """What the device's times are looked up by: the GPU type, with ``@tpT`` for a group of T."""
+        return device_kind(self.type.name, self.gpus)
+
+    @property
     def memory_bytes(self) -> float:
         return self.type.memory_bytes
+
+    @property
+    def gpu_names(self) -> tuple[str, ...]:
+        """The GPUs of the device (itself for one GPU), ``NODE:INDEX`` each."""
+        return tuple(f"{self.node}:{i}" for i in range(self.index, self.index + self.gpus))
+
+
+def device_name(node: str, index: int, gpus: int = 1) -> str:
+    """``NODE:INDEX`` for one GPU, ``NODE:FIRST-LAST`` for a tensor-parallel group."""
+    return f"{node}:{index}" if gpus == 1 else f"{node}:{index}-{index + gpus - 1}"
+
+
+def device_kind(gpu_type: str, tensor_parallel: int = 1) -> str:
+    """A GPU type at a tensor-parallel degree, as :attr:`Device.kind` names it."""
+    return gpu_type if tensor_parallel == 1 else f"{gpu_type}{KIND_SEP}{tensor_parallel}"
+
+
+def split_kind(kind: str) -> tuple[str, int]:
+    """(GPU type, tensor-parallel degree) of a :attr:`Device.kind` (a plain type name: degree 1)."""
+    base, sep, t = kind.rpartition(KIND_SEP)
+    if sep and t.isdigit() and int(t) >= 1:
+        return base, int(t)
+    return kind, 1
 
 
 @dataclass(frozen=True)
@@ -261,6 +309,9 @@ class Cluster:
     device_types: Mapping[str, DeviceType] = field(default_factory=dict)
     links: tuple[Link, ...] = ()
     inter_curve: Bandwidth | None = None  # message-size-aware inter-node bandwidth; its cap is inter_gbps
+    # GPU type -> tensor-parallel degree: the devices are groups of that many GPUs of the type on one
+    # node (a view the planner takes; types not named are single GPUs)
+    tensor_parallel: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -283,9 +334,10 @@ class Cluster:
                 except FormatError as err:
                     raise FormatError(f"nodes[{i}].gpus[{k}]", t, err.expected) from None
                 resolved.add(t)
+        self._check_tensor_parallel()
         total = sum(len(n.gpus) for n in self.nodes)
         check(total <= MAX_GPUS, "nodes", f"{total:,} GPUs", f"at most {MAX_GPUS:,} GPUs in a cluster are supported")
-        devs = {d.name for d in self.devices}
+        devs = {d.name for d in self.gpus}
         for k, link in enumerate(self.links):
             for end in (link.a, link.b):
                 check(end in devs or end in names, f"links[{k}].between", [link.a, link.b],
@@ -294,15 +346,86 @@ class Cluster:
                   "must be two node names or two device names, not a node and a device")
             check(link.a != link.b, f"links[{k}].between", [link.a, link.b], "must name two different ends")
 
+    def _check_tensor_parallel(self) -> None:
+        degrees: dict[str, int] = {}
+        for key, t in self.tensor_parallel.items():
+            check(isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= 64, f"tensor_parallel.{key}", t,
+                  "must be a tensor-parallel degree in [1, 64]")
+            try:
+                name = resolve_gpu_type(str(key), self.device_types).name
+            except FormatError as err:
+                raise FormatError(f"tensor_parallel.{key}", key, err.expected) from None
+            if t > 1:
+                degrees[name] = t
+        object.__setattr__(self, "tensor_parallel", degrees)
+        for node in self.nodes:
+            for gpu_type, first, count in self._runs(node):
+                t = degrees.get(gpu_type, 1)
+                check(count % t == 0, f"tensor_parallel.{gpu_type}", t,
+                      f"must divide the {count} {gpu_type} GPU(s) of node {node.name} (GPUs {first}-"
+                      f"{first + count - 1}): a tensor-parallel group never spans nodes or GPU types")
+
+    def _runs(self, node: Node) -> list[tuple[str, int, int]]:
+        """(type name, first GPU, count) of each run of GPUs of one type in ``node``."""
+        out: list[tuple[str, int, int]] = []
+        for i, t in enumerate(node.gpus):
+            name = resolve_gpu_type(t, self.device_types).name
+            if out and out[-1][0] == name:
+                out[-1] = (name, out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((name, i, 1))
+        return out
+
     # -- derived views -------------------------------------------------------------------
 
     @functools.cached_property
     def devices(self) -> tuple[Device, ...]:
+        """The devices plans use: each GPU, or each tensor-parallel group where ``tensor_parallel``
+        says so (GPUs of a type in a node grouped in order)."""
         out = []
         for node in self.nodes:
-            for i, t in enumerate(node.gpus):
-                out.append(Device(f"{node.name}:{i}", node.name, i, resolve_gpu_type(t, self.device_types)))
+            for gpu_type, first, count in self._runs(node):
+                dtype = resolve_gpu_type(gpu_type, self.device_types)
+                t = self.tensor_parallel.get(gpu_type, 1)
+                out += [Device(device_name(node.name, i, t), node.name, i, dtype, t) for i in range(first, first + count, t)]
         return tuple(out)
+
+    @functools.cached_property
+    def gpus(self) -> tuple[Device, ...]:
+        """Every GPU as a device of its own, whatever the view."""
+        return tuple(Device(f"{n.name}:{i}", n.name, i, resolve_gpu_type(t, self.device_types))
+                     for n in self.nodes for i, t in enumerate(n.gpus))
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(len(n.gpus) for n in self.nodes)
+
+    def with_tensor_parallel(self, degrees: Mapping[str, int]) -> Cluster:
+        """The same cluster viewed with tensor-parallel groups of ``degrees`` (GPU type -> degree)."""
+        return replace(self, tensor_parallel=dict(degrees))
+
+    def node_of(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise FormatError("node", name, f"not in cluster '{self.name}'")
+
+    def _group(self, name: str) -> Device | None:
+        """The tensor-parallel group a device name ``NODE:FIRST-LAST`` names, or None."""
+        node_name, _, rng = name.rpartition(":")
+        first, dash, last = rng.partition("-")
+        if not (dash and first.isdigit() and last.isdigit()) or node_name not in self._node_bw:
+            return None
+        a, b = int(first), int(last)
+        node = self.node_of(node_name)
+        if not (a < b < len(node.gpus)) or rng != f"{a}-{b}":
+            raise FormatError("device", name, f"a tensor-parallel group NODE:FIRST-LAST needs FIRST < LAST < "
+                              f"{len(node.gpus)} (node {node_name} has {len(node.gpus)} GPUs)")
+        types = {resolve_gpu_type(t, self.device_types).name for t in node.gpus[a:b + 1]}
+        if len(types) != 1:
+            raise FormatError("device", name, f"mixes GPU types {sorted(types)}: a tensor-parallel group is GPUs "
+                              "of one type on one node")
+        return Device(name, node_name, a, resolve_gpu_type(node.gpus[a], self.device_types), b - a + 1)
 
     @functools.cached_property
     def _by_name(self) -> dict[str, Device]:
@@ -316,12 +439,23 @@ class Cluster:
     def _overrides(self) -> dict[frozenset[str], float]:
         return {frozenset((link.a, link.b)): link.gbps for link in self.links}
 
+    @functools.cached_property
+    def _single(self) -> dict[str, Device]:
+        return {d.name: d for d in self.gpus}
+
     def device(self, name: str) -> Device:
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise FormatError("device", name, f"not in cluster '{self.name}' (devices: "
-                              f"{', '.join(self._by_name)})") from None
+        """A device by name: one of :attr:`devices`, any single GPU ``NODE:INDEX``, or any
+        tensor-parallel group ``NODE:FIRST-LAST`` of GPUs of one type on one node."""
+        found = self._by_name.get(name) or self._single.get(name)
+        if found is None and isinstance(name, str):
+            found = self._group(name)
+            if found is not None:
+                self._by_name[name] = found
+        if found is None:
+            shown = list(self._by_name)
+            listed = ", ".join(shown[:16]) + (f", ... ({len(shown)} in all)" if len(shown) > 16 else "")
+            raise FormatError("device", name, f"not in cluster '{self.name}' (devices: {listed})")
+        return found
 
     @property
     def gpu_types(self) -> tuple[str, ...]:
@@ -405,6 +539,8 @@ class Cluster:
                                else n.intra_gbps, "gpus": gpus})
         if self.device_types:
             d["device_types"] = {k: v.to_dict() for k, v in self.device_types.items()}
+        if self.tensor_parallel:
+            d["tensor_parallel"] = dict(self.tensor_parallel)
         if self.links:
             d["links"] = [{"between": [x.a, x.b], "GBps": x.curve.to_value() if x.curve else x.gbps}
                           for x in self.links]
@@ -471,6 +607,7 @@ class Cluster:
             device_types=types,
             links=tuple(links),
             inter_curve=None if inter.is_flat else inter,
+            tensor_parallel=opt_field(d, "tensor_parallel", Mapping, {}),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

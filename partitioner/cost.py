@@ -41,13 +41,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
-from .cluster import GIB, Cluster, Device, gpu_family, resolve_gpu_type
+from .cluster import GIB, Cluster, Device, gpu_family, resolve_gpu_type, split_kind
 from .errors import FormatError, PartitionerError
 from .pricing import PRECISIONS, CostOptions
 from .profile import Profile
@@ -106,6 +106,22 @@ def hierarchical_allreduce_s(nbytes: float, per_node: Sequence[int], intra_s: Se
 
 # -- the model ------------------------------------------------------------------------------
 
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def _by_kind(method: _M) -> _M:
+    """A method keyed by a GPU type that also takes a device kind ``TYPE@tpT``
+    (:attr:`partitioner.cluster.Device.kind`): the kind is priced by the model of one GPU of the
+    group (:meth:`CostModel.at_degree`)."""
+    @functools.wraps(method)
+    def by_kind(self: CostModel, gpu_type: str, *args: Any) -> Any:
+        base, t = split_kind(gpu_type)
+        if t != 1:
+            return getattr(self.at_degree(t), method.__name__)(base, *args)
+        return method(self, gpu_type, *args)
+    return cast(_M, by_kind)
+
+
 
 class CostModel:
     """Prices stages of ``profile`` on the devices and links of ``cluster``.
@@ -137,6 +153,23 @@ class CostModel:
         # boundary_bytes[s]: tensor crossing a cut before layer s (0 at both ends of the chain)
         self.boundary = np.concatenate([zero, self.output_bytes[:-1], zero])
 
+    # -- tensor parallelism ----------------------------------------------------------------------
+
+    def at_degree(self, tensor_parallel: int) -> CostModel:
+        """The model of one GPU of a tensor-parallel group of ``tensor_parallel`` GPUs (the
+        profile's shard at that degree, :meth:`partitioner.profile.Profile.shard`); itself at 1."""
+        if tensor_parallel == 1:
+            return self
+        found = self._degrees.get(tensor_parallel)
+        if found is None:
+            found = self._degrees[tensor_parallel] = CostModel(self.profile.shard(tensor_parallel), self.cluster,
+                                                               self.options)
+        return found
+
+    @functools.cached_property
+    def _degrees(self) -> dict[int, CostModel]:
+        return {}
+
     # -- compute ---------------------------------------------------------------------------
 
     @functools.cached_property
@@ -152,15 +185,17 @@ class CostModel:
                 out.setdefault(member, key)
         return out
 
+    @_by_kind
     def has_times(self, gpu_type: str) -> bool:
         return gpu_type in self._times_key
 
     def require_times(self, devices: Sequence[Device]) -> None:
         """Raise unless the profile has times for every device's GPU type (checked before solving)."""
         for dev in devices:
-            self._prefixes(dev.gpu_type)
+            self._prefixes(dev.kind)
 
     @functools.cache  # noqa: B019 - one model per (profile, cluster), few types
+    @_by_kind
     def _prefixes(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
         key = self._times_key.get(gpu_type)
         if key is None:
@@ -177,28 +212,33 @@ class CostModel:
         f, b = self._prefixes(gpu_type)
         return np.concatenate([np.zeros(1), np.cumsum(np.diff(f) + np.diff(b))])
 
+    @_by_kind
     def fwd_bwd_s(self, gpu_type: str, start: int, stop: int) -> tuple[float, float]:
         """Forward and backward seconds of layers ``[start, stop)`` on ``gpu_type``."""
         f, b = self._prefixes(gpu_type)
         return float(f[stop] - f[start]), float(b[stop] - b[start])
 
+    @_by_kind
     def compute_s(self, gpu_type: str, start: int, stop: int) -> float:
         """Forward+backward seconds of layers ``[start, stop)`` (bit-equal to ``compute_matrix``)."""
         total = self._total_prefix(gpu_type)
         return float(total[stop] - total[start])
 
     @functools.cache  # noqa: B019
+    @_by_kind
     def layer_compute_s(self, gpu_type: str) -> np.ndarray:
         """Forward+backward seconds of every layer on ``gpu_type`` (the differences of the prefix sums)."""
         return np.diff(self._total_prefix(gpu_type))
 
     @functools.cache  # noqa: B019
+    @_by_kind
     def compute_matrix(self, gpu_type: str) -> np.ndarray:
         """``C[i, j]`` = forward+backward seconds of layers ``[i, j)`` (meaningful for i < j)."""
         total = self._total_prefix(gpu_type)
         return total[None, :] - total[:, None]
 
     @functools.cache  # noqa: B019
+    @_by_kind
     def direction_matrices(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
         """``F[i, j]`` and ``B[i, j]``: forward and backward seconds of layers ``[i, j)`` apart
         (:meth:`fwd_bwd_s` for every range; meaningful for i < j)."""
@@ -260,13 +300,13 @@ class CostModel:
                      prev: str | Device | None = None, nxt: str | Device | None = None) -> float:
         """Per-micro-batch time of layers ``[start, stop)`` on ``device`` between ``prev`` and ``nxt``."""
         dev = self.cluster.device(device) if isinstance(device, str) else device
-        return self.combine(self.compute_s(dev.gpu_type, start, stop),
+        return self.combine(self.compute_s(dev.kind, start, stop),
                             self.boundary_s(start, dev, prev), self.boundary_s(stop, dev, nxt))
 
     def stage_time_matrix(self, device: Device, prev: Device | None, nxt: Device | None,
                           rows: slice = slice(None)) -> np.ndarray:
         """``stage_time_s(i, j, device, prev, nxt)`` for every ``i`` in ``rows`` and every ``j``."""
-        comp = self.compute_matrix(device.gpu_type)[rows]
+        comp = self.compute_matrix(device.kind)[rows]
         out_s = self.boundary_vector_s(device, nxt)
         back_s = self.boundary_vector_s(device, prev)[rows]
         if self.options.overlap_comm:
@@ -309,11 +349,21 @@ class CostModel:
         hier = hierarchical_allreduce_s(nbytes, [len(v) for v in by_node.values()], intra, inter)
         return min(ring, hier)
 
-    def param_bytes(self, start: int, stop: int) -> float:
+    def param_bytes(self, start: int, stop: int, tensor_parallel: int = 1) -> float:
         """Gradient bytes of layers ``[start, stop)`` in training precision (what data parallelism
-        all-reduces)."""
+        all-reduces); of all the shards of a group of ``tensor_parallel`` GPUs."""
+        if tensor_parallel != 1:
+            return self.at_degree(tensor_parallel).param_bytes(start, stop)
         return float(self.param_prefix[stop] - self.param_prefix[start])
 
+    def sync_bytes(self, start: int, stop: int, devices: Sequence[str | Device]) -> float:
+        """Bytes each replica all-reduces for layers ``[start, stop)`` over ``devices``: every shard
+        of a tensor-parallel group (the GPUs of each group all-reduce their own shards side by
+        side), the full gradients where the replicas' degrees differ."""
+        degrees = {(self.cluster.device(d) if isinstance(d, str) else d).tensor_parallel for d in devices}
+        return self.param_bytes(start, stop, degrees.pop() if len(degrees) == 1 else 1)
+
+    @_by_kind
     def update_s(self, gpu_type: str, start: int, stop: int) -> float:
         """Optimizer step of layers ``[start, stop)`` on ``gpu_type`` (0 where the profile has none)."""
         return float(self._update_prefix(gpu_type)[stop] - self._update_prefix(gpu_type)[start])
@@ -362,7 +412,7 @@ class CostModel:
 
     def sync_s(self, group: SyncGroup) -> float:
         """All-reduce seconds of one :class:`SyncGroup`."""
-        return self.allreduce_s(self.param_bytes(group.start, group.stop), group.devices)
+        return self.allreduce_s(self.sync_bytes(group.start, group.stop, group.devices), group.devices)
 
     def replicated_stage_time_s(self, start: int, stop: int, devices: Sequence[str | Device],
                                 prev: str | Device | None, nxt: str | Device | None,
@@ -383,7 +433,7 @@ class CostModel:
         share = 0.0 if rate == math.inf else 1.0 / rate
         if not include_allreduce:
             return share
-        return share + self.allreduce_s(self.param_bytes(start, stop), devs) / micro_batches
+        return share + self.allreduce_s(self.sync_bytes(start, stop, devs), devs) / micro_batches
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -402,13 +452,17 @@ class CostModel:
         q_stop.flags.writeable = q_start.flags.writeable = False
         return q_stop, q_start
 
-    def stage_memory_bytes(self, start: int, stop: int, in_flight: int, schedule: Schedule) -> float:
-        """Peak memory of layers ``[start, stop)`` holding ``in_flight`` micro-batches' activations."""
+    def stage_memory_bytes(self, start: int, stop: int, in_flight: int, schedule: Schedule,
+                           tensor_parallel: int = 1) -> float:
+        """Peak memory of layers ``[start, stop)`` holding ``in_flight`` micro-batches' activations
+        (on each GPU of a group of ``tensor_parallel``)."""
+        if tensor_parallel != 1:
+            return self.at_degree(tensor_parallel).stage_memory_bytes(start, stop, in_flight, schedule)
         q_stop, q_start = self._memory_prefix(in_flight, schedule)
         return float((q_stop[stop] - q_start[start]) + self.options.reserved_bytes)
 
     def max_stop(self, in_flight: int, schedule: Schedule, capacity_bytes: float,
-                 rows: slice = slice(None)) -> np.ndarray:
+                 rows: slice = slice(None), tensor_parallel: int = 1) -> np.ndarray:
         """For each start ``i`` in ``rows``, the largest ``stop`` with
         ``stage_memory_bytes(i, stop) <= capacity_bytes`` (``i`` itself when not even one layer fits).
 
@@ -417,6 +471,8 @@ class CostModel:
         the scalar formula settles any rounding, so the answer agrees with
         :meth:`stage_memory_bytes` to the bit. ``O(L log L)`` instead of an ``L x L`` matrix.
         """
+        if tensor_parallel != 1:
+            return self.at_degree(tensor_parallel).max_stop(in_flight, schedule, capacity_bytes, rows)
         q_stop, q_start = self._memory_prefix(in_flight, schedule)
         reserved = self.options.reserved_bytes
         starts = np.arange(self.num_layers + 1)[rows]
@@ -434,12 +490,18 @@ class CostModel:
             top = np.where(up, nxt, top)
         return top
 
-    def activation_bytes(self, start: int, stop: int) -> float:
-        """Bytes of activations layers ``[start, stop)`` keep for backward, per micro-batch."""
+    def activation_bytes(self, start: int, stop: int, tensor_parallel: int = 1) -> float:
+        """Bytes of activations layers ``[start, stop)`` keep for backward, per micro-batch (per GPU
+        of a group of ``tensor_parallel``)."""
+        if tensor_parallel != 1:
+            return self.at_degree(tensor_parallel).activation_bytes(start, stop)
         return float(self.saved_stop[stop] - self.saved_start[start])
 
-    def weight_bytes(self, start: int, stop: int, versions: int = 1) -> float:
-        """Weights (``versions`` copies), gradients, master copy and optimizer state of ``[start, stop)``."""
+    def weight_bytes(self, start: int, stop: int, versions: int = 1, tensor_parallel: int = 1) -> float:
+        """Weights (``versions`` copies), gradients, master copy and optimizer state of ``[start, stop)``
+        (per GPU of a group of ``tensor_parallel``)."""
+        if tensor_parallel != 1:
+            return self.at_degree(tensor_parallel).weight_bytes(start, stop, versions)
         params = float(self.param_count_prefix[stop] - self.param_count_prefix[start])
         return params * self.options.bytes_per_parameter(versions)
 
@@ -508,12 +570,15 @@ class CostModel:
         """Cumulative seconds to move the parameters one way over the inter-node network."""
         return self.param_prefix / (self.cluster.inter_gbps * 1e9)
 
-    def memory_matrix(self, in_flight: int, schedule: Schedule, rows: slice = slice(None)) -> np.ndarray:
+    def memory_matrix(self, in_flight: int, schedule: Schedule, rows: slice = slice(None),
+                      tensor_parallel: int = 1) -> np.ndarray:
         """``stage_memory_bytes(i, j, in_flight, schedule)`` for every ``i`` in ``rows`` and every ``j``.
 
         Computed with the same operations as the scalar method, so both agree to the bit and a
         plan the solvers accept is never refused by :meth:`check_plan_memory`.
         """
+        if tensor_parallel != 1:
+            return self.at_degree(tensor_parallel).memory_matrix(in_flight, schedule, rows)
         q_stop, q_start = self._memory_prefix(in_flight, schedule)
         return (q_stop[None, :] - q_start[rows, None]) + self.options.reserved_bytes
 
@@ -599,8 +664,8 @@ class CostModel:
         for k, st in enumerate(vw.stages):
             prev = vw.stages[k - 1].device if k > 0 else None
             nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
-            best = min(st.devices, key=lambda d: self.compute_s(self.cluster.device(d).gpu_type, st.start, st.stop))
-            f, b = self.fwd_bwd_s(self.cluster.device(best).gpu_type, st.start, st.stop)
+            best = min(st.devices, key=lambda d: self.compute_s(self.cluster.device(d).kind, st.start, st.stop))
+            f, b = self.fwd_bwd_s(self.cluster.device(best).kind, st.start, st.stop)
             a = self.boundary_s(st.stop, best, nxt)
             g = self.boundary_s(st.start, best, prev)
             share = times[k] / self.stage_time_s(st.start, st.stop, best, prev, nxt) if st.replicas else 1.0
@@ -641,7 +706,7 @@ class CostModel:
                     layers_of.setdefault(d, []).append((st.start, st.stop))
                     done = total if not spec(plan.schedule).flushes else total - back
                     finish[d] = max(finish.get(d, 0.0), done)
-                gpu = self.cluster.device(st.device).gpu_type
+                gpu = self.cluster.device(st.device).kind
                 nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
                 back += self.fwd_bwd_s(gpu, st.start, st.stop)[1] + self.boundary_s(st.stop, nxt, st.device)
         for g in self.sync_groups(plan):
@@ -650,7 +715,7 @@ class CostModel:
                 finish[d] = end
         if spec(plan.schedule).sync == "wave":  # WSP applies its update inside PUSH (plain SGD): no step
             return max(finish.values())
-        return max(t + sum(self.update_s(self.cluster.device(d).gpu_type, a, b) for a, b in layers_of[d])
+        return max(t + sum(self.update_s(self.cluster.device(d).kind, a, b) for a, b in layers_of[d])
                    for d, t in finish.items())
 
     def plan_memory_bytes(self, plan: Plan) -> dict[str, float]:
@@ -662,9 +727,9 @@ class CostModel:
             p = len(vw.stages)
             for k, st in enumerate(vw.stages):
                 in_flight = sched.activations_in_flight(p - k)
-                mem = self.stage_memory_bytes(st.start, st.stop, in_flight, sched)
                 for d in st.devices:
-                    used[d] = used.get(d, 0.0) + mem
+                    t = self.cluster.device(d).tensor_parallel
+                    used[d] = used.get(d, 0.0) + self.stage_memory_bytes(st.start, st.stop, in_flight, sched, t)
         return used
 
     def check_plan_memory(self, plan: Plan) -> None:
@@ -677,9 +742,10 @@ class CostModel:
             p = len(vw.stages)
             for k, st in enumerate(vw.stages):
                 in_flight = sched.activations_in_flight(p - k)
-                need = self.stage_memory_bytes(st.start, st.stop, in_flight, sched)
                 for d in st.devices:
-                    cap = self.cluster.device(d).memory_bytes
+                    dev = self.cluster.device(d)
+                    need = self.stage_memory_bytes(st.start, st.stop, in_flight, sched, dev.tensor_parallel)
+                    cap = dev.memory_bytes
                     if need > cap:
                         raise FormatError(
                             f"virtual_workers[{w}].stages[{k}]", f"{st.device} layers [{st.start}, {st.stop})",
@@ -708,10 +774,10 @@ class CostModel:
         (``W_r`` the whole model on ``r``). The best reference of the types present is taken;
         where the ratios are one number this is the whole-model balance ``1 / sum_d 1 / T_d``.
         """
-        types = list(dict.fromkeys(d.gpu_type for d in devices))
+        types = list(dict.fromkeys(d.kind for d in devices))
         per_layer = np.stack([self.layer_compute_s(t) for t in types])
         largest_layer = float(per_layer.min(axis=0).max())
-        counts = np.array([sum(d.gpu_type == t for d in devices) for t in types], dtype=float)
+        counts = np.array([sum(d.kind == t for d in devices) for t in types], dtype=float)
         balanced = 0.0
         for r in range(len(types)):
             ref = per_layer[r]

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .profile import Profile
 
 __all__ = ["MAX_CHUNKS", "MAX_MICRO_BATCHES", "MAX_STALENESS", "PLAN_FORMAT", "SCHEDULES", "Plan", "SolveStatus",
-           "SolverInfo", "Stage", "VirtualWorker"]
+           "SolverInfo", "Stage", "VirtualWorker", "group_size"]
 
 PLAN_FORMAT = "partitioner.plan/1"
 SCHEDULES = SCHEDULE_NAMES
@@ -39,6 +39,12 @@ MULTI_CHUNK_SCHEDULES = MULTI_CHUNK
 MAX_MICRO_BATCHES = 4096
 MAX_STALENESS = 64
 MAX_CHUNKS = 64
+
+
+def group_size(device: str) -> int:
+    """The GPUs a device name stands for: ``NODE:FIRST-LAST`` a group of ``LAST - FIRST + 1``."""
+    first, dash, last = device.rpartition(":")[2].partition("-")
+    return int(last) - int(first) + 1 if dash and first.isdigit() and last.isdigit() and int(last) > int(first) else 1
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,12 @@ class Stage:
     def devices(self) -> tuple[str, ...]:
         """The stage's device followed by its replicas."""
         return (self.device, *self.replicas)
+
+    @property
+    def tensor_parallel(self) -> tuple[int, ...]:
+        """The tensor-parallel degree of each of :attr:`devices` (a device ``NODE:FIRST-LAST`` is a
+        group of ``LAST - FIRST + 1`` GPUs, ``NODE:INDEX`` one GPU)."""
+        return tuple(group_size(d) for d in self.devices)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"layers": list(self.layers), "device": self.device, "gpu_type": self.gpu_type}
@@ -259,6 +271,7 @@ class Plan:
         profile = self.profile_view(profile)
         n_layers = profile.num_layers
         owner: dict[str, str] = {}
+        gpu_of: dict[str, str] = {}
         for w, vw in enumerate(self.virtual_workers):
             expect = 0
             seen_here: set[str] = set()
@@ -285,6 +298,11 @@ class Plan:
                                           f"holds two stages, which only {', '.join(MULTI_CHUNK_SCHEDULES)} allow")
                     owner[dev_name] = f"{w}"
                     seen_here.add(dev_name)
+                    for gpu in dev.gpu_names:  # a GPU in one device only (a group or itself)
+                        if gpu_of.setdefault(gpu, dev_name) != dev_name:
+                            raise FormatError(f"{where}.device", dev_name, f"shares GPU {gpu} with device "
+                                              f"{gpu_of[gpu]}: a GPU belongs to one device (or one "
+                                              "tensor-parallel group)")
             if expect != n_layers:
                 raise FormatError(f"virtual_workers[{w}].stages", f"ends at layer {expect}",
                                   f"must cover all {n_layers} layers of the profile")

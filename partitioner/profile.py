@@ -6,9 +6,10 @@ of ``Profile.micro_batch_size`` samples; sizes are bytes for that micro-batch.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,8 +33,10 @@ __all__ = [
     "MAX_LAYERS",
     "MAX_LAYER_S",
     "MAX_MICRO_BATCH_SIZE",
+    "MAX_TENSOR_PARALLEL",
     "PROFILE_FORMAT",
     "LayerProfile",
+    "LayerShard",
     "LayerTime",
     "Profile",
     "crossing_bytes",
@@ -106,6 +109,73 @@ class LayerTime:
         )
 
 
+MAX_TENSOR_PARALLEL = 64
+
+
+@dataclass(frozen=True)
+class LayerShard:
+    """One layer run tensor-parallel over ``t`` GPUs (Megatron-style): what ONE GPU of the group
+    holds and takes. ``param_bytes`` and ``saved_bytes`` are per GPU (the shard's weights and what
+    autograd keeps for it); ``times`` are per micro-batch on each GPU type with the group's
+    collectives (the forward and backward all-reduces) included, as a measurement of the group
+    gives them. The layer's output is the full tensor on every GPU of the group (the pipeline sends
+    it as without tensor parallelism)."""
+
+    param_bytes: float
+    saved_bytes: float
+    times: Mapping[str, LayerTime] = field(default_factory=dict)
+    shared_saved_bytes: float = 0.0
+    times_at: Mapping[int, Mapping[str, LayerTime]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("param_bytes", "saved_bytes", "shared_saved_bytes"):
+            v = getattr(self, name)
+            check(is_finite_number(v) and 0 <= v <= MAX_BYTES, name, v, f"must be a number of bytes in [0, {MAX_BYTES:g}]")
+        check(self.shared_saved_bytes <= self.saved_bytes, "shared_saved_bytes", self.shared_saved_bytes,
+              f"must not exceed saved_bytes ({self.saved_bytes:g})")
+        for gpu, t in self.times.items():
+            check(isinstance(t, LayerTime), f"times.{gpu}", t, "must be a LayerTime")
+        object.__setattr__(self, "times", dict(self.times))
+        object.__setattr__(self, "times_at", {k: dict(v) for k, v in sorted(self.times_at.items())})
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"param_bytes": self.param_bytes, "saved_bytes": self.saved_bytes,
+                             "times": {g: t.to_dict() for g, t in self.times.items()}}
+        if self.shared_saved_bytes:
+            d["shared_saved_bytes"] = self.shared_saved_bytes
+        if self.times_at:
+            d["times_at"] = {str(b): {g: t.to_dict() for g, t in v.items()} for b, v in self.times_at.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "") -> LayerShard:
+        if not isinstance(d, Mapping):
+            raise FormatError(where.rstrip("."), d, "must be an object {param_bytes, saved_bytes, times}")
+        try:
+            return cls(
+                param_bytes=req_number(d, "param_bytes", where, maximum=MAX_BYTES),
+                saved_bytes=req_number(d, "saved_bytes", where, maximum=MAX_BYTES),
+                times=_times_of(opt_field(d, "times", Mapping, {}, where), f"{where}times."),
+                shared_saved_bytes=req_number(d, "shared_saved_bytes", where, default=0.0, maximum=MAX_BYTES),
+                times_at=_times_at_of(opt_field(d, "times_at", Mapping, {}, where), f"{where}times_at"),
+            )
+        except FormatError as err:
+            raise err if err.field.startswith(where) else err.under(where) from None
+
+
+def _times_of(raw: Mapping[str, Any], where: str) -> dict[str, LayerTime]:
+    return {str(g): LayerTime.from_dict(t, f"{where}{g}.") for g, t in raw.items()}
+
+
+def _times_at_of(raw: Mapping[str, Any], where: str) -> dict[int, dict[str, LayerTime]]:
+    out: dict[int, dict[str, LayerTime]] = {}
+    for size, by_gpu in raw.items():
+        check(str(size).isdigit() and int(size) >= 1, where, size, "keys must be micro-batch sizes >= 1")
+        check(isinstance(by_gpu, Mapping), f"{where}.{size}", by_gpu, "must map GPU types to times")
+        out[int(size)] = _times_of(by_gpu, f"{where}.{size}.")
+    return out
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     """One layer: its work, its memory, and its time on each GPU type it was timed on.
@@ -131,9 +201,16 @@ class LayerProfile:
     # times measured at other micro-batch sizes: size -> GPU type -> time (per micro-batch of that size)
     times_at: Mapping[int, Mapping[str, LayerTime]] = field(default_factory=dict)
     own_output_bytes: float | None = None
+    # tensor-parallel degree t >= 2 -> what one GPU of a group of t holds and takes
+    shards: Mapping[int, LayerShard] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "name", self.name, "must be a non-empty string")
+        for degree, sh in self.shards.items():
+            check(isinstance(degree, int) and not isinstance(degree, bool) and 2 <= degree <= MAX_TENSOR_PARALLEL,
+                  "tensor_parallel", degree, f"keys must be tensor-parallel degrees in [2, {MAX_TENSOR_PARALLEL}]")
+            check(isinstance(sh, LayerShard), f"tensor_parallel.{degree}", sh, "must be a LayerShard")
+        object.__setattr__(self, "shards", dict(sorted(self.shards.items())))
         if self.own_output_bytes is not None:
             v = self.own_output_bytes
             check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
@@ -177,21 +254,21 @@ class LayerProfile:
             **({"shared_saved_bytes": self.shared_saved_bytes} if self.shared_saved_bytes else {}),
             **({"times_at": {str(b): {g: t.to_dict() for g, t in v.items()} for b, v in self.times_at.items()}}
                if self.times_at else {}),
+            **({"tensor_parallel": {str(t): sh.to_dict() for t, sh in self.shards.items()}} if self.shards else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "") -> LayerProfile:
         if not isinstance(d, Mapping):
             raise FormatError(where.rstrip("."), d, "must be an object")
-        times_raw = opt_field(d, "times", Mapping, {}, where)
-        times = {str(g): LayerTime.from_dict(t, f"{where}times.{g}.") for g, t in times_raw.items()}
-        at_raw = opt_field(d, "times_at", Mapping, {}, where)
-        times_at: dict[int, dict[str, LayerTime]] = {}
-        for size, by_gpu in at_raw.items():
-            check(str(size).isdigit() and int(size) >= 1, f"{where}times_at", size, "keys must be micro-batch sizes >= 1")
-            check(isinstance(by_gpu, Mapping), f"{where}times_at.{size}", by_gpu, "must map GPU types to times")
-            times_at[int(size)] = {str(g): LayerTime.from_dict(t, f"{where}times_at.{size}.{g}.")
-                                   for g, t in by_gpu.items()}
+        times = _times_of(opt_field(d, "times", Mapping, {}, where), f"{where}times.")
+        times_at = _times_at_of(opt_field(d, "times_at", Mapping, {}, where), f"{where}times_at")
+        shards_raw = opt_field(d, "tensor_parallel", Mapping, {}, where)
+        shards: dict[int, LayerShard] = {}
+        for t, raw in shards_raw.items():
+            ok = str(t).isdigit() and 2 <= int(t) <= MAX_TENSOR_PARALLEL
+            check(ok, f"{where}tensor_parallel", t, f"keys must be tensor-parallel degrees in [2, {MAX_TENSOR_PARALLEL}]")
+            shards[int(t)] = LayerShard.from_dict(raw, f"{where}tensor_parallel.{t}.")
         try:
             return cls(
                 name=req_field(d, "name", str, where),
@@ -204,6 +281,7 @@ class LayerProfile:
                 times_at=times_at,
                 own_output_bytes=(None if d.get("own_output_bytes") is None
                                   else req_number(d, "own_output_bytes", where, maximum=MAX_BYTES)),
+                shards=shards,
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
@@ -332,6 +410,55 @@ class Profile:
             meta["layer_order"] = composed
         return Profile(self.model, self.micro_batch_size, tuple(layers), self.dtype, self.source, edges, meta)
 
+    @property
+    def tensor_parallel_degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees every layer was profiled at (1: the layers themselves; a
+        profile of one shard, ``meta.tensor_parallel``, describes only that shard: its layers)."""
+        common = set(self.layers[0].shards)
+        for layer in self.layers[1:]:
+            common &= set(layer.shards)
+        return (1, *sorted(common))
+
+    def shard(self, tensor_parallel: int) -> Profile:
+        """The profile of ONE GPU of a tensor-parallel group of ``tensor_parallel`` GPUs: every layer
+        with its shard's bytes and times (``meta.tensor_parallel`` says the degree). Degree 1, or the
+        profile's own degree, is the profile itself."""
+        if tensor_parallel in (1, self.meta.get("tensor_parallel", 1)):
+            return self
+        return self._shards.get(tensor_parallel) or self._make_shard(tensor_parallel)
+
+    @functools.cached_property
+    def _shards(self) -> dict[int, Profile]:
+        return {}
+
+    def _make_shard(self, t: int) -> Profile:
+        missing = [i for i, layer in enumerate(self.layers) if t not in layer.shards]
+        if missing:
+            i = missing[0]
+            raise FormatError(f"layers[{i}].tensor_parallel", t, f"layer '{self.layers[i].name}' was not profiled at "
+                              f"tensor-parallel degree {t} ({len(missing)} layer(s) lack it); degrees every layer "
+                              f"has: {', '.join(map(str, self.tensor_parallel_degrees))}")
+        layers = tuple(replace(layer, param_bytes=layer.shards[t].param_bytes, saved_bytes=layer.shards[t].saved_bytes,
+                               shared_saved_bytes=layer.shards[t].shared_saved_bytes, times=layer.shards[t].times,
+                               times_at=layer.shards[t].times_at, shards={}) for layer in self.layers)
+        out = Profile(self.model, self.micro_batch_size, layers, self.dtype, self.source, self.edges,
+                      {**self.meta, "tensor_parallel": t})
+        self._shards[t] = out
+        return out
+
+    def _with_shards_like(self, f: Callable[[Profile], Profile], made: Profile) -> Profile:
+        """``made`` (``f`` of this profile) with every tensor-parallel degree's shards made by ``f``
+        of that degree's :meth:`shard` too."""
+        if self.tensor_parallel_degrees == (1,):
+            return made
+        per_t = {t: f(self.shard(t)) for t in self.tensor_parallel_degrees[1:]}
+        layers = tuple(replace(layer, shards={t: LayerShard(p.layers[i].param_bytes, p.layers[i].saved_bytes,
+                                                            p.layers[i].times, p.layers[i].shared_saved_bytes,
+                                                            p.layers[i].times_at)
+                                              for t, p in per_t.items()})
+                       for i, layer in enumerate(made.layers))
+        return replace(made, layers=layers)
+
     def is_projected(self, gpu_type: str) -> bool:
         """Whether any layer's time on ``gpu_type`` is projected rather than measured."""
         return any(layer.times[gpu_type].projected for layer in self.layers if gpu_type in layer.times)
@@ -410,8 +537,9 @@ class Profile:
             layers.append(replace(layer, flops=layer.flops * f, **layer.scaled_bytes(f), times=times,
                                   times_at=others))
         how = "measured" if lo == hi else f"interpolated between {lo} and {hi}"
-        return Profile(self.model, micro_batch_size, tuple(layers), self.dtype, self.source, self.edges,
+        made = Profile(self.model, micro_batch_size, tuple(layers), self.dtype, self.source, self.edges,
                        {**self.meta, "times_at_size": how})
+        return self._with_shards_like(lambda p: p.at_size(micro_batch_size), made)
 
     def rescaled(self, micro_batch_size: int) -> Profile:
         """The profile at another micro-batch size, scaled linearly (an approximation).
@@ -432,7 +560,8 @@ class Profile:
             for layer in self.layers
         )
         meta = {**self.meta, "rescaled_from": self.meta.get("rescaled_from", self.micro_batch_size)}
-        return Profile(self.model, micro_batch_size, layers, self.dtype, self.source, self.edges, meta)
+        made = Profile(self.model, micro_batch_size, layers, self.dtype, self.source, self.edges, meta)
+        return self._with_shards_like(lambda p: p.rescaled(micro_batch_size), made)
 
     # -- JSON ----------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ def _alike_workers(plan: Plan, cluster: Cluster) -> list[list[int]]:
     groups: dict[tuple[object, ...], list[int]] = {}
     for w, vw in enumerate(plan.virtual_workers):
         st = vw.stages
-        key = tuple((s.layers, cluster.device(s.device).gpu_type, len(s.replicas),
+        key = tuple((s.layers, cluster.device(s.device).kind, len(s.replicas),
                      cluster.bandwidth_gbps(s.device, st[k + 1].device) if k + 1 < len(st) else 0.0)
                     for k, s in enumerate(st))
         groups.setdefault(key, []).append(w)
@@ -83,18 +83,19 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
         for k, st in enumerate(stages):
             dev = cluster.device(st.device)
             nxt = stages[k + 1].device if k + 1 < len(stages) else None
-            comp = cost.compute_s(dev.gpu_type, st.start, st.stop)
+            comp = cost.compute_s(dev.kind, st.start, st.stop)
             prev = stages[k - 1].device if k > 0 else None
             xfer = cost.boundary_s(st.stop, dev, nxt) + cost.boundary_s(st.start, dev, prev)
             if one_chunk:
                 in_flight = plan.pipeline_schedule.activations_in_flight(len(stages) - k)
-                mem = cost.stage_memory_bytes(st.start, st.stop, in_flight, plan.pipeline_schedule)
+                mem = cost.stage_memory_bytes(st.start, st.stop, in_flight, plan.pipeline_schedule, dev.tensor_parallel)
                 mem_s = f"{mem / GIB:.2f} / {dev.memory_bytes / GIB:.1f} GiB ({100 * mem / dev.memory_bytes:.0f}%)"
             else:
                 mem_s = "see simulate"
             share = f"{100 * times[k] / bottleneck:.1f}%" if bottleneck > 0 else "-"
             devs = st.device + (f" +{len(st.replicas)}" if st.replicas else "")
-            rows.append([str(k), devs, dev.gpu_type, f"[{st.start}, {st.stop})", _fmt_s(comp), _fmt_s(xfer),
+            rows.append([str(k), devs, dev.gpu_type + (f" x{dev.tensor_parallel} TP" if dev.tensor_parallel > 1 else ""),
+                         f"[{st.start}, {st.stop})", _fmt_s(comp), _fmt_s(xfer),
                          mem_s, share])
         if len(workers) > 1:
             others = ", ".join("+".join(plan.virtual_workers[o].devices) for o in workers[1:])

@@ -191,14 +191,15 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
     cols = schedule_columns(plan.schedule, pipe.ranks, m_run, plan.chunks, n_iter, plan.staleness, depths)
     p = pipe.ranks
     if pipe.replicas:
-        assign = [replica_shares([cost.compute_s(cluster.device(d).gpu_type, a, b) for d in devs], m_run)
+        assign = [replica_shares([cost.compute_s(cluster.device(d).kind, a, b) for d in devs], m_run)
                   for devs, (a, b) in zip(pipe.replicas, pipe.stages, strict=True)]
         members = _replicated_ranks(pipe, cols, assign, m_run)
     else:
         members = [(pipe.devices[r], r, cols[r]) for r in range(p)]
     rank_dev = [dev for dev, _, _ in members]  # rank within the worker -> device
-    saved = np.array([cost.activation_bytes(a, b) for a, b in pipe.stages])
     for dev, r, col in members:
+        t = cluster.device(dev).tensor_parallel
+        saved = np.array([cost.activation_bytes(a, b, t) for a, b in pipe.stages])
         col = _with_allreduce(col, sync.groups_of.get(dev, []), ALLREDUCE.code)
         held = pipe.stages[r::p]
         d, lnk = _durations(ranks, plan, cost, cluster, pipe, dev, r, col, rank_dev)
@@ -218,14 +219,14 @@ def _durations(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pip
     transfers; a slice of the first micro-batch at its share."""
     kind, mb, stage, peer, _ = col
     held = pipe.stages[r::pipe.ranks]
-    gpu = cluster.device(dev).gpu_type
+    gpu = cluster.device(dev).kind
     fb = np.array([cost.fwd_bwd_s(gpu, a, b) for a, b in pipe.stages] + [(0.0, 0.0)])
     d = np.zeros(len(kind))
     lnk = np.full(len(kind), -1, dtype=np.int64)
     d = np.where(kind == F.code, fb[stage, 0], np.where(kind == B.code, fb[stage, 1], d))
     d = np.where(kind == STEP.code, sum(cost.update_s(gpu, a, b) for a, b in held), d)
     if pipe.replicas and len(pipe.replicas[r]) > 1:  # PUSH first sums the replicas' parts (blocking)
-        local = cost.allreduce_s(sum(cost.param_bytes(a, b) for a, b in held), pipe.replicas[r])
+        local = cost.allreduce_s(sum(cost.sync_bytes(a, b, pipe.replicas[r]) for a, b in held), pipe.replicas[r])
         d = np.where(kind == PUSH.code, local, d)
     boundary_out = np.array([cost.boundary_bytes(b) for _, b in pipe.stages])
     boundary_in = np.array([cost.boundary_bytes(a) for a, _ in pipe.stages])
@@ -348,7 +349,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         held = np.cumsum(sign * saved)
         count = np.cumsum(sign)
         live = _live_versions(kind, mb, stage, version) if spec(sched).weight_versions > 1 else 1
-        w_bytes = sum(cost.weight_bytes(a, b, live) for a, b in weights[r])
+        w_bytes = sum(cost.weight_bytes(a, b, live, cost.cluster.device(name).tensor_parallel) for a, b in weights[r])
         peak_mem[name] = w_bytes + (float(held.max()) if len(held) else 0.0) + cost.options.reserved_bytes
         peak_act[name] = int(count.max()) if len(count) else 0
         versions[name] = live

@@ -30,6 +30,7 @@ are those of one of the t shards: plan a tensor-parallel group as one device.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,14 @@ from ..profile import (
     MAX_LAYER_S,
     MAX_LAYERS,
     MAX_MICRO_BATCH_SIZE,
+    MAX_TENSOR_PARALLEL,
     LayerProfile,
+    LayerShard,
     LayerTime,
     Profile,
 )
 
-__all__ = ["SAILOR_SKIP", "import_sailor", "sailor_gpu_name"]
+__all__ = ["SAILOR_SKIP", "import_sailor", "import_sailor_degrees", "sailor_degrees", "sailor_gpu_name"]
 
 SAILOR_SKIP = ("basic_cluster_config", "llm_info", "training_config")
 
@@ -264,3 +267,45 @@ def _gpu_times(gpu_files: list[Path], b: int, tp: str, n_all: int, clip_noise: b
             for size, table in _other_sizes(data, tp, b, n_all, clip_noise, sailor_name, path).items():
                 times_at.setdefault(size, {})[gpu] = table
     return times, times_at, noise, names_map
+
+
+def sailor_degrees(directory: str | os.PathLike[str], micro_batch_size: int,
+                   gpu_types: tuple[str, ...] = ()) -> dict[int, tuple[str, ...]]:
+    """Tensor-parallel degree -> Sailor's GPU names with times at ``micro_batch_size`` and that
+    degree on every layer's row (read from the ``<GPU>.json`` files; ``gpu_types`` limits them)."""
+    root = Path(directory)
+    out: dict[int, list[str]] = {}
+    for path in sorted(p for p in root.glob("*.json") if not p.name.startswith(SAILOR_SKIP)
+                       and (not gpu_types or p.stem in gpu_types)):
+        by_tp = load_mapping(path).get(str(micro_batch_size))
+        if isinstance(by_tp, dict):
+            for t, rows in by_tp.items():
+                if str(t).isdigit() and 1 <= int(t) <= MAX_TENSOR_PARALLEL and isinstance(rows, dict) and rows:
+                    out.setdefault(int(t), []).append(path.stem)
+    return {t: tuple(v) for t, v in sorted(out.items())}
+
+
+def import_sailor_degrees(directory: str | os.PathLike[str], *, micro_batch_size: int = 1,
+                          gpu_types: tuple[str, ...] = (), **options: Any) -> Profile:
+    """One profile with every tensor-parallel degree Sailor measured at ``micro_batch_size``: the
+    layers at degree 1 (the GPU types measured there) and, for each degree t > 1, the shard of one
+    GPU of a group of t (``LayerProfile.shards``: bytes per GPU, times of the GPU types measured at
+    t). ``options`` are :func:`import_sailor`'s."""
+    degrees = sailor_degrees(directory, micro_batch_size, gpu_types)
+    if 1 not in degrees:
+        raise FormatError("micro_batch_size", micro_batch_size, "no GPU type has times at tensor-parallel degree 1 "
+                          f"for this micro-batch size (degrees measured: {', '.join(map(str, degrees)) or 'none'})",
+                          file=str(directory))
+    base = import_sailor(directory, micro_batch_size=micro_batch_size, gpu_types=degrees[1], **options)
+    layers = list(base.layers)
+    for t, names in degrees.items():
+        if t == 1:
+            continue
+        shard = import_sailor(directory, micro_batch_size=micro_batch_size, tensor_parallel=t, gpu_types=names,
+                              **options)
+        layers = [replace(layer, shards={**layer.shards, t: LayerShard(
+            x.param_bytes, x.saved_bytes, x.times, x.shared_saved_bytes, x.times_at)})
+            for layer, x in zip(layers, shard.layers, strict=True)]
+    meta = {k: v for k, v in base.meta.items() if k != "tensor_parallel"}
+    meta["tensor_parallel_types"] = {str(t): [sailor_gpu_name(n) for n in names] for t, names in degrees.items()}
+    return replace(base, layers=tuple(layers), meta=meta)

@@ -1,0 +1,122 @@
+"""Tensor parallelism in the data: profiles with shards per degree, clusters viewed as groups,
+the cost model and the simulator pricing groups alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from partitioner.cluster import Cluster, Node, split_kind
+from partitioner.cost import CostModel
+from partitioner.errors import FormatError
+from partitioner.importers.sailor import import_sailor_degrees
+from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner.pricing import CostOptions
+from partitioner.profile import Profile
+from partitioner.simulate import simulate_plan
+
+SAILOR = Path(__file__).resolve().parents[2] / "shared" / "data" / "sailor_opt350"
+needs_sailor = pytest.mark.skipif(not SAILOR.is_dir(), reason="shared Sailor profiles not present")
+FP16 = CostOptions(precision="fp16")
+
+
+@pytest.fixture(scope="module")
+def opt350() -> Profile:
+    if not SAILOR.is_dir():
+        pytest.skip("shared Sailor profiles not present")
+    return import_sailor_degrees(SAILOR, micro_batch_size=1)
+
+
+def _cluster(gpus: dict[str, int], nodes: int = 2, **tp: int) -> Cluster:
+    made = []
+    for i in range(nodes):
+        types: list[str] = []
+        for t, c in gpus.items():
+            types += [t] * c
+        made.append(Node(f"n{i}", tuple(types), 100.0))
+    return Cluster("c", tuple(made), 10.0).with_tensor_parallel(tp)
+
+
+def _plan(profile: Profile, stages: list[tuple[str, int, int]], m: int = 8) -> Plan:
+    return Plan(profile.model, (VirtualWorker(tuple(Stage((a, b), d) for d, a, b in stages)),), "1f1b", 1, m)
+
+
+@needs_sailor
+def test_sailor_import_keeps_every_degree_and_round_trips(opt350: Profile) -> None:
+    assert opt350.tensor_parallel_degrees == (1, 2, 4, 8)
+    assert Profile.from_dict(opt350.to_dict()) == opt350
+    block = opt350.layers[5]
+    for t in (2, 4):  # a block's weights are split t ways (layer norms and biases of the row-parallel
+        # projections stay whole, so a shard is a little more than 1/t)
+        assert block.param_bytes / t < block.shards[t].param_bytes < 1.01 * block.param_bytes / t
+        assert block.shards[t].saved_bytes < block.saved_bytes
+    assert "A100-SXM4-40GB" not in opt350.shard(8).gpu_types  # Sailor measured A100s up to degree 4
+    assert opt350.shard(1) is opt350
+
+
+def test_a_degree_no_layer_was_profiled_at_is_refused_naming_the_layer(opt350: Profile) -> None:
+    with pytest.raises(FormatError, match=r"layers\[0\]\.tensor_parallel.*degree 16"):
+        opt350.shard(16)
+
+
+def test_groups_are_gpus_of_one_type_on_one_node() -> None:
+    plain = _cluster({"V100-16": 4})
+    assert [d.name for d in plain.with_tensor_parallel({}).devices] == [d.name for d in plain.devices]
+    grouped = _cluster({"V100-16": 4, "A100-40": 2}, V100_16=2)
+    assert [d.name for d in grouped.devices][:3] == ["n0:0-1", "n0:2-3", "n0:4"]
+    assert split_kind(grouped.devices[0].kind) == ("V100-SXM2-16GB", 2)
+    assert grouped.device("n1:4-5").gpus == 2  # any group of one type can be named
+    with pytest.raises(FormatError, match="mixes GPU types"):
+        grouped.device("n0:3-4")
+    with pytest.raises(FormatError, match="never spans nodes or GPU types"):
+        _cluster({"V100-16": 3}).with_tensor_parallel({"V100-16": 2})
+    assert Cluster.from_dict(grouped.to_dict()).devices == grouped.devices
+
+
+def test_a_gpu_in_two_devices_is_refused(opt350: Profile) -> None:
+    cl = _cluster({"V100-16": 4})
+    plan = Plan(opt350.model, (VirtualWorker((Stage((0, 13), "n0:0-1"), Stage((13, 26), "n1:0"))),
+                               VirtualWorker((Stage((0, 13), "n0:1"), Stage((13, 26), "n1:1")))), "1f1b", 1, 8)
+    with pytest.raises(FormatError, match="shares GPU n0:1"):
+        plan.validate(opt350, cl)
+
+
+@pytest.mark.parametrize("stages", [
+    [("n0:0-1", 0, 13), ("n0:2-3", 13, 26)],  # two groups on a node
+    [("n0:0-3", 0, 20), ("n1:0", 20, 26)],  # degrees 4 and 1 in one pipeline, across nodes
+    [("n0:0-1", 0, 10), ("n0:2", 10, 16), ("n1:0-1", 16, 26)],
+])
+def test_closed_form_equals_the_simulator_on_tensor_parallel_plans(opt350: Profile, stages: list) -> None:
+    cl = _cluster({"V100-16": 4})
+    plan = _plan(opt350, stages)
+    plan.validate(opt350, cl)
+    cost = CostModel(opt350, cl, FP16)
+    tl = simulate_plan(plan, opt350, cl, FP16)
+    assert cost.plan_iteration_s(plan) == pytest.approx(tl.iteration_s, rel=1e-9)
+    assert cost.plan_memory_bytes(plan) == pytest.approx(dict(tl.peak_memory_bytes), rel=1e-9)
+
+
+def test_closed_form_is_conservative_when_the_first_stage_is_the_bottleneck(opt350: Profile) -> None:
+    """1F1B's warm-up runs the first stage's second forward while the later stages do the first
+    micro-batch's round trip; the closed form counts that round trip as exposed, so with a first
+    stage slower than the rest's round trip it is above the simulator (by at most that trip)."""
+    cl = _cluster({"V100-16": 4})
+    plan = _plan(opt350, [("n0:0", 0, 17), ("n1:0-1", 17, 26)])
+    cost = CostModel(opt350, cl, FP16)
+    closed, simulated = cost.plan_iteration_s(plan), simulate_plan(plan, opt350, cl, FP16).iteration_s
+    trip = sum(cost.fwd_bwd_s(cl.device("n1:0-1").kind, 17, 26))
+    assert simulated < closed <= simulated + trip + 1e-9
+
+
+def test_a_group_is_priced_with_its_shard(opt350: Profile) -> None:
+    cl = _cluster({"V100-16": 4})
+    cost = CostModel(opt350, cl, FP16)
+    one, two = cl.device("n0:0"), cl.device("n0:0-1")
+    assert cost.compute_s(two.kind, 1, 25) < cost.compute_s(one.kind, 1, 25)
+    assert cost.compute_s(two.kind, 1, 25) == pytest.approx(
+        CostModel(opt350.shard(2), cl, FP16).compute_s(one.gpu_type, 1, 25))
+    sched = _plan(opt350, [("n0:0", 0, 26)]).pipeline_schedule
+    assert cost.stage_memory_bytes(0, 26, 1, sched, 2) < cost.stage_memory_bytes(0, 26, 1, sched)
+    # data parallelism over groups all-reduces every shard: about the whole model's gradients
+    assert cost.param_bytes(1, 25, 2) == pytest.approx(cost.param_bytes(1, 25), rel=0.01)
