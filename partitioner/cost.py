@@ -170,6 +170,25 @@ class CostModel:
     def _degrees(self) -> dict[int, CostModel]:
         return {}
 
+    @functools.cache  # noqa: B019
+    def shard_memory_ratio(self, kind: str) -> float:
+        """``r``: any layers' memory on one GPU of a group of this kind's degree is at least ``r``
+        times their memory on one GPU alone (the least ratio of any layer's shard to the layer, for
+        weights and activations apart). So a group GPU of ``C`` bytes holds only layers whose memory
+        alone is at most ``(C - reserved) / r``: the bounds' relaxation of a group's memory in the
+        units of degree 1. 1 for a single GPU."""
+        t = split_kind(kind)[1]
+        if t == 1:
+            return 1.0
+        shard = self.at_degree(t)
+        ratios = [1.0]
+        for mine, theirs in ((np.diff(self.param_count_prefix), np.diff(shard.param_count_prefix)),
+                             (self.profile.array("saved_bytes"), shard.profile.array("saved_bytes"))):
+            held = mine > 0
+            if held.any():
+                ratios.append(float(np.min(theirs[held] / mine[held])))
+        return max(min(ratios), 1e-12)
+
     # -- compute ---------------------------------------------------------------------------
 
     @functools.cached_property

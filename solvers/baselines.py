@@ -133,7 +133,7 @@ def solve(profile: Profile, cluster: Cluster, *, rule: str, virtual_workers: int
     sched.activations_in_flight(1)
     cost = CostModel(profile, cluster, options)
     devs = list(cluster.subset(devices) if devices is not None else cluster.devices)
-    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devs}}
+    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.kind for d in devs}}
     if virtual_workers == 1 and policy is None:
         groups = [devs]
     else:

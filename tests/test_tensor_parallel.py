@@ -120,3 +120,49 @@ def test_a_group_is_priced_with_its_shard(opt350: Profile) -> None:
     assert cost.stage_memory_bytes(0, 26, 1, sched, 2) < cost.stage_memory_bytes(0, 26, 1, sched)
     # data parallelism over groups all-reduces every shard: about the whole model's gradients
     assert cost.param_bytes(1, 25, 2) == pytest.approx(cost.param_bytes(1, 25), rel=0.01)
+
+
+# -- the 3D search ------------------------------------------------------------------------------
+
+
+def test_candidates_hold_the_global_batch_and_groups_stay_in_nodes(opt350: Profile) -> None:
+    from solvers.cluster.tensor import candidates, type_degrees
+
+    cl = _cluster({"V100-16": 4})
+    assert type_degrees(opt350, cl) == {"V100-SXM2-16GB": (1, 2, 4)}  # 8 GPUs never share a node here
+    cands = candidates(opt350, cl, 64, FP16)
+    assert cands and all(c.virtual_workers * c.micro_batches * opt350.micro_batch_size == 64 for c in cands)
+    assert [c.bound_samples_per_s for c in cands] == sorted((c.bound_samples_per_s for c in cands), reverse=True)
+    with pytest.raises(Exception, match="global_batch"):
+        candidates(opt350, cl, 63, FP16) if opt350.micro_batch_size > 1 else candidates(
+            opt350.rescaled(2), cl, 63, FP16)
+
+
+def test_degree_one_gives_the_cluster_planners_plan(opt350: Profile) -> None:
+    from solvers.cluster.planner import plan_cluster
+    from solvers.cluster.tensor import plan_tensor_parallel
+
+    cl = _cluster({"V100-16": 2}, nodes=2)
+    res = plan_tensor_parallel(opt350, cl, 32, options=FP16, tensor_parallel=1, virtual_workers=2)
+    ref = plan_cluster(opt350, cl, 2, micro_batches=16, options=FP16)
+    assert res.plan.virtual_workers == ref.plan.virtual_workers and res.objective == pytest.approx(ref.objective)
+
+
+def test_the_search_takes_the_best_candidate_and_its_bound_holds(opt350: Profile) -> None:
+    from solvers.cluster.planner import plan_cluster
+    from solvers.cluster.tensor import candidates, plan_tensor_parallel
+
+    cl = _cluster({"V100-16": 2}, nodes=2)
+    res = plan_tensor_parallel(opt350, cl, 16, options=FP16, time_limit_s=120)
+    assert res.ok
+    best = 0.0
+    for c in candidates(opt350, cl, 16, FP16):  # every candidate planned on its own: none is better
+        r = plan_cluster(opt350, cl.with_tensor_parallel(dict(c.degrees)), c.virtual_workers,
+                         micro_batches=c.micro_batches, options=FP16)
+        if r.ok:
+            best = max(best, 1.0 / r.objective)
+    assert 1.0 / res.objective == pytest.approx(best)
+    assert 1.0 / res.lower_bound >= best * (1 - 1e-9)
+    for stage in (s for w in res.plan.virtual_workers for s in w.stages):
+        for dev in stage.devices:
+            assert len({g.split(":")[0] for g in cl.device(dev).gpu_names}) == 1

@@ -23,20 +23,32 @@ inside a node the intra-node curve where the file has one.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .._io import is_finite_number, load_mapping
 from ..bandwidth import Bandwidth
-from ..cluster import BANDWIDTH_GBPS_RANGE, GIB, MAX_GPUS, Cluster, DeviceType, Link, Node
+from ..cluster import (
+    BANDWIDTH_GBPS_RANGE,
+    GIB,
+    MAX_GPUS,
+    Cluster,
+    DeviceType,
+    Link,
+    Node,
+    device_name,
+)
 from ..cost import CostOptions
 from ..errors import FormatError
 from ..plan import MAX_MICRO_BATCHES, Plan, Stage, VirtualWorker
 from ..profile import MAX_BYTES, MAX_LAYER_S, MAX_LAYERS, MAX_MICRO_BATCH_SIZE, Profile
-from .sailor import import_sailor, sailor_gpu_name
+from .sailor import import_sailor, import_sailor_degrees, sailor_gpu_name
 
-__all__ = ["MEGATRON_DEEPSPEED_RESERVED_GIB", "SailorRun", "import_sailor_run", "sailor_bandwidth"]
+MIXED = 0  # _Layout.tp of a run whose replicas differ in tensor-parallel degree
+
+__all__ = ["MEGATRON_DEEPSPEED_RESERVED_GIB", "SailorRun", "import_sailor_run", "sailor_bandwidth", "sailor_cluster"]
 
 # The one calibrated constant: the memory Megatron-DeepSpeed itself holds on every GPU beyond
 # weights, gradients, optimizer state and activations (communication buffers, workspaces,
@@ -127,14 +139,17 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
     gbs = _int_field(cfg, "gbs", file, 1, 2**53)
     same_dp = len(set(layout.dp)) == 1
     n_dp = int(layout.dp[0]) if same_dp else 1
-    _check(gbs % (mbs * n_dp) == 0, "gbs", gbs, f"must be a multiple of mbs x dp = {mbs * n_dp}", file)
-    _check(gbs // (mbs * n_dp) <= MAX_MICRO_BATCHES, "gbs", gbs,
+    _check(-(-gbs // (mbs * n_dp)) <= MAX_MICRO_BATCHES, "gbs", gbs,
            f"gives gbs / (mbs x dp) = {gbs // (mbs * n_dp):,} micro-batches per pipeline; a plan holds at most "
            f"{MAX_MICRO_BATCHES:,} (gbs at most {MAX_MICRO_BATCHES * mbs * n_dp:,})", file)
     real = _num_field(cfg, "real", file, MAX_LAYER_S, "seconds")
     peak = _num_field(cfg, "max_mem", file, MAX_BYTES, "bytes")
-    profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=layout.tp,
-                            gpu_types=tuple(layout.types), activations=activations, clip_noise=clip_noise)
+    if layout.tp == MIXED:  # every degree, each group priced with its own
+        profile = import_sailor_degrees(profile_dir, micro_batch_size=mbs, gpu_types=tuple(layout.types),
+                                        activations=activations, clip_noise=clip_noise)
+    else:
+        profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=layout.tp,
+                                gpu_types=tuple(layout.types), activations=activations, clip_noise=clip_noise)
     placed = _place(layout)
     cluster = _cluster(network, layout, placed)
     where = "pipeline_list[0]"
@@ -151,8 +166,13 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
                                              tuple(device[(k, i)] for i in range(1, len(groups[k]))))
                                        for k, r in enumerate(ranges)))]
     opts = options or CostOptions(precision="fp16", reserved_bytes=MEGATRON_DEEPSPEED_RESERVED_GIB * GIB)
-    plan = Plan(profile.model, tuple(workers), "1f1b", mbs, gbs // (mbs * n_dp),
-                meta={"source": f"sailor:{Path(file).name}", "tensor_parallel": layout.tp})
+    meta: dict[str, Any] = {"source": f"sailor:{Path(file).name}"}
+    if layout.tp != MIXED:
+        meta["tensor_parallel"] = layout.tp
+    micro_batches = -(-gbs // (mbs * n_dp))
+    if micro_batches * mbs * n_dp != gbs:  # Sailor's planner splits a global batch unevenly: round up
+        meta["samples_per_iteration"] = micro_batches * mbs * n_dp
+    plan = Plan(profile.model, tuple(workers), "1f1b", mbs, micro_batches, meta=meta)
     try:  # what a reader checks of the three files together (every field above was checked on its own)
         plan.validate(profile, cluster)
     except FormatError as err:
@@ -194,10 +214,12 @@ def _read_layout(cfg: dict[str, Any], file: str) -> _Layout:
     ranges = _read_ranges(stages, file)
     groups = _read_replicas(replicas, dp, file)
     tps = sorted({tp for row in groups for _, _, tp in row})
-    _check(len(tps) == 1, "pipeline_list[0].tmp_per_stage", f"tensor-parallel degrees {tps}",
-           "one degree per run is supported (the profile describes one shard)", file)
+    for row in groups:
+        for gpu, gpn, tp in row:
+            _check(tp <= gpn, "pipeline_list[0].tmp_per_stage", f"{gpu} at tensor-parallel degree {tp}",
+                   f"a tensor-parallel group is GPUs of one node: at most gpus_per_node = {gpn}", file)
     types = list(dict.fromkeys(g for row in groups for g, _, _ in row))
-    return _Layout(stages, ranges, groups, dp, tps[0], types)
+    return _Layout(stages, ranges, groups, dp, tps[0] if len(tps) == 1 else MIXED, types)
 
 
 def _read_ranges(stages: list[Any], file: str) -> list[tuple[int, int]]:
@@ -264,7 +286,11 @@ class _Placement:
 
 
 def _place(layout: _Layout) -> _Placement:
-    """Tensor-parallel groups fill nodes of their GPU type in order: gpus_per_node // tp per node."""
+    """Tensor-parallel groups fill nodes of their GPU type in order: gpus_per_node // tp per node
+    (one device per group); with mixed degrees, the nodes are GPUs and each group is the device
+    ``NODE:FIRST-LAST`` of its GPUs."""
+    if layout.tp == MIXED:
+        return _place_groups(layout)
     node_types: list[str] = []
     node_gpus: list[int] = []
     slots: list[int] = []
@@ -283,11 +309,59 @@ def _place(layout: _Layout) -> _Placement:
     return _Placement(node_types, node_gpus, slots, device)
 
 
+def sailor_cluster(network: str | os.PathLike[str], gpus: Mapping[str, int], gpus_per_node: Mapping[str, int],
+                   name: str = "") -> Cluster:
+    """A cluster of ``gpus`` (Sailor's GPU name -> count) on nodes of ``gpus_per_node`` of each type
+    (the last node of a type holds the rest), with Sailor's measured curves as :func:`import_sailor_run`
+    gives a run's nodes. Single GPUs: a planner views it as tensor-parallel groups."""
+    node_types: list[str] = []
+    node_gpus: list[int] = []
+    slots: list[int] = []
+    for gpu, count in gpus.items():
+        per = gpus_per_node.get(gpu)
+        if not (isinstance(per, int) and per >= 1):
+            raise FormatError(f"gpus_per_node.{gpu}", per, "must be a GPU count >= 1", file=str(network))
+        if not (isinstance(count, int) and 1 <= count <= MAX_GPUS):
+            raise FormatError(f"gpus.{gpu}", count, f"must be a GPU count in [1, {MAX_GPUS:,}]", file=str(network))
+        for first in range(0, count, per):
+            node_types.append(gpu)
+            node_gpus.append(per)
+            slots.append(min(per, count - first))
+    made = _cluster_of(network, tuple(gpus), _Placement(node_types, node_gpus, slots, {}), 1)
+    return replace(made, name=name or "+".join(f"{c}x{g}" for g, c in gpus.items()))
+
+
+def _place_groups(layout: _Layout) -> _Placement:
+    """Mixed degrees: each group takes the next ``tp`` GPUs of a node of its type (a new node when
+    the open one has fewer left); nodes count GPUs."""
+    node_types: list[str] = []
+    node_gpus: list[int] = []
+    slots: list[int] = []
+    open_node: dict[str, int] = {}
+    device: dict[tuple[int, int], str] = {}
+    for k, row in enumerate(layout.groups):
+        for i, (gpu, gpn, tp) in enumerate(row):
+            n = open_node.get(gpu)
+            if n is None or slots[n] + tp > gpn:
+                n = open_node[gpu] = len(node_types)
+                node_types.append(gpu)
+                node_gpus.append(gpn)
+                slots.append(0)
+            device[(k, i)] = device_name(f"n{n}", slots[n], tp)
+            slots[n] += tp
+    return _Placement(node_types, node_gpus, slots, device)
+
+
 def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placement) -> Cluster:
-    """The run's nodes with Sailor's measured curves: each type's intra-node curve inside a node
+    """The run's nodes (:func:`_cluster_of`)."""
+    return _cluster_of(network, tuple(layout.types), placed, layout.tp)
+
+
+def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed: _Placement, tp: int) -> Cluster:
+    """Nodes with Sailor's measured curves: each type's intra-node curve inside a node
     (its inter-node one where none is given), between nodes the type's inter-node curve, and
     between nodes of two types the slower type's."""
-    types, node_types, node_gpus = layout.types, placed.node_types, placed.node_gpus
+    node_types, node_gpus = placed.node_types, placed.node_gpus
     extra = {sailor_gpu_name(g): _EXTRA_TYPES[g] for g in types if g in _EXTRA_TYPES}
 
     def curve(kind: str, gpu: str, gpn: int) -> Bandwidth | None:
@@ -321,5 +395,5 @@ def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placemen
                     links.append(Link(f"n{x}", f"n{y}", c.gbps, c))
     inter = inter_of[slowest]
     assert inter is not None
-    return Cluster(f"sailor-{'+'.join(types)}-{len(nodes)}n-tp{layout.tp}", tuple(nodes), inter.gbps, extra,
+    return Cluster(f"sailor-{'+'.join(types)}-{len(nodes)}n-tp{tp if tp != MIXED else 'mixed'}", tuple(nodes), inter.gbps, extra,
                    tuple(links), inter_curve=inter)

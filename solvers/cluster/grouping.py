@@ -75,7 +75,7 @@ def group_np(devices: Sequence[Device], k: int) -> Grouping:
 def _by_type(devices: Sequence[Device]) -> dict[str, list[Device]]:
     out: dict[str, list[Device]] = {}
     for d in devices:
-        out.setdefault(d.gpu_type, []).append(d)
+        out.setdefault(d.kind, []).append(d)
     return out
 
 
@@ -252,7 +252,7 @@ def _moves(g: Grouping) -> Iterator[Grouping]:
             seen: set[tuple[tuple[str, str], tuple[str, str]]] = set()
             for i, da in enumerate(g[a]):
                 for j, db in enumerate(g[b]):
-                    key = ((da.node, da.gpu_type), (db.node, db.gpu_type))
+                    key = ((da.node, da.kind), (db.node, db.kind))
                     if key[0] == key[1] or key in seen:
                         continue
                     seen.add(key)

@@ -88,7 +88,7 @@ class WorkerPlanner:
             return tuple(sorted(d.name for d in devices))
         per_node: dict[str, Counter[str]] = {}
         for d in devices:
-            per_node.setdefault(d.node, Counter())[d.gpu_type] += 1
+            per_node.setdefault(d.node, Counter())[d.kind] += 1
         return tuple(sorted((self._node_kind[n], tuple(sorted(c.items()))) for n, c in per_node.items()))
 
     def throughput_bound(self, devices: Sequence[Device]) -> float:
@@ -187,7 +187,7 @@ def _relabel(stages: Sequence[Stage], cost: CostModel, devices: Sequence[Device]
 
     def kind(node: str, devs: list[Device]) -> Any:
         nd = next(n for n in cluster.nodes if n.name == node)
-        return tuple(sorted(nd.gpus)), nd.intra_gbps, tuple(sorted(Counter(d.gpu_type for d in devs).items()))
+        return tuple(sorted(nd.gpus)), nd.intra_gbps, tuple(sorted(Counter(d.kind for d in devs).items()))
 
     free: dict[Any, list[list[Device]]] = {}
     for node, devs in by_node(devices).items():
@@ -196,7 +196,7 @@ def _relabel(stages: Sequence[Stage], cost: CostModel, devices: Sequence[Device]
     for node, devs in by_node(old).items():
         target = free[kind(node, devs)].pop()
         for d in devs:
-            match = next(t for t in target if t.gpu_type == d.gpu_type)
+            match = next(t for t in target if t.kind == d.kind)
             target.remove(match)
             mapping[d.name] = match.name
     return tuple(replace(st, device=mapping[st.device], replicas=tuple(mapping[r] for r in st.replicas))
@@ -243,8 +243,8 @@ def throughput_upper_bound(cost: CostModel, devices: Sequence[Device]) -> float:
     from :func:`solvers.cluster.bounds.fleet.effective_whole_s`)."""
     from solvers.cluster.bounds.fleet import effective_whole_s
 
-    whole = effective_whole_s(cost, sorted({d.gpu_type for d in devices}))  # valid for any profile
-    return cost.profile.micro_batch_size * sum(1.0 / whole[d.gpu_type] if whole[d.gpu_type] > 0 else math.inf
+    whole = effective_whole_s(cost, sorted({d.kind for d in devices}))  # valid for any profile
+    return cost.profile.micro_batch_size * sum(1.0 / whole[d.kind] if whole[d.kind] > 0 else math.inf
                                                for d in devices)
 
 
@@ -388,7 +388,7 @@ def _plan_fixed(devs: list[Device], k: int | None, policy: str, planner: WorkerP
 
 
 def _speed_of(cost: CostModel, devs: Sequence[Device]) -> Any:
-    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in devs}}
+    whole = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.kind for d in devs}}
     return lambda t: whole[t]
 
 
@@ -490,8 +490,9 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
         return best
 
     baseline = compete([k] if k is not None else _candidate_ks(len(devs), nodes), None) if n_small else None
-    types = sorted({d.gpu_type for d in devs})
-    memory = {t: next(d for d in devs if d.gpu_type == t).memory_bytes - cost.options.reserved_bytes for t in types}
+    types = sorted({d.kind for d in devs})
+    memory = {t: (next(d for d in devs if d.kind == t).memory_bytes - cost.options.reserved_bytes)
+              / cost.shard_memory_ratio(t) for t in types}
     whole = effective_whole_s(cost, types)  # the templates' rate bounds hold for any profile
     res = plan_counts(devs, classes, rater.throughput, rater.exact, whole.__getitem__, memory.__getitem__,
                       worker_memory_bytes(cost, planner.schedule), m, cost.profile.micro_batch_size,

@@ -48,7 +48,7 @@ def _runs(devices: Sequence[Device]) -> list[int]:
     p = len(devices)
     run = [1] * p
     for k in range(p - 2, -1, -1):
-        if devices[k + 1].gpu_type == devices[k].gpu_type:
+        if devices[k + 1].kind == devices[k].kind:
             run[k] = run[k + 1] + 1
     return run
 
@@ -63,7 +63,6 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedu
     cap = max_replicas or p
     cols = np.arange(n + 1)
     upper = cols[None, :] > cols[:, None]
-    params = cost.param_prefix[None, :] - cost.param_prefix[:, None]
     # f[(k, s)] = vector over i; choice[(k, s)] = (r per i, j per i)
     f: dict[tuple[int, int], np.ndarray] = {}
     choice: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -74,7 +73,6 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedu
         prev = devices[k - 1] if k > 0 else None
         for s in range(1, p - k + 1):
             in_flight = schedule.activations_in_flight(s)
-            mem = cost.memory_matrix(in_flight, schedule)
             best = np.full(n + 1, np.inf)
             best_r = np.zeros(n + 1, dtype=np.intp)
             best_j = np.full(n + 1, -1, dtype=np.intp)
@@ -89,9 +87,11 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedu
                     rate += 1.0 / np.maximum(cost.stage_time_matrix(d, prev, nxt), 1e-300)
                 t = 1.0 / rate
                 if r > 1:
-                    t = t + params * (cost.allreduce_s(1.0, group) / schedule.micro_batches)
+                    shards = cost.at_degree(group[0].tensor_parallel).param_prefix  # every shard of the groups
+                    t = t + (shards[None, :] - shards[:, None]) * (cost.allreduce_s(1.0, group) / schedule.micro_batches)
                 if schedule.spec.sync == "wave":
                     t = t + cost.wave_sync_matrix(schedule.micro_batches)
+                mem = cost.memory_matrix(in_flight, schedule, tensor_parallel=group[0].tensor_parallel)
                 ok = upper & (mem <= min(d.memory_bytes for d in group))
                 cand = np.where(ok, np.maximum(t, nxt_f[None, :]), np.inf)
                 arg = cand.argmin(axis=1)
@@ -116,9 +116,9 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedu
 
 def replicate_worker(cost: CostModel, order: Sequence[Device], schedule: Schedule) -> ReplicatedSolution | None:
     """Best replicated split over ``order`` and over ``order`` with each GPU type contiguous."""
-    speed = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.gpu_type for d in order}}
-    first = {t: k for k, t in reversed(list(enumerate(d.gpu_type for d in order)))}
-    grouped = sorted(order, key=lambda d: (first[d.gpu_type], speed[d.gpu_type]))
+    speed = {t: cost.compute_s(t, 0, cost.num_layers) for t in {d.kind for d in order}}
+    first = {t: k for k, t in reversed(list(enumerate(d.kind for d in order)))}
+    grouped = sorted(order, key=lambda d: (first[d.kind], speed[d.kind]))
     best: ReplicatedSolution | None = None
     for cand in ([*order], grouped):
         sol = replicate_chain(cost, cand, schedule)

@@ -92,7 +92,7 @@ def node_classes(devices: Sequence[Device], node_kind: Callable[[str], Any]) -> 
     """The classes of the nodes holding ``devices`` (``node_kind(node)``: its kind)."""
     per_node: dict[str, Counter[str]] = {}
     for d in devices:
-        per_node.setdefault(d.node, Counter())[d.gpu_type] += 1
+        per_node.setdefault(d.node, Counter())[d.kind] += 1
     by_kind: dict[Any, list[str]] = {}
     for node, c in per_node.items():
         by_kind.setdefault((node_kind(node), tuple(sorted(c.items()))), []).append(node)
@@ -547,7 +547,7 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
     t0 = time.perf_counter()
     pools: dict[str, dict[str, list[Device]]] = {}
     for d in devices:
-        pools.setdefault(d.node, {}).setdefault(d.gpu_type, []).append(d)
+        pools.setdefault(d.node, {}).setdefault(d.kind, []).append(d)
     n = len(devices)
     templates, small, complete = _template_set(classes, n, max_worker_gpus, max_classes, complete_limit, covers_all)
 

@@ -133,7 +133,7 @@ def dag_data(problem: ChainProblem, hint: bool) -> DagData:
     if wsp:
         sync = cost._sync_prefix  # the cost model's own per-layer figures
         wave = 2.0 * np.diff(sync) / problem.schedule.micro_batches
-    time_s = np.array([np.diff(cost._total_prefix(d.gpu_type)) for d in devs]) + wave[None, :]
+    time_s = np.array([cost.layer_compute_s(d.kind) for d in devs]) + wave[None, :]
     per_byte = [0.0] * p
     out_per_byte = [0.0] * p
     for k in range(p):
@@ -184,7 +184,7 @@ def price_assignment(data: DagData, stages: Sequence[int]) -> DagPlan:
                                         devs[k + 1] if k + 1 < p else None, problem.schedule)
              for k, (a, b) in enumerate(itertools.pairwise(cuts))]
     fits = all(cost.stage_memory_bytes(a, b, problem.schedule.activations_in_flight(p - k),
-                                       problem.schedule) <= devs[k].memory_bytes
+                                       problem.schedule, devs[k].tensor_parallel) <= devs[k].memory_bytes
                for k, (a, b) in enumerate(itertools.pairwise(cuts)))
     return DagPlan(tuple(st), profile, cost, ChainSolution(max(times), cuts, devs), math.fsum(times), fits)
 

@@ -188,7 +188,7 @@ def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
             ok = (cols[None, :] > cols[rows, None]) & (cols[None, :] <= last_j)
             if k == q - 1:
                 ok &= cols[None, :] == n_layers
-            ok &= cost.memory_matrix(in_flight, schedule, rows) <= dev.memory_bytes
+            ok &= cost.memory_matrix(in_flight, schedule, rows, dev.tensor_parallel) <= dev.memory_bytes
             ok &= t <= max_time_s
             ii, jj = np.nonzero(ok)
             total += len(ii)

@@ -205,7 +205,7 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
     for lab, d in zip(dev_labels, devices, strict=True):
         pools.setdefault(lab, []).append(d)
     labels = tuple(pools)
-    types = tuple(pools[lab][0].gpu_type for lab in labels)
+    types = tuple(pools[lab][0].kind for lab in labels)
     type_names = tuple(dict.fromkeys(types))
     n, p = cost.num_layers, len(devices)
     lengths = pipeline_lengths(p, n, problem.allow_fewer)
@@ -228,7 +228,6 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
         row_ok[0] = (r + 1) in lengths  # this position may be the first stage
         rows = slice(0, hi + 1)
         in_flight = problem.schedule.activations_in_flight(r + 1)
-        mem = cost.memory_matrix(in_flight, problem.schedule, rows)
         sync = cost.wave_sync_matrix(problem.schedule.micro_batches, rows) if wave else np.zeros((hi + 1, n + 1))
         shape = (cols[None, :] > cols[rows, None]) & (cols[None, :] <= n - r) & row_ok[:, None]
         if r == 0:
@@ -237,8 +236,9 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
         least = np.zeros((hi + 1, n + 1)) if cost.options.overlap_comm else cheapest[rows, None] + cheapest[None, :]
         for t, name in enumerate(type_names):
             work = cost.compute_matrix(name)[rows] + sync
-            mem_cap = pools[labels[types.index(name)]][0].memory_bytes
-            ok = shape & (mem <= mem_cap) & (work + least <= upper)
+            head = pools[labels[types.index(name)]][0]
+            mem = cost.memory_matrix(in_flight, problem.schedule, rows, head.tensor_parallel)
+            ok = shape & (mem <= head.memory_bytes) & (work + least <= upper)
             ii, jj = np.nonzero(ok)
             total += len(ii)
             check_arc_count(total, max_arcs, f"joint mapping model of {n} layers over {p} devices ({len(labels)} "

@@ -149,7 +149,7 @@ def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: S
         dev = devices[k]
         prev = devices[k - 1] if k > 0 else None
         nxt = devices[k + 1] if k + 1 < p else None
-        top = cost.max_stop(fewest, schedule, dev.memory_bytes * (1 + 1e-9), rows)
+        top = cost.max_stop(fewest, schedule, dev.memory_bytes * (1 + 1e-9), rows, dev.tensor_parallel)
         invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
         cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
         if nxt is not None and cost.boundary_vector_s(dev, nxt)[n_layers] != 0.0:
@@ -193,8 +193,8 @@ def _distance_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule:
         assert fastest is not None
         pool = devices[: q_max - d + 1]
         rows = slice(0, n_layers - d + 1)  # d - 1 stages after this one need >= d - 1 layers
-        capacity = max(dev.memory_bytes for dev in pool) * (1 + 1e-9)
-        top = cost.max_stop(schedule.activations_in_flight(d), schedule, capacity, rows)
+        top = np.max([cost.max_stop(schedule.activations_in_flight(d), schedule, mem * (1 + 1e-9), rows, t)
+                      for mem, t in {(dev.memory_bytes, dev.tensor_parallel) for dev in pool}], axis=0)
         invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
         cand = np.maximum(fastest[rows], g[None, :])
         cand[invalid] = np.inf
@@ -207,8 +207,8 @@ def _distance_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule:
 def _pair_kind(cost: CostModel, a: Device, b: Device | None) -> tuple[str, float, bool]:
     """What a stage's time on ``a`` sending to ``b`` depends on: GPU type, link, same node."""
     if b is None:
-        return a.gpu_type, math.inf, True
-    return a.gpu_type, cost.cluster.bandwidth_gbps(a.name, b.name), a.node == b.node
+        return a.kind, math.inf, True
+    return a.kind, cost.cluster.bandwidth_gbps(a.name, b.name), a.node == b.node
 
 
 def _sweep(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
@@ -233,7 +233,7 @@ def _sweep(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
         nxt = devices[k + 1] if k + 1 < p else None
         in_flight = schedule.activations_in_flight(p - k)
         # Feasible (i, j): i < j <= the largest stop whose stage fits in the device's memory.
-        top = cost.max_stop(in_flight, schedule, dev.memory_bytes, rows)
+        top = cost.max_stop(in_flight, schedule, dev.memory_bytes, rows, dev.tensor_parallel)
         invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
         cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)  # T_k(i, j), fresh
         if limit_s is None:

@@ -57,7 +57,7 @@ def device_labels(cost: CostModel, devices: Sequence[Device]) -> list[Label]:
     """The interchangeability class of each device: ``(node, gpu type)``, or the device's
     own name when a device-level link override singles it out."""
     pinned = {end for link in cost.cluster.links for end in (link.a, link.b)}
-    return [(d.node, d.name if d.name in pinned else d.gpu_type) for d in devices]
+    return [(d.node, d.name if d.name in pinned else d.kind) for d in devices]
 
 
 def num_label_orders(labels: Sequence[Label]) -> int:
@@ -160,8 +160,8 @@ def _local_search(cost, devices, labels, pools, consider, max_evaluations, bound
     """Heuristic order search for large virtual workers (see the module docstring)."""
     listed = tuple(labels)
     node_rank = {n: k for k, n in enumerate(dict.fromkeys(d.node for d in devices))}
-    by_node = tuple(sorted(labels, key=lambda lab: (node_rank[lab[0]], _speed_key(cost, pools[lab][0].gpu_type))))
-    by_speed = tuple(sorted(labels, key=lambda lab: (_speed_key(cost, pools[lab][0].gpu_type), node_rank[lab[0]])))
+    by_node = tuple(sorted(labels, key=lambda lab: (node_rank[lab[0]], _speed_key(cost, pools[lab][0].kind))))
+    by_speed = tuple(sorted(labels, key=lambda lab: (_speed_key(cost, pools[lab][0].kind), node_rank[lab[0]])))
     starts = list(dict.fromkeys([listed, by_node, by_speed]))
     scored = []
     for order in starts:

@@ -215,7 +215,8 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
     fill = schedule.spec.flushes and not replication
     need = worker_memory_bytes(cost, schedule)
     reserved = cost.options.reserved_bytes
-    cap = {t: next(d for d in devices if d.gpu_type == t).memory_bytes - reserved for t in types}
+    cap = {t: (next(d for d in devices if d.kind == t).memory_bytes - reserved) / cost.shard_memory_ratio(t)
+           for t in types}
     if any(whole[t] <= 0 for t in types) or not math.isfinite(perfect):
         return FleetBound(math.inf, perfect, need, fill, 0)
     ell = largest_layer_s(cost, types)
@@ -441,5 +442,5 @@ def _one_type_bound(n: int, whole_s: float, cap_bytes: float, need_bytes: float,
 def type_counts(devices: Sequence[Device]) -> Mapping[str, int]:
     out: dict[str, int] = {}
     for d in devices:
-        out[d.gpu_type] = out.get(d.gpu_type, 0) + 1
+        out[d.kind] = out.get(d.kind, 0) + 1
     return out

@@ -275,9 +275,10 @@ def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule:
         for k, d in enumerate(devs):
             prev = devs[k - 1] if k else None
             nxt = devs[k + 1] if k + 1 < q else None
-            ok = upper & (cost.memory_matrix(schedule.activations_in_flight(q - k), schedule) <= d.memory_bytes)
+            ok = upper & (cost.memory_matrix(schedule.activations_in_flight(q - k), schedule, tensor_parallel=d.tensor_parallel)
+                          <= d.memory_bytes)
             t = cost.pipeline_stage_time_matrix(d, prev, nxt, schedule)
-            f = (cost.compute_matrix(d.gpu_type) + cost.boundary_vector_s(d, prev)[:, None]
+            f = (cost.compute_matrix(d.kind) + cost.boundary_vector_s(d, prev)[:, None]
                  + cost.boundary_vector_s(d, nxt)[None, :])
             times.append(np.where(ok, t, math.inf))
             fills.append(np.where(ok, f, math.inf))
@@ -377,11 +378,12 @@ class _MixFloors:
     def __init__(self, cost: CostModel, devices: Sequence[Device], schedule: Schedule):
         self.m = schedule.micro_batches
         n_layers = cost.num_layers
-        types = sorted({d.gpu_type for d in devices})
+        types = sorted({d.kind for d in devices})
         self.whole = {t: cost.compute_s(t, 0, n_layers) for t in types}
         self.per_layer = {t: cost.layer_compute_s(t) for t in types}
         reserved = cost.options.reserved_bytes
-        self.cap = {t: next(d for d in devices if d.gpu_type == t).memory_bytes - reserved for t in types}
+        self.cap = {t: (next(d for d in devices if d.kind == t).memory_bytes - reserved) / cost.shard_memory_ratio(t)
+                    for t in types}
         self.need = worker_memory_bytes(cost, schedule)
         self.eff = effective_whole_s(cost, types)
         self._mixes: dict[Template, Mix] = {}
@@ -439,7 +441,7 @@ class _Tails:
         self.schedule, self.affine, self.mix = schedule, affine, mix
         self.pools: dict[str, dict[str, list[Device]]] = {}
         for d in devices:
-            self.pools.setdefault(d.node, {}).setdefault(d.gpu_type, []).append(d)
+            self.pools.setdefault(d.node, {}).setdefault(d.kind, []).append(d)
         self._floors: dict[tuple[int, float], float] = {}
         self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.tables: dict[tuple[Template, int], TailTable | None] = {}

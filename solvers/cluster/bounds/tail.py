@@ -105,7 +105,7 @@ def worker_tail_table(cost: CostModel, devices: Sequence[Device], schedule: Sche
     span = np.maximum(q_bytes[None, :] - q_bytes[:, None], 0.0)
     floor = np.where(np.triu(np.ones_like(span, bool), 1), allreduce_floor_s(span), 0.0)
     tails: dict[str, np.ndarray] = {}
-    for t in {d.gpu_type for d in devices}:
+    for t in {d.kind for d in devices}:
         upd = np.array([cost.update_s(t, 0, j) for j in range(n_layers + 1)])
         tails[t] = floor + (upd[None, :] - upd[:, None])
     join = np.maximum if cost.options.overlap_comm else np.add
@@ -159,14 +159,14 @@ def _stage_parts(cost: CostModel, devs: Sequence[Device], schedule: Schedule,
     for k, d in enumerate(devs):
         prev = devs[k - 1] if k else None
         nxt = devs[k + 1] if k + 1 < q else None
-        f, b = cost.direction_matrices(d.gpu_type)
+        f, b = cost.direction_matrices(d.kind)
         a = np.broadcast_to(cost.boundary_vector_s(d, nxt)[None, :], f.shape)  # activation sent on at stop
         g = np.broadcast_to(cost.boundary_vector_s(d, prev)[:, None], f.shape)  # gradient sent back at start
         received = np.broadcast_to(cost.boundary_vector_s(nxt, d)[None, :], f.shape)  # gradient from the next
-        mem = cost.memory_matrix(schedule.activations_in_flight(q - k), schedule)
+        mem = cost.memory_matrix(schedule.activations_in_flight(q - k), schedule, tensor_parallel=d.tensor_parallel)
         out.append({"f": f, "b": b, "a": a, "g": g, "back": b + received, "round": f + b + a + received,
                     "t": cost.pipeline_stage_time_matrix(d, prev, nxt, schedule),
-                    "fits": mem <= d.memory_bytes, "tail": tails[d.gpu_type]})
+                    "fits": mem <= d.memory_bytes, "tail": tails[d.kind]})
     return out
 
 
