@@ -137,3 +137,27 @@ def test_yaml_syntax_error_names_file(tmp_path):
     path.write_text("nodes: [\n")
     with pytest.raises(FormatError, match="not valid YAML"):
         Cluster.load(path)
+
+
+def test_a_grouping_with_a_worker_that_fits_nowhere_is_no_plan_not_a_crash() -> None:
+    """The bound search of the cluster planner prices groupings it explores; one may hold a worker
+    over which no split fits (it once hit an assertion): that grouping is refused by name."""
+    from partitioner.cluster import DeviceType, Node
+    from partitioner.cost import CostModel
+    from partitioner.pricing import CostOptions
+    from partitioner.profile import LayerProfile, LayerTime, Profile
+    from partitioner.schedule import Schedule
+    from solvers.cluster.planner import WorkerPlanner, WorkerUnfit, _plan_of
+
+    types = {"BIG": DeviceType("BIG", 8 * GIB, 10e12, 1e12), "TINY": DeviceType("TINY", 1.2 * GIB, 30e12, 1e12)}
+    layers = tuple(LayerProfile(f"l{i}", param_bytes=40e6, saved_bytes=20e6, output_bytes=1e6,
+                                times={"BIG": LayerTime(0.01, 0.02), "TINY": LayerTime(0.003, 0.006)})
+                   for i in range(12))
+    prof = Profile("m", 1, layers)
+    cl = Cluster("c", (Node("a", ("BIG",), 50.0), Node("b", ("TINY",), 50.0)), 5.0, types)
+    sched = Schedule.of("1f1b", 8)
+    planner = WorkerPlanner(CostModel(prof, cl, CostOptions(reserved_bytes=0.1 * GIB)), sched, False, 720)
+    big, tiny = cl.devices
+    assert _plan_of([[big, tiny]], planner, prof, sched)[0].virtual_workers
+    with pytest.raises(WorkerUnfit, match=r"b:0"):
+        _plan_of([[big], [tiny]], planner, prof, sched)

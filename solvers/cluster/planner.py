@@ -34,7 +34,7 @@ from typing import Any
 
 from partitioner.cluster import Cluster, Device
 from partitioner.cost import CostModel, CostOptions
-from partitioner.errors import FormatError
+from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
 from partitioner.schedule import DEFAULT_MICRO_BATCHES, Schedule, spec
@@ -46,7 +46,7 @@ from solvers.predictions import with_predictions
 from solvers.progress import Status, status
 from solvers.result import SolveDetails, SolveResult, SolveStatus
 
-__all__ = ["WorkerPlanner", "plan_cluster", "price_plan", "solve"]
+__all__ = ["WorkerPlanner", "WorkerUnfit", "plan_cluster", "price_plan", "solve"]
 
 log = logging.getLogger(__name__)
 
@@ -437,7 +437,11 @@ def _sync_certified(found: _Found, devs: list[Device], k: int | None, planner: W
     planner.progress.note("bounding the plan with its all-reduce")
 
     def price(g: list[list[Device]]) -> float:
-        return price_plan(cost, _plan_of(g, planner, cost.profile, sched)[0], objective)["samples_per_s"]
+        try:
+            plan = _plan_of(g, planner, cost.profile, sched)[0]
+        except WorkerUnfit:  # a grouping the bound explores may hold a worker that fits nowhere: no plan
+            return 0.0
+        return price_plan(cost, plan, objective)["samples_per_s"]
 
     current = price(found.best[1])  # the plan _finish builds: every worker mapped by the full search
     sb = sync_bound(cost, devs, node_classes(devs, planner.node_kind), sched, current, workers=k,
@@ -664,13 +668,18 @@ def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: st
     return len(g) * samples / iteration
 
 
+class WorkerUnfit(PartitionerError):
+    """A grouping holds a worker over which no split fits in memory."""
+
+
 def _plan_of(g: list[list[Device]], planner: WorkerPlanner, profile: Profile, schedule: Schedule) -> tuple[Plan, bool]:
     """The plan of a grouping, every worker mapped and split by ``planner``, and whether every
     mapping was exact."""
     workers, exact = [], True
     for w in g:
         r = planner.stages(w)
-        assert r.stages is not None
+        if r.stages is None:
+            raise WorkerUnfit(f"no split of the model over the worker {[d.name for d in w]} fits its memory")
         exact = exact and r.exact
         workers.append(VirtualWorker(r.stages))
     return Plan(profile.model, tuple(workers), schedule.name, profile.micro_batch_size, schedule.micro_batches), exact

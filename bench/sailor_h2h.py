@@ -1,0 +1,113 @@
+"""Head to head with Sailor's planner on its three OPT-350M problems, judged by this simulator.
+
+Problems (global batch 1,024, sequence 2,048, fp32 as Sailor's artifact scripts price them): 8
+RTX-3090 + 4 RTX-2080 + 4 TITAN-RTX; 16 GH-96; 32 A100-40GB + 32 V100-16GB. Clusters are built
+from Sailor's cluster file (GPUs per node) and measured NCCL curves
+(``partitioner.importers.sailor_runs.sailor_cluster``); the profile holds every tensor-parallel
+degree Sailor measured at the micro-batch size (``import_sailor_degrees``).
+
+For each problem the script prints our plan (tensor-parallel degree per GPU type, pipelines,
+stages, micro-batches), its simulated iteration for the global batch, the planning time and the
+certificate, beside Sailor's own chosen plan (``../shared/data/sailor_plans/``) imported with
+``import_sailor_run`` and simulated here. Sailor splits the global batch unevenly over its
+pipelines; its plan is imported with the count rounded up (``meta.samples_per_iteration``), so
+both are compared per sample as well.
+
+    python bench/sailor_h2h.py [--time-limit 60] [--problems rtx,gh,av]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._machine import machine_line  # noqa: E402
+from partitioner.importers.sailor import import_sailor_degrees  # noqa: E402
+from partitioner.importers.sailor_runs import import_sailor_run, sailor_cluster  # noqa: E402
+from partitioner.pricing import CostOptions  # noqa: E402
+from partitioner.simulate import simulate_plan  # noqa: E402
+from solvers.cluster.tensor import plan_tensor_parallel  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "data"
+GLOBAL_BATCH = 1024
+# name: (GPUs by Sailor's names, Sailor's plan file)
+PROBLEMS = {
+    "rtx": ({"RTX-3090": 8, "RTX-2080": 4, "Titan-RTX": 4}, "rtx_mix_8x3090_4x2080_4xtitan.json"),
+    "gh": ({"GH-96": 16}, "gh96_x16.json"),
+    "av": ({"A100-40": 32, "V100-16": 32}, "a100x32_v100x32.json"),
+}
+FP32 = CostOptions(precision="fp32")
+
+
+def _ours(name: str, sizes: list[int], time_limit_s: float) -> dict:
+    gpus, _ = PROBLEMS[name]
+    per_node = {k: v["gpus_per_node"] for k, v in
+                json.loads((SHARED / "sailor_opt350" / "basic_cluster_config.json").read_text()).items()
+                if isinstance(v, dict)}
+    cluster = sailor_cluster(SHARED / "sailor_validation" / "network" / "network_coeffs_all_homo.json", gpus,
+                             per_node)
+    best: dict = {}
+    t0 = time.perf_counter()
+    for b in sizes:
+        profile = import_sailor_degrees(SHARED / "sailor_opt350", micro_batch_size=b, gpu_types=tuple(gpus))
+        res = plan_tensor_parallel(profile, cluster, GLOBAL_BATCH, options=FP32,
+                                   time_limit_s=time_limit_s / len(sizes))
+        if not res.ok or res.plan is None:
+            continue
+        view = cluster.with_tensor_parallel(res.details["tensor_parallel"])  # type: ignore[typeddict-item]
+        sim = simulate_plan(res.plan, profile, view, FP32).iteration_s
+        if not best or sim < best["iteration_s"]:
+            best = {"iteration_s": sim, "mbs": b, "plan": res.plan, "gap": res.gap,
+                    "bound_s": GLOBAL_BATCH * res.lower_bound, "tp": res.details["tensor_parallel"],  # type: ignore
+                    "status": str(res.status)}
+    best["planning_s"] = time.perf_counter() - t0
+    return best
+
+
+def _sailor(name: str) -> dict:
+    _, file = PROBLEMS[name]
+    run = import_sailor_run(SHARED / "sailor_plans" / file, SHARED / "sailor_opt350",
+                            SHARED / "sailor_validation" / "network" / "network_coeffs_all_homo.json", FP32)
+    sim = simulate_plan(run.plan, run.profile, run.cluster, FP32).iteration_s
+    samples = int(run.plan.meta.get("samples_per_iteration", GLOBAL_BATCH))
+    return {"iteration_s": sim, "samples": samples, "plan": run.plan}
+
+
+def _shape(plan) -> str:  # type: ignore[no-untyped-def]
+    w = plan.virtual_workers
+    stages = sorted({len(v.stages) for v in w})
+    return f"K={len(w)}, stages {'/'.join(map(str, stages))}, m={plan.micro_batches}x{plan.micro_batch_size}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per problem for our search")
+    ap.add_argument("--problems", default="rtx,gh,av")
+    ap.add_argument("--sizes", default="1,2", help="micro-batch sizes our search tries")
+    args = ap.parse_args(argv)
+    print(machine_line())
+    print(f"{'problem':8} {'plan':8} {'iteration_s':>11} {'s/1024':>8} {'planning_s':>10}  shape")
+    for name in args.problems.split(","):
+        theirs = _sailor(name)
+        ours = _ours(name, [int(x) for x in args.sizes.split(",")], args.time_limit)
+        per = theirs["iteration_s"] * GLOBAL_BATCH / theirs["samples"]
+        print(f"{name:8} {'sailor':8} {theirs['iteration_s']:11.3f} {per:8.3f} {'-':>10}  {_shape(theirs['plan'])}")
+        if not ours.get("plan"):
+            print(f"{name:8} {'ours':8} no plan within the time limit")
+            continue
+        print(f"{name:8} {'ours':8} {ours['iteration_s']:11.3f} {ours['iteration_s']:8.3f} "
+              f"{ours['planning_s']:10.1f}  {_shape(ours['plan'])}, tp {ours['tp']}, {ours['status']}, "
+              f"bound {ours['bound_s']:.3f} s (gap {100 * ours['gap']:.1f} %)")
+        print(f"{'':8} ours / sailor per sample: {ours['iteration_s'] / per:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
