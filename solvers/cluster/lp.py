@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -40,18 +41,19 @@ class LpResult:
         return self.status == "optimal"
 
 
-def linprog(c: np.ndarray, a_ub: np.ndarray | None = None, b_ub: np.ndarray | None = None,
-            a_eq: np.ndarray | None = None, b_eq: np.ndarray | None = None,
+def linprog(c: np.ndarray, a_ub: Any = None, b_ub: np.ndarray | None = None,
+            a_eq: Any = None, b_eq: np.ndarray | None = None,
             bounds: Sequence[tuple[float, float]] | tuple[float, float] = (0.0, math.inf),
             method: str = "highs") -> LpResult:
-    """Solve the LP above (``bounds``: one ``(lower, upper)`` for every variable, or per variable;
+    """Solve the LP above (``a_ub``, ``a_eq``: dense arrays or SciPy sparse matrices; ``bounds``: one
+    ``(lower, upper)`` for every variable, or per variable;
     ``method``: ``highs``, or ``highs-ds`` (dual simplex) for an LP with few rows)."""
     from scipy.optimize import linprog as highs
 
     c = np.asarray(c, dtype=float)
     res = highs(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method=method)
     status = {0: "optimal", 2: "infeasible", 3: "unbounded"}.get(res.status, "failed")
-    rows = 0 if a_ub is None else int(np.atleast_2d(a_ub).shape[0])
+    rows = 0 if a_ub is None else int(a_ub.shape[0] if hasattr(a_ub, "tocsr") else np.atleast_2d(a_ub).shape[0])
     if status != "optimal":
         return LpResult(status, np.zeros(len(c)), math.nan, np.zeros(rows))
     duals = np.asarray(res.ineqlin.marginals, dtype=float) if rows else np.zeros(0)

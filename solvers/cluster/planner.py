@@ -623,7 +623,7 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     predicted = price_plan(cost, plan, objective)
     bound = fleet_bound(cost, devs, schedule, replication=replication,
                         virtual_workers=k)
-    upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s)
+    upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s, _layer_bound(cost, devs, schedule, k))
     with_sync = found.details.get("sync_bound", {})
     if with_sync.get("complete"):  # the bound with the all-reduce in it (solvers.cluster.bounds.sync)
         upper = min(upper, with_sync["samples_per_s"])
@@ -653,6 +653,21 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
                             extra_meta=meta)
     cost.validate_plan(plan)  # structure and memory
     return replace(result, plan=plan)
+
+
+LAYER_BOUND_ANY_K_GPUS = 64  # with K free, the per-layer bound is the largest over every K up to this many GPUs
+
+
+def _layer_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None) -> float:
+    """:func:`solvers.cluster.bounds.layers.layer_bound` at ``k`` workers, or at every K when ``k``
+    is free (on clusters of at most LAYER_BOUND_ANY_K_GPUS devices; beyond, no bound from it)."""
+    from solvers.cluster.bounds.layers import layer_bound
+
+    if k is not None:
+        return layer_bound(cost, devs, k, schedule)
+    if len(devs) > LAYER_BOUND_ANY_K_GPUS:
+        return math.inf
+    return max(layer_bound(cost, devs, kk, schedule) for kk in range(1, len(devs) + 1))
 
 
 def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: str, micro_batches: int) -> float:

@@ -7,7 +7,8 @@ worker may sit on devices of different degrees, and so may the replicas of a sta
 *candidate* is a view and a count ``K`` of virtual workers that divides the global batch:
 ``K x m x b = global_batch`` for the profile's micro-batch size ``b``, so every candidate trains
 the same samples per iteration. Each candidate has a certified upper bound on samples/s (the
-fleet bound of :mod:`solvers.cluster.bounds.fleet` at that K); candidates are planned best
+smaller of the fleet bound of :mod:`solvers.cluster.bounds.fleet` and the per-layer bound of
+:mod:`solvers.cluster.bounds.layers` at that K); candidates are planned best
 bound first, and the search stops when the best plan found is at least the next bound (nothing
 left can beat it) or time is up. The certificate of the whole space is the largest bound of the
 candidates not planned and of the planned ones' own certificates.
@@ -30,6 +31,7 @@ from partitioner.schedule import Schedule
 
 from ..result import SolveResult, SolveStatus
 from .bounds.fleet import fleet_bound
+from .bounds.layers import layer_bound
 from .planner import plan_cluster
 
 __all__ = ["Candidate", "candidates", "plan_tensor_parallel", "type_degrees"]
@@ -91,8 +93,11 @@ def candidates(profile: Profile, cluster: Cluster, global_batch: int, options: C
             if k > n or (global_batch // b) % k:
                 continue
             m = global_batch // (b * k)
-            bound = fleet_bound(cost, view.devices, Schedule.of(schedule, m), virtual_workers=k)
-            out.append(Candidate(tuple(zip(types, combo, strict=True)), k, m, bound.samples_per_s))
+            sched = Schedule.of(schedule, m)
+            bound = min(fleet_bound(cost, view.devices, sched, virtual_workers=k).samples_per_s,
+                        layer_bound(cost, view.devices, k, sched))
+            if bound > 0:  # 0: no plan of k workers fits
+                out.append(Candidate(tuple(zip(types, combo, strict=True)), k, m, bound))
     out.sort(key=lambda c: -c.bound_samples_per_s)
     return out
 

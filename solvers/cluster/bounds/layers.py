@@ -1,0 +1,127 @@
+"""A bound on any plan's iteration that knows each layer's speed on each GPU kind.
+
+The fleet bound (:mod:`.fleet`) measures a GPU type's speed by one number (its best ratio to a
+reference over all layers), which is loose where the ratio varies from layer to layer (an FP32
+V100 is 3x slower than an A100 on a transformer block and close to it on an embedding). This
+bound is a linear program over the layers instead. For ``K`` virtual workers of ``m``
+micro-batches, devices of kind ``t`` (a GPU type at a tensor-parallel degree) ``n_t`` of them:
+
+* ``x[l, t]`` in [0, 1]: the share of the ``K m`` micro-batches whose layer ``l`` runs on kind
+  ``t``; ``sum_t x[l, t] = 1``;
+* ``y[l, t]`` in [0, n_t]: how many kind-``t`` devices hold layer ``l``; every worker holds every
+  layer, so ``sum_t y[l, t] >= K``;
+* busy time: a device runs its forwards and backwards, its all-reduces and its optimizer step one
+  after another within the iteration (the cost model's and the simulator's flushing schedules), so
+
+      n_t T >= sum_l K m x[l, t] c_t(l) + y[l, t] (u_t(l) + r_t(l))
+
+  with ``c`` forward + backward of one micro-batch, ``u`` the step and ``r`` the least time of its
+  all-reduce among ``K`` holders: ``2 (K - 1) / K`` of its gradient bytes (per GPU of a group)
+  over the fastest link of the cluster (a ring sends that much from every member, and the
+  hierarchical algorithm more);
+* memory: a holder keeps the layer's weights, gradients and optimizer state and at least one
+  micro-batch of its activations, ``sum_l y[l, t] (w_t(l) + s_t(l)) <= n_t (C_t - reserved)``.
+
+``min T`` is a floor on the iteration, so ``K m b / T`` bounds samples/s. It leaves out the
+pipeline's fill and the sends between stages (the fleet bound has the fill); the planner takes
+the smaller of the two. An infeasible LP (the kinds cannot hold ``K`` copies of the model) is a
+bound of 0: no plan with ``K`` workers exists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from partitioner.cluster import Device, split_kind
+from partitioner.cost import CostModel
+from partitioner.schedule import Schedule
+
+from ..lp import linprog
+
+__all__ = ["fastest_link_gbps", "layer_bound"]
+
+
+def fastest_link_gbps(cost: CostModel) -> float:
+    """The most GB/s any link of the cluster carries at any message size."""
+    cl = cost.cluster
+    curves = [cl.inter_curve] if cl.inter_curve is not None else []
+    curves += [n.intra_curve for n in cl.nodes if n.intra_curve is not None]
+    curves += [x.curve for x in cl.links if x.curve is not None]
+    flat = [cl.inter_gbps, *(n.intra_gbps for n in cl.nodes), *(x.gbps for x in cl.links)]
+    peaks = [max([c.gbps, *(p[1] for p in c.points)]) for c in curves]
+    return max(flat + peaks)
+
+
+def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int, schedule: Schedule) -> float:
+    """The LP of the module docstring: an upper bound on samples/s of any plan of ``virtual_workers``
+    workers over ``devices`` (``inf`` where the LP solver gives no answer: no bound). The all-reduce
+    counts where the cost model prices it in the iteration (``options.sync`` and a schedule that
+    all-reduces), the step where the schedule takes one (not WSP, whose push applies the update)."""
+    k, m = virtual_workers, schedule.micro_batches
+    allreduce = k > 1 and cost.options.sync and schedule.spec.sync == "allreduce"
+    stepped = schedule.spec.sync != "wave"
+    kinds = sorted({d.kind for d in devices})
+    count = np.array([sum(d.kind == t for d in devices) for t in kinds], dtype=float)
+    cap = np.array([next(d for d in devices if d.kind == t).memory_bytes for t in kinds]) - cost.options.reserved_bytes
+    if np.any(cap <= 0):
+        return 0.0
+    n_layers, n_kinds = cost.num_layers, len(kinds)
+    fastest = fastest_link_gbps(cost) * 1e9
+    comp = np.empty((n_layers, n_kinds))
+    hold = np.empty((n_layers, n_kinds))
+    mem = np.empty((n_layers, n_kinds))
+    versions = schedule.weight_versions
+    for j, kind in enumerate(kinds):
+        t = split_kind(kind)[1]
+        shard = cost.at_degree(t)
+        comp[:, j] = shard.layer_compute_s(split_kind(kind)[0])
+        grads = np.diff(shard.param_prefix) / t  # one GPU's gradient bytes (the shards move side by side)
+        step = np.array([shard.update_s(split_kind(kind)[0], i, i + 1) for i in range(n_layers)]) * stepped
+        hold[:, j] = step + (2.0 * (k - 1) / k * grads / fastest if allreduce else 0.0)
+        mem[:, j] = [shard.weight_bytes(i, i + 1, versions) + shard.activation_bytes(i, i + 1) for i in range(n_layers)]
+    return _solve(comp, hold, mem, count, cap, k, m, cost.profile.micro_batch_size)
+
+
+def _solve(comp: np.ndarray, hold: np.ndarray, mem: np.ndarray, count: np.ndarray, cap: np.ndarray, k: int,
+           m: int, b: int) -> float:
+    """Variables x (L x n), y (L x n), T; see the module docstring."""
+    from scipy import sparse
+
+    n_layers, n = comp.shape
+    nx = n_layers * n
+    t_col = 2 * nx
+    # busy time per kind: K m sum_l x c + sum_l y h - n_t T <= 0
+    rows, cols, vals = [], [], []
+    for j in range(n):
+        idx = np.arange(n_layers) * n + j
+        rows += [j] * (2 * n_layers + 1)
+        cols += [*idx, *(nx + idx), t_col]
+        vals += [*(k * m * comp[:, j]), *hold[:, j], -count[j]]
+    # memory per kind, in units of one device's capacity: sum_l y (w + s) / C_t <= n_t
+    for j in range(n):
+        idx = np.arange(n_layers) * n + j
+        rows += [n + j] * n_layers
+        cols += [*(nx + idx)]
+        vals += [*(mem[:, j] / cap[j])]
+    # every worker holds every layer: -sum_t y[l, t] <= -K
+    for layer in range(n_layers):
+        rows += [2 * n + layer] * n
+        cols += [nx + layer * n + j for j in range(n)]
+        vals += [-1.0] * n
+    a_ub = sparse.csr_matrix((vals, (rows, cols)), shape=(2 * n + n_layers, t_col + 1))
+    b_ub = np.concatenate([np.zeros(n), count, -k * np.ones(n_layers)])
+    # each layer's micro-batches all run somewhere: sum_t x[l, t] = 1
+    eq_rows = np.repeat(np.arange(n_layers), n)
+    a_eq = sparse.csr_matrix((np.ones(nx), (eq_rows, np.arange(nx))), shape=(n_layers, t_col + 1))
+    c = np.zeros(t_col + 1)
+    c[t_col] = 1.0
+    bounds = [(0.0, 1.0)] * nx + [(0.0, float(count[j % n])) for j in range(nx)] + [(0.0, math.inf)]
+    res = linprog(c, a_ub, b_ub, a_eq, np.ones(n_layers), bounds)
+    if res.status == "infeasible":
+        return 0.0
+    if not res.ok or res.fun <= 0:
+        return math.inf
+    return k * m * b / res.fun
