@@ -660,7 +660,7 @@ class CostModel:
             k = times.index(max(times))
             st = vw.stages[k]
             b_in, w = self.backward_split_s(self.cluster.device(st.device).gpu_type, st.start, st.stop)
-            saving = (p - 1) * min((3 if plan.schedule == "zb-h2" else 2) * w, b_in + w)
+            saving = (p - 1) * min(spec(plan.schedule).weight_fill * w, b_in + w)
         return fill_f + fill_b + (m - 1) * pace - saving
 
     def plan_iteration_s(self, plan: Plan) -> float:

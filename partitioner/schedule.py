@@ -35,7 +35,10 @@ executes, in order:
 Matching rule (what a runtime must do): a send and a receive match when
 :func:`match_key` is equal -- ``(direction, micro_batch, sending stage)``, usable as a
 message tag. For every ordered pair of ranks the sends appear on the sender in the same
-order as the receives on the receiver, so FIFO point-to-point channels also match by order.
+order as the receives on the receiver, so FIFO point-to-point channels also match by order --
+except under ``zbv``, where both chunks' messages cross each pair of ranks in both directions
+and a receiver may take them in another order than they were sent: its lists match by tag only
+(``FIFO_MATCHED`` lists the schedules whose lists also match by order).
 Sends are *posted* without waiting for the receiver (``isend``; the buffer is released once
 the transfer is done) and receives block. Under those semantics every list produced here is
 deadlock-free when each rank runs its list in order (the simulator checks this and names the
@@ -177,6 +180,8 @@ class ScheduleSpec:
     through one chunk before the next (multi-chunk schedules). ``executor``: which runtime
     executor runs its action lists (``pipeline``, ``2bw`` or ``wsp``, see :mod:`runtime`).
     ``split_backward``: the backward runs as ``I`` then ``W`` (the zero-bubble schedules).
+    ``weight_fill``: on equal stages, the weight-gradient passes per bubble slot the schedule moves
+    into 1F1B's bubble (ZB-H1 2, ZB-H2 3: :meth:`Schedule.uniform_bubble_s`); 0 for the others.
     ``placement``: how stages are dealt to ranks, ``loop`` (stage ``s`` on rank ``s % p``) or
     ``v`` (ZB-V's V shape, :func:`stage_rank`); ``chunks``: the chunk count the schedule requires
     (``zbv``: 2), None for any.
@@ -192,6 +197,7 @@ class ScheduleSpec:
     breadth_first: bool = False
     executor: str = "pipeline"
     split_backward: bool = False
+    weight_fill: int = 0
     placement: str = "loop"
     chunks: int | None = None
 
@@ -213,7 +219,7 @@ class ScheduleSpec:
     def warmup(self, stages_from_end: int) -> int:
         """Forwards a one-chunk 1F1B-style rank runs before its first backward (uncapped): 1F1B and
         ZB-H1 ``p - k - 1``, ZB-H2 ``2 (p - k - 1)`` (Qi et al.'s extra warm-up forwards)."""
-        return (2 if self.name == "zb-h2" else 1) * (stages_from_end - 1)
+        return (2 if self.weight_fill == 3 else 1) * (stages_from_end - 1)
 
     def rank_of(self, stage: int, ranks: int) -> int:
         """The pipeline rank of ``stage`` among ``ranks`` devices under this schedule's placement."""
@@ -227,11 +233,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec("bfs", flushes=True, multi_chunk=True, breadth_first=True),
     ScheduleSpec("2bw", flushes=False, weight_versions=2, executor="2bw"),
     ScheduleSpec("wsp", flushes=False, sync="wave", executor="wsp"),
-    ScheduleSpec("zb-h1", flushes=True, split_backward=True),
-    ScheduleSpec("zb-h2", flushes=True, split_backward=True),
+    ScheduleSpec("zb-h1", flushes=True, split_backward=True, weight_fill=2),
+    ScheduleSpec("zb-h2", flushes=True, split_backward=True, weight_fill=3),
     ScheduleSpec("zbv", flushes=True, multi_chunk=True, split_backward=True, placement="v", chunks=2),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
+FIFO_MATCHED = tuple(n for n, s in SCHEDULES.items() if s.placement == "loop")
 NO_FLUSH = tuple(n for n, s in SCHEDULES.items() if not s.flushes)
 MULTI_CHUNK = tuple(n for n, s in SCHEDULES.items() if s.multi_chunk)
 
@@ -332,10 +339,8 @@ class Schedule:
             return (p - 1) * (f + b + w)
         if name == "interleaved":
             return (p - 1) * (f + b + w) / chunks
-        if name == "zb-h1":
-            return (p - 1) * max(f + b - w, f)
-        if name == "zb-h2":
-            return (p - 1) * max(f + b - 2 * w, f)
+        if self.spec.weight_fill:  # ZB-H1, ZB-H2: 1F1B's bubble less the W moved into it, down to the fill
+            return (p - 1) * max(f + b + w - self.spec.weight_fill * w, f)
         if name == "zbv" and math.isclose(f, b) and math.isclose(b, w):
             return (p - 1) * f / 2
         return None
