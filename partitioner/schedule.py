@@ -619,19 +619,14 @@ def _zb_h1(r: int, p: int, m: int, iterations: int, warm: int) -> _Order:
         base = it * m
         warm_r = min(warm, m)
         waiting: list[int] = []
-
-        def backward(j: int) -> None:
+        out += [(_F, base + j, r, -1) for j in range(warm_r)]
+        for j in range(m):  # the j-th I, after the forward of micro-batch warm_r + j while there is one
+            if j < m - warm_r:
+                out.append((_F, base + warm_r + j, r, -1))
             out.append((_I, base + j, r, -1))
             waiting.append(base + j)
             if j >= delay:
                 out.append((_W, waiting.pop(0), r, -1))
-
-        out += [(_F, base + j, r, -1) for j in range(warm_r)]
-        for i in range(m - warm_r):
-            out.append((_F, base + warm_r + i, r, -1))
-            backward(i)
-        for j in range(m - warm_r, m):
-            backward(j)
         out += [(_W, j, r, -1) for j in waiting]
         out.append((_STEP, -1, -1, it + 1))
     return out
@@ -819,7 +814,8 @@ def schedule_columns(schedule: str, ranks: int, micro_batches: int, chunks: int 
     elif schedule == "zbv":
         orders = [_zbv(r, p, m, iterations) for r in range(p)]
     elif schedule == "zb-h1":
-        orders = [_zb_h1(r, p, m, iterations, p - r - 1 if depth[r] is None else depth[r]) for r in range(p)]
+        warm = [p - r - 1 if d is None else d for r, d in enumerate(depth)]
+        orders = [_zb_h1(r, p, m, iterations, warm[r]) for r in range(p)]
     else:
         orders = [_zb_h2(r, p, m, iterations) for r in range(p)]
     return [_with_comm(o, p, p * v, SCHEDULES[schedule].placement) for o in orders]

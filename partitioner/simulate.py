@@ -233,8 +233,8 @@ def _durations(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pip
                   + [(0.0,) * 4])  # per stage: forward, backward, its input-gradient and weight-gradient parts
     d = np.zeros(len(kind))
     lnk = np.full(len(kind), -1, dtype=np.int64)
-    for k, col in ((F, 0), (B, 1), (I, 2), (W, 3)):
-        d = np.where(kind == k.code, fb[stage, col], d)
+    for k, part in ((F, 0), (B, 1), (I, 2), (W, 3)):
+        d = np.where(kind == k.code, fb[stage, part], d)
     d = np.where(kind == STEP.code, sum(cost.update_s(gpu, a, b) for a, b in held), d)
     if pipe.replicas and len(pipe.replicas[r]) > 1:  # PUSH first sums the replicas' parts (blocking)
         local = cost.allreduce_s(sum(cost.param_bytes(a, b) for a, b in held), pipe.replicas[r])

@@ -56,8 +56,8 @@ from partitioner.schedule import (
     B,
     F,
     I,
-    W,
     MicroBatching,
+    W,
 )
 
 from .emulation import Stretch

@@ -159,7 +159,7 @@ def test_lists_are_dependency_safe_for_random_stage_times(p: int, m: int, schedu
     tl = simulate_plan(plan, prof, cluster, CostOptions(reserved_bytes=0.0), iterations=data.draw(st.integers(1, 2)))
     ends: dict[tuple[int, int, int], float] = {}
     starts: dict[tuple[int, int, int], float] = {}
-    for r, kind, j, s, t0, t1 in tl.events():
+    for _, kind, j, s, t0, t1 in tl.events():
         if kind in (F, I, W):
             starts[(kind.code, j, s)], ends[(kind.code, j, s)] = t0, t1
     eps = 1e-9

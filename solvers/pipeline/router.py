@@ -11,7 +11,6 @@ imports neither of the modules built on it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import replace
 
 from partitioner.cluster import GIB, Cluster
