@@ -205,6 +205,12 @@ class CostModel:
         return out
 
     @_by_kind
+    def times_key(self, gpu_type: str) -> str:
+        """The profile's key for the times of ``gpu_type`` (a one-line error when it has none)."""
+        self._prefixes(gpu_type)
+        return self._times_key[gpu_type]
+
+    @_by_kind
     def has_times(self, gpu_type: str) -> bool:
         return gpu_type in self._times_key
 
@@ -236,6 +242,37 @@ class CostModel:
         """Forward and backward seconds of layers ``[start, stop)`` on ``gpu_type``."""
         f, b = self._prefixes(gpu_type)
         return float(f[stop] - f[start]), float(b[stop] - b[start])
+
+    @functools.cache  # noqa: B019
+    def _split_prefix(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
+        """Prefix sums of the backward's input-gradient and weight-gradient parts
+        (:meth:`partitioner.profile.Profile.backward_split_for`)."""
+        b_in, b_w, _ = self.profile.backward_split_for(self.times_key(gpu_type))
+        zero = np.zeros(1)
+        return np.concatenate([zero, np.cumsum(b_in)]), np.concatenate([zero, np.cumsum(b_w)])
+
+    @_by_kind
+    def backward_split_s(self, gpu_type: str, start: int, stop: int) -> tuple[float, float]:
+        """The backward of layers ``[start, stop)`` split for the zero-bubble schedules: input
+        gradient (B, on the critical path) and weight gradient (W) seconds; they add up to the
+        backward of :meth:`fwd_bwd_s`."""
+        b_in, b_w = self._split_prefix(gpu_type)
+        return float(b_in[stop] - b_in[start]), float(b_w[stop] - b_w[start])
+
+    def weight_grad_bytes(self, start: int, stop: int, tensor_parallel: int = 1) -> float:
+        """Activations of ``[start, stop)`` kept from a micro-batch's input-gradient pass to its
+        weight-gradient pass (Qi et al.'s ``M_W``): the saved tensors of the layers with parameters
+        (``dA = x^T dy`` needs their input), at most the stage's whole activations (``M_B``); per
+        GPU of a group of ``tensor_parallel``."""
+        if tensor_parallel != 1:
+            return self.at_degree(tensor_parallel).weight_grad_bytes(start, stop)
+        has = self._weight_grad_prefix
+        return min(float(has[stop] - has[start]), self.activation_bytes(start, stop))
+
+    @functools.cached_property
+    def _weight_grad_prefix(self) -> np.ndarray:
+        kept = self.profile.array("saved_bytes") * (self.profile.array("param_bytes") > 0)
+        return np.concatenate([np.zeros(1), np.cumsum(kept)])
 
     @_by_kind
     def compute_s(self, gpu_type: str, start: int, stop: int) -> float:
@@ -661,6 +698,10 @@ class CostModel:
           ``sum(f + a + b + g) + (m - 1) max(t)``;
         * GPipe: a forward flow shop, then a backward one: ``sum(f + a) + (m - 1) max(t_f) +
           sum(b + g) + (m - 1) max(t_b)`` with ``t_f = f + a`` (``max(f, a)`` with overlap);
+        * ZB-H1 / ZB-H2: the 1F1B form less ``(p - 1) min(k w, b_i + w)`` (``k`` 2 / 3, ``b_i`` and
+          ``w`` the two parts of the bottleneck stage's backward): exact on equal stages without
+          transfers (:meth:`partitioner.schedule.Schedule.uniform_bubble_s`); the simulator decides
+          elsewhere (``schedule="auto"`` ranks candidates by it);
         * 2BW (no flush): ``m max(t)``;
         * WSP: ``m max(t')`` with ``t'`` each stage's time with the plan's own push and pull
           (:meth:`wave_stage_s`: the holder sets' all-reduce and the staleness ``D``), not the
@@ -703,7 +744,13 @@ class CostModel:
         for k in range(p - 1, -1, -1):
             trip += rounds[k]
             pace = max(pace, trip / (p - k))
-        return fill_f + fill_b + (m - 1) * pace
+        saving = 0.0
+        if spec(plan.schedule).split_backward and not spec(plan.schedule).multi_chunk:  # the W fill the bubble (one-chunk ZB-H1 / ZB-H2)
+            k = times.index(max(times))
+            st = vw.stages[k]
+            b_in, w = self.backward_split_s(self.cluster.device(st.device).gpu_type, st.start, st.stop)
+            saving = (p - 1) * min(spec(plan.schedule).weight_fill * w, b_in + w)
+        return fill_f + fill_b + (m - 1) * pace - saving
 
     def plan_iteration_s(self, plan: Plan) -> float:
         """Closed-form iteration time of ``plan``: each pipeline's fill, steady state and drain
@@ -755,8 +802,8 @@ class CostModel:
         """Raise :class:`FormatError` naming the first device whose stages do not fit."""
         self.check_order(plan)
         sched = plan.pipeline_schedule
-        if sched.spec.multi_chunk:
-            return  # multi-chunk schedules: the simulator measures their peak
+        if sched.spec.multi_chunk or sched.spec.split_backward:
+            return  # multi-chunk and zero-bubble schedules: the simulator measures their peak
         for w, vw in enumerate(plan.virtual_workers):
             p = len(vw.stages)
             for k, st in enumerate(vw.stages):

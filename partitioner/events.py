@@ -4,7 +4,8 @@ Action lists are priced by :mod:`partitioner.simulate` before they run here. Eve
 runtime implements):
 
 * ``F`` / ``B`` occupy the rank for the stage's forward / backward time
-  (:meth:`CostModel.fwd_bwd_s` of the GPU type).
+  (:meth:`CostModel.fwd_bwd_s` of the GPU type); ``I`` / ``W`` for the two parts of the backward
+  (:meth:`CostModel.backward_split_s`).
 * A send starts the transfer of the boundary tensor as soon as the link is free
   (:meth:`CostModel.transfer_s` of :meth:`CostModel.boundary_bytes`). A link is one direction
   between two devices of a node, or between two nodes (so transfers from different GPUs of
@@ -55,6 +56,8 @@ from .schedule import (
     ActionKind,
     B,
     F,
+    I,
+    W,
     match_key,
 )
 
@@ -63,7 +66,7 @@ __all__ = ["OP_OF_KIND", "DeadlockError", "Op", "WaveGroups", "raise_deadlock", 
 
 # op codes of the event loop, and the op that runs each action kind
 _COMPUTE, _SEND, _RECV, _STEP, _PUSH, _PULL, _COLL = range(7)
-OP_OF_KIND: dict[ActionKind, int] = {F: _COMPUTE, B: _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
+OP_OF_KIND: dict[ActionKind, int] = {F: _COMPUTE, B: _COMPUTE, I: _COMPUTE, W: _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
                                      RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL, ALLREDUCE: _COLL}
 
 
@@ -392,8 +395,10 @@ def _deadlock_message(programs: Sequence[Sequence[Action]], pc: Sequence[int], n
 
 def simulate_programs(programs: Sequence[Sequence[Action]], rank_worker: Sequence[int] | None = None,
                       names: Sequence[str] | None = None, fwd_s: float = 1.0, bwd_s: float = 2.0,
+                      weight_s: float | None = None,
                       ) -> tuple[list[list[float]], list[list[float]]]:
-    """Run action lists with unit prices (forward ``fwd_s``, backward ``bwd_s``, free transfers).
+    """Run action lists with unit prices (forward ``fwd_s``, backward ``bwd_s``, free transfers;
+    a split backward's ``W`` takes ``weight_s``, default half the backward, and its ``I`` the rest).
 
     For checking schedules without a cost model: raises :class:`DeadlockError` naming the ranks
     of any wait cycle, else returns per-rank start and end times. Peers in the lists are ranks
@@ -401,12 +406,14 @@ def simulate_programs(programs: Sequence[Sequence[Action]], rank_worker: Sequenc
     """
     rank_worker = list(rank_worker) if rank_worker is not None else [0] * len(programs)
     names = list(names) if names is not None else [f"r{r}" for r in range(len(programs))]
+    w_s = bwd_s / 2 if weight_s is None else weight_s
+    price = {F: fwd_s, B: bwd_s, I: bwd_s - w_s, W: w_s}
     ops: list[list[Op]] = []
     for r, prog in enumerate(programs):
         row: list[Op] = []
         for a in prog:
             code = OP_OF_KIND[a.kind]
-            dur = fwd_s if a.kind == F else bwd_s if a.kind == B else 0.0
+            dur = price.get(a.kind, 0.0)
             if code in (_SEND, _RECV):
                 sender, d = match_key(a)[2], int(a.kind in (SEND_GRAD, RECV_GRAD))
                 key = ((a.micro_batch * 4096 + sender) * 2 + d) * 1024 + rank_worker[r]

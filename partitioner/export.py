@@ -36,7 +36,7 @@ from typing import Any
 
 from .errors import FormatError, PartitionerError
 from .plan import Plan, VirtualWorker
-from .schedule import spec
+from .schedule import spec, stage_rank
 
 __all__ = ["EXPORT_FORMAT", "TARGETS", "TORCH_SCHEDULE_CLASSES", "ExportError", "deepspeed_uniform_parts",
            "export_plan", "megatron_layer_kinds"]
@@ -44,9 +44,15 @@ __all__ = ["EXPORT_FORMAT", "TARGETS", "TORCH_SCHEDULE_CLASSES", "ExportError", 
 EXPORT_FORMAT = "partitioner.export/1"
 TARGETS = ("torch-pipelining", "deepspeed", "megatron")
 # The plan's flushing schedules and the torch.distributed.pipelining class that runs each.
+# zb-h1 is torch's ZB1P (ScheduleInterleavedZeroBubble over one stage per rank builds the same
+# lists); zbv its ScheduleZBVZeroBubble (two stages per rank in a V); zb-h2 has no torch class.
 TORCH_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                          "interleaved": "ScheduleInterleaved1F1B", "bfs": "ScheduleLoopedBFS"}
-_MULTI_STAGE_CLASSES = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS")
+                          "interleaved": "ScheduleInterleaved1F1B", "bfs": "ScheduleLoopedBFS",
+                          "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+# the classes that take a list of stages (PipelineScheduleMulti), and of them those with several per rank
+MULTI_STAGE_CLASSES = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
+                       "ScheduleZBVZeroBubble")
+_MULTI_STAGE_CLASSES = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble")
 
 
 class ExportError(PartitionerError):
@@ -109,8 +115,10 @@ def _check_devices(plan: Plan) -> None:
 
 
 def _pipeline_shape(plan: Plan, target: str) -> list[int]:
-    """Pipeline ranks per virtual worker; stage ``c * p + d`` must run on the device of stage ``d``."""
+    """Pipeline ranks per virtual worker; stage ``c * p + d`` must run on the device of stage ``d``
+    (under zbv, of :func:`partitioner.schedule.stage_rank`'s V)."""
     v = plan.chunks
+    rule = spec(plan.schedule).placement
     sizes = []
     for w, vw in enumerate(plan.virtual_workers):
         n = len(vw.stages)
@@ -118,10 +126,10 @@ def _pipeline_shape(plan: Plan, target: str) -> list[int]:
             raise ExportError(target, f"virtual_workers[{w}] has {n} stages, not a multiple of chunks = {v}")
         p = n // v
         devs = [vw.stages[d].device for d in range(p)]
-        if len(set(devs)) != p or any(st.device != devs[s % p] for s, st in enumerate(vw.stages)):
+        if len(set(devs)) != p or any(st.device != devs[stage_rank(s, p, rule)] for s, st in enumerate(vw.stages)):
             raise ExportError(target, f"virtual_workers[{w}] places its {n} stages on {[s.device for s in vw.stages]}; "
                                       f"{target} runs stage c*p + d on pipeline rank d ({p} distinct devices, "
-                                      f"chunks = {v})")
+                                      f"chunks = {v}; under zbv in a V)")
         sizes.append(p)
     return sizes
 
@@ -151,7 +159,7 @@ def _holder_sets(plan: Plan, pipelines: Sequence[Sequence[int]], n_layers: int) 
         key = []
         for w, vw in enumerate(plan.virtual_workers):
             s = next(k for k, st in enumerate(vw.stages) if st.start <= layer < st.stop)
-            key.append(pipelines[w][s % len(pipelines[w])])
+            key.append(pipelines[w][stage_rank(s, len(pipelines[w]), spec(plan.schedule).placement)])
         holders.setdefault(tuple(sorted(key)), []).append(layer)
     return [{"ranks": list(ranks), "layers": layers} for ranks, layers in holders.items()]
 
@@ -159,17 +167,22 @@ def _holder_sets(plan: Plan, pipelines: Sequence[Sequence[int]], n_layers: int) 
 def _torch_pipelining(plan: Plan, layer_names: Sequence[str] | None) -> dict[str, Any]:
     target = "torch-pipelining"
     n_layers = _check_plan(plan, target)
+    if plan.schedule not in TORCH_SCHEDULE_CLASSES:
+        raise ExportError(target, f"schedule {plan.schedule} has no torch.distributed.pipelining class (torch 2.13 "
+                                  f"ships {', '.join(sorted(set(TORCH_SCHEDULE_CLASSES.values())))}); re-plan with "
+                                  f"{', '.join(TORCH_SCHEDULE_CLASSES)}")
     cls = TORCH_SCHEDULE_CLASSES[plan.schedule]
+    rule = spec(plan.schedule).placement
     if plan.chunks != 1 and cls not in _MULTI_STAGE_CLASSES:
         raise ExportError(target, f"chunks = {plan.chunks} under {plan.schedule}: torch's {cls} runs one stage per "
-                                  f"rank; several stages per rank need ScheduleInterleaved1F1B or ScheduleLoopedBFS")
+                                  f"rank; several stages per rank need {', '.join(_MULTI_STAGE_CLASSES)}")
     sizes = _pipeline_shape(plan, target)
     m, b = plan.micro_batches, plan.micro_batch_size
-    if cls == "ScheduleInterleaved1F1B":
+    if cls in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
         for w, p in enumerate(sizes):
             rounds = max(1, m // p)
             if m % rounds:
-                raise ExportError(target, f"virtual_workers[{w}]: torch's ScheduleInterleaved1F1B needs "
+                raise ExportError(target, f"virtual_workers[{w}]: torch's {cls} needs "
                                           f"n_microbatches ({m}) to be a multiple of its rounds max(1, {m} // {p}) "
                                           f"= {rounds}")
     names = None
@@ -186,9 +199,9 @@ def _torch_pipelining(plan: Plan, layer_names: Sequence[str] | None) -> dict[str
         for d in range(p):
             st = vw.stages[d]
             ranks.append({"rank": base + d, "device": st.device, "gpu_type": st.gpu_type, "virtual_worker": w,
-                          "pipe_rank": d, "stages": list(range(d, n, p))})
+                          "pipe_rank": d, "stages": [s for s in range(n) if stage_rank(s, p, rule) == d]})
         rank_lists.append(list(range(base, base + p)))
-        stages = [{"stage": s, "layers": list(st.layers), "rank": base + s % p, "device": st.device,
+        stages = [{"stage": s, "layers": list(st.layers), "rank": base + stage_rank(s, p, rule), "device": st.device,
                    "gpu_type": st.gpu_type} for s, st in enumerate(vw.stages)]
         pipe: dict[str, Any] = {"virtual_worker": w, "ranks": rank_lists[-1],
                                 "batch_rows": [w * m * b, (w + 1) * m * b], "stages": stages}
@@ -207,7 +220,7 @@ def _torch_pipelining(plan: Plan, layer_names: Sequence[str] | None) -> dict[str
 
 
 def _torch_snippet(e: Mapping[str, Any]) -> str:
-    multi = e["schedule_class"] in _MULTI_STAGE_CLASSES
+    multi = e["schedule_class"] in MULTI_STAGE_CLASSES
     lines = [
         f"# torchrun --nproc-per-node {e['world_size']} train.py   (rank r on the device the export lists for it;",
         "#  examples/torch_pipelining_train.py is a complete script)",

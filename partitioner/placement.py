@@ -2,7 +2,11 @@
 
 A virtual worker of ``S`` stages over ``p`` devices runs stage ``s`` on pipeline rank ``s % p``
 (chunk ``s // p``): with ``chunks = v`` the stage count is ``p * v`` and stage ``c*p + d`` is
-on the device of stage ``d``. A replicated stage (``Stage.replicas``) is one pipeline position
+on the device of stage ``d``. ZB-V's V (schedule ``zbv``, two chunks) deals the second chunk
+back up the devices: stage ``p + d`` is on the device of stage ``p - 1 - d``, so the device of
+stage ``p - 1`` also runs stage ``p`` (no transfer at the turn) and the first device holds the
+first and the last stage (:func:`partitioner.schedule.stage_rank`, the rule both this module and
+the action lists follow). A replicated stage (``Stage.replicas``) is one pipeline position
 held by several devices, one chunk per device; its micro-batches are shared among the replicas
 in proportion to their speed (:func:`replica_shares`). :func:`place` applies and checks these
 rules for the simulator and the runtime alike, and :func:`supports` says before any run what
@@ -18,7 +22,7 @@ import numpy as np
 
 from .errors import FormatError
 from .plan import Plan
-from .schedule import spec
+from .schedule import spec, stage_rank
 
 __all__ = ["REPLICATED_SCHEDULES", "TARGETS", "PipelinePlacement", "place", "replica_assignment", "replica_shares",
            "supports"]
@@ -35,6 +39,17 @@ class PipelinePlacement:
     devices: tuple[str, ...]
     stages: tuple[tuple[int, int], ...]
     replicas: tuple[tuple[str, ...], ...] = ()
+    placement: str = "loop"  # how stages are dealt to ranks (ScheduleSpec.placement)
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank of ``stage``."""
+        return stage_rank(stage, self.ranks, self.placement)
+
+    def held(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The layer ranges of the stages pipeline rank ``rank`` runs, in stage order."""
+        if self.replicas:
+            return (self.stages[rank],)
+        return tuple(st for s, st in enumerate(self.stages) if self.rank_of(s) == rank)
 
 
 def place(plan: Plan) -> list[PipelinePlacement]:
@@ -43,6 +58,7 @@ def place(plan: Plan) -> list[PipelinePlacement]:
     stages not on ``p`` distinct devices, or stage ``c*p + d`` off the device of stage ``d``."""
     out = []
     v = plan.chunks
+    rule = spec(plan.schedule).placement
     owner: dict[str, int] = {}
     for w, vw in enumerate(plan.virtual_workers):
         where = f"virtual_workers[{w}]"
@@ -69,11 +85,13 @@ def place(plan: Plan) -> list[PipelinePlacement]:
             raise FormatError(f"{where}.stages", [s.device for s in vw.stages],
                               f"the first {p} stages must be on {p} distinct devices (chunks={v})")
         for s, st in enumerate(vw.stages):
-            if st.device != devs[s % p]:
+            want = devs[stage_rank(s, p, rule)]
+            if st.device != want:
+                how = ("stage p + d runs on the device of stage p - 1 - d (the V of zbv)" if rule == "v"
+                       else "stage c*p + d runs on the device of stage d")
                 raise FormatError(f"{where}.stages[{s}].device", st.device,
-                                  f"with chunks={v}, stage {s} (chunk {s // p}) must be on {devs[s % p]}: "
-                                  f"stage c*p + d runs on the device of stage d")
-        out.append(PipelinePlacement(w, p, devs, tuple(st.layers for st in vw.stages)))
+                                  f"with chunks={v}, stage {s} (chunk {s // p}) must be on {want}: {how}")
+        out.append(PipelinePlacement(w, p, devs, tuple(st.layers for st in vw.stages), placement=rule))
     return out
 
 

@@ -62,6 +62,11 @@ class LayerTime:
     not depend on the micro-batch size); 0 when the profile did not time it.
     ``expected_error`` is, for a projected time, its expected relative error (0.12: 12 %,
     either way) as the projection estimates it; None when not known (and for measurements).
+    ``bwd_weight_share`` splits the backward for the zero-bubble schedules: the weight-gradient
+    part (W) is ``bwd_s * bwd_weight_share``, the input-gradient part (B) the rest, as the
+    profiler measured them (``torch.autograd.grad`` w.r.t. the input, then w.r.t. the weights);
+    None when not measured (:meth:`Profile.backward_split_for` then applies its estimate rule).
+    A share survives rescaling and interpolation of ``bwd_s`` unchanged.
     """
 
     fwd_s: float
@@ -70,12 +75,16 @@ class LayerTime:
     measured_on: str = ""  # the device that really took the numbers ("cpu", "cuda:NVIDIA H100 ...")
     update_s: float = 0.0
     expected_error: float | None = None
+    bwd_weight_share: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("fwd_s", "bwd_s", "update_s"):
             v = getattr(self, name)
             check(is_finite_number(v) and v >= 0, name, v,
                   "must be a finite number of seconds >= 0")
+        if self.bwd_weight_share is not None:
+            check(is_finite_number(self.bwd_weight_share) and 0 <= self.bwd_weight_share <= 1,
+                  "bwd_weight_share", self.bwd_weight_share, "must be a number in [0, 1] (W's share of bwd_s)")
         if self.expected_error is not None:
             check(is_finite_number(self.expected_error) and 0 <= self.expected_error <= MAX_EXPECTED_ERROR,
                   "expected_error", self.expected_error, f"must be a number in [0, {MAX_EXPECTED_ERROR:g}]")
@@ -92,6 +101,8 @@ class LayerTime:
             d["update_s"] = self.update_s
         if self.expected_error is not None:
             d["expected_error"] = self.expected_error
+        if self.bwd_weight_share is not None:
+            d["bwd_weight_share"] = self.bwd_weight_share
         return d
 
     @classmethod
@@ -106,6 +117,8 @@ class LayerTime:
             update_s=req_number(d, "update_s", where, default=0.0),
             expected_error=(None if d.get("expected_error") is None
                             else req_number(d, "expected_error", where, maximum=MAX_EXPECTED_ERROR)),
+            bwd_weight_share=(None if d.get("bwd_weight_share") is None
+                              else req_number(d, "bwd_weight_share", where, maximum=1.0)),
         )
 
 
@@ -483,6 +496,22 @@ class Profile:
         fwd = np.array([layer.times[gpu_type].fwd_s for layer in self.layers], dtype=np.float64)
         bwd = np.array([layer.times[gpu_type].bwd_s for layer in self.layers], dtype=np.float64)
         return fwd, bwd
+
+    def backward_split_for(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(input_s, weight_s, estimated)`` per layer on ``gpu_type``: the backward split into its
+        input-gradient part (B of the zero-bubble schedules) and weight-gradient part (W), which add
+        up to ``bwd_s``. A layer with ``bwd_weight_share`` is split by it; a layer without one is
+        split by the estimate rule (``estimated`` True): no parameters, no W (``W = 0``);
+        otherwise ``B = W = bwd_s / 2``, Qi et al.'s assumption for matmul-dominated layers (for
+        ``y = x A`` the two backward GEMMs ``dx = dy A^T`` and ``dA = x^T dy`` each take the
+        forward's FLOPs, so ``T_B = T_W = T_F``)."""
+        _, bwd = self.times_for(gpu_type)
+        share = np.array([layer.times[gpu_type].bwd_weight_share for layer in self.layers], dtype=object)
+        estimated = np.array([s is None for s in share], dtype=bool)
+        rule = np.where(self.array("param_bytes") > 0, 0.5, 0.0)
+        frac = np.where(estimated, rule, np.where(estimated, 0.0, share).astype(np.float64))
+        weight = bwd * frac
+        return bwd - weight, weight, estimated
 
     def with_times(self, gpu_type: str, times: Sequence[LayerTime]) -> Profile:
         """A copy with ``times`` (one per layer) recorded under ``gpu_type``."""

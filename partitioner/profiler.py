@@ -4,7 +4,12 @@ For every layer, on the local device (CPU, or CUDA when asked):
 
 * forward and backward time: warm-up runs, then repeated runs, the median kept (CUDA
   events on GPU, ``time.perf_counter`` on CPU). The layer's input requires a gradient,
-  so backward is real (it computes the input gradient as a pipeline stage must);
+  so backward is real (it computes the input gradient as a pipeline stage must). For the
+  zero-bubble schedules each timed pass also runs the backward split in two after a second
+  forward: ``torch.autograd.grad`` w.r.t. the input (keeping the graph: ``I``), then
+  ``torch.autograd.backward`` with ``inputs=`` the parameters (``W``); the weight-gradient share
+  ``W / (I + W)`` of the medians is recorded as ``LayerTime.bwd_weight_share`` (0 for a layer
+  without parameters);
 * FLOPs: one fvcore trace of the whole chain, split per layer with ``by_module()``.
   fvcore counts one per multiply-add; the profile records ``2 x`` that (FLOPs of the
   forward pass). Operators fvcore cannot count are counted per layer and reported in
@@ -21,6 +26,7 @@ so shapes, FLOPs and memory of big models are known without allocating them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -269,8 +275,10 @@ class _Timer:
 
 
 def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, warmup: int, repeats: int,
-                budget_s: float, min_time_s: float = 0.0) -> tuple[float, float, int]:
-    """Median forward and backward seconds of ``layer`` on input ``x``, and the runs used.
+                budget_s: float, min_time_s: float = 0.0) -> tuple[float, float, int, float | None]:
+    """Median forward and backward seconds of ``layer`` on input ``x``, the runs used, and the
+    weight-gradient share of the split backward (``W / (I + W)`` of their medians; None when the
+    output takes no gradient).
 
     Runs ``warmup`` untimed then ``repeats`` timed forward+backward passes, and more (up to
     ``20 * repeats``) until the timed passes add up to ``min_time_s``, so that a layer of a
@@ -281,6 +289,9 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, war
     """
     fwd: list[float] = []
     bwd: list[float] = []
+    b_in: list[float] = []
+    b_w: list[float] = []
+    params = [p for p in layer.parameters() if p.requires_grad]
     grad_out: torch.Tensor | None = None
     done_warmup = 0
     while True:
@@ -292,8 +303,17 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, war
                 g = torch.Generator().manual_seed(1)
                 grad_out = torch.randn(y.shape, generator=g, dtype=y.dtype).to(y.device)
             tb, _ = timer.time(torch.autograd.backward, y, grad_out)
+            y = _out_tensor(layer(x), name)  # again, for the split: I, then W
+            ti, _ = timer.time(functools.partial(torch.autograd.grad, retain_graph=True, allow_unused=True),
+                               y, x, grad_out)
+            tw = (timer.time(functools.partial(torch.autograd.backward, inputs=params), y, grad_out)[0]
+                  if params else 0.0)
+            b_in.append(ti)
+            b_w.append(tw)
         del y
         x.grad = None
+        for p in params:
+            p.grad = None
         if done_warmup < warmup:
             done_warmup = warmup if tf + tb > budget_s / 4 else done_warmup + 1
             continue
@@ -304,7 +324,11 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, war
             break
         if len(fwd) >= repeats and (total >= min_time_s or len(fwd) >= 20 * repeats):
             break
-    return statistics.median(fwd), statistics.median(bwd), len(fwd)
+    share = None
+    if b_in:
+        i_s, w_s = statistics.median(b_in), statistics.median(b_w)
+        share = w_s / (i_s + w_s) if i_s + w_s > 0 else 0.0
+    return statistics.median(fwd), statistics.median(bwd), len(fwd), share
 
 
 def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Tensor,
@@ -364,13 +388,14 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
                 out_bytes = _nbytes(y)
                 nxt = y.detach()  # the next layer's input
                 del y
-                f_s, b_s, n = _time_layer(layer, xi, name, timer, warmup, repeats, layer_budget_s, min_layer_time_s)
+                f_s, b_s, n, w_share = _time_layer(layer, xi, name, timer, warmup, repeats, layer_budget_s,
+                                                   min_layer_time_s)
                 runs.append(n)
                 out.append(LayerProfile(
                     name=name, flops=flops[name],
                     param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
                     saved_bytes=float(saved), output_bytes=float(out_bytes), shared_saved_bytes=float(shared_bytes),
-                    times={key: LayerTime(f_s, b_s, projected=False, measured_on=label)}))
+                    times={key: LayerTime(f_s, b_s, projected=False, measured_on=label, bwd_weight_share=w_share)}))
                 x = nxt
                 for p in layer.parameters():
                     p.grad = None

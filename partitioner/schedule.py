@@ -1,12 +1,19 @@
 """Pipeline schedules as per-rank ordered action lists: one definition for simulator and runtime.
 
 A pipeline has ``p`` ranks (devices) and ``S = p * v`` stages: with ``v`` chunks per device
-(``interleaved``, ``bfs``), stage ``s`` runs on rank ``s % p`` as chunk ``s // p``; otherwise
-stage ``k`` runs on rank ``k``. :func:`build_schedule` returns, for every rank, the actions it
+(``interleaved``, ``bfs``), stage ``s`` runs on rank ``s % p`` as chunk ``s // p``; under ``zbv``
+(two chunks in a V) chunk 0 goes down the ranks and chunk 1 comes back up, stage ``s`` on rank
+``s`` for ``s < p`` and ``2p - 1 - s`` after (:func:`stage_rank`); otherwise stage ``k`` runs on
+rank ``k``. :func:`build_schedule` returns, for every rank, the actions it
 executes, in order:
 
 ``F`` / ``B``
     forward / backward of one micro-batch on one stage.
+``I`` / ``W``
+    the backward split in two (zero-bubble schedules, Qi et al. 2024; the paper calls them B and
+    W, torch.distributed.pipelining ``I`` and ``W``): ``I`` computes the gradient of the stage's
+    input (on the critical path: its ``SEND_GRAD`` follows it), ``W`` the gradient of the stage's
+    weights, later, where the rank would otherwise idle. ``I`` then ``W`` equals one ``B``.
 ``SEND_ACT`` / ``RECV_ACT``
     the activation leaving stage ``s`` for stage ``s + 1`` (placed right after the ``F`` that
     produces it / right before the ``F`` that consumes it).
@@ -28,7 +35,10 @@ executes, in order:
 Matching rule (what a runtime must do): a send and a receive match when
 :func:`match_key` is equal -- ``(direction, micro_batch, sending stage)``, usable as a
 message tag. For every ordered pair of ranks the sends appear on the sender in the same
-order as the receives on the receiver, so FIFO point-to-point channels also match by order.
+order as the receives on the receiver, so FIFO point-to-point channels also match by order --
+except under ``zbv``, where both chunks' messages cross each pair of ranks in both directions
+and a receiver may take them in another order than they were sent: its lists match by tag only
+(``FIFO_MATCHED`` lists the schedules whose lists also match by order).
 Sends are *posted* without waiting for the receiver (``isend``; the buffer is released once
 the transfer is done) and receives block. Under those semantics every list produced here is
 deadlock-free when each rank runs its list in order (the simulator checks this and names the
@@ -44,7 +54,9 @@ and ``wsp`` run the 1F1B steady state across iteration boundaries without a flus
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,9 +85,11 @@ __all__ = [
     "B",
     "Columns",
     "F",
+    "I",
     "MicroBatching",
     "Schedule",
     "ScheduleSpec",
+    "W",
     "build_schedule",
     "check_schedule",
     "describe",
@@ -121,6 +135,8 @@ class ActionKind(str, enum.Enum):
     PUSH = ("PUSH", 7, "WSP push", "wsp")
     PULL = ("PULL", 8, "WSP pull", "wsp")
     ALLREDUCE = ("ALLREDUCE", 9, "gradient all-reduce", "allreduce")
+    I = ("I", 10, "input-gradient backward", "backward")  # noqa: E741 - torch's name for the paper's B
+    W = ("W", 11, "weight-gradient backward", "backward")
 
     def __str__(self) -> str:
         return self.value
@@ -140,9 +156,11 @@ F, B = ActionKind.F, ActionKind.B
 SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
 SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
 STEP, PUSH, PULL, ALLREDUCE = ActionKind.STEP, ActionKind.PUSH, ActionKind.PULL, ActionKind.ALLREDUCE
-COMPUTE_KINDS = (F, B)
+I, W = ActionKind.I, ActionKind.W  # noqa: E741
+COMPUTE_KINDS = (F, B, I, W)
 # the ``kind`` column's codes, for the vectorised builders below
 _F, _B, _STEP, _PUSH, _PULL = F.code, B.code, STEP.code, PUSH.code, PULL.code
+_I, _W = I.code, W.code
 _SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD = SEND_ACT.code, RECV_ACT.code, SEND_GRAD.code, RECV_GRAD.code
 
 
@@ -161,6 +179,12 @@ class ScheduleSpec:
     sliced (AutoPipe) to shorten the fill. ``breadth_first``: a device runs every micro-batch
     through one chunk before the next (multi-chunk schedules). ``executor``: which runtime
     executor runs its action lists (``pipeline``, ``2bw`` or ``wsp``, see :mod:`runtime`).
+    ``split_backward``: the backward runs as ``I`` then ``W`` (the zero-bubble schedules).
+    ``weight_fill``: on equal stages, the weight-gradient passes per bubble slot the schedule moves
+    into 1F1B's bubble (ZB-H1 2, ZB-H2 3: :meth:`Schedule.uniform_bubble_s`); 0 for the others.
+    ``placement``: how stages are dealt to ranks, ``loop`` (stage ``s`` on rank ``s % p``) or
+    ``v`` (ZB-V's V shape, :func:`stage_rank`); ``chunks``: the chunk count the schedule requires
+    (``zbv``: 2), None for any.
     """
 
     name: str
@@ -172,14 +196,34 @@ class ScheduleSpec:
     sliceable: bool = False
     breadth_first: bool = False
     executor: str = "pipeline"
+    split_backward: bool = False
+    weight_fill: int = 0
+    placement: str = "loop"
+    chunks: int | None = None
 
     def activations_in_flight(self, stages_from_end: int, micro_batches: int) -> int:
         """Micro-batches whose activations stage ``p - stages_from_end`` holds at its peak
-        (one-chunk schedules; the simulator measures the multi-chunk ones)."""
+        (one-chunk schedules; the simulator measures the multi-chunk ones).
+
+        Zero-bubble schedules: the micro-batches whose whole activations (Qi et al.'s ``M_B``) the
+        stage holds before their ``I`` (ZB-H1 as 1F1B, ZB-H2 ``2 (p - k) - 1``); those between their
+        ``I`` and ``W`` hold ``M_W`` more each (:meth:`partitioner.cost.CostModel.weight_grad_bytes`),
+        which the simulator counts (its peak memory decides whether a zero-bubble plan fits)."""
         if self.multi_chunk:
             raise FormatError("schedule", self.name, "activations in flight per stage are defined here for "
-                              "one-chunk schedules; interleaved and bfs are priced by the simulator")
-        return micro_batches if self.all_forwards_first else min(stages_from_end, micro_batches)
+                              "one-chunk schedules; interleaved, bfs and zbv are priced by the simulator")
+        if self.all_forwards_first:
+            return micro_batches
+        return min(self.warmup(stages_from_end) + 1, micro_batches)
+
+    def warmup(self, stages_from_end: int) -> int:
+        """Forwards a one-chunk 1F1B-style rank runs before its first backward (uncapped): 1F1B and
+        ZB-H1 ``p - k - 1``, ZB-H2 ``2 (p - k - 1)`` (Qi et al.'s extra warm-up forwards)."""
+        return (2 if self.weight_fill == 3 else 1) * (stages_from_end - 1)
+
+    def rank_of(self, stage: int, ranks: int) -> int:
+        """The pipeline rank of ``stage`` among ``ranks`` devices under this schedule's placement."""
+        return stage_rank(stage, ranks, self.placement)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
@@ -189,8 +233,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec("bfs", flushes=True, multi_chunk=True, breadth_first=True),
     ScheduleSpec("2bw", flushes=False, weight_versions=2, executor="2bw"),
     ScheduleSpec("wsp", flushes=False, sync="wave", executor="wsp"),
+    ScheduleSpec("zb-h1", flushes=True, split_backward=True, weight_fill=2),
+    ScheduleSpec("zb-h2", flushes=True, split_backward=True, weight_fill=3),
+    ScheduleSpec("zbv", flushes=True, multi_chunk=True, split_backward=True, placement="v", chunks=2),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
+FIFO_MATCHED = tuple(n for n, s in SCHEDULES.items() if s.placement == "loop")
 NO_FLUSH = tuple(n for n, s in SCHEDULES.items() if not s.flushes)
 MULTI_CHUNK = tuple(n for n, s in SCHEDULES.items() if s.multi_chunk)
 
@@ -268,6 +316,34 @@ class Schedule:
 
     def with_micro_batches(self, micro_batches: int) -> Schedule:
         return Schedule(self.spec, micro_batches)
+
+    def uniform_bubble_s(self, ranks: int, fwd_s: float, input_s: float, weight_s: float,
+                         chunks: int = 1) -> float | None:
+        """Idle seconds of every rank in one iteration of ``ranks`` equal stages (per device, no
+        transfers; ``input_s + weight_s`` is the backward, ``chunks`` the stages per device, each
+        taking its share), where a closed form is exact; None where the simulator decides.
+
+        With ``p`` ranks and ``F, B, W`` a device's forward, input-gradient and weight-gradient
+        seconds (``m >= p``; interleaved: ``m`` a multiple of ``p``): GPipe and 1F1B ``(p - 1)(F + B
+        + W)``, interleaved ``(p - 1)(F + B + W) / v`` (Narayanan et al.), ZB-H1 ``(p - 1) max(F + B
+        - W, F)`` and ZB-H2 ``(p - 1) max(F + B - 2W, F)``: Qi et al.'s ``(p - 1)(F + B - W)`` and
+        ``(p - 1)(F + B - 2W)`` where ``W`` is small enough, and otherwise the last rank's forward
+        fill ``(p - 1) F``, which an iteration that ends with a flush (every rank's ``STEP`` after its
+        last ``W``) cannot hide (the paper reaches zero for ZB-H2 by overlapping iterations, its
+        post-validation); ZB-V at ``F = B = W``, the case Qi et al. call zero bubble, ``(p - 1) F / 2``
+        (the same fill, one chunk's forward). tests/test_zero_bubble.py checks each against the
+        simulator."""
+        p, f, b, w = ranks, fwd_s, input_s, weight_s
+        name = self.name
+        if name in ("gpipe", "1f1b"):
+            return (p - 1) * (f + b + w)
+        if name == "interleaved":
+            return (p - 1) * (f + b + w) / chunks
+        if self.spec.weight_fill:  # ZB-H1, ZB-H2: 1F1B's bubble less the W moved into it, down to the fill
+            return (p - 1) * max(f + b + w - self.spec.weight_fill * w, f)
+        if name == "zbv" and math.isclose(f, b) and math.isclose(b, w):
+            return (p - 1) * f / 2
+        return None
 
 
 @dataclass(frozen=True)
@@ -363,9 +439,13 @@ class Action(NamedTuple):
 _COMPACT = re.compile(r"(?P<stage>\d+)?(?P<kind>[A-Z_]+)(?P<micro_batch>\d+)?(?:\((?P<version>\d+)\))?(?:@(?P<peer>\d+))?")
 
 
-def stage_rank(stage: int, ranks: int) -> int:
-    """The rank holding ``stage`` when stages are dealt round-robin over ``ranks`` devices."""
-    return stage % ranks
+def stage_rank(stage: int, ranks: int, placement: str = "loop") -> int:
+    """The rank holding ``stage`` when stages are dealt over ``ranks`` devices: round-robin
+    (``loop``: chunk ``c = stage // ranks`` of every rank in rank order), or in a V (``v``, ZB-V:
+    even chunks go down the ranks, odd ones come back up, so stage ``p - 1`` and stage ``p`` share
+    the last rank and stage ``2p - 1``, the loss, is on rank 0 beside stage 0)."""
+    c, d = divmod(stage, ranks)
+    return ranks - 1 - d if placement == "v" and c % 2 else d
 
 
 def match_key(action: Action) -> tuple[str, int, int]:
@@ -404,6 +484,10 @@ def check_schedule(schedule: str, ranks: int, micro_batches: int, chunks: int = 
     if schedule not in MULTI_CHUNK and chunks != 1:
         raise FormatError("chunks", chunks, f"{schedule} runs one chunk per device; use chunks=1, or "
                           f"the interleaved / bfs schedule for {chunks} chunks")
+    fixed = SCHEDULES[schedule].chunks
+    if fixed is not None and chunks != fixed:
+        raise FormatError("chunks", chunks, f"{schedule} runs exactly {fixed} chunks per device (its V: down "
+                          f"the devices and back); use chunks={fixed}")
     if schedule == "interleaved" and micro_batches % ranks != 0:
         raise FormatError("micro_batches", micro_batches,
                           f"the interleaved schedule sends micro-batches in groups of one per device, so "
@@ -523,21 +607,150 @@ def _bfs(r: int, p: int, m: int, v: int, iterations: int) -> _Order:
     return out
 
 
+def _zb_h1(r: int, p: int, m: int, iterations: int, warm: int) -> _Order:
+    """ZB-H1 (Qi et al., section 2.1) on rank ``r``: ``warm`` warm-up forwards (1F1B's ``p - r - 1``),
+    then one forward and one input-gradient backward ``I`` at a time (1F1B with ``B`` replaced by
+    ``I``), each ``I`` followed by the ``W`` of the oldest micro-batch still waiting for one once
+    ``r`` ``I`` have run; the ``W`` left over fill the drain. Every rank then holds at most ``p``
+    micro-batches' activations, as 1F1B's first rank does (torch's ZB1P builds the same order)."""
+    delay = r
+    out: _Order = []
+    for it in range(iterations):
+        base = it * m
+        warm_r = min(warm, m)
+        waiting: list[int] = []
+        out += [(_F, base + j, r, -1) for j in range(warm_r)]
+        for j in range(m):  # the j-th I, after the forward of micro-batch warm_r + j while there is one
+            if j < m - warm_r:
+                out.append((_F, base + warm_r + j, r, -1))
+            out.append((_I, base + j, r, -1))
+            waiting.append(base + j)
+            if j >= delay:
+                out.append((_W, waiting.pop(0), r, -1))
+        out += [(_W, j, r, -1) for j in waiting]
+        out.append((_STEP, -1, -1, it + 1))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _zb_h2_iteration(p: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """One iteration of ZB-H2 (Qi et al., section 2.2), every rank's ``(kind, micro_batch)`` in
+    order: the list scheduler the paper's handcrafted schedule follows, run once with unit times
+    (``T_F = T_B = T_W``). Whenever a rank is free it runs, of what it may run now, an ``I`` (the
+    critical path) before an ``F`` before a ``W``, and an ``F`` only while fewer than ``2p - 1``
+    micro-batches hold activations on it (forward run, ``W`` not yet: the paper's ``(2p - 1) M_B``);
+    the earliest start goes first, ties to the lower rank. The lists are an order that ran, so they
+    are deadlock-free whatever the real times."""
+    cap = 2 * p - 1
+    f_end = [[-1] * m for _ in range(p)]
+    i_end = [[-1] * m for _ in range(p)]
+    clock, nf, ni, nw = [0] * p, [0] * p, [0] * p, [0] * p
+    out: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    for _ in range(3 * p * m):
+        best: tuple[int, int, int, int] | None = None  # (start, priority, rank, kind)
+        for r in range(p):
+            t = clock[r]
+            options = []
+            if ni[r] < nf[r]:
+                ready = f_end[r][ni[r]] if r == p - 1 else i_end[r + 1][ni[r]]
+                if ready >= 0:
+                    options.append((max(t, ready), 0, _I))
+            if nf[r] < m and nf[r] - nw[r] < cap:
+                ready = 0 if r == 0 else f_end[r - 1][nf[r]]
+                if ready >= 0:
+                    options.append((max(t, ready), 1, _F))
+            if nw[r] < ni[r]:
+                options.append((t, 2, _W))
+            if not options:
+                continue
+            now = [o for o in options if o[0] <= t]
+            start, prio, kind = min(now, key=lambda o: o[1]) if now else min(options)
+            if best is None or (start, r) < (best[0], best[2]):
+                best = (start, prio, r, kind)
+        assert best is not None
+        start, _, r, kind = best
+        clock[r] = start + 1
+        if kind == _I:
+            j, ni[r] = ni[r], ni[r] + 1
+            i_end[r][j] = clock[r]
+        elif kind == _F:
+            j, nf[r] = nf[r], nf[r] + 1
+            f_end[r][j] = clock[r]
+        else:
+            j, nw[r] = nw[r], nw[r] + 1
+        out[r].append((kind, j))
+    return tuple(tuple(o) for o in out)
+
+
+def _zb_h2(r: int, p: int, m: int, iterations: int) -> _Order:
+    one = _zb_h2_iteration(p, m)[r]
+    out: _Order = []
+    for it in range(iterations):
+        out += [(k, it * m + j, r, -1) for k, j in one]
+        out.append((_STEP, -1, -1, it + 1))
+    return out
+
+
+def _zbv(r: int, p: int, m: int, iterations: int) -> _Order:
+    """ZB-V (Qi et al., section 6) on rank ``r``: chunk 0 is stage ``r``, chunk 1 stage
+    ``2p - 1 - r`` (the V). The order of torch's ``ScheduleZBVZeroBubble``: ``2 (p - r) - 1``
+    forwards of chunk 0, ``r`` pairs of forwards (chunk 1, chunk 0), ``p - r`` rounds of chunk 1's
+    F, I, W; then chunk 0's F, I, W and chunk 1's F, I, W per micro-batch; the drain's ``I`` of
+    both chunks with chunk 0's ``W`` after ``p - r`` of them, and the remaining ``W``. Built for
+    ``max(m, 2p - 1)`` micro-batches and kept to the first ``m`` (as torch does)."""
+    n = max(m, 2 * p - 1)
+    s0, s1 = r, 2 * p - 1 - r
+    seq: list[tuple[int, int, int]] = []  # (kind, micro-batch of the iteration, stage)
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (p - r) - 1):
+        seq.append((_F, f0, s0))
+        f0 += 1
+    for _ in range(r):
+        seq += [(_F, f1, s1), (_F, f0, s0)]
+        f0, f1 = f0 + 1, f1 + 1
+    for _ in range(p - r):
+        seq += [(_F, f1, s1), (_I, b1, s1), (_W, b1, s1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            seq.append((_F, f0, s0))
+            f0 += 1
+        seq += [(_I, b0, s0), (_W, b0, s0), (_F, f1, s1), (_I, b1, s1), (_W, b1, s1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(r):
+        seq += [(_I, b0, s0), (_I, b1, s1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(p - r):
+        seq += [(_I, b0, s0), (_W, w0, s0)]
+        b0, w0 = b0 + 1, w0 + 1
+    seq += [(_W, j, s1) for j in range(w1, b1)] + [(_W, j, s0) for j in range(w0, b0)]
+    kept = [a for a in seq if a[1] < m]
+    out: _Order = []
+    for it in range(iterations):
+        out += [(k, it * m + j, s, -1) for k, j, s in kept]
+        out.append((_STEP, -1, -1, it + 1))
+    return out
+
+
 Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def _with_comm(order: _Order, p: int, n_stages: int) -> Columns:
-    """Insert the sends and receives around every F and B (vectorised): returns the columns
-    ``(kind, micro_batch, stage, peer, version)`` of the rank's actions."""
+def _with_comm(order: _Order, p: int, n_stages: int, placement: str = "loop") -> Columns:
+    """Insert the sends and receives around every F and B (or I) whose neighbouring stage is on
+    another rank (vectorised): returns the columns ``(kind, micro_batch, stage, peer, version)`` of
+    the rank's actions. A neighbour on the same rank (ZB-V's turn, every stage when ``p = 1``)
+    takes the tensor from memory."""
     arr = np.asarray(order, dtype=np.int64).reshape(-1, 4)
     k, j, s, ver = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
-    is_f, is_b = k == _F, k == _B
+    is_f, is_b = k == _F, (k == _B) | (k == _I)
     last = n_stages - 1
-    if p > 1:
-        recv = (is_f & (s > 0)) | (is_b & (s < last))
-        send = (is_f & (s < last)) | (is_b & (s > 0))
-    else:
-        recv = send = np.zeros(len(k), dtype=bool)
+    rank_of = np.array([stage_rank(x, p, placement) for x in range(n_stages)] + [-1, -1], dtype=np.int64)
+    sc = np.clip(s, 0, None)
+    up = rank_of[sc + 1] != rank_of[sc]  # stage s + 1 on another rank (index -1 past the last)
+    down = rank_of[sc - 1] != rank_of[sc]
+    recv = (is_f & (s > 0) & down) | (is_b & (s < last) & up)
+    send = (is_f & (s < last) & up) | (is_b & (s > 0) & down)
     count = 1 + recv.astype(np.int64) + send
     start = np.cumsum(count) - count
     total = int(count.sum())
@@ -551,11 +764,11 @@ def _with_comm(order: _Order, p: int, n_stages: int) -> Columns:
     ri, f_r = start[recv], is_f[recv]
     kind[ri] = np.where(f_r, _RECV_ACT, _RECV_GRAD)
     mb[ri], stage[ri] = j[recv], s[recv]
-    peer[ri] = np.where(f_r, s[recv] - 1, s[recv] + 1) % p
+    peer[ri] = rank_of[np.where(f_r, s[recv] - 1, s[recv] + 1)]
     si, f_s = main[send] + 1, is_f[send]
     kind[si] = np.where(f_s, _SEND_ACT, _SEND_GRAD)
     mb[si], stage[si] = j[send], s[send]
-    peer[si] = np.where(f_s, s[send] + 1, s[send] - 1) % p
+    peer[si] = rank_of[np.where(f_s, s[send] + 1, s[send] - 1)]
     return kind, mb, stage, peer, version
 
 
@@ -596,9 +809,16 @@ def schedule_columns(schedule: str, ranks: int, micro_batches: int, chunks: int 
         orders = [_no_flush(r, p, m, iterations, schedule == "wsp", staleness, depth[r]) for r in range(p)]
     elif schedule == "interleaved":
         orders = [_interleaved(r, p, m, v, iterations) for r in range(p)]
-    else:
+    elif schedule == "bfs":
         orders = [_bfs(r, p, m, v, iterations) for r in range(p)]
-    return [_with_comm(o, p, p * v) for o in orders]
+    elif schedule == "zbv":
+        orders = [_zbv(r, p, m, iterations) for r in range(p)]
+    elif schedule == "zb-h1":
+        warm = [p - r - 1 if d is None else d for r, d in enumerate(depth)]
+        orders = [_zb_h1(r, p, m, iterations, warm[r]) for r in range(p)]
+    else:
+        orders = [_zb_h2(r, p, m, iterations) for r in range(p)]
+    return [_with_comm(o, p, p * v, SCHEDULES[schedule].placement) for o in orders]
 
 
 def build_schedule(schedule: str, ranks: int, micro_batches: int, chunks: int = 1,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cluster import Cluster
+from .cluster import Cluster, split_kind
 from .cost import CostModel, CostOptions, SyncGroup
 from .events import (
     OP_OF_KIND,
@@ -44,6 +44,8 @@ from .schedule import (
     B,
     Columns,
     F,
+    I,
+    W,
     schedule_columns,
     spec,
     to_actions,
@@ -138,7 +140,7 @@ class _Ranks:
     ops: list[list[Op]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     rank_worker: list[int] = field(default_factory=list)
-    act_bytes: list[np.ndarray] = field(default_factory=list)
+    act_bytes: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     weights: list[list[tuple[int, int]]] = field(default_factory=list)
     coll_size: dict[int, int] = field(default_factory=dict)
     links: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -164,6 +166,13 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     if len(pipes) > 1 and spec(sched).sync == "allreduce" and not cost.options.sync:
         notes.append(f"{len(pipes)} virtual workers simulated as independent pipelines; the gradient "
                      f"all-reduce between them is not priced (sync off)")
+    if spec(sched).split_backward:
+        kinds = sorted({cluster.device(d).kind for d in plan.devices})
+        guessed = sum(int(cost.at_degree(split_kind(k)[1]).profile.backward_split_for(cost.times_key(k))[2].sum())
+                      for k in kinds)
+        if guessed:
+            notes.append(f"backward split into I and W estimated for {guessed} layer time(s) (no measured "
+                         f"bwd_weight_share: W = bwd/2 for layers with parameters, 0 without)")
     ranks = _Ranks()
     for pipe in pipes:
         _add_pipeline(ranks, plan, cost, cluster, pipe, sync, n_iter)
@@ -199,9 +208,11 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
     rank_dev = [dev for dev, _, _ in members]  # rank within the worker -> device
     for dev, r, col in members:
         t = cluster.device(dev).tensor_parallel
-        saved = np.array([cost.activation_bytes(a, b, t) for a, b in pipe.stages])
+        # per stage: the activations a micro-batch keeps (M_B), and of them what its W needs (M_W)
+        saved = (np.array([cost.activation_bytes(a, b, t) for a, b in pipe.stages]),
+                 np.array([cost.weight_grad_bytes(a, b, t) for a, b in pipe.stages]))
         col = _with_allreduce(col, sync.groups_of.get(dev, []), ALLREDUCE.code)
-        held = pipe.stages[r::p]
+        held = pipe.held(r)
         d, lnk = _durations(ranks, plan, cost, cluster, pipe, dev, r, col, rank_dev)
         d, key = _keys(ranks.coll_size, col, d, pipe.worker, sync, n_iter)
         ranks.ops.append(list(zip(_OP_CODE[col[0]].tolist(), d.tolist(), key.tolist(), lnk.tolist(), strict=True)))
@@ -218,12 +229,14 @@ def _durations(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pip
     (-1 for none): compute, optimizer step, a replicated stage's blocking all-reduce at PUSH,
     transfers; a slice of the first micro-batch at its share."""
     kind, mb, stage, peer, _ = col
-    held = pipe.stages[r::pipe.ranks]
+    held = pipe.held(r)
     gpu = cluster.device(dev).kind
-    fb = np.array([cost.fwd_bwd_s(gpu, a, b) for a, b in pipe.stages] + [(0.0, 0.0)])
+    fb = np.array([cost.fwd_bwd_s(gpu, a, b) + cost.backward_split_s(gpu, a, b) for a, b in pipe.stages]
+                  + [(0.0,) * 4])  # per stage: forward, backward, its input-gradient and weight-gradient parts
     d = np.zeros(len(kind))
     lnk = np.full(len(kind), -1, dtype=np.int64)
-    d = np.where(kind == F.code, fb[stage, 0], np.where(kind == B.code, fb[stage, 1], d))
+    for k, part in ((F, 0), (B, 1), (I, 2), (W, 3)):
+        d = np.where(kind == k.code, fb[stage, part], d)
     d = np.where(kind == STEP.code, sum(cost.update_s(gpu, a, b) for a, b in held), d)
     if pipe.replicas and len(pipe.replicas[r]) > 1:  # PUSH first sums the replicas' parts (blocking)
         local = cost.allreduce_s(sum(cost.sync_bytes(a, b, pipe.replicas[r]) for a, b in held), pipe.replicas[r])
@@ -280,6 +293,7 @@ _SENDER_SHIFT = _per_kind({RECV_ACT: -1, RECV_GRAD: 1})  # a receive's sender is
 _DIRECTION = _per_kind({SEND_GRAD: 1, RECV_GRAD: 1})
 _IS_MSG = _per_kind({SEND_ACT: 1, RECV_ACT: 1, SEND_GRAD: 1, RECV_GRAD: 1}).astype(bool)
 _IS_SYNC = _per_kind({STEP: 1, PUSH: 1, PULL: 1}).astype(bool)
+_COMPUTE_CODES = np.array([F.code, B.code, I.code, W.code])
 
 
 def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
@@ -299,7 +313,7 @@ def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
 
 def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
                starts: list[list[float]], ends: list[list[float]], names: list[str],
-               rank_worker: list[int], act_bytes: list[np.ndarray], weights: list[list[tuple[int, int]]],
+               rank_worker: list[int], act_bytes: list[tuple[np.ndarray, np.ndarray]], weights: list[list[tuple[int, int]]],
                notes: list[str], wave_groups: WaveGroups | None = None) -> Timeline:
     sched, m = plan.schedule, plan.micro_batches
     batching = plan.micro_batching
@@ -337,17 +351,19 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
     versions: dict[str, int] = {}
     for r, (kind, mb, stage, _, version) in enumerate(columns):
         name, st, en = names[r], st_col[r], en_col[r]
-        comp = (kind == F.code) | (kind == B.code)
+        comp = np.isin(kind, _COMPUTE_CODES)
         lo, hi, _ = windows[rank_worker[r]]
         busy = np.clip(np.minimum(en[comp], hi) - np.maximum(st[comp], lo), 0.0, None).sum()
         bubble[name] = float(1.0 - busy / (hi - lo)) if hi > lo else 0.0
-        # activations held: +saved at each forward, -saved at each backward, in program order
-        sign = np.where(kind[comp] == F.code, 1, -1)
-        saved = act_bytes[r][stage[comp]]
+        # activations held, in program order: +M_B at each forward, -M_B at each backward; a split
+        # backward frees M_B - M_W at its I and M_W at its W (Qi et al.'s accounting)
+        kc = kind[comp]
+        full, kept = act_bytes[r][0][stage[comp]], act_bytes[r][1][stage[comp]]
+        saved = np.where(kc == F.code, full, np.where(kc == I.code, kept - full, np.where(kc == W.code, -kept, -full)))
         if plan.first_slices > 1:  # a slice of the first micro-batch holds its share of the activations
             saved = np.where(mb[comp] % batching.count < batching.first_slices, saved / batching.first_slices, saved)
-        held = np.cumsum(sign * saved)
-        count = np.cumsum(sign)
+        held = np.cumsum(saved)
+        count = np.cumsum(np.where(kc == F.code, 1, np.where((kc == B.code) | (kc == W.code), -1, 0)))
         live = _live_versions(kind, mb, stage, version) if spec(sched).weight_versions > 1 else 1
         w_bytes = sum(cost.weight_bytes(a, b, live, cost.cluster.device(name).tensor_parallel) for a, b in weights[r])
         peak_mem[name] = w_bytes + (float(held.max()) if len(held) else 0.0) + cost.options.reserved_bytes

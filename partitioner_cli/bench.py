@@ -98,6 +98,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               needs=(str(SHARED / "sailor_validation"), str(SHARED / "sailor_opt350"))),
     Benchmark("closed_form", "the solvers' closed form against the simulator, plan by plan",
               _script("closed_form"), _script("closed_form")),
+    Benchmark("schedules", "zero-bubble schedules (ZB-H1, ZB-H2, ZB-V) against 1F1B and interleaved: closed forms "
+              "on equal stages, simulated on the HetPipe and PipeDream profiles",
+              _script("schedules", "--quick"), _script("schedules")),
     Benchmark("hetero", "opt against HetPipe's policies and the baselines, and planning time",
               _script("hetero", "--quick", "--runs", "1"), _script("hetero", "--runs", "3"),
               needs=(str(SHARED / "sailor_opt350"),)),

@@ -124,7 +124,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("profile", help="profile JSON (partitioner.profile/1)")
     parser.add_argument("--cluster", required=True, help="cluster file (YAML or JSON)")
     parser.add_argument("--solver", default="dp", choices=sorted(SOLVERS), help="solver (default: dp)")
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default: 1f1b)")
+    parser.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"),
+                        help="pipeline schedule (default: 1f1b); zb-h1, zb-h2 and zbv split the backward into input "
+                             "and weight gradients (Qi et al.'s zero-bubble schedules); auto plans gpipe, 1f1b, 2bw, "
+                             "zb-h1, zb-h2 and zbv and keeps the fastest simulated plan that fits")
     parser.add_argument("--chunks", default=None, metavar="V|auto",
                         help="model chunks per device for --schedule interleaved|bfs (p devices, p*V stages; "
                              "default and auto: the best of 2, 3, 4 by simulated samples/s)")

@@ -12,6 +12,12 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
 ``B(j, s)``
     backward of ``j`` through ``s``: from the loss on the last stage, otherwise with the
     gradient its ``RECV_GRAD`` received. Parameter gradients accumulate over the iteration.
+``I(j, s)`` / ``W(j, s)``
+    the backward of ``j`` through ``s`` in two (the zero-bubble schedules): ``I`` computes only the
+    gradient of the stage's input (``torch.autograd.grad`` w.r.t. it, keeping the graph), which its
+    ``SEND_GRAD`` sends on; ``W`` later computes the weights' gradients from the same graph and
+    output gradient (``torch.autograd.backward`` with ``inputs=`` the stage's parameters, which
+    accumulates them as ``B`` does). ``I`` then ``W`` leaves the same gradients as ``B``.
 ``SEND_ACT`` / ``SEND_GRAD``
     ``isend`` of the stage's output / input gradient to the peer (posted, not waited: the
     schedules' matching rule needs sends that do not wait for the receiver).
@@ -49,7 +55,9 @@ from partitioner.schedule import (
     Action,
     B,
     F,
+    I,
     MicroBatching,
+    W,
 )
 
 from .emulation import Stretch
@@ -106,6 +114,9 @@ class PipelineExecutor:
         self.seconds = {"compute": 0.0, "recv": 0.0, "step": 0.0}
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}  # receives posted ahead, by tag
         self.stretch: Stretch | None = None
+        # stage -> the weight-gradient share of its backward, for stretching a split backward's I
+        # and W under emulation (default: half each, the profile's estimate rule)
+        self.weight_share: dict[int, float] = {}
         self._reset()
 
     def emulate(self, stretch: Stretch) -> None:
@@ -119,6 +130,8 @@ class PipelineExecutor:
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._out_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._in_grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        # (micro-batch, stage) -> the output and its gradient an I left for its W
+        self._weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._loss_sum: torch.Tensor | float = 0.0  # a device tensor: read back once per iteration
 
@@ -178,22 +191,46 @@ class PipelineExecutor:
         else:
             self._outputs[key] = y
 
+    def _output_grad(self, j: int, s: int, out: torch.Tensor) -> torch.Tensor | None:
+        """The gradient of stage ``s``'s output for micro-batch ``j``: None for the loss (last
+        stage), else received, or left by the next stage on this rank (zeros if it had none)."""
+        if s == self.num_stages - 1:
+            return None
+        grad = self._out_grads.pop((j, s), None)
+        if grad is None:  # next stage on this rank
+            grad = self._in_grads.pop((j, s + 1))
+            if grad is None:
+                grad = torch.zeros_like(out)
+        return grad
+
     def _backward(self, j: int, s: int) -> None:
         key = (j, s)
         out = self._outputs.pop(key)
-        if s == self.num_stages - 1:
-            out.backward()
-        else:
-            grad = self._out_grads.pop(key, None)
-            if grad is None:  # next stage on this rank
-                grad = self._in_grads.pop((j, s + 1))
-                if grad is None:
-                    grad = torch.zeros_like(out)
-            torch.autograd.backward(out, grad)
+        torch.autograd.backward(out, self._output_grad(j, s, out))
         x = self._inputs.pop(key, None)
         if s > 0:
             self._in_grads[key] = (x.grad if x is not None and x.grad is not None
                                    else None)
+
+    def _backward_input(self, j: int, s: int) -> None:
+        """``I``: the gradient of the stage's input only, the graph kept for the ``W``."""
+        key = (j, s)
+        out = self._outputs.pop(key)
+        grad = self._output_grad(j, s, out)
+        x = self._inputs.pop(key, None)
+        if s > 0:
+            dx = None
+            if x is not None and x.requires_grad:
+                dx = torch.autograd.grad(out, x, grad, retain_graph=True, allow_unused=True)[0]
+            self._in_grads[key] = dx
+        self._weight_work[key] = (out, grad)
+
+    def _backward_weight(self, j: int, s: int) -> None:
+        """``W``: the weights' gradients of the micro-batch, accumulated into ``.grad`` as ``B`` does."""
+        out, grad = self._weight_work.pop((j, s))
+        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        if params:
+            torch.autograd.backward(out, grad, inputs=params)
 
     def run(self, actions: Sequence[Action]) -> None:
         """Execute ``actions`` (one rank's list) in order.
@@ -223,7 +260,7 @@ class PipelineExecutor:
         for a in actions:
             k, j, s = a.kind, a.micro_batch, a.stage
             t0 = clock()
-            if k in (F, B):
+            if k in (F, B, I, W):
                 if k == F:
                     self._forward(j, s)
                     later = grad_recv.get((j, s))
@@ -231,13 +268,20 @@ class PipelineExecutor:
                         y = self._outputs[(j, s)]
                         tag = message_tag("grad", j, s + 1, S)
                         self._posted[tag] = self._post(y.shape, y.dtype, later.peer, tag)
-                else:
+                elif k == B:
                     self._backward(j, s)
+                elif k == I:
+                    self._backward_input(j, s)
+                else:
+                    self._backward_weight(j, s)
                 if self.stretch is None:
                     seconds["compute"] += clock() - t0
                 else:  # heterogeneity emulation: the action takes its stage's factor times its compute
                     share = 1.0 / self.batching.first_slices if self.batching.is_slice(j) else 1.0
-                    compute, slept = self.stretch.hold(s, k == B, t0, share)
+                    if k in (I, W):  # a part of the backward: its share of the backward's target
+                        w = self.weight_share.get(s, 0.5)
+                        share *= w if k == W else 1.0 - w
+                    compute, slept = self.stretch.hold(s, k != F, t0, share)
                     seconds["compute"] += compute
                     seconds["emulation"] += slept
             elif k == SEND_ACT:

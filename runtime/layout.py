@@ -3,8 +3,8 @@
 Rank order: virtual worker 0's devices first, in the order its pipeline first uses them
 (stage 0's device, stage 1's, ...), then virtual worker 1's, and so on -- the order of
 ``Plan.devices``. Inside a virtual worker of ``p`` devices, the device of stage ``s`` is
-pipeline rank ``s % p`` (chunk ``s // p`` for interleaved / bfs), as in
-``partitioner.schedule``.
+pipeline rank ``s % p`` (chunk ``s // p`` for interleaved / bfs; ZB-V's V deals the second chunk
+back, :func:`partitioner.schedule.stage_rank`), as in ``partitioner.schedule``.
 
 A replicated stage (``Stage.replicas``, schedules gpipe and 1f1b, one chunk) is one pipeline
 position held by several ranks, one per device of ``Stage.devices``, numbered position after
@@ -169,9 +169,10 @@ def plan_layout(plan: Plan, num_layers: int, model: str = "",
             stage_ranks.append(tuple(held))
         else:
             for d in range(p):
-                ranks.append(RankInfo(base + d, pipe.devices[d], w, d, tuple(range(d, n, p))))
+                ranks.append(RankInfo(base + d, pipe.devices[d], w, d,
+                                      tuple(s for s in range(n) if pipe.rank_of(s) == d)))
             pipelines.append(tuple(range(base, base + p)))
-            stage_ranks.append(tuple((base + s % p,) for s in range(n)))
+            stage_ranks.append(tuple((base + pipe.rank_of(s),) for s in range(n)))
         stage_layers.append(pipe.stages)
     return Layout(plan, tuple(ranks), tuple(pipelines), tuple(stage_layers), num_layers, tuple(stage_ranks),
                   assign, tuple(pipelines_placed))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.errors import PartitionerError
-from partitioner.export import EXPORT_FORMAT, TORCH_SCHEDULE_CLASSES
+from partitioner.export import EXPORT_FORMAT, MULTI_STAGE_CLASSES, TORCH_SCHEDULE_CLASSES
 
 from .model import is_model_ref, spec_chain
 from .stage import build_stage, zoo_chain
@@ -135,7 +135,7 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
         stages.append(pipelining.PipelineStage(modules[s], s, n_stages, device, group=group))
     cls = getattr(pipelining, export["schedule_class"])
     m = export["n_microbatches"]
-    if export["schedule_class"] in ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS"):
+    if export["schedule_class"] in MULTI_STAGE_CLASSES:
         schedule = cls(stages, m, loss_fn=loss_fn)
     else:
         schedule = cls(stages[0], m, loss_fn=loss_fn)

@@ -92,6 +92,13 @@ CASES = {
     # two virtual workers of two ranks, cut differently: gradients averaged per set of holders
     "gpt2-two-workers": Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]), worker([0, 1, 4], ["n0:2", "n0:3"])),
                              schedule="gpipe", micro_batch_size=2, micro_batches=2),
+    # zero-bubble: ZB-H1 as torch's ScheduleInterleavedZeroBubble (ZB1P), ZB-V as its ScheduleZBVZeroBubble
+    # (two stages per rank in a V: n0:0 holds the first and the last)
+    "gpt2-zb-h1": Plan("gpt2-tiny", (worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"]),), schedule="zb-h1",
+                       micro_batch_size=2, micro_batches=3),
+    "gpt2-zbv": Plan("gpt2-tiny", (VirtualWorker((Stage((0, 1), "n0:0"), Stage((1, 2), "n0:1"), Stage((2, 3), "n0:1"),
+                                                  Stage((3, 4), "n0:0"))),), schedule="zbv", micro_batch_size=2,
+                     micro_batches=4, chunks=2),
     # a user's module:function model, exported and built on torch's side through the same reference
     "user-mlp-1f1b": Plan("tests._user_models:mlp", (worker([0, 2, 5], ["n0:0", "n0:1"]),), schedule="1f1b",
                           micro_batch_size=4, micro_batches=3),

@@ -2,7 +2,8 @@
 holding ``V`` model chunks, ``p * V`` stages, stage ``c * p + d`` on device ``d``.
 
 The split is the exact chain DP (:func:`solvers.pipeline.dp.chain_dp`) over the device list repeated
-``V`` times (``d0 .. d(p-1), d0 .. d(p-1), ...``): it minimises the largest per-stage time,
+``V`` times (``d0 .. d(p-1), d0 .. d(p-1), ...``; for ``zbv``, ZB-V's two chunks in a V,
+``d0 .. d(p-1), d(p-1) .. d0``, the turn on one device costing no transfer): it minimises the largest per-stage time,
 each stage priced with its transfers to the stages beside it (the link from ``d(p-1)`` back
 to ``d0`` between chunks included), then, among those splits, the least total stage time.
 
@@ -28,7 +29,7 @@ from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError, OptionError, PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
-from partitioner.schedule import MULTI_CHUNK, Schedule, check_schedule, spec
+from partitioner.schedule import MULTI_CHUNK, Schedule, check_schedule, spec, stage_rank
 from solvers.pipeline.dp import chain_dp
 from solvers.predictions import with_predictions
 from solvers.result import SolveResult, SolveStatus
@@ -46,8 +47,9 @@ def parse_chunks(value: int | str, schedule: str, name: str = "chunks") -> tuple
     if not spec(schedule).multi_chunk:
         raise OptionError(name, value, f"applies to the multi-chunk schedules ({', '.join(MULTI_CHUNK)}); "
                           f"{schedule} runs one chunk per device")
+    fixed = spec(schedule).chunks
     if value == "auto":
-        return AUTO_CHUNKS
+        return AUTO_CHUNKS if fixed is None else (fixed,)
     try:
         v = int(value)
     except (TypeError, ValueError):
@@ -71,7 +73,9 @@ def _one(profile: Profile, cluster: Cluster, cost: CostModel, devs: Sequence[str
                                   f"{profile.num_layers} layers")
     # Relaxed memory for the split: 1f1b with one micro-batch in flight prices each stage alone
     # (one weight version, as interleaved and bfs keep); per-stage times do not depend on it.
-    sol = chain_dp(cost, tuple(devices) * chunks, Schedule.of("1f1b", 1))
+    placement = spec(schedule).placement
+    order = tuple(devices[stage_rank(s, p, placement)] for s in range(p * chunks))
+    sol = chain_dp(cost, order, Schedule.of("1f1b", 1))
     if sol is None:
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method="dp:chunked",
                            reason=f"no split into {p * chunks} stages over {', '.join(devs)} x {chunks} fits even "

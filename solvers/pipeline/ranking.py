@@ -28,8 +28,10 @@ __all__ = ["AUTO_SCHEDULES", "RankedPlan", "rank_plans", "solve_ranked"]
 
 log = logging.getLogger(__name__)
 
-# Schedules a single-chunk solver can place layers for (activations in flight are known).
-AUTO_SCHEDULES = ("gpipe", "1f1b", "2bw")
+# The schedules ``schedule="auto"`` plans and simulates: those whose stages the chain DP places
+# (one chunk, activations in flight known), and ZB-V, split by the multi-chunk DP
+# (solvers.pipeline.chunked); the zero-bubble ones are kept only where their simulated peak fits.
+AUTO_SCHEDULES = ("gpipe", "1f1b", "2bw", "zb-h1", "zb-h2", "zbv")
 
 
 @dataclass(frozen=True)

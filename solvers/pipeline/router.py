@@ -11,8 +11,9 @@ imports neither of the modules built on it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from partitioner.cluster import Cluster
+from partitioner.cluster import GIB, Cluster
 from partitioner.cost import CostOptions
 from partitioner.errors import FormatError
 from partitioner.profile import Profile
@@ -20,7 +21,7 @@ from partitioner.schedule import spec
 from solvers.pipeline import dp
 from solvers.pipeline.chunked import solve_chunked
 from solvers.pipeline.ranking import AUTO_SCHEDULES, solve_ranked
-from solvers.result import SolveResult
+from solvers.result import SolveResult, SolveStatus
 
 __all__ = ["solve"]
 
@@ -51,7 +52,32 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
         counts = [micro_batches or n_devs] if micro_batches is None or isinstance(micro_batches, int) \
             else list(micro_batches)
         return solve_ranked(
-            dp.solve, profile, cluster, AUTO_SCHEDULES if schedule == "auto" else (schedule,), counts,
+            _solve_one, profile, cluster, AUTO_SCHEDULES if schedule == "auto" else (schedule,), counts,
             devices=devices, options=options, allow_fewer=allow_fewer)
-    return dp.solve(profile, cluster, devices, schedule=schedule, micro_batches=micro_batches, options=options,
-                    allow_fewer=allow_fewer)
+    return _solve_one(profile, cluster, devices, schedule=schedule, micro_batches=micro_batches, options=options,
+                      allow_fewer=allow_fewer)
+
+
+def _solve_one(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = None, *, schedule: str,
+               micro_batches: int | None, options: CostOptions | None, allow_fewer: bool) -> SolveResult:
+    """One schedule and count: the chain DP, or for ZB-V (fixed chunks) the multi-chunk DP. A
+    zero-bubble plan's memory is checked on its simulated peak: the DP counts the activations
+    held before each ``I`` (``ScheduleSpec.activations_in_flight``), not the ``M_W`` of the
+    micro-batches waiting for their ``W``."""
+    if spec(schedule).multi_chunk:
+        if allow_fewer:
+            raise FormatError("allow_fewer", True, f"not supported with the multi-chunk schedule {schedule}")
+        return solve_chunked(profile, cluster, devices, schedule=schedule, chunks="auto",
+                             micro_batches=micro_batches, options=options)
+    res = dp.solve(profile, cluster, devices, schedule=schedule, micro_batches=micro_batches, options=options,
+                   allow_fewer=allow_fewer)
+    if not (spec(schedule).split_backward and res.ok and res.plan is not None):
+        return res
+    peaks = res.plan.meta.get("peak_memory_bytes", {})
+    over = [f"{d} needs {peaks[d] / GIB:.2f} GiB of {cluster.device(d).memory_bytes / GIB:.2f}"
+            for d in peaks if peaks[d] > cluster.device(d).memory_bytes]
+    if not over:
+        return res
+    return replace(res, status=SolveStatus.INFEASIBLE, plan=None,
+                   reason=f"the bottleneck-optimal split under {schedule} does not fit (simulated peak, the "
+                          f"weight-gradient memory of the micro-batches waiting for W included): " + "; ".join(over))

@@ -1,0 +1,279 @@
+"""Zero-bubble schedules (ZB-H1, ZB-H2, ZB-V): the backward split in profiles, the action lists
+(dependency-safe for any stage times), the closed forms on equal stages, memory, planning, and
+the runtime's I and W against one process."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from partitioner.cluster import Cluster
+from partitioner.cost import CostModel, CostOptions
+from partitioner.errors import FormatError
+from partitioner.placement import place
+from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner.schedule import (
+    FIFO_MATCHED,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    ActionKind,
+    B,
+    F,
+    I,
+    Schedule,
+    W,
+    build_schedule,
+    match_key,
+    stage_rank,
+)
+from partitioner.simulate import simulate_plan
+from tests.test_runtime import assert_same, worker
+
+ZB = ("zb-h1", "zb-h2", "zbv")
+GPU = "V100-SXM2-16GB"
+
+
+def _profile(stage_times: list[tuple[float, float, float]], saved: float = 1e7, gpu: str = GPU) -> Profile:
+    """One layer per stage: forward, input-gradient and weight-gradient seconds given."""
+    return Profile("toy", 4, tuple(
+        LayerProfile(f"l{i}", param_bytes=1e6, saved_bytes=saved,
+                     times={gpu: LayerTime(f, b + w, bwd_weight_share=w / (b + w) if b + w else 0.0)})
+        for i, (f, b, w) in enumerate(stage_times)))
+
+
+def _plan(schedule: str, p: int, m: int) -> tuple[Plan, Cluster]:
+    v = 2 if schedule == "zbv" else 1
+    cluster = Cluster.homogeneous(GPU, 1, p, 16, 7)
+    devs = [d.name for d in cluster.devices]
+    stages = tuple(Stage((s, s + 1), devs[stage_rank(s, p, "v" if schedule == "zbv" else "loop")])
+                   for s in range(p * v))
+    return Plan("toy", (VirtualWorker(stages),), schedule, 4, m, chunks=v), cluster
+
+
+# -- profiles ---------------------------------------------------------------------------------
+
+
+def test_backward_split_round_trips_and_is_validated(tmp_path: Path) -> None:
+    prof = Profile("toy", 2, (
+        LayerProfile("fc", param_bytes=4.0, times={"cpu": LayerTime(1.0, 2.0, bwd_weight_share=0.25)}),
+        LayerProfile("relu", times={"cpu": LayerTime(1.0, 2.0)}),
+        LayerProfile("fc2", param_bytes=4.0, times={"cpu": LayerTime(1.0, 2.0)})))
+    prof.save(tmp_path / "p.json")
+    back = Profile.load(tmp_path / "p.json")
+    assert back == prof
+    assert json.loads((tmp_path / "p.json").read_text())["layers"][0]["times"]["cpu"]["bwd_weight_share"] == 0.25
+    b_in, w, estimated = back.backward_split_for("cpu")
+    # measured; no parameters: no W; parameters without a measurement: half and half (Qi et al.)
+    assert b_in.tolist() == [1.5, 2.0, 1.0] and w.tolist() == [0.5, 0.0, 1.0]
+    assert estimated.tolist() == [False, True, True]
+    assert back.rescaled(4).backward_split_for("cpu")[1].tolist() == [1.0, 0.0, 2.0]
+    with pytest.raises(FormatError, match="bwd_weight_share"):
+        LayerTime(1.0, 2.0, bwd_weight_share=1.5)
+    bad = prof.to_dict()
+    bad["layers"][0]["times"]["cpu"]["bwd_weight_share"] = -0.1
+    with pytest.raises(FormatError, match="bwd_weight_share"):
+        Profile.from_dict(bad)
+
+
+def test_i_then_w_equals_the_backward() -> None:
+    """The runtime's split (torch.autograd.grad w.r.t. the input keeping the graph, then
+    torch.autograd.backward with inputs= the weights) gives the backward's gradients."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    x = torch.randn(4, 6, requires_grad=True)
+    dy = torch.randn(4, 3)
+    net(x).backward(dy)
+    want = [p.grad.clone() for p in net.parameters()]
+    want_x = x.grad.clone()
+    net.zero_grad(set_to_none=True)
+    x2 = x.detach().requires_grad_(True)
+    y = net(x2)
+    (dx,) = torch.autograd.grad(y, x2, dy, retain_graph=True)  # I
+    assert all(p.grad is None for p in net.parameters())
+    torch.autograd.backward(y, dy, inputs=list(net.parameters()))  # W
+    torch.testing.assert_close(dx, want_x, rtol=0, atol=0)
+    for p, g in zip(net.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
+
+
+# -- action lists ------------------------------------------------------------------------------
+
+
+def _check_lists(schedule: str, p: int, m: int, it: int) -> None:
+    v = 2 if schedule == "zbv" else 1
+    lists = build_schedule(schedule, p, m, v, iterations=it)
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for r, prog in enumerate(lists):
+        pos: dict[tuple[str, int, int], int] = {}
+        for i, a in enumerate(prog):
+            if a.kind in (F, I, W):
+                assert stage_rank(a.stage, p, "v" if v == 2 else "loop") == r
+                assert (a.kind, a.micro_batch, a.stage) not in pos
+                pos[(a.kind, a.micro_batch, a.stage)] = i
+            assert a.kind != B
+            if a.kind in (SEND_ACT, SEND_GRAD):
+                sends[(r, a.peer)].append(match_key(a))
+            elif a.kind in (RECV_ACT, RECV_GRAD):
+                recvs[(a.peer, r)].append(match_key(a))
+        held = [s for s in range(p * v) if stage_rank(s, p, "v" if v == 2 else "loop") == r]
+        for j in range(m * it):
+            for s in held:  # every micro-batch: F, then I, then W, once each
+                assert pos[(F, j, s)] < pos[(I, j, s)] < pos[(W, j, s)]
+        assert len(pos) == 3 * m * it * len(held)
+    if schedule in FIFO_MATCHED:  # the same order per pair of ranks: FIFO channels match too
+        assert sends == recvs
+    else:  # zbv: both chunks cross each pair both ways; matched by tag (match_key)
+        assert {k: sorted(x) for k, x in sends.items()} == {k: sorted(x) for k, x in recvs.items()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 6), m=st.integers(1, 12), it=st.integers(1, 2), schedule=st.sampled_from(ZB))
+def test_lists_are_complete_ordered_and_matched(p: int, m: int, it: int, schedule: str) -> None:
+    _check_lists(schedule, p, m, it)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 5), m=st.integers(1, 10), schedule=st.sampled_from(ZB), data=st.data())
+def test_lists_are_dependency_safe_for_random_stage_times(p: int, m: int, schedule: str, data: st.DataObject) -> None:
+    """The event engine runs every rank's list in order with random times per stage and part
+    (forward, input gradient, weight gradient, transfers): no rank waits forever (DeadlockError)
+    and no message is left unreceived; every F, I and W runs after what it depends on."""
+    v = 2 if schedule == "zbv" else 1
+    times = data.draw(st.lists(st.tuples(*(st.floats(0.0, 5.0),) * 3), min_size=p * v, max_size=p * v))
+    out_bytes = data.draw(st.sampled_from([0.0, 1e8]))
+    plan, cluster = _plan(schedule, p, m)
+    prof = _profile(times)
+    prof = Profile(prof.model, prof.micro_batch_size, tuple(
+        LayerProfile(x.name, param_bytes=x.param_bytes, saved_bytes=x.saved_bytes, output_bytes=out_bytes, times=x.times)
+        for x in prof.layers))
+    tl = simulate_plan(plan, prof, cluster, CostOptions(reserved_bytes=0.0), iterations=data.draw(st.integers(1, 2)))
+    ends: dict[tuple[int, int, int], float] = {}
+    starts: dict[tuple[int, int, int], float] = {}
+    for _, kind, j, s, t0, t1 in tl.events():
+        if kind in (F, I, W):
+            starts[(kind.code, j, s)], ends[(kind.code, j, s)] = t0, t1
+    eps = 1e-9
+    for (k, j, s), t0 in starts.items():
+        if k == F.code and s > 0:
+            assert t0 >= ends[(F.code, j, s - 1)] - eps
+        if k == I.code:
+            assert t0 >= ends[(F.code, j, s)] - eps
+            if s < p * v - 1:
+                assert t0 >= ends[(I.code, j, s + 1)] - eps
+        if k == W.code:
+            assert t0 >= ends[(I.code, j, s)] - eps
+
+
+# -- closed forms, memory ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", *ZB])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 12), (6, 12)])
+@pytest.mark.parametrize("fbw", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0), (1.0, 0.6, 1.4)])
+def test_uniform_stages_bubble_equals_the_closed_form(schedule: str, p: int, m: int,
+                                                      fbw: tuple[float, float, float]) -> None:
+    f, b, w = fbw
+    v = 2 if schedule in ("zbv", "interleaved") else 1
+    sched = Schedule.of(schedule, m)
+    want = sched.uniform_bubble_s(p, f, b, w, v)
+    if want is None:
+        assert schedule == "zbv" and fbw != (1.0, 1.0, 1.0)
+        return
+    if schedule == "interleaved":
+        plan, cluster = _plan("1f1b", p, m)
+        stages = tuple(Stage((s, s + 1), cluster.devices[s % p].name) for s in range(p * v))
+        plan = Plan("toy", (VirtualWorker(stages),), "interleaved", 4, m, chunks=v)
+    else:
+        plan, cluster = _plan(schedule, p, m)
+    tl = simulate_plan(plan, _profile([(f / v, b / v, w / v)] * (p * v)), cluster, CostOptions(reserved_bytes=0.0, sync=False))
+    busy = m * (f + b + w)
+    for bubble in tl.bubble_fraction.values():
+        assert bubble * tl.iteration_s == pytest.approx(want, abs=1e-9)
+    assert tl.iteration_s == pytest.approx(busy + want)
+    if schedule in ("zb-h1", "zb-h2"):  # the cost model's closed form is exact here
+        assert CostModel(_profile([(f, b, w)] * p), cluster).worker_iteration_s(plan) == pytest.approx(busy + want)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (5, 3), (6, 12)])
+def test_zb_h1_peak_activations_equal_1f1b(p: int, m: int) -> None:
+    """Qi et al.: ZB-H1 needs no more activation memory than 1F1B (its first stage's ``p M_B``);
+    ZB-H2 ``(2p - 1) M_B``; ZB-V 1F1B's, in half-size chunks."""
+    opts = CostOptions(reserved_bytes=0.0)
+    peak = {}
+    for schedule in ("1f1b", *ZB):
+        plan, cluster = _plan(schedule, p, m)
+        v = 2 if schedule == "zbv" else 1
+        prof = _profile([(1.0, 1.0, 1.0)] * (p * v), saved=1e9 / v)
+        tl = simulate_plan(plan, prof, cluster, opts)
+        weights = CostModel(prof, cluster, opts).weight_bytes(0, v)
+        peak[schedule] = max(tl.peak_memory_bytes.values()) - weights
+    assert peak["zb-h1"] == pytest.approx(peak["1f1b"]) == pytest.approx(min(p, m) * 1e9)
+    assert peak["zb-h2"] == pytest.approx(min(2 * p - 1, m) * 1e9)
+    assert peak["zbv"] <= peak["1f1b"] + 1e-6
+
+
+# -- placement, planning ------------------------------------------------------------------------
+
+
+def test_zbv_places_stages_in_a_v() -> None:
+    plan, _ = _plan("zbv", 3, 4)
+    assert [s.device for s in plan.virtual_workers[0].stages] == ["n0:0", "n0:1", "n0:2", "n0:2", "n0:1", "n0:0"]
+    assert place(plan)[0].held(2) == ((2, 3), (3, 4))
+    lists = build_schedule("zbv", 3, 4, 2)
+    assert not any(a.kind in (SEND_ACT, RECV_ACT) and a.stage in (2, 3) and a.peer == 2 for a in lists[2])
+    loop = Plan("toy", (VirtualWorker(tuple(Stage((s, s + 1), f"n0:{s % 3}") for s in range(6))),), "zbv", 4, 4,
+                chunks=2)
+    with pytest.raises(FormatError, match="stage p \\+ d runs on the device of stage p - 1 - d"):
+        place(loop)
+    with pytest.raises(FormatError, match="exactly 2 chunks"):
+        build_schedule("zbv", 3, 4, 3)
+
+
+def test_auto_plans_the_zero_bubble_schedules_and_keeps_the_fastest_that_fits() -> None:
+    from solvers.pipeline.router import solve
+
+    cluster = Cluster.from_dict({"name": "het", "inter_node_GBps": 7, "nodes": [
+        {"name": "n0", "intra_node_GBps": 16, "gpus": {"TITAN-V": 1, "RTX-2060": 1}},
+        {"name": "n1", "intra_node_GBps": 16, "gpus": {"TITAN-RTX": 1, "Quadro-P4000": 1}}]})
+    layers = []
+    for i in range(16):
+        times = {t: LayerTime(k * 1e-3, 2 * k * 1e-3) for t, k in (("TITAN-V", 1.0), ("RTX-2060", 1.6),
+                                                                ("TITAN-RTX", 1.1), ("Quadro-P4000", 2.2))}
+        layers.append(LayerProfile(f"l{i}", param_bytes=4e6, saved_bytes=4e7, output_bytes=1e5, times=times))
+    prof = Profile("toy", 8, tuple(layers))
+    res = solve(prof, cluster, schedule="auto", micro_batches=8)
+    ranked = res.details["ranking"]
+    assert {c["schedule"] for c in ranked} >= {"1f1b", "zb-h1", "zb-h2", "zbv"}
+    assert res.plan is not None and res.plan.schedule == ranked[0]["schedule"] and ranked[0]["fits"]
+    by = {c["schedule"]: c["samples_per_s"] for c in ranked}
+    assert by["zb-h1"] > by["1f1b"]
+
+
+# -- runtime ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("zb-h1", 4), ("zb-h2", 5), ("zbv", 3)])
+def test_runtime_matches_one_process(schedule: str, m: int, tmp_path: Path) -> None:
+    if schedule == "zbv":  # 2 devices, 4 stages in a V: n0:0 holds the first and the last
+        vw = VirtualWorker((Stage((0, 1), "n0:0"), Stage((1, 2), "n0:1"), Stage((2, 3), "n0:1"),
+                            Stage((3, 4), "n0:0")))
+    else:
+        vw = worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"])
+    plan = Plan("gpt2-tiny", (vw,), schedule=schedule, micro_batch_size=2, micro_batches=m,
+                chunks=2 if schedule == "zbv" else 1)
+    assert_same(plan, tmp_path)
+
+
+def test_action_kinds_keep_their_codes() -> None:
+    assert [(k.name, k.code) for k in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)] == [
+        ("F", 0), ("B", 1), ("I", 10), ("W", 11)]
