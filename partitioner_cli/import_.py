@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from partitioner.cluster import BANDWIDTH_GBPS_RANGE, MAX_GPUS
-from partitioner.profile import MAX_MICRO_BATCH_SIZE
+from partitioner.profile import MAX_MICRO_BATCH_SIZE, MAX_TENSOR_PARALLEL
 from partitioner_cli._args import bounded_float, bounded_int
 
 __all__ = ["register"]
+
+
+def _degree_or_all(text: str) -> str:
+    """``all`` or a tensor-parallel degree in [1, MAX_TENSOR_PARALLEL]."""
+    if text == "all":
+        return text
+    bounded_int(1, MAX_TENSOR_PARALLEL)(text)
+    return text
 
 
 def _pipedream(args: argparse.Namespace) -> int:
@@ -31,17 +40,25 @@ def _sailor(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from partitioner._io import check_outputs
-    from partitioner.importers.sailor import import_sailor
+    from partitioner.importers.sailor import import_sailor, import_sailor_degrees
 
     check_outputs({"-o": args.output}, sorted(Path(args.directory).glob("*.json")), input_dirs=(args.directory,))
-    profile = import_sailor(args.directory, micro_batch_size=args.micro_batch_size,
-                            tensor_parallel=args.tensor_parallel, model=args.model, all_sizes=args.all_sizes)
+    if args.tensor_parallel == "all":
+        profile = import_sailor_degrees(args.directory, micro_batch_size=args.micro_batch_size, model=args.model,
+                                        all_sizes=args.all_sizes)
+    else:
+        profile = import_sailor(args.directory, micro_batch_size=args.micro_batch_size,
+                                tensor_parallel=int(args.tensor_parallel), model=args.model, all_sizes=args.all_sizes)
     profile.save(args.output)
     sizes = profile.measured_sizes
     also = f" (times also at sizes {', '.join(str(x) for x in sizes if x != profile.micro_batch_size)})" \
         if len(sizes) > 1 else ""
-    print(f"imported {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}{also}, "
-          f"measured on {', '.join(profile.gpu_types)} -> {args.output}")
+    degrees = profile.tensor_parallel_degrees
+    shards = (f", tensor-parallel degrees {', '.join(map(str, degrees))}" if len(degrees) > 1
+              else f", one shard of tensor-parallel degree {profile.meta['tensor_parallel']}"
+              if profile.meta.get("tensor_parallel", 1) != 1 else "")
+    print(f"imported {profile.model}: {profile.num_layers} layers, micro-batch {profile.micro_batch_size}{also}"
+          f"{shards}, measured on {', '.join(profile.gpu_types)} -> {args.output}")
     _clip_note(profile.meta)
     return 0
 
@@ -63,7 +80,7 @@ def _sailor_run(args: argparse.Namespace) -> int:
     from partitioner._io import check_loadable, check_outputs, write_json
     from partitioner.cluster import Cluster
     from partitioner.importers.sailor_runs import import_sailor_run
-    from partitioner.plan import Plan
+    from partitioner.plan import Plan, group_size
     from partitioner.profile import Profile
 
     check_outputs({}, [args.plan_config, args.network, *sorted(Path(args.profiles).glob("*.json"))],
@@ -80,10 +97,14 @@ def _sailor_run(args: argparse.Namespace) -> int:
         check_loadable(path, data, loader, what)
     for path, data, _, _ in files:
         write_json(path, data)
+    if "tensor_parallel" in run.profile.meta:
+        groups = f"{len(run.cluster.devices)} tensor-parallel groups of {run.profile.meta['tensor_parallel']} GPUs"
+    else:  # mixed degrees: the plan's devices are groups NODE:FIRST-LAST of the cluster's GPUs
+        sizes = Counter(group_size(d) for vw in plan.virtual_workers for st in vw.stages for d in st.devices)
+        groups = "tensor-parallel groups " + ", ".join(f"{n} of {t} GPU(s)" for t, n in sorted(sizes.items()))
     print(f"imported {run.name}: {len(plan.virtual_workers)} virtual worker(s) of "
           f"{len(plan.virtual_workers[0].stages)} stage(s), {plan.micro_batches} micro-batches of "
-          f"{plan.micro_batch_size}, {len(run.cluster.devices)} tensor-parallel groups of "
-          f"{run.profile.meta.get('tensor_parallel', 1)} GPUs; measured {run.measured_iteration_s:.3f} s per "
+          f"{plan.micro_batch_size}, {groups}; measured {run.measured_iteration_s:.3f} s per "
           f"iteration, peak {run.measured_peak_bytes / 2**30:.2f} GiB -> {', '.join(paths)}")
     _clip_note(run.profile.meta)
     return 0
@@ -134,7 +155,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sl.add_argument("directory", help="Sailor profile directory (<GPU>.json, llm_info_*.json, training_config*.json)")
     sl.add_argument("-o", "--output", required=True, help="profile JSON to write")
     sl.add_argument("--micro-batch-size", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=1, help="micro-batch size to import (default 1)")
-    sl.add_argument("--tensor-parallel", type=bounded_int(1, 4096), default=1, help="tensor-parallel degree to import (default 1)")
+    sl.add_argument("--tensor-parallel", type=_degree_or_all, default="all", metavar="T|all",
+                    help="all (default): every tensor-parallel degree measured, each layer's shard per degree, so "
+                         "the planner chooses; T: only the shard of degree T (a group of T GPUs planned as one device)")
     sl.add_argument("--model", default=None, help="model name (default: the training config's)")
     sl.add_argument("--all-sizes", action="store_true",
                     help="also keep the times of every other measured micro-batch size (for plan --micro-batches auto)")

@@ -92,6 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         micro_batches=count_or_auto(args.micro_batches),
         global_batch=args.global_batch,
         virtual_workers=count_or_auto(args.virtual_workers),
+        tensor_parallel=count_or_auto(args.tensor_parallel),
         policy=args.policy, replication=bool(args.replication), objective=args.objective,
         simulate_top=args.simulate_top, time_limit_s=args.time_limit, threads=args.threads, seed=args.seed,
         chain_order=bool(args.chain_order), fixed_order=bool(args.fixed_order))
@@ -134,12 +135,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--micro-batches", "--microbatches", action=Renamed, dest="micro_batches", default=None,
                         metavar="auto|N", help="micro-batches per iteration (default: the solver's); auto chooses "
                                                "the micro-batch size and count for --global-batch")
-    parser.add_argument("--global-batch", type=bounded_int(1, MAX_MICRO_BATCH_SIZE), default=None, metavar="B",
-                        help="for --micro-batches auto: samples per virtual worker per iteration, B = micro-batch "
-                             "size x micro-batches; K virtual workers train K x B samples an iteration (K is "
-                             "--virtual-workers, chosen by the planner unless given)")
-    parser.add_argument("--virtual-workers", default=None, metavar="K|auto",
+    parser.add_argument("--global-batch", "--global-batch-size", type=bounded_int(1, MAX_MICRO_BATCH_SIZE),
+                        default=None, metavar="B",
+                        help="for --micro-batches auto: samples per iteration, all virtual workers together: "
+                             "B = K workers x m micro-batches x micro-batch size, the three chosen together "
+                             "(K fixed by --virtual-workers)")
+    parser.add_argument("--virtual-workers", "--data-parallel-size", default=None, metavar="K|auto",
                         help="split the cluster into K data-parallel pipelines (hetero planner)")
+    parser.add_argument("--tensor-parallel", "--tensor-parallel-size", default=None, metavar="T|auto",
+                        help="tensor-parallel degree of every stage: GPUs of one type on one node run a stage's "
+                             "shards (the profile must hold that degree); auto (with --micro-batches auto) chooses "
+                             "one per GPU type; default: auto when the profile holds tensor-parallel shards, else 1")
     parser.add_argument("--policy", default=None, choices=("np", "ed", "hd", "opt"),
                         help="virtual-worker grouping: HetPipe's np, ed, hd, or opt (default: opt)")
     parser.add_argument("--objective", default="sync", choices=("sync", "wsp"),

@@ -4,9 +4,11 @@ A :class:`PlanRequest` says what ``partitioner plan`` was asked (solver, schedul
 chunks, micro-batches, virtual workers, ...); :func:`plan` routes it to the one planning path
 that answers it and returns a :class:`~solvers.result.SolveResult`:
 
-* ``micro_batches="auto"``: the micro-batch size and count for ``global_batch``, each candidate
-  planned by the cluster planner (:func:`solvers.cluster.microbatch.choose_micro_batches` over
-  :func:`solvers.cluster.planner.plan_cluster`);
+* ``micro_batches="auto"``: for ``global_batch`` samples per iteration, the micro-batch size, the
+  virtual workers, their micro-batch count and each GPU type's tensor-parallel degree, each size
+  planned by :func:`solvers.cluster.tensor.plan_tensor_parallel` (the cluster planner on every
+  candidate view, best bound first) and chosen by simulated samples/s
+  (:func:`solvers.cluster.microbatch.choose_micro_batches`);
 * virtual workers, a grouping policy or replication: the cluster planner (solver ``hetero``);
 * otherwise the named solver through :func:`solvers.solve` (``dp`` also covers multi-chunk
   schedules and ``schedule="auto"``, :mod:`solvers.pipeline.router`).
@@ -19,6 +21,7 @@ command shows them as its flags, ``micro_batches`` as ``--micro-batches``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,12 +30,12 @@ from partitioner.cluster import MAX_GPUS, Cluster
 from partitioner.cost import CostOptions
 from partitioner.errors import OptionError
 from partitioner.plan import MAX_MICRO_BATCHES
-from partitioner.profile import Profile
+from partitioner.profile import MAX_MICRO_BATCH_SIZE, MAX_TENSOR_PARALLEL, Profile
 from partitioner.schedule import spec
 from solvers import solve
 from solvers.pipeline.chunked import parse_chunks
 from solvers.progress import shown
-from solvers.result import SolveResult
+from solvers.result import SolveResult, SolveStatus
 
 __all__ = ["SEARCHED", "TIME_LIMITED", "PlanRequest", "plan", "shown"]
 
@@ -51,8 +54,11 @@ def _count(value: int | str | None, name: str, most: int) -> None:
 class PlanRequest:
     """What to plan. ``None`` leaves an option to the solver (its default).
 
-    ``micro_batches``: a count, or ``"auto"`` to choose the size and count for ``global_batch``
-    samples per virtual worker. ``chunks``: model chunks per device for a multi-chunk schedule
+    ``micro_batches``: a count, or ``"auto"`` to choose the micro-batch size, the number of virtual
+    workers ``K`` and the count ``m`` for ``global_batch`` samples per iteration (all workers
+    together: ``K x m x size = global_batch``). ``tensor_parallel``: a degree for every GPU type, or
+    ``"auto"`` (with ``micro_batches="auto"``) to choose one per type; unset, ``"auto"`` where the
+    profile holds tensor-parallel shards and 1 elsewhere. ``chunks``: model chunks per device for a multi-chunk schedule
     (an integer as text or ``"auto"``). ``virtual_workers`` (a count or ``"auto"``), ``policy``
     and ``replication`` ask for the cluster planner. ``threads`` and ``seed`` are the search
     workers and random seed of cpsat / milp; ``chain_order`` has them split the profile's layer
@@ -70,6 +76,7 @@ class PlanRequest:
     micro_batches: int | str | None = None
     global_batch: int | None = None
     virtual_workers: int | str | None = None
+    tensor_parallel: int | str | None = None
     policy: str | None = None
     replication: bool = False
     objective: str = "sync"
@@ -85,6 +92,10 @@ class PlanRequest:
             object.__setattr__(self, "devices", tuple(self.devices))
         _count(self.micro_batches, "micro_batches", MAX_MICRO_BATCHES)
         _count(self.virtual_workers, "virtual_workers", MAX_GPUS)
+        _count(self.tensor_parallel, "tensor_parallel", MAX_TENSOR_PARALLEL)
+        if self.tensor_parallel == "auto" and self.micro_batches != "auto":
+            raise OptionError("tensor_parallel", "auto", "chooses the degrees with the micro-batches under a global "
+                              "batch: give `micro_batches` auto and `global_batch`, or a degree")
         if self.multi_chunk:
             parse_chunks(self.chunks or "auto", self.schedule, "chunks")
             if self.solver != "dp" or self.cluster_planner_asked:
@@ -120,8 +131,8 @@ class PlanRequest:
             raise OptionError("fixed_order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
                               f"{self.planner} solver keeps the given order already or chooses it itself)")
         if self.micro_batches == "auto" and self.global_batch is None:
-            raise OptionError("micro_batches", "auto", "needs `global_batch` (samples per virtual worker "
-                              "per iteration) to choose the micro-batch size and count")
+            raise OptionError("micro_batches", "auto", "needs `global_batch` (samples per iteration, all virtual "
+                              "workers together) to choose the micro-batch size, the workers and the count")
 
     @property
     def multi_chunk(self) -> bool:
@@ -130,7 +141,8 @@ class PlanRequest:
 
     @property
     def cluster_planner_asked(self) -> bool:
-        return self.virtual_workers is not None or self.policy is not None or self.replication
+        return (self.virtual_workers is not None or self.policy is not None or self.replication
+                or self.tensor_parallel is not None)
 
     @property
     def uses_cluster_planner(self) -> bool:
@@ -175,20 +187,42 @@ class PlanRequest:
 def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResult:
     """The plan ``request`` asks for. With ``micro_batches="auto"`` the plan is of the profile
     at the chosen size (``profile.at_size(plan.micro_batch_size)``) and ``details`` hold the
-    choice (``micro_batch_choice``) and the lines that explain it (``messages``)."""
+    choice (``micro_batch_choice``) and the lines that explain it (``messages``). A plan with
+    tensor parallelism names its groups ``NODE:FIRST-LAST`` (any cluster view prices them)."""
     if request.micro_batches != "auto":
+        if isinstance(request.tensor_parallel, int) and request.tensor_parallel > 1:
+            from solvers.cluster.tensor import type_degrees
+
+            degrees = type_degrees(profile, cluster, request.tensor_parallel)
+            cluster = cluster.with_tensor_parallel({t: d[0] for t, d in degrees.items()})
         return solve(profile, cluster, solver=request.planner, **request.solver_options())
     from solvers.cluster.microbatch import choose_micro_batches
-    from solvers.cluster.planner import plan_cluster
 
     assert request.global_batch is not None  # checked by PlanRequest
-    choice = choose_micro_batches(profile, cluster, request.global_batch, plan_cluster,
-                                  **request.solver_options())
+    g = request.global_batch
+    options = request.solver_options()
+    limit = options.pop("time_limit_s", DEFAULT_SEARCH_S)
+    sizes = [b for b in _sizes(profile, g)]
+    tp = request.tensor_parallel
+    degree = tp if isinstance(tp, int) else None
+    workers = request.virtual_workers if isinstance(request.virtual_workers, int) else None
+
+    def per_size(prof: Profile, cl: Cluster, *, schedule: str, micro_batches: int, **_: Any) -> SolveResult:
+        from solvers.cluster.tensor import plan_tensor_parallel
+
+        return plan_tensor_parallel(prof, cl, g, options=request.options, schedule=schedule, tensor_parallel=degree,
+                                    virtual_workers=workers, time_limit_s=limit / len(sizes))
+
+    choice = choose_micro_batches(profile, cluster, g, per_size, sizes=sizes, schedule=request.schedule)
     if not choice.result.ok:
         return choice.result
     b = choice.micro_batch_size
-    messages = [f"micro-batch size {b} x {choice.micro_batches} micro-batches "
-                f"(first micro-batch in {choice.first_slices} slice(s)): {choice.samples_per_s:.2f} samples/s"]
+    k = len(choice.result.plan.virtual_workers) if choice.result.plan else 0
+    tp_chosen: dict[str, int] = dict(choice.result.details.get("tensor_parallel", {}))  # type: ignore[call-overload]
+    shown_tp = ", ".join(f"{t} x{d}" for t, d in tp_chosen.items()) if tp_chosen else "1"
+    messages = [f"global batch {g}: {k} virtual worker(s) x {choice.micro_batches} micro-batches of {b} "
+                f"(first micro-batch in {choice.first_slices} slice(s)), tensor parallel {shown_tp}: "
+                f"{choice.samples_per_s:.2f} samples/s"]
     measured: Sequence[int] = profile.measured_sizes
     if b != profile.micro_batch_size and len(measured) == 1:
         messages.append(f"note: size {b} is priced by scaling the profile measured at "
@@ -199,6 +233,38 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
         messages.append(f"note: size {b} is priced by interpolating between the measured "
                         f"sizes {', '.join(map(str, measured))}")
     chosen = {"micro_batch_size": b, "micro_batches": choice.micro_batches, "first_slices": choice.first_slices,
+              "virtual_workers": k, "tensor_parallel": tp_chosen, "global_batch": g,
               "samples_per_s": choice.samples_per_s, "tried": [list(t) for t in choice.tried]}
-    return replace(choice.result, details={**choice.result.details, "micro_batch_choice": chosen,
-                                           "messages": messages})
+    res = replace(choice.result, details={**choice.result.details, "micro_batch_choice": chosen,
+                                          "messages": messages})
+    return _certified_over_sizes(res, choice.lower_bound)
+
+
+def _certified_over_sizes(res: SolveResult, lower_bound: float) -> SolveResult:
+    """``res`` (the chosen size's plan) with the certificate over every size tried: the least
+    lower bound of them all (seconds per sample), optimal only where the plan meets it."""
+    if math.isnan(lower_bound) or res.plan is None:
+        return replace(res, lower_bound=math.nan, status=SolveStatus.FEASIBLE)
+    status = SolveStatus.OPTIMAL if res.objective <= lower_bound * (1 + 1e-9) else SolveStatus.FEASIBLE
+    out = replace(res, lower_bound=min(lower_bound, res.objective), status=status)
+    return replace(out, plan=replace(res.plan, solver=out.solver_info()))
+
+
+DEFAULT_SEARCH_S = 60.0  # the global-batch search's time limit when none is given (all sizes together)
+MAX_SIZES = 8  # micro-batch sizes the global-batch search tries at most
+
+
+def _sizes(profile: Profile, global_batch: int) -> list[int]:
+    """Micro-batch sizes to try for ``global_batch``: divisors of it, within the measured sizes
+    when the profile has several (never extrapolated), at most MAX_SIZES of them (the measured ones
+    first, then the largest)."""
+    divisors = [b for b in range(1, min(global_batch, MAX_MICRO_BATCH_SIZE) + 1) if global_batch % b == 0]
+    measured = profile.measured_sizes
+    if len(measured) > 1:
+        divisors = [b for b in divisors if measured[0] <= b <= measured[-1]]
+    if not divisors:
+        raise OptionError("global_batch", global_batch, f"no divisor lies within the measured micro-batch sizes "
+                          f"{', '.join(map(str, measured))}")
+    chosen = [b for b in divisors if b in measured]
+    chosen += [b for b in reversed(divisors) if b not in chosen]
+    return sorted(chosen[:MAX_SIZES])

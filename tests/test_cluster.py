@@ -147,7 +147,7 @@ def test_a_grouping_with_a_worker_that_fits_nowhere_is_no_plan_not_a_crash() -> 
     from partitioner.pricing import CostOptions
     from partitioner.profile import LayerProfile, LayerTime, Profile
     from partitioner.schedule import Schedule
-    from solvers.cluster.planner import WorkerPlanner, WorkerUnfit, _plan_of
+    from solvers.cluster.planner import WorkerPlanner, WorkerUnfit, plan_of
 
     types = {"BIG": DeviceType("BIG", 8 * GIB, 10e12, 1e12), "TINY": DeviceType("TINY", 1.2 * GIB, 30e12, 1e12)}
     layers = tuple(LayerProfile(f"l{i}", param_bytes=40e6, saved_bytes=20e6, output_bytes=1e6,
@@ -158,6 +158,6 @@ def test_a_grouping_with_a_worker_that_fits_nowhere_is_no_plan_not_a_crash() -> 
     sched = Schedule.of("1f1b", 8)
     planner = WorkerPlanner(CostModel(prof, cl, CostOptions(reserved_bytes=0.1 * GIB)), sched, False, 720)
     big, tiny = cl.devices
-    assert _plan_of([[big, tiny]], planner, prof, sched)[0].virtual_workers
+    assert plan_of([[big, tiny]], planner, prof, sched)[0].virtual_workers
     with pytest.raises(WorkerUnfit, match=r"b:0"):
-        _plan_of([[big], [tiny]], planner, prof, sched)
+        plan_of([[big], [tiny]], planner, prof, sched)

@@ -33,8 +33,7 @@ from solvers.result import SolveResult, SolveStatus
 __all__ = ["MicroBatchChoice", "choose_micro_batches"]
 
 
-def _priced(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None,
-            global_batch: int) -> tuple[float, float]:
+def _priced(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None) -> tuple[float, float]:
     """(iteration seconds, samples/s) of ``plan``: simulated, or by the closed form where the
     simulator refuses the plan."""
     from partitioner.simulate import simulate_plan
@@ -46,7 +45,8 @@ def _priced(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions
             return math.inf, 0.0  # only the simulator prices slicing: never chosen unpriced
         cost = CostModel(profile, cluster, options)
         it = cost.plan_iteration_s(plan)
-        return it, len(plan.virtual_workers) * global_batch / it if it > 0 else math.inf
+        samples = len(plan.virtual_workers) * plan.micro_batches * plan.micro_batch_size
+        return it, samples / it if it > 0 else math.inf
     return tl.iteration_s, tl.samples_per_s
 
 
@@ -60,6 +60,9 @@ class MicroBatchChoice:
     iteration_s: float = math.inf
     samples_per_s: float = 0.0
     tried: tuple[tuple[int, int, float], ...] = ()
+    # the least of every size's certified lower bound (seconds per sample for a planner whose
+    # objective is that, as the cluster planner's): the bound over every size tried; nan if one has none
+    lower_bound: float = math.nan
 
     @property
     def ok(self) -> bool:
@@ -87,11 +90,14 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
                          planner: Callable[..., SolveResult], *, profiles: Mapping[int, Profile] | None = None,
                          sizes: Sequence[int] | None = None, slices: Sequence[int] = (1, 2, 4),
                          schedule: str = "1f1b", **planner_options: Any) -> MicroBatchChoice:
-    """Best (size, count, first slices) for ``global_batch`` samples per virtual worker.
+    """Best (size, count, first slices) for ``global_batch`` samples, by simulated samples/s.
 
     ``planner(profile, cluster, schedule=..., micro_batches=m, **planner_options)`` returns a
-    :class:`SolveResult` (e.g. :func:`solvers.cluster.planner.plan_cluster`). When no size fits, the
-    choice's ``result`` is ``INFEASIBLE`` with the reason.
+    :class:`SolveResult` for the profile at each size ``b`` with ``m = global_batch / b``: a planner
+    of one worker's micro-batches (:func:`solvers.cluster.planner.plan_cluster`, then ``global_batch``
+    counts per virtual worker) or one that splits the whole batch itself and ignores ``m``
+    (:func:`solvers.cluster.tensor.plan_tensor_parallel`, as :func:`solvers.planning.plan` uses it).
+    When no size fits, the choice's ``result`` is ``INFEASIBLE`` with the reason.
     """
     if not (isinstance(global_batch, int) and global_batch >= 1):
         raise FormatError("global_batch", global_batch, "must be an integer >= 1")
@@ -109,11 +115,13 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
     tried = []
     refused = []
     runtime_s = 0.0
+    bounds: list[float] = []
     for b in cands:
         prof = (profiles or {}).get(b) or profile.at_size(b)
         m = global_batch // b
         res = planner(prof, cluster, schedule=schedule, micro_batches=m, **planner_options)
         runtime_s += res.runtime_s
+        bounds.append(math.inf if res.status is SolveStatus.INFEASIBLE else res.lower_bound)
         if not res.ok or res.plan is None:
             refused.append(f"size {b} ({m} micro-batches): {res.status}: {res.reason}")
             continue
@@ -122,7 +130,7 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
             if b % s or (s > 1 and not spec(schedule).sliceable):
                 continue
             plan = replace(res.plan, first_slices=s)
-            worst, total = _priced(plan, prof, cluster, options, global_batch)
+            worst, total = _priced(plan, prof, cluster, options)
             tried.append((b, s, total))
             if best is None or total > best.samples_per_s:
                 best = MicroBatchChoice(replace(res, plan=plan), worst, total)
@@ -130,4 +138,5 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
         return MicroBatchChoice(SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=runtime_s, method="microbatch",
                                             reason=f"no micro-batch size dividing {global_batch} fits",
                                             details={"refused": refused}))
-    return replace(best, tried=tuple(tried))
+    least = min(bounds) if bounds and not any(math.isnan(x) for x in bounds) else math.nan
+    return replace(best, tried=tuple(tried), lower_bound=least)

@@ -46,7 +46,7 @@ from solvers.predictions import with_predictions
 from solvers.progress import Status, status
 from solvers.result import SolveDetails, SolveResult, SolveStatus
 
-__all__ = ["WorkerPlanner", "WorkerUnfit", "plan_cluster", "price_plan", "solve"]
+__all__ = ["WorkerPlanner", "WorkerUnfit", "plan_cluster", "plan_of", "price_plan", "solve"]
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def _plan_opt(devs: list[Device], k: int | None, planner: WorkerPlanner, objecti
 
     def priced(f: _Found) -> float:
         assert f.best is not None
-        plan = _plan_of(f.best[1], f.used, cost.profile, planner.schedule)[0]
+        plan = plan_of(f.best[1], f.used, cost.profile, planner.schedule)[0]
         return price_plan(cost, plan, objective)["samples_per_s"]
 
     if priced(search) > priced(counts) * (1 + 1e-9):
@@ -438,7 +438,7 @@ def _sync_certified(found: _Found, devs: list[Device], k: int | None, planner: W
 
     def price(g: list[list[Device]]) -> float:
         try:
-            plan = _plan_of(g, planner, cost.profile, sched)[0]
+            plan = plan_of(g, planner, cost.profile, sched)[0]
         except WorkerUnfit:  # a grouping the bound explores may hold a worker that fits nowhere: no plan
             return 0.0
         return price_plan(cost, plan, objective)["samples_per_s"]
@@ -517,7 +517,7 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
         # included): the estimate that ranked them may not rank them as the cost model does.
         priced = []
         for g in [res.grouping] + ([baseline[1]] if baseline is not None else []):
-            plan = _plan_of(g, planner, cost.profile, planner.schedule)[0]
+            plan = plan_of(g, planner, cost.profile, planner.schedule)[0]
             priced.append((price_plan(cost, plan, objective)["samples_per_s"], g))
         best, used = max(priced, key=lambda x: x[0]), planner
     elif time.perf_counter() < t0 + time_limit_s:  # large: the winner re-planned in full if that helps
@@ -618,7 +618,7 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     assert found.best is not None
     profile, cluster = cost.profile, cost.cluster
     _val, g = found.best
-    plan, mapped_exactly = _plan_of(g, found.used, profile, schedule)
+    plan, mapped_exactly = plan_of(g, found.used, profile, schedule)
     exact = found.exact and mapped_exactly
     predicted = price_plan(cost, plan, objective)
     bound = fleet_bound(cost, devs, schedule, replication=replication,
@@ -687,7 +687,7 @@ class WorkerUnfit(PartitionerError):
     """A grouping holds a worker over which no split fits in memory."""
 
 
-def _plan_of(g: list[list[Device]], planner: WorkerPlanner, profile: Profile, schedule: Schedule) -> tuple[Plan, bool]:
+def plan_of(g: list[list[Device]], planner: WorkerPlanner, profile: Profile, schedule: Schedule) -> tuple[Plan, bool]:
     """The plan of a grouping, every worker mapped and split by ``planner``, and whether every
     mapping was exact."""
     workers, exact = [], True
@@ -706,7 +706,7 @@ def _best_simulated(top: list[tuple[float, list[list[Device]]]], planner: Worker
     """Of the closed form's best groupings, the one the simulator runs fastest (and the ranking)."""
     from solvers.pipeline.ranking import rank_plans
 
-    plans = [_plan_of(g, planner, profile, schedule)[0] for _, g in top]
+    plans = [plan_of(g, planner, profile, schedule)[0] for _, g in top]
     ranked = rank_plans(plans, profile, cluster, options)
     winner = [p.virtual_workers for p in plans].index(ranked[0].plan.virtual_workers)
     return top[winner], [r.to_dict() for r in ranked]

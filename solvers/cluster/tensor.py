@@ -20,19 +20,21 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from partitioner.cluster import Cluster, device_kind
+from partitioner.cluster import Cluster, Device, device_kind
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError, OptionError
 from partitioner.pricing import CostOptions
 from partitioner.profile import Profile
 from partitioner.schedule import Schedule
 
+from ..predictions import with_predictions
 from ..result import SolveResult, SolveStatus
 from .bounds.fleet import fleet_bound
 from .bounds.layers import layer_bound
-from .planner import plan_cluster
+from .planner import WorkerPlanner, WorkerUnfit, plan_cluster, plan_of, price_plan
 
 __all__ = ["Candidate", "candidates", "plan_tensor_parallel", "type_degrees"]
 
@@ -102,6 +104,46 @@ def candidates(profile: Profile, cluster: Cluster, global_batch: int, options: C
     return out
 
 
+QUICK_WORKER_DEVICES = 8  # the quick pass plans uniform workers of at most this many devices
+
+
+def uniform_grouping(devices: Sequence[Device], k: int) -> list[list[Device]] | None:
+    """``k`` workers of the same mix of device kinds (each kind's count divided by ``k``), each
+    worker's devices of a kind taken consecutively in node order (so a worker keeps to as few
+    nodes as it can); None where ``k`` does not divide every kind's count."""
+    by_kind: dict[str, list[Device]] = {}
+    for d in devices:
+        by_kind.setdefault(d.kind, []).append(d)
+    if any(len(v) % k for v in by_kind.values()):
+        return None
+    return [[d for v in by_kind.values() for d in v[w * (len(v) // k):(w + 1) * (len(v) // k)]] for w in range(k)]
+
+
+def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOptions | None,
+           schedule: str) -> tuple[float, SolveResult] | None:
+    """The candidate's uniform grouping (:func:`uniform_grouping`), every worker mapped and split
+    exactly, priced as the cluster planner prices plans: a plan in milliseconds that the full
+    search only has to beat. None where the grouping does not exist or does not fit."""
+    view = cluster.with_tensor_parallel(dict(cand.degrees))
+    groups = uniform_grouping(view.devices, cand.virtual_workers)
+    if groups is None or len(groups[0]) > QUICK_WORKER_DEVICES:
+        return None
+    cost = CostModel(profile, view, options)
+    sched = Schedule.of(schedule, cand.micro_batches)
+    planner = WorkerPlanner(cost, sched)
+    try:
+        plan = plan_of(groups, planner, profile, sched)[0]
+    except WorkerUnfit:
+        return None
+    priced = price_plan(cost, plan, "sync")
+    rate = priced["samples_per_s"]
+    if not rate > 0:
+        return None
+    return rate, SolveResult(SolveStatus.FEASIBLE, plan, 1.0 / rate, math.nan, 0.0, "tensor:uniform",
+                             details={"virtual_workers": cand.virtual_workers, "grouping": "uniform",
+                                      "closed_form": priced})  # type: ignore[typeddict-unknown-key]
+
+
 def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, *,
                          options: CostOptions | None = None, schedule: str = "1f1b",
                          tensor_parallel: int | None = None, virtual_workers: int | None = None,
@@ -116,6 +158,12 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
                            reason=f"no number of pipelines splits the global batch {global_batch} into micro-batches "
                                   f"of {profile.micro_batch_size} over this cluster")
     best: tuple[float, SolveResult, Candidate] | None = None
+    for cand in cands:  # a uniform plan of every candidate first: cheap, and often the best there is
+        if time.perf_counter() > t0 + time_limit_s / 4:
+            break
+        quick = _quick(profile, cluster, cand, options, schedule)
+        if quick is not None and (best is None or quick[0] > best[0]):
+            best = (quick[0], quick[1], cand)
     open_bound = 0.0  # the best rate any planned candidate may still reach (its own certificate)
     tried = []
     stop = len(cands)  # the candidates from here on were not planned
@@ -145,6 +193,11 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
                            runtime_s=time.perf_counter() - t0, method="tensor",
                            reason="no candidate (degrees per GPU type, pipelines) gave a plan that fits")
     rate, res, cand = best
+    if res.method == "tensor:uniform":  # predictions attached to the one plan returned
+        assert res.plan is not None
+        view = cluster.with_tensor_parallel(dict(cand.degrees))
+        res = replace(res, plan=with_predictions(res.plan, profile, view, options,
+                                                 res.details.pop("closed_form")))  # type: ignore[typeddict-item]
     upper = max(rate, open_bound, rest)
     status = SolveStatus.OPTIMAL if upper <= rate * (1 + 1e-9) else SolveStatus.FEASIBLE
     details = dict(res.details)
