@@ -45,7 +45,7 @@ MAX_GPUS = 16_384  # GPUs in one cluster, all nodes together (bench/scale.py pla
 BANDWIDTH_GBPS_RANGE = (1e-6, 1e6)  # GB/s of a link: 1 kB/s .. 1 PB/s
 _DEVICE_RANGES = {  # field: (least, most), the least excluded
     "memory_GB": (0.0, 1e6), "fp32_tflops": (0.0, 1e6), "mem_GBps": (0.0, 1e7), "fp16_tensor_tflops": (0.0, 1e6),
-    "tf32_tensor_tflops": (0.0, 1e6), "bf16_tensor_tflops": (0.0, 1e6),
+    "tf32_tensor_tflops": (0.0, 1e6), "bf16_tensor_tflops": (0.0, 1e6), "usable_memory_GB": (0.0, 1e6),
 }
 
 
@@ -57,6 +57,11 @@ class DeviceType:
     mixed-precision training gets; GeForce cards run it at half their FP16-accumulate rate),
     ``tf32_flops`` and ``bf16_flops`` the dense TF32 and BF16 tensor-core rates (0 when the
     GPU has none), ``sm_count`` its streaming multiprocessors (0 when unknown).
+
+    ``memory_bytes`` is the nominal size (what the GPU is sold as); ``usable_memory_bytes`` what
+    the driver hands the framework (``nvidia-smi``'s total: ECC bits on GDDR parts and the
+    driver's own reservation taken out), 0 when not known. Plans must fit in
+    :attr:`capacity_bytes`, the usable size where known, else the nominal one.
     """
 
     name: str
@@ -68,6 +73,7 @@ class DeviceType:
     tf32_flops: float = 0.0  # dense TF32 tensor-core FLOP/s, 0 when the GPU has none
     bf16_flops: float = 0.0  # dense BF16 tensor-core FLOP/s, 0 when the GPU has none
     sm_count: int = 0
+    usable_memory_bytes: float = 0.0  # what the driver reports (0: unknown, the nominal size counts)
 
     def __post_init__(self) -> None:
         check(bool(self.name) and ":" not in self.name, "name", self.name, "must be non-empty, without ':'")
@@ -76,6 +82,13 @@ class DeviceType:
             check(isinstance(v, (int, float)) and v > 0, f"device_types.{self.name}.{f}", v, "must be > 0")
         for f in ("tensor_flops", "tf32_flops", "bf16_flops", "sm_count"):
             check(getattr(self, f) >= 0, f"device_types.{self.name}.{f}", getattr(self, f), "must be >= 0")
+        check(0 <= self.usable_memory_bytes <= self.memory_bytes, f"device_types.{self.name}.usable_memory_GB",
+              self.usable_memory_bytes / GIB, f"must be >= 0 and at most memory_GB ({self.memory_bytes / GIB:g})")
+
+    @property
+    def capacity_bytes(self) -> float:
+        """The memory a plan may use: the usable size where known, else the nominal one."""
+        return self.usable_memory_bytes or self.memory_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"memory_GB": self.memory_bytes / GIB, "fp32_tflops": self.peak_flops / 1e12,
@@ -86,6 +99,8 @@ class DeviceType:
                 d[key] = value / 1e12
         if self.sm_count:
             d["sm_count"] = self.sm_count
+        if self.usable_memory_bytes:
+            d["usable_memory_GB"] = self.usable_memory_bytes / GIB
         if self.source:
             d["source"] = self.source
         return d
@@ -108,6 +123,7 @@ class DeviceType:
             tf32_flops=num("tf32_tensor_tflops", default=0.0) * 1e12,
             bf16_flops=num("bf16_tensor_tflops", default=0.0) * 1e12,
             sm_count=int(req_int(d, "sm_count", where, default=0, minimum=0, maximum=1_000_000)),
+            usable_memory_bytes=num("usable_memory_GB", default=0.0) * GIB,
         )
 
 
@@ -136,6 +152,7 @@ def catalog() -> dict[str, DeviceType]:
             tf32_flops=float(row.get("tf32_tensor_tflops_dense") or 0) * 1e12,
             bf16_flops=float(row.get("bf16_tensor_tflops_dense") or 0) * 1e12,
             sm_count=int(row.get("sm_count") or 0),
+            usable_memory_bytes=float(row.get("usable_mem_gib") or 0) * GIB,
         )
     return out
 
@@ -219,7 +236,8 @@ class Device:
 
     @property
     def memory_bytes(self) -> float:
-        return self.type.memory_bytes
+        """What a plan may use on this GPU (:attr:`DeviceType.capacity_bytes`)."""
+        return self.type.capacity_bytes
 
 
 @dataclass(frozen=True)

@@ -17,26 +17,29 @@ virtual worker ``d`` (as Megatron-DeepSpeed runs them), with ``gbs / (mbs * dp)`
 when the counts differ, one pipeline of replicated stages takes all ``gbs / mbs``. The plan runs
 1F1B in fp16 mixed precision with Adam; links between nodes carry the measured inter-node
 curve of their GPU type for ``gpus_per_node`` GPUs (between two types, the slower one's), links
-inside a node the intra-node curve where the file has one.
+inside a node the intra-node curve where the file has one. Where the profile directory holds
+Sailor's ``basic_cluster_config.json``, its ``mem_per_gpu`` is each type's memory (the catalog's
+usable fraction of it kept where the catalog knows one).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .._io import is_finite_number, load_mapping
 from ..bandwidth import Bandwidth
-from ..cluster import BANDWIDTH_GBPS_RANGE, GIB, MAX_GPUS, Cluster, DeviceType, Link, Node
+from ..cluster import BANDWIDTH_GBPS_RANGE, GIB, MAX_GPUS, Cluster, DeviceType, Link, Node, resolve_gpu_type
 from ..cost import CostOptions
 from ..errors import FormatError
 from ..plan import MAX_MICRO_BATCHES, Plan, Stage, VirtualWorker
 from ..profile import MAX_BYTES, MAX_LAYER_S, MAX_LAYERS, MAX_MICRO_BATCH_SIZE, Profile
 from .sailor import import_sailor, sailor_gpu_name
 
-__all__ = ["MEGATRON_DEEPSPEED_RESERVED_GIB", "SailorRun", "import_sailor_run", "sailor_bandwidth"]
+__all__ = ["MEGATRON_DEEPSPEED_RESERVED_GIB", "SailorRun", "import_sailor_run", "sailor_bandwidth",
+           "sailor_device_types"]
 
 # The one calibrated constant: the memory Megatron-DeepSpeed itself holds on every GPU beyond
 # weights, gradients, optimizer state and activations (communication buffers, workspaces,
@@ -74,6 +77,39 @@ def sailor_bandwidth(path: str | os.PathLike[str], kind: str, gpu: str, gpus_per
                           f"[{lo * 1e9:g}, {hi * 1e9:g}] bytes/s", file=str(path))
     return Bandwidth(float(row[1]) / 1e9, log2_mb_poly=tuple(float(c) for c in row[0]),
                      name=f"{Path(path).name}:{kind}.{gpu}.{gpus_per_node}")
+
+
+def sailor_device_types(profile_dir: str | os.PathLike[str], names: list[str]) -> dict[str, DeviceType]:
+    """The GPU types ``names`` (Sailor's spelling) as ``Cluster.device_types`` entries keyed by
+    their catalog name, with the memory per GPU that Sailor's ``basic_cluster_config.json`` in
+    ``profile_dir`` states (its ``mem_per_gpu``, bytes); the catalog's usable memory is scaled
+    with it. Types the file does not name keep the catalog's figures (``_EXTRA_TYPES`` for
+    GPUs the catalog lacks); no file: no override."""
+    path = Path(profile_dir) / "basic_cluster_config.json"
+    out: dict[str, DeviceType] = {}
+    data = load_mapping(path) if path.exists() else {}
+    for name in names:
+        gpu = sailor_gpu_name(name)
+        base = _EXTRA_TYPES[name] if name in _EXTRA_TYPES else _catalog_type(gpu)
+        entry = data.get(name)
+        if base is None or not isinstance(entry, dict) or "mem_per_gpu" not in entry:
+            if name in _EXTRA_TYPES:
+                out[gpu] = base
+            continue
+        mem = entry["mem_per_gpu"]
+        if not (is_finite_number(mem) and 0 < mem <= 1e6 * GIB):
+            raise FormatError(f"{name}.mem_per_gpu", mem, "must be a number of bytes > 0", file=str(path))
+        usable = base.usable_memory_bytes * mem / base.memory_bytes
+        out[gpu] = replace(base, name=gpu, memory_bytes=float(mem), usable_memory_bytes=usable,
+                           source=f"{base.source}; memory from Sailor's basic_cluster_config.json")
+    return out
+
+
+def _catalog_type(gpu: str) -> DeviceType | None:
+    try:
+        return resolve_gpu_type(gpu)
+    except FormatError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -136,7 +172,7 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
     profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=layout.tp,
                             gpu_types=tuple(layout.types), activations=activations, clip_noise=clip_noise)
     placed = _place(layout)
-    cluster = _cluster(network, layout, placed)
+    cluster = _cluster(network, layout, placed, sailor_device_types(profile_dir, layout.types))
     where = "pipeline_list[0]"
     ranges = layout.ranges
     _check(ranges[-1][1] == profile.num_layers, f"{where}.layers_per_stage[{len(ranges) - 1}]",
@@ -283,12 +319,12 @@ def _place(layout: _Layout) -> _Placement:
     return _Placement(node_types, node_gpus, slots, device)
 
 
-def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placement) -> Cluster:
+def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placement,
+             extra: dict[str, DeviceType]) -> Cluster:
     """The run's nodes with Sailor's measured curves: each type's intra-node curve inside a node
     (its inter-node one where none is given), between nodes the type's inter-node curve, and
     between nodes of two types the slower type's."""
     types, node_types, node_gpus = layout.types, placed.node_types, placed.node_gpus
-    extra = {sailor_gpu_name(g): _EXTRA_TYPES[g] for g in types if g in _EXTRA_TYPES}
 
     def curve(kind: str, gpu: str, gpn: int) -> Bandwidth | None:
         try:
