@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import difflib
 import functools
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -242,18 +243,32 @@ class Device:
 
 @dataclass(frozen=True)
 class Node:
-    """A machine: its GPUs in order (type name per GPU) and the bandwidth between them."""
+    """A machine: its GPUs in order (type name per GPU), the bandwidth between them and, when
+    ``nic_gbps`` > 0, the NICs its GPUs share for traffic to other nodes: ``nics`` of
+    ``nic_gbps`` GB/s each way, GPU ``g`` of ``n`` behind NIC ``g * nics // n``. Transfers that
+    cross a NIC at the same time divide its bandwidth (:mod:`partitioner.flows`); 0 (the
+    default) models no NIC: each node pair is one link, as ``inter_node_GBps`` says."""
 
     name: str
     gpus: tuple[str, ...]
     intra_gbps: float
     intra_curve: Bandwidth | None = None  # message-size-aware bandwidth; its cap is intra_gbps
+    nic_gbps: float = 0.0
+    nics: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", tuple(self.gpus))
         check(bool(self.name) and ":" not in self.name, "nodes[].name", self.name, "must be non-empty, without ':'")
         check(len(self.gpus) >= 1, f"nodes.{self.name}.gpus", list(self.gpus), "must list at least one GPU")
         check(self.intra_gbps > 0, f"nodes.{self.name}.intra_node_GBps", self.intra_gbps, "must be > 0")
+        check(math.isfinite(self.nic_gbps) and self.nic_gbps >= 0, f"nodes.{self.name}.nic_GBps", self.nic_gbps,
+              "must be a finite number >= 0 (0: no shared NIC modelled)")
+        check(isinstance(self.nics, int) and not isinstance(self.nics, bool) and 1 <= self.nics <= len(self.gpus),
+              f"nodes.{self.name}.nics", self.nics, f"must be an integer in [1, {len(self.gpus)}] (the node's GPUs)")
+
+    def nic_of(self, index: int) -> int:
+        """The NIC GPU ``index`` of this node sends and receives through."""
+        return index * self.nics // len(self.gpus)
 
 
 @dataclass(frozen=True)
@@ -375,6 +390,29 @@ class Cluster:
             return 0.0
         return self.link(a, b).seconds(nbytes)
 
+    @functools.cached_property
+    def has_nics(self) -> bool:
+        """Whether any node shares NICs between its GPUs (``nic_GBps``)."""
+        return any(n.nic_gbps > 0 for n in self.nodes)
+
+    @functools.cached_property
+    def _node_of(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    def nic_route(self, a: str, b: str) -> tuple[tuple[str, int, str, float], ...]:
+        """The shared NIC directions a transfer from device ``a`` to ``b`` crosses, as
+        ``(node, nic, "out" | "in", GB/s)``: the sender's NIC out and the receiver's NIC in where
+        those nodes have NICs; none inside a node."""
+        da, db = self.device(a), self.device(b)
+        if da.node == db.node:
+            return ()
+        out = []
+        for dev, way in ((da, "out"), (db, "in")):
+            node = self._node_of[dev.node]
+            if node.nic_gbps > 0:
+                out.append((node.name, node.nic_of(dev.index), way, node.nic_gbps))
+        return tuple(out)
+
     @property
     def has_curves(self) -> bool:
         """Whether any link's time depends on the message size (or has a latency)."""
@@ -421,6 +459,8 @@ class Cluster:
             gpus: Any = counts if contiguous else list(n.gpus)
             d["nodes"].append({"name": n.name, "intra_node_GBps": n.intra_curve.to_value() if n.intra_curve
                                else n.intra_gbps, "gpus": gpus})
+            if n.nic_gbps:
+                d["nodes"][-1].update({"nic_GBps": n.nic_gbps, "nics": n.nics})
         if self.device_types:
             d["device_types"] = {k: v.to_dict() for k, v in self.device_types.items()}
         if self.links:
@@ -462,11 +502,15 @@ class Cluster:
                 check(total_gpus <= MAX_GPUS, f"{where}gpus", f"{len(gpus):,} GPUs",
                       f"at most {MAX_GPUS:,} GPUs in a cluster are supported")
             intra = parse_bandwidth(raw, "intra_node_GBps", where, minimum=lo, maximum=hi)
+            nic = req_number(raw, "nic_GBps", where, default=0.0, minimum=0.0, maximum=hi)
+            check(nic == 0 or nic > lo, f"{where}nic_GBps", nic, f"must be 0 (no shared NIC) or in ({lo:g}, {hi:g}]")
             nodes.append(Node(
                 name=str(opt_field(raw, "name", (str, int), f"n{i}", where)),
                 gpus=tuple(gpus),
                 intra_gbps=intra.gbps,
                 intra_curve=None if intra.is_flat else intra,
+                nic_gbps=nic,
+                nics=int(req_int(raw, "nics", where, default=1, minimum=1, maximum=max(1, len(gpus)))),
             ))
         links = []
         links_raw = opt_field(d, "links", list, [])

@@ -110,5 +110,5 @@ def test_sailor_rtx_2080_is_the_11_gib_part_with_the_cluster_files_memory(tmp_pa
     shutil.copytree(DATA, bad)
     cfg["RTX-2080"]["mem_per_gpu"] = -1
     (bad / "basic_cluster_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(FormatError, match="RTX-2080.mem_per_gpu"):
+    with pytest.raises(FormatError, match=r"RTX-2080\.mem_per_gpu"):
         sailor_device_types(bad, ["RTX-2080"])

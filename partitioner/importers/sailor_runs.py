@@ -31,7 +31,16 @@ from typing import Any
 
 from .._io import is_finite_number, load_mapping
 from ..bandwidth import Bandwidth
-from ..cluster import BANDWIDTH_GBPS_RANGE, GIB, MAX_GPUS, Cluster, DeviceType, Link, Node, resolve_gpu_type
+from ..cluster import (
+    BANDWIDTH_GBPS_RANGE,
+    GIB,
+    MAX_GPUS,
+    Cluster,
+    DeviceType,
+    Link,
+    Node,
+    resolve_gpu_type,
+)
 from ..cost import CostOptions
 from ..errors import FormatError
 from ..plan import MAX_MICRO_BATCHES, Plan, Stage, VirtualWorker
@@ -93,7 +102,7 @@ def sailor_device_types(profile_dir: str | os.PathLike[str], names: list[str]) -
         base = _EXTRA_TYPES[name] if name in _EXTRA_TYPES else _catalog_type(gpu)
         entry = data.get(name)
         if base is None or not isinstance(entry, dict) or "mem_per_gpu" not in entry:
-            if name in _EXTRA_TYPES:
+            if base is not None and name in _EXTRA_TYPES:
                 out[gpu] = base
             continue
         mem = entry["mem_per_gpu"]
