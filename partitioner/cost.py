@@ -56,6 +56,7 @@ from .flows import nic_sharers, shared_rate_gbps
 from .pricing import PRECISIONS, CostOptions
 from .profile import Profile
 from .schedule import Schedule, spec
+from .tied import tied_parameters
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -73,11 +74,14 @@ _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2,
 
 @dataclass(frozen=True)
 class SyncGroup:
-    """Layers ``[start, stop)`` held by ``devices`` (>= 2): their gradients are all-reduced."""
+    """Layers ``[start, stop)`` held by ``devices`` (>= 2): their gradients are all-reduced; with
+    ``nbytes`` >= 0, a tied tensor of that many bytes (on the wire) instead
+    (:mod:`partitioner.tied`: ``start`` and ``stop - 1`` are the two layers that share it)."""
 
     start: int
     stop: int
     devices: tuple[str, ...]
+    nbytes: float = -1.0
 
 
 def ring_allreduce_s(nbytes: float, link_gbps: Sequence[float]) -> float:
@@ -134,7 +138,7 @@ class CostModel:
         # A profile of one shard of a t-way tensor-parallel group (Profile.meta["tensor_parallel"]) is
         # planned as one device of t GPUs: memory is per GPU, data-parallel traffic is t shards.
         self.shards = int(profile.meta.get("tensor_parallel", 1) or 1)
-        self.param_prefix = self.param_count_prefix * (self.options.element_bytes * self.shards)
+        self.param_prefix = self.param_count_prefix * (self.options.allreduce_element_bytes * self.shards)
         # Saved bytes of layers [i, j) are A[j] - B[i]: every layer's saved bytes, less what layer
         # l shares with layer l - 1 for the layers i < l < j (both in the stage).
         saved = np.concatenate([zero, np.cumsum(profile.array("saved_bytes"))])
@@ -335,8 +339,8 @@ class CostModel:
         return min(ring, hier)
 
     def param_bytes(self, start: int, stop: int) -> float:
-        """Gradient bytes of layers ``[start, stop)`` in training precision (what data parallelism
-        all-reduces)."""
+        """Gradient bytes of layers ``[start, stop)`` as data parallelism all-reduces them (the
+        training precision, or ``CostOptions.allreduce_precision``)."""
         return float(self.param_prefix[stop] - self.param_prefix[start])
 
     def update_s(self, gpu_type: str, start: int, stop: int) -> float:
@@ -359,7 +363,23 @@ class CostModel:
         self.check_order(plan)
         if spec(plan.schedule).sync != "allreduce" or not self.options.sync:
             return ()
-        return self.holder_groups(plan)
+        return self.holder_groups(plan) + self.tied_groups(plan)
+
+    def tied_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
+        """The all-reduces of tied tensors the profile declares (:mod:`partitioner.tied`), after the
+        data-parallel ones: per virtual worker whose two layers of a tied tensor sit on different
+        stages, the devices of those two stages."""
+        out: list[SyncGroup] = []
+        scale = self.options.allreduce_element_bytes * self.shards / _DTYPE_BYTES.get(self.profile.dtype, 4)
+        for tie in tied_parameters(self.profile):
+            a, b = tie.layers
+            for vw in plan.virtual_workers:
+                first = next(st for st in vw.stages if st.start <= a < st.stop)
+                last = next(st for st in vw.stages if st.start <= b < st.stop)
+                if first is not last:
+                    devices = tuple(dict.fromkeys((*first.devices, *last.devices)))
+                    out.append(SyncGroup(a, b + 1, devices, tie.param_bytes * scale))
+        return tuple(out)
 
     def wave_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
         """WSP's asynchronous all-reduces: ``PUSH(c)`` starts one per holder set for wave ``c``
@@ -387,7 +407,8 @@ class CostModel:
 
     def sync_s(self, group: SyncGroup) -> float:
         """All-reduce seconds of one :class:`SyncGroup`."""
-        return self.allreduce_s(self.param_bytes(group.start, group.stop), group.devices)
+        nbytes = group.nbytes if group.nbytes >= 0 else self.param_bytes(group.start, group.stop)
+        return self.allreduce_s(nbytes, group.devices)
 
     def replicated_stage_time_s(self, start: int, stop: int, devices: Sequence[str | Device],
                                 prev: str | Device | None, nxt: str | Device | None,
