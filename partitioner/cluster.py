@@ -385,10 +385,11 @@ class Cluster:
         return self._node_curve[da.node] if da.node == db.node else self._flat_inter
 
     def transfer_s(self, nbytes: float, a: str, b: str) -> float:
-        """Seconds to move one message of ``nbytes`` from device ``a`` to device ``b`` (0 if a == b)."""
+        """Seconds of one point-to-point send of ``nbytes`` from device ``a`` to device ``b`` (0 if
+        a == b), its link's per-send overhead included (:meth:`Bandwidth.send_seconds`)."""
         if a == b or nbytes <= 0:
             return 0.0
-        return self.link(a, b).seconds(nbytes)
+        return self.link(a, b).send_seconds(nbytes)
 
     @functools.cached_property
     def has_nics(self) -> bool:

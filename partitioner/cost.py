@@ -251,16 +251,18 @@ class CostModel:
         """One message of ``nbytes`` from device ``a`` to ``b`` on its link; where it crosses
         shared NICs, at the rate it gets there (:func:`partitioner.flows.shared_rate_gbps`: the
         NIC's bandwidth divided among the plan's devices that cross it at once when ``shared``
-        and a plan is known, else the NIC's whole bandwidth at most)."""
+        and a plan is known, else the NIC's whole bandwidth at most). ``shared`` is a pipeline
+        send (which pays the link's per-send overhead); False: a step of a collective."""
         route = self.cluster.nic_route(a, b) if self.cluster.has_nics else ()
-        if not route:
-            return self.cluster.transfer_s(nbytes, a, b)
         if a == b or nbytes <= 0:
             return 0.0
         link = self.cluster.link(a, b)
+        extra = link.send_overhead_s if shared else 0.0
+        if not route:
+            return link.seconds(nbytes) + extra
         load = self.nic_sharers if shared and self.nic_sharers is not None else {}
         rate = shared_rate_gbps(link.gbps_at(nbytes), [r[3] for r in route], [max(1, load.get(r[:3], 1)) for r in route])
-        return link.latency_s + nbytes / (rate * 1e9)
+        return link.latency_s + extra + nbytes / (rate * 1e9)
 
     @functools.cache  # noqa: B019
     def _boundary_vector(self, a: str, b: str) -> np.ndarray:
@@ -272,7 +274,7 @@ class CostModel:
         elif link.is_flat:
             out = self.boundary / (link.gbps * 1e9)
         else:  # each message timed at its own size
-            out = np.array([link.seconds(float(x)) for x in self.boundary])
+            out = np.array([link.send_seconds(float(x)) for x in self.boundary])
         out.flags.writeable = False
         return out
 
