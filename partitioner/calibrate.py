@@ -8,12 +8,15 @@ GPU where known). The parameters (:class:`LinkParams`) are
   (``Bandwidth.send_overhead_s``; not paid by the steps of a collective);
 * ``inter_scale``: the inter-node links' bandwidth as a multiple of what the cluster file says
   (its curves scaled alike, ``Bandwidth.scaled``);
+* ``p2p_scale``: the rate of a point-to-point send between nodes as a multiple of the inter-node
+  link's (``Bandwidth.p2p_scale``; collectives keep the link's rate: they use every NIC and
+  channel of a node, one send between two ranks may use one);
 * ``reserved_bytes``: the framework's own memory per GPU (``CostOptions.reserved_bytes``).
 
-The two time parameters are fitted by minimising the mean squared log ratio of simulated to
+The time parameters are fitted by minimising the mean squared log ratio of simulated to
 measured iteration time (:func:`partitioner.simulate.simulate_plan`, as ``partitioner simulate``
 prices a plan): one parameter at a time by golden-section search over a bounded interval, then
-both together by bounded least squares from there; the memory one is the median of measured minus modelled peak with nothing reserved
+all together by bounded least squares from there; the memory one is the median of measured minus modelled peak with nothing reserved
 (never below 0). :func:`leave_one_out` predicts each run with the parameters fitted on the
 others: the error to expect on a run the fit has not seen.
 """
@@ -37,8 +40,9 @@ __all__ = ["FIT_PARAMETERS", "Calibration", "LinkParams", "apply_params", "fit",
 
 log = logging.getLogger(__name__)
 
-FIT_PARAMETERS = ("send_overhead", "inter_bandwidth", "reserved")
-_BOUNDS = {"send_overhead": (0.0, 0.05), "inter_bandwidth": (math.log(0.05), math.log(4.0))}  # s; log of scale
+FIT_PARAMETERS = ("send_overhead", "inter_bandwidth", "p2p_bandwidth", "reserved")
+_BOUNDS = {"send_overhead": (0.0, 0.05), "inter_bandwidth": (math.log(0.05), math.log(4.0)),  # s; log of a scale
+           "p2p_bandwidth": (math.log(0.02), math.log(1.0))}
 
 
 @dataclass(frozen=True)
@@ -49,9 +53,11 @@ class LinkParams:
     send_overhead_s: float = 0.0
     inter_scale: float = 1.0
     reserved_bytes: float | None = None
+    p2p_scale: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"send_overhead_us": self.send_overhead_s * 1e6, "inter_bandwidth_scale": self.inter_scale}
+        d: dict[str, Any] = {"send_overhead_us": self.send_overhead_s * 1e6, "inter_bandwidth_scale": self.inter_scale,
+                             "p2p_scale": self.p2p_scale}
         if self.reserved_bytes is not None:
             d["reserved_GiB"] = self.reserved_bytes / GIB
         return d
@@ -59,7 +65,7 @@ class LinkParams:
 
 def _link(bw: Bandwidth, params: LinkParams, inter: bool) -> Bandwidth:
     out = bw.scaled(params.inter_scale) if inter and params.inter_scale != 1.0 else bw
-    return replace(out, send_overhead_s=params.send_overhead_s)
+    return replace(out, send_overhead_s=params.send_overhead_s, p2p_scale=params.p2p_scale if inter else out.p2p_scale)
 
 
 def apply_params(cluster: Cluster, params: LinkParams) -> Cluster:
@@ -135,6 +141,8 @@ def _with(params: LinkParams, parameter: str, x: float) -> LinkParams:
     """``params`` with one time parameter at search coordinate ``x`` (seconds; log of the scale)."""
     if parameter == "send_overhead":
         return replace(params, send_overhead_s=x)
+    if parameter == "p2p_bandwidth":
+        return replace(params, p2p_scale=math.exp(x))
     return replace(params, inter_scale=math.exp(x))
 
 
@@ -145,7 +153,9 @@ def _fit_one(runs: Sequence[MeasuredRun], params: LinkParams, parameter: str) ->
 
 
 def _coordinate(params: LinkParams, parameter: str) -> float:
-    return params.send_overhead_s if parameter == "send_overhead" else math.log(params.inter_scale)
+    if parameter == "send_overhead":
+        return params.send_overhead_s
+    return math.log(params.p2p_scale if parameter == "p2p_bandwidth" else params.inter_scale)
 
 
 def _refine(runs: Sequence[MeasuredRun], params: LinkParams, timed: Sequence[str], rounds: int) -> LinkParams:
@@ -153,7 +163,7 @@ def _refine(runs: Sequence[MeasuredRun], params: LinkParams, timed: Sequence[str
     reflective method within the bounds), from ``params``."""
     from scipy.optimize import least_squares
 
-    unit = {"send_overhead": 1e-3, "inter_bandwidth": 1.0}  # search in ms and in log of the scale
+    unit = {"send_overhead": 1e-3, "inter_bandwidth": 1.0, "p2p_bandwidth": 1.0}  # in ms, in log of the scales
 
     def at(x: Sequence[float]) -> LinkParams:
         out = params
@@ -172,7 +182,7 @@ def _refine(runs: Sequence[MeasuredRun], params: LinkParams, timed: Sequence[str
     return at(res.x)
 
 
-def fit(runs: Sequence[MeasuredRun], parameters: Sequence[str] = ("send_overhead", "reserved"),
+def fit(runs: Sequence[MeasuredRun], parameters: Sequence[str] = ("p2p_bandwidth", "reserved"),
         rounds: int = 2) -> Calibration:
     """Fit ``parameters`` (of :data:`FIT_PARAMETERS`) to ``runs``; the others keep their neutral
     values (no overhead, the cluster's bandwidth, the runs' own reserved memory)."""
@@ -204,7 +214,7 @@ def _judged(runs: Sequence[MeasuredRun], params: LinkParams, fitted: tuple[str, 
                        tuple(r.measured_peak_bytes for r in runs))
 
 
-def leave_one_out(runs: Sequence[MeasuredRun], parameters: Sequence[str] = ("send_overhead", "reserved"),
+def leave_one_out(runs: Sequence[MeasuredRun], parameters: Sequence[str] = ("p2p_bandwidth", "reserved"),
                   rounds: int = 2) -> tuple[Calibration, list[LinkParams]]:
     """Each run predicted with the parameters fitted on all the others: one :class:`Calibration`
     of those predictions (its ``params`` the fit on every run) and the parameters of each fold."""

@@ -257,11 +257,11 @@ class CostModel:
         if a == b or nbytes <= 0:
             return 0.0
         link = self.cluster.link(a, b)
-        extra = link.send_overhead_s if shared else 0.0
         if not route:
-            return link.seconds(nbytes) + extra
+            return link.send_seconds(nbytes) if shared else link.seconds(nbytes)
+        extra, alone = (link.send_overhead_s, link.send_gbps_at(nbytes)) if shared else (0.0, link.gbps_at(nbytes))
         load = self.nic_sharers if shared and self.nic_sharers is not None else {}
-        rate = shared_rate_gbps(link.gbps_at(nbytes), [r[3] for r in route], [max(1, load.get(r[:3], 1)) for r in route])
+        rate = shared_rate_gbps(alone, [r[3] for r in route], [max(1, load.get(r[:3], 1)) for r in route])
         return link.latency_s + extra + nbytes / (rate * 1e9)
 
     @functools.cache  # noqa: B019

@@ -161,7 +161,7 @@ class _Ranks:
                 self.nic_Bps.append(gbps * 1e9)
             res.append(k)
         link = cluster.link(a, b)
-        spec = FlowSpec(tuple(res), link.gbps_at(nbytes) * 1e9, nbytes, link.latency_s + link.send_overhead_s)
+        spec = FlowSpec(tuple(res), link.send_gbps_at(nbytes) * 1e9, nbytes, link.latency_s + link.send_overhead_s)
         return self.flow_specs.setdefault(spec, len(self.flow_specs))
 
     def link_of(self, cluster: Cluster, a: str, b: str) -> int:

@@ -73,8 +73,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="fit link and overhead parameters to measured runs",
-                       description="Fit the per-send overhead, the inter-node bandwidth scale and the framework's "
-                                   "memory to measured runs (folders as `import sailor-run -o` or `train -o` leave "
+                       description="Fit link and overhead parameters (per-send overhead, point-to-point and "
+                                   "inter-node bandwidth scales) and the framework's memory to measured runs (folders as `import sailor-run -o` or `train -o` leave "
                                    "them, or Sailor run files), print the fit's error and each run's error when "
                                    "fitted without it, and write the calibrated cluster file.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run folder (plan.json, profile.json, cluster.json, "
@@ -82,9 +82,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", metavar="CLUSTER", help="the cluster file to calibrate (default: the first run's)")
     p.add_argument("--profiles", metavar="DIR", help="Sailor's profile folder (for Sailor run files)")
     p.add_argument("--network", metavar="FILE", help="Sailor's network file (for Sailor run files)")
-    p.add_argument("--fit", default="send_overhead,reserved",
-                   help="parameters to fit, comma separated: send_overhead, inter_bandwidth, reserved "
-                        "(default send_overhead,reserved)")
+    p.add_argument("--fit", default="p2p_bandwidth,reserved",
+                   help="parameters to fit, comma separated: send_overhead (per pipeline send), p2p_bandwidth "
+                        "(pipeline sends' rate over the inter-node link's), inter_bandwidth (the inter-node links), "
+                        "reserved (the framework's memory per GPU); default p2p_bandwidth,reserved")
     p.add_argument("--no-loo", action="store_true", help="skip the leave-one-run-out check")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="write the calibrated cluster file here")
     p.add_argument("--report", metavar="REPORT.json", help="write the parameters and every run's errors here")

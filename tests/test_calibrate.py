@@ -124,3 +124,17 @@ def test_calibrate_command_writes_a_calibrated_cluster(tmp_path, capsys):
     # never over its input
     rc = main(["calibrate", *folders, "--fit", "send_overhead", "-o", str(tmp_path / runs[0].name / "cluster.json")])
     assert rc == 2 and "input" in capsys.readouterr().err
+
+
+def test_p2p_scale_slows_pipeline_sends_not_collectives_and_is_recovered():
+    from partitioner.bandwidth import parse_bandwidth
+
+    bw = Bandwidth(10.0, latency_s=2**-16, p2p_scale=0.25)
+    assert bw.send_seconds(1e9) == pytest.approx(2**-16 + 1e9 / 2.5e9) and bw.seconds(1e9) == pytest.approx(2**-16 + 0.1)
+    assert parse_bandwidth({"x": bw.to_value()}, "x") == replace(bw, name="x")
+    runs = _synthetic(LinkParams(p2p_scale=0.3, reserved_bytes=GIB))
+    got = fit(runs, ("p2p_bandwidth", "reserved"))
+    assert got.params.p2p_scale == pytest.approx(0.3, rel=0.03) and got.params.reserved_bytes == pytest.approx(GIB)
+    # data parallelism alone (no pipeline sends) is priced the same with any p2p scale
+    dp = next(r for r in runs if len(r.plan.virtual_workers) == 4)
+    assert predict(dp, LinkParams(p2p_scale=0.1))[0] == pytest.approx(predict(dp, LinkParams())[0], rel=1e-12)
