@@ -14,6 +14,14 @@ against the simulator.
 median of (measured - modelled) peak memory with none reserved, and prints it; the table always
 uses the documented ``MEGATRON_DEEPSPEED_RESERVED_GIB``. ``--write`` saves the scatter plot to
 docs/img/fidelity.png and the figures to bench/results/fidelity.json.
+
+``--loo PARAMS`` (comma separated, of ``partitioner.calibrate.FIT_PARAMETERS``; repeatable)
+fits those parameters with ``partitioner.calibrate`` and predicts every run with the parameters
+fitted on the *other* runs (leave one run out), so that no figure it prints comes from a constant
+fitted on the run it judges. Per node count it prints the Spearman rank correlation, the median
+and worst iteration-time error and the median and worst memory error: before (the documented
+model, whose memory constant was fitted on these runs) and after (leave-one-run-out); with
+``--write`` also docs/img/calibration.png and bench/results/calibration.json.
 """
 
 from __future__ import annotations
@@ -81,6 +89,8 @@ def main() -> int:
     ap.add_argument("--fit", action="store_true", help="refit the framework memory constant on these runs")
     ap.add_argument("--ablate", action="store_true", help="also price the runs with parts of the model left out")
     ap.add_argument("--write", action="store_true", help="write docs/img/fidelity.png and bench/results/fidelity.json")
+    ap.add_argument("--loo", action="append", default=[], metavar="PARAMS",
+                    help="leave-one-run-out with these parameters fitted (e.g. p2p_bandwidth,reserved); repeatable")
     args = ap.parse_args()
     for p in (args.runs, args.profiles, args.network):
         if not p.exists():
@@ -144,7 +154,90 @@ def main() -> int:
             print(f"{name:44s} {100 * statistics.median(errs):14.1f}% {100 * max(errs):13.1f}% "
                   f"{100 * max(mems):14.1f}% {good:>15d} of {sum(1 for g in gs.values() if len(g) >= 2)}")
     ok = all(abs(rho - 1.0) < 1e-9 for rho in rhos.values()) and med <= 0.15 and worst_mem <= 0.15
+    for params in args.loo:
+        _leave_one_out(args, rows, tuple(x.strip() for x in params.split(",") if x.strip()))
     return 0 if ok else 1
+
+
+def _group_table(label: str, rows: list[dict], time_key: str, mem_key: str) -> list[dict]:
+    """Per node count and over all runs: Spearman, median and worst |error| of time and memory."""
+    groups: dict[object, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["nodes"], []).append(r)
+    groups["all"] = rows
+    out = []
+    for n, g in groups.items():
+        te = [r[time_key] / r["measured_s"] - 1 for r in g]
+        me = [r[mem_key] / r["measured_peak_GiB"] - 1 for r in g]
+        rho = spearman([r["measured_s"] for r in g], [r[time_key] for r in g]) if n != "all" else float("nan")
+        out.append({"model": label, "nodes": n, "runs": len(g), "spearman": rho,
+                    "time_median": statistics.median(abs(x) for x in te), "time_worst": max(te, key=abs),
+                    "mem_median": statistics.median(abs(x) for x in me), "mem_worst": max(me, key=abs)})
+    return out
+
+
+def _leave_one_out(args: argparse.Namespace, rows: list[dict], params: tuple[str, ...]) -> None:
+    from partitioner.calibrate import leave_one_out
+    from partitioner.measured import load_run
+
+    runs = [load_run(p, args.profiles, args.network) for p in sorted(args.runs.glob("*.json"))]
+    loo, folds = leave_one_out(runs, params)
+    by_name = {r.name.removeprefix("plan_config_"): (t, m / GIB, f) for r, t, m, f in
+               zip(runs, loo.predicted_s, loo.predicted_peak_bytes, folds, strict=True)}
+    for r in rows:
+        r["loo_s"], r["loo_peak_GiB"], fold = by_name[r["run"]]
+        r["loo_params"] = fold.to_dict()
+    print(f"\nleave-one-run-out with {', '.join(params)} fitted (each run predicted by a fit without it); "
+          f"fitted on all runs: {', '.join(f'{k} {v:.4g}' for k, v in loo.params.to_dict().items())}")
+    spread = {k: (min(f.to_dict()[k] for f in folds), max(f.to_dict()[k] for f in folds)) for k in folds[0].to_dict()}
+    print("  across the folds: " + ", ".join(f"{k} {lo:.4g}..{hi:.4g}" for k, (lo, hi) in spread.items()))
+    table = (_group_table("before (documented)", rows, "predicted_s", "predicted_peak_GiB")
+             + _group_table("after (leave-one-out)", rows, "loo_s", "loo_peak_GiB"))
+    print(f"{'model':22s} {'N':>4s} {'runs':>4s} {'Spearman':>8s} {'time med':>8s} {'worst':>7s} "
+          f"{'mem med':>7s} {'worst':>7s}")
+    for t in sorted(table, key=lambda t: (str(t["nodes"]) == "all", t["nodes"] if t["nodes"] != "all" else 0,
+                                          t["model"] != "before (documented)")):
+        rho = "-" if t["spearman"] != t["spearman"] else f"{t['spearman']:.2f}"
+        print(f"{t['model']:22s} {t['nodes']!s:>4s} {t['runs']:4d} {rho:>8s} {100 * t['time_median']:7.1f}% "
+              f"{100 * t['time_worst']:+6.1f}% {100 * t['mem_median']:6.1f}% {100 * t['mem_worst']:+6.1f}%")
+    if args.write:
+        tag = "_".join(params)
+        _plot_loo(rows, ROOT / "docs" / "img" / "calibration.png", params)
+        out = ROOT / "bench" / "results" / "calibration.json"
+        atomic_write_text(out, json.dumps({"machine": machine_line(), "parameters": list(params), "tag": tag,
+                                           "fitted_on_all": loo.params.to_dict(), "groups": table, "rows": rows},
+                                          indent=1) + "\n")
+        print(f"wrote docs/img/calibration.png and {out.relative_to(ROOT)}")
+
+
+def _plot_loo(rows: list[dict], path: Path, params: tuple[str, ...]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, (key_m, before, after, unit, title) in zip(axes, (
+            ("measured_s", "predicted_s", "loo_s", "s", "iteration time"),
+            ("measured_peak_GiB", "predicted_peak_GiB", "loo_peak_GiB", "GiB", "peak memory")), strict=True):
+        xs = [r[key_m] for r in rows]
+        hi = max(xs + [r[before] for r in rows] + [r[after] for r in rows]) * 1.1
+        ax.plot([0, hi], [0, hi], color="grey", lw=1)
+        ax.fill_between([0, hi], [0, 0.9 * hi], [0, 1.1 * hi], color="grey", alpha=0.12, label="±10%")
+        ax.scatter(xs, [r[before] for r in rows], marker="x", color="tab:red", label="before (documented)", zorder=3)
+        ax.scatter(xs, [r[after] for r in rows], marker="o", facecolors="none", edgecolors="tab:blue",
+                   label="leave-one-run-out", zorder=3)
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.set_xlabel(f"measured ({unit})")
+        ax.set_ylabel(f"predicted ({unit})")
+        ax.set_title(f"Clariden OPT-350M: {title}")
+        ax.legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"fitted without the run judged: {', '.join(params)}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -8,7 +8,12 @@ A flat ``GBps`` number is the simple default. Real networks are slower for small
 * ``log2_mb_poly``: the polynomial fit Sailor publishes for its NCCL measurements,
   ``GB/s = c0 x^k + ... + ck`` with ``x = log2(bytes / 1e6)``, capped by the flat ``GBps``.
 
-The time of a message of ``n`` bytes is ``latency_s + n / (gbps_at(n) * 1e9)``. A curve whose
+The time of a message of ``n`` bytes is ``latency_s + n / (gbps_at(n) * 1e9)``. A point-to-point
+send (an activation or gradient between pipeline stages) also pays ``send_overhead_s``: the
+framework's own cost per send (metadata exchange, synchronisation), which the steps of a
+collective do not pay, and moves at ``p2p_scale`` times the curve's rate (a collective runs
+every channel and NIC a node has; one send between two ranks may not):
+:meth:`Bandwidth.send_seconds`. A curve whose
 value is not positive at a size actually used is an error naming the link, the size and the
 value (polynomial fits are only valid over the sizes they were fitted on).
 """
@@ -36,6 +41,8 @@ class Bandwidth:
     points: tuple[tuple[float, float], ...] = ()
     log2_mb_poly: tuple[float, ...] = ()
     name: str = ""  # for error messages: "inter_node", "nodes[2].intra_node", "links[0]"
+    send_overhead_s: float = 0.0  # the framework's cost per point-to-point send
+    p2p_scale: float = 1.0  # a point-to-point send's rate over the curve's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "points", tuple((float(a), float(b)) for a, b in self.points))
@@ -45,6 +52,10 @@ class Bandwidth:
               f"{where}GBps", self.gbps, "must be a finite number > 0")
         check(math.isfinite(self.latency_s) and self.latency_s >= 0, f"{where}latency_us",
               self.latency_s * 1e6, "must be a finite number >= 0")
+        check(math.isfinite(self.send_overhead_s) and self.send_overhead_s >= 0, f"{where}send_overhead_us",
+              self.send_overhead_s * 1e6, "must be a finite number >= 0")
+        check(math.isfinite(self.p2p_scale) and 0 < self.p2p_scale <= 1e6, f"{where}p2p_scale", self.p2p_scale,
+              "must be a number > 0")
         check(not (self.points and self.log2_mb_poly), f"{where}points", "points and log2_MB_poly",
               "give one curve, not both")
         sizes = [p[0] for p in self.points]
@@ -58,7 +69,8 @@ class Bandwidth:
 
     @property
     def is_flat(self) -> bool:
-        return not self.points and not self.log2_mb_poly and self.latency_s == 0.0
+        return (not self.points and not self.log2_mb_poly and self.latency_s == 0.0 and self.send_overhead_s == 0.0
+                and self.p2p_scale == 1.0)
 
     def gbps_at(self, nbytes: float) -> float:
         """Bandwidth in GB/s for one message of ``nbytes``."""
@@ -91,6 +103,23 @@ class Bandwidth:
             return 0.0
         return self.latency_s + nbytes / (self.gbps_at(nbytes) * 1e9)
 
+    def send_seconds(self, nbytes: float) -> float:
+        """Time of one point-to-point send of ``nbytes``: the latency, the per-send overhead and the
+        bytes at ``p2p_scale`` times the curve's rate."""
+        if nbytes <= 0:
+            return 0.0
+        return self.latency_s + self.send_overhead_s + nbytes / (self.send_gbps_at(nbytes) * 1e9)
+
+    def send_gbps_at(self, nbytes: float) -> float:
+        """The rate of one point-to-point send of ``nbytes`` alone on the link, GB/s."""
+        return self.gbps_at(nbytes) * self.p2p_scale
+
+    def scaled(self, factor: float) -> Bandwidth:
+        """The same link ``factor`` times as fast at every size (the cap and the curve scaled)."""
+        check(math.isfinite(factor) and factor > 0, f"{self.name or 'link'}.scale", factor, "must be > 0")
+        return Bandwidth(self.gbps * factor, self.latency_s, tuple((n, b * factor) for n, b in self.points),
+                         tuple(c * factor for c in self.log2_mb_poly), self.name, self.send_overhead_s, self.p2p_scale)
+
     def to_value(self) -> float | dict[str, Any]:
         """The file form: the plain number when flat, else a mapping."""
         if self.is_flat:
@@ -98,6 +127,10 @@ class Bandwidth:
         d: dict[str, Any] = {"GBps": self.gbps}
         if self.latency_s:
             d["latency_us"] = self.latency_s * 1e6
+        if self.send_overhead_s:
+            d["send_overhead_us"] = self.send_overhead_s * 1e6
+        if self.p2p_scale != 1.0:
+            d["p2p_scale"] = self.p2p_scale
         if self.points:
             d["points"] = [list(p) for p in self.points]
         if self.log2_mb_poly:
@@ -139,6 +172,8 @@ def _parse(d: Mapping[str, Any], key: str, where: str, name: str, minimum: float
         cap = (req_number(raw, "GBps", inner, minimum=minimum, strict=minimum <= 0, maximum=maximum)
                if "GBps" in raw or not pts else max(b for _, b in pts))
         return Bandwidth(cap, req_number(raw, "latency_us", inner, default=0.0, maximum=1e9) * 1e-6, tuple(pts),
-                         tuple(float(c) for c in poly), name or field)
+                         tuple(float(c) for c in poly), name or field,
+                         req_number(raw, "send_overhead_us", inner, default=0.0, maximum=1e9) * 1e-6,
+                         req_number(raw, "p2p_scale", inner, default=1.0, minimum=0.0, strict=True, maximum=1e6))
     return Bandwidth(req_number(d, key, where, minimum=minimum, strict=minimum <= 0, maximum=maximum),
                      name=name or field)

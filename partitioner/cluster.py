@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import difflib
 import functools
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -50,7 +51,7 @@ MAX_GPUS = 16_384  # GPUs in one cluster, all nodes together (bench/scale.py pla
 BANDWIDTH_GBPS_RANGE = (1e-6, 1e6)  # GB/s of a link: 1 kB/s .. 1 PB/s
 _DEVICE_RANGES = {  # field: (least, most), the least excluded
     "memory_GB": (0.0, 1e6), "fp32_tflops": (0.0, 1e6), "mem_GBps": (0.0, 1e7), "fp16_tensor_tflops": (0.0, 1e6),
-    "tf32_tensor_tflops": (0.0, 1e6), "bf16_tensor_tflops": (0.0, 1e6),
+    "tf32_tensor_tflops": (0.0, 1e6), "bf16_tensor_tflops": (0.0, 1e6), "usable_memory_GB": (0.0, 1e6),
 }
 
 
@@ -62,6 +63,11 @@ class DeviceType:
     mixed-precision training gets; GeForce cards run it at half their FP16-accumulate rate),
     ``tf32_flops`` and ``bf16_flops`` the dense TF32 and BF16 tensor-core rates (0 when the
     GPU has none), ``sm_count`` its streaming multiprocessors (0 when unknown).
+
+    ``memory_bytes`` is the nominal size (what the GPU is sold as); ``usable_memory_bytes`` what
+    the driver hands the framework (``nvidia-smi``'s total: ECC bits on GDDR parts and the
+    driver's own reservation taken out), 0 when not known. Plans must fit in
+    :attr:`capacity_bytes`, the usable size where known, else the nominal one.
     """
 
     name: str
@@ -73,6 +79,7 @@ class DeviceType:
     tf32_flops: float = 0.0  # dense TF32 tensor-core FLOP/s, 0 when the GPU has none
     bf16_flops: float = 0.0  # dense BF16 tensor-core FLOP/s, 0 when the GPU has none
     sm_count: int = 0
+    usable_memory_bytes: float = 0.0  # what the driver reports (0: unknown, the nominal size counts)
 
     def __post_init__(self) -> None:
         check(bool(self.name) and ":" not in self.name and KIND_SEP not in self.name, "name", self.name,
@@ -82,6 +89,13 @@ class DeviceType:
             check(isinstance(v, (int, float)) and v > 0, f"device_types.{self.name}.{f}", v, "must be > 0")
         for f in ("tensor_flops", "tf32_flops", "bf16_flops", "sm_count"):
             check(getattr(self, f) >= 0, f"device_types.{self.name}.{f}", getattr(self, f), "must be >= 0")
+        check(0 <= self.usable_memory_bytes <= self.memory_bytes, f"device_types.{self.name}.usable_memory_GB",
+              self.usable_memory_bytes / GIB, f"must be >= 0 and at most memory_GB ({self.memory_bytes / GIB:g})")
+
+    @property
+    def capacity_bytes(self) -> float:
+        """The memory a plan may use: the usable size where known, else the nominal one."""
+        return self.usable_memory_bytes or self.memory_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"memory_GB": self.memory_bytes / GIB, "fp32_tflops": self.peak_flops / 1e12,
@@ -92,6 +106,8 @@ class DeviceType:
                 d[key] = value / 1e12
         if self.sm_count:
             d["sm_count"] = self.sm_count
+        if self.usable_memory_bytes:
+            d["usable_memory_GB"] = self.usable_memory_bytes / GIB
         if self.source:
             d["source"] = self.source
         return d
@@ -114,6 +130,7 @@ class DeviceType:
             tf32_flops=num("tf32_tensor_tflops", default=0.0) * 1e12,
             bf16_flops=num("bf16_tensor_tflops", default=0.0) * 1e12,
             sm_count=int(req_int(d, "sm_count", where, default=0, minimum=0, maximum=1_000_000)),
+            usable_memory_bytes=num("usable_memory_GB", default=0.0) * GIB,
         )
 
 
@@ -142,6 +159,7 @@ def catalog() -> dict[str, DeviceType]:
             tf32_flops=float(row.get("tf32_tensor_tflops_dense") or 0) * 1e12,
             bf16_flops=float(row.get("bf16_tensor_tflops_dense") or 0) * 1e12,
             sm_count=int(row.get("sm_count") or 0),
+            usable_memory_bytes=float(row.get("usable_mem_gib") or 0) * GIB,
         )
     return out
 
@@ -244,7 +262,8 @@ class Device:
 
     @property
     def memory_bytes(self) -> float:
-        return self.type.memory_bytes
+        """What a plan may use on this GPU (:attr:`DeviceType.capacity_bytes`)."""
+        return self.type.capacity_bytes
 
     @property
     def gpu_names(self) -> tuple[str, ...]:
@@ -272,18 +291,32 @@ def split_kind(kind: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class Node:
-    """A machine: its GPUs in order (type name per GPU) and the bandwidth between them."""
+    """A machine: its GPUs in order (type name per GPU), the bandwidth between them and, when
+    ``nic_gbps`` > 0, the NICs its GPUs share for traffic to other nodes: ``nics`` of
+    ``nic_gbps`` GB/s each way, GPU ``g`` of ``n`` behind NIC ``g * nics // n``. Transfers that
+    cross a NIC at the same time divide its bandwidth (:mod:`partitioner.flows`); 0 (the
+    default) models no NIC: each node pair is one link, as ``inter_node_GBps`` says."""
 
     name: str
     gpus: tuple[str, ...]
     intra_gbps: float
     intra_curve: Bandwidth | None = None  # message-size-aware bandwidth; its cap is intra_gbps
+    nic_gbps: float = 0.0
+    nics: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", tuple(self.gpus))
         check(bool(self.name) and ":" not in self.name, "nodes[].name", self.name, "must be non-empty, without ':'")
         check(len(self.gpus) >= 1, f"nodes.{self.name}.gpus", list(self.gpus), "must list at least one GPU")
         check(self.intra_gbps > 0, f"nodes.{self.name}.intra_node_GBps", self.intra_gbps, "must be > 0")
+        check(math.isfinite(self.nic_gbps) and self.nic_gbps >= 0, f"nodes.{self.name}.nic_GBps", self.nic_gbps,
+              "must be a finite number >= 0 (0: no shared NIC modelled)")
+        check(isinstance(self.nics, int) and not isinstance(self.nics, bool) and 1 <= self.nics <= len(self.gpus),
+              f"nodes.{self.name}.nics", self.nics, f"must be an integer in [1, {len(self.gpus)}] (the node's GPUs)")
+
+    def nic_of(self, index: int) -> int:
+        """The NIC GPU ``index`` of this node sends and receives through."""
+        return index * self.nics // len(self.gpus)
 
 
 @dataclass(frozen=True)
@@ -486,10 +519,34 @@ class Cluster:
         return self._node_curve[da.node] if da.node == db.node else self._flat_inter
 
     def transfer_s(self, nbytes: float, a: str, b: str) -> float:
-        """Seconds to move one message of ``nbytes`` from device ``a`` to device ``b`` (0 if a == b)."""
+        """Seconds of one point-to-point send of ``nbytes`` from device ``a`` to device ``b`` (0 if
+        a == b), its link's per-send overhead included (:meth:`Bandwidth.send_seconds`)."""
         if a == b or nbytes <= 0:
             return 0.0
-        return self.link(a, b).seconds(nbytes)
+        return self.link(a, b).send_seconds(nbytes)
+
+    @functools.cached_property
+    def has_nics(self) -> bool:
+        """Whether any node shares NICs between its GPUs (``nic_GBps``)."""
+        return any(n.nic_gbps > 0 for n in self.nodes)
+
+    @functools.cached_property
+    def _node_of(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    def nic_route(self, a: str, b: str) -> tuple[tuple[str, int, str, float], ...]:
+        """The shared NIC directions a transfer from device ``a`` to ``b`` crosses, as
+        ``(node, nic, "out" | "in", GB/s)``: the sender's NIC out and the receiver's NIC in where
+        those nodes have NICs; none inside a node."""
+        da, db = self.device(a), self.device(b)
+        if da.node == db.node:
+            return ()
+        out = []
+        for dev, way in ((da, "out"), (db, "in")):
+            node = self._node_of[dev.node]
+            if node.nic_gbps > 0:
+                out.append((node.name, node.nic_of(dev.index), way, node.nic_gbps))
+        return tuple(out)
 
     @property
     def has_curves(self) -> bool:
@@ -537,6 +594,8 @@ class Cluster:
             gpus: Any = counts if contiguous else list(n.gpus)
             d["nodes"].append({"name": n.name, "intra_node_GBps": n.intra_curve.to_value() if n.intra_curve
                                else n.intra_gbps, "gpus": gpus})
+            if n.nic_gbps:
+                d["nodes"][-1].update({"nic_GBps": n.nic_gbps, "nics": n.nics})
         if self.device_types:
             d["device_types"] = {k: v.to_dict() for k, v in self.device_types.items()}
         if self.tensor_parallel:
@@ -580,11 +639,15 @@ class Cluster:
                 check(total_gpus <= MAX_GPUS, f"{where}gpus", f"{len(gpus):,} GPUs",
                       f"at most {MAX_GPUS:,} GPUs in a cluster are supported")
             intra = parse_bandwidth(raw, "intra_node_GBps", where, minimum=lo, maximum=hi)
+            nic = req_number(raw, "nic_GBps", where, default=0.0, minimum=0.0, maximum=hi)
+            check(nic == 0 or nic > lo, f"{where}nic_GBps", nic, f"must be 0 (no shared NIC) or in ({lo:g}, {hi:g}]")
             nodes.append(Node(
                 name=str(opt_field(raw, "name", (str, int), f"n{i}", where)),
                 gpus=tuple(gpus),
                 intra_gbps=intra.gbps,
                 intra_curve=None if intra.is_flat else intra,
+                nic_gbps=nic,
+                nics=int(req_int(raw, "nics", where, default=1, minimum=1, maximum=max(1, len(gpus)))),
             ))
         links = []
         links_raw = opt_field(d, "links", list, [])

@@ -7,7 +7,10 @@ everywhere. Per micro-batch, a stage holding layers ``[i, j)`` on device ``d`` c
 * transfers: the stage sends two messages per micro-batch, the boundary tensor after layer
   ``j-1`` (``output_bytes``) forward to the next stage's device and the gradient of its input
   (the tensor before layer ``i``) back to the previous stage's device, each priced on its link
-  (:meth:`transfer_s`, message-size aware);
+  (:meth:`transfer_s`, message-size aware); where nodes share NICs (``Node.nic_gbps``) a
+  message between nodes gets its share of each NIC it crosses (:meth:`link_s`; the plan's
+  devices crossing one NIC at once divide it, as the simulator's flows do:
+  :mod:`partitioner.flows`);
 * combined either **additively** (``compute + activation out + gradient out``, the default:
   the sender waits for its sends) or, with ``CostOptions(overlap_comm=True)``, as
   ``max(compute, gradient out, activation out)``: each direction of a link carries one
@@ -41,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -49,9 +52,11 @@ import numpy as np
 
 from .cluster import GIB, Cluster, Device, gpu_family, resolve_gpu_type, split_kind
 from .errors import FormatError, PartitionerError
+from .flows import nic_sharers, shared_rate_gbps
 from .pricing import PRECISIONS, CostOptions
 from .profile import Profile
 from .schedule import Schedule, spec
+from .tied import tied_parameters
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -69,11 +74,14 @@ _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2,
 
 @dataclass(frozen=True)
 class SyncGroup:
-    """Layers ``[start, stop)`` held by ``devices`` (>= 2): their gradients are all-reduced."""
+    """Layers ``[start, stop)`` held by ``devices`` (>= 2): their gradients are all-reduced; with
+    ``nbytes`` >= 0, a tied tensor of that many bytes (on the wire) instead
+    (:mod:`partitioner.tied`: ``start`` and ``stop - 1`` are the two layers that share it)."""
 
     start: int
     stop: int
     devices: tuple[str, ...]
+    nbytes: float = -1.0
 
 
 def ring_allreduce_s(nbytes: float, link_gbps: Sequence[float]) -> float:
@@ -130,10 +138,14 @@ class CostModel:
     numbers for every ``(start, stop)`` pair at once, for the solvers.
     """
 
-    def __init__(self, profile: Profile, cluster: Cluster, options: CostOptions | None = None):
+    def __init__(self, profile: Profile, cluster: Cluster, options: CostOptions | None = None,
+                 nic_sharers: Mapping[tuple[str, int, str], int] | None = None):
         self.profile = profile
         self.cluster = cluster
         self.options = options or CostOptions()
+        # Where nodes share NICs: how many of a plan's devices send (receive) across each NIC
+        # direction at once (partitioner.flows.nic_sharers); None: no plan known, each message alone
+        self.nic_sharers = nic_sharers
         self.num_layers = profile.num_layers
         zero = np.zeros(1)
         dtype_bytes = _DTYPE_BYTES.get(profile.dtype, 4)
@@ -142,7 +154,7 @@ class CostModel:
         # A profile of one shard of a t-way tensor-parallel group (Profile.meta["tensor_parallel"]) is
         # planned as one device of t GPUs: memory is per GPU, data-parallel traffic is t shards.
         self.shards = int(profile.meta.get("tensor_parallel", 1) or 1)
-        self.param_prefix = self.param_count_prefix * (self.options.element_bytes * self.shards)
+        self.param_prefix = self.param_count_prefix * (self.options.allreduce_element_bytes * self.shards)
         # Saved bytes of layers [i, j) are A[j] - B[i]: every layer's saved bytes, less what layer
         # l shares with layer l - 1 for the layers i < l < j (both in the stage).
         saved = np.concatenate([zero, np.cumsum(profile.array("saved_bytes"))])
@@ -331,15 +343,34 @@ class CostModel:
         out.flags.writeable = False
         return out
 
+    def link_s(self, nbytes: float, a: str, b: str, shared: bool = True) -> float:
+        """One message of ``nbytes`` from device ``a`` to ``b`` on its link; where it crosses
+        shared NICs, at the rate it gets there (:func:`partitioner.flows.shared_rate_gbps`: the
+        NIC's bandwidth divided among the plan's devices that cross it at once when ``shared``
+        and a plan is known, else the NIC's whole bandwidth at most). ``shared`` is a pipeline
+        send (which pays the link's per-send overhead); False: a step of a collective."""
+        route = self.cluster.nic_route(a, b) if self.cluster.has_nics else ()
+        if a == b or nbytes <= 0:
+            return 0.0
+        link = self.cluster.link(a, b)
+        if not route:
+            return link.send_seconds(nbytes) if shared else link.seconds(nbytes)
+        extra, alone = (link.send_overhead_s, link.send_gbps_at(nbytes)) if shared else (0.0, link.gbps_at(nbytes))
+        load = self.nic_sharers if shared and self.nic_sharers is not None else {}
+        rate = shared_rate_gbps(alone, [r[3] for r in route], [max(1, load.get(r[:3], 1)) for r in route])
+        return link.latency_s + extra + nbytes / (rate * 1e9)
+
     @functools.cache  # noqa: B019
     def _boundary_vector(self, a: str, b: str) -> np.ndarray:
         if a == b:
             return self._no_transfer
         link = self.cluster.link(a, b)
-        if link.is_flat:
+        if self.cluster.has_nics and self.cluster.nic_route(a, b):
+            out = np.array([self.link_s(float(x), a, b) for x in self.boundary])
+        elif link.is_flat:
             out = self.boundary / (link.gbps * 1e9)
         else:  # each message timed at its own size
-            out = np.array([link.seconds(float(x)) for x in self.boundary])
+            out = np.array([link.send_seconds(float(x)) for x in self.boundary])
         out.flags.writeable = False
         return out
 
@@ -393,7 +424,7 @@ class CostModel:
         cl = self.cluster
         hops = list(zip(names, names[1:] + names[:1], strict=True))
         # ring: 2(n-1) steps of nbytes/n each, at the slowest hop's pace (each step pays its latency)
-        ring = max(2.0 * (n - 1) * cl.link(a, b).seconds(nbytes / n) for a, b in hops)
+        ring = max(2.0 * (n - 1) * self.link_s(nbytes / n, a, b, shared=False) for a, b in hops)
         by_node: dict[str, list[str]] = {}
         for d in names:
             by_node.setdefault(cl.device(d).node, []).append(d)
@@ -401,13 +432,14 @@ class CostModel:
             return ring
         intra = [cl.link(v[0], v[1]).seconds(nbytes) if len(v) > 1 else 0.0 for v in by_node.values()]
         heads = [v[0] for v in by_node.values()]
-        inter = max(cl.link(a, b).seconds(nbytes) for a, b in zip(heads, heads[1:] + heads[:1], strict=True))
+        inter = max(self.link_s(nbytes, a, b, shared=False) for a, b in zip(heads, heads[1:] + heads[:1], strict=True))
         hier = hierarchical_allreduce_s(nbytes, [len(v) for v in by_node.values()], intra, inter)
         return min(ring, hier)
 
     def param_bytes(self, start: int, stop: int, tensor_parallel: int = 1) -> float:
-        """Gradient bytes of layers ``[start, stop)`` in training precision (what data parallelism
-        all-reduces); of all the shards of a group of ``tensor_parallel`` GPUs."""
+        """Gradient bytes of layers ``[start, stop)`` as data parallelism all-reduces them (the
+        training precision, or ``CostOptions.allreduce_precision``); of all the shards of a group
+        of ``tensor_parallel`` GPUs."""
         if tensor_parallel != 1:
             return self.at_degree(tensor_parallel).param_bytes(start, stop)
         return float(self.param_prefix[stop] - self.param_prefix[start])
@@ -440,7 +472,23 @@ class CostModel:
         self.check_order(plan)
         if spec(plan.schedule).sync != "allreduce" or not self.options.sync:
             return ()
-        return self.holder_groups(plan)
+        return self.holder_groups(plan) + self.tied_groups(plan)
+
+    def tied_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
+        """The all-reduces of tied tensors the profile declares (:mod:`partitioner.tied`), after the
+        data-parallel ones: per virtual worker whose two layers of a tied tensor sit on different
+        stages, the devices of those two stages."""
+        out: list[SyncGroup] = []
+        scale = self.options.allreduce_element_bytes * self.shards / _DTYPE_BYTES.get(self.profile.dtype, 4)
+        for tie in tied_parameters(self.profile):
+            a, b = tie.layers
+            for vw in plan.virtual_workers:
+                first = next(st for st in vw.stages if st.start <= a < st.stop)
+                last = next(st for st in vw.stages if st.start <= b < st.stop)
+                if first is not last:
+                    devices = tuple(dict.fromkeys((*first.devices, *last.devices)))
+                    out.append(SyncGroup(a, b + 1, devices, tie.param_bytes * scale))
+        return tuple(out)
 
     def wave_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
         """WSP's asynchronous all-reduces: ``PUSH(c)`` starts one per holder set for wave ``c``
@@ -468,7 +516,8 @@ class CostModel:
 
     def sync_s(self, group: SyncGroup) -> float:
         """All-reduce seconds of one :class:`SyncGroup`."""
-        return self.allreduce_s(self.sync_bytes(group.start, group.stop, group.devices), group.devices)
+        nbytes = group.nbytes if group.nbytes >= 0 else self.sync_bytes(group.start, group.stop, group.devices)
+        return self.allreduce_s(nbytes, group.devices)
 
     def replicated_stage_time_s(self, start: int, stop: int, devices: Sequence[str | Device],
                                 prev: str | Device | None, nxt: str | Device | None,
@@ -760,8 +809,13 @@ class CostModel:
         the backward work and gradient transfers of stages ``0..k-1``; each all-reduce starts when
         its last holder is done (groups run in :meth:`sync_groups` order on every device), and each
         device then steps. Without a flush (2bw) the all-reduce and step follow the steady state.
-        One-chunk schedules; the simulator is the reference for the others.
+        One-chunk schedules; the simulator is the reference for the others. Where nodes share
+        NICs, a message between nodes gets the share of each NIC it crosses that the plan's
+        devices crossing it at once leave (:func:`partitioner.flows.nic_sharers`).
         """
+        if self.cluster.has_nics and self.nic_sharers is None:
+            shared = CostModel(self.profile, self.cluster, self.options, nic_sharers(plan, self.cluster))
+            return shared.plan_iteration_s(plan)
         finish: dict[str, float] = {}
         layers_of: dict[str, list[tuple[int, int]]] = {}
         for w, vw in enumerate(plan.virtual_workers):

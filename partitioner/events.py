@@ -11,7 +11,11 @@ runtime implements):
   between two devices of a node, or between two nodes (so transfers from different GPUs of
   one node to another node share it); transfers on a link are served first come, first
   served. Without ``CostOptions.overlap_comm`` the sender waits for its transfer to finish
-  (the additive model); with it, the sender goes on computing.
+  (the additive model); with it, the sender goes on computing. Where the cluster gives its
+  nodes NICs (``Node.nic_gbps``), a transfer between nodes is a flow instead
+  (:mod:`partitioner.flows`): flows that overlap in time divide the bandwidth of the NICs they
+  cross, and a flow's end (when the receiver gets it, and a blocking sender goes on) is known
+  only as the flows around it start and end.
 * A receive blocks the rank until the matching transfer has arrived.
 * ``PUSH(c)`` (WSP) starts an asynchronous all-reduce of the wave's update over each holder set
   the rank belongs to (:class:`WaveGroups`: the holders of the same layers in every virtual
@@ -43,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import PartitionerError
+from .flows import FlowNet
 from .schedule import (
     ALLREDUCE,
     PULL,
@@ -61,11 +66,12 @@ from .schedule import (
     match_key,
 )
 
-__all__ = ["OP_OF_KIND", "DeadlockError", "Op", "WaveGroups", "raise_deadlock", "run_ops",
+__all__ = ["FLOW_SEND", "OP_OF_KIND", "DeadlockError", "Op", "WaveGroups", "raise_deadlock", "run_ops",
            "simulate_programs"]
 
-# op codes of the event loop, and the op that runs each action kind
-_COMPUTE, _SEND, _RECV, _STEP, _PUSH, _PULL, _COLL = range(7)
+# op codes of the event loop, and the op that runs each action kind; FLOW_SEND is a send the
+# simulator routes over shared NICs (its link field is the index of its FlowSpec)
+_COMPUTE, _SEND, _RECV, _STEP, _PUSH, _PULL, _COLL, FLOW_SEND = range(8)
 OP_OF_KIND: dict[ActionKind, int] = {F: _COMPUTE, B: _COMPUTE, I: _COMPUTE, W: _COMPUTE, SEND_ACT: _SEND, SEND_GRAD: _SEND, RECV_ACT: _RECV,
                                      RECV_GRAD: _RECV, STEP: _STEP, PUSH: _PUSH, PULL: _PULL, ALLREDUCE: _COLL}
 
@@ -148,7 +154,7 @@ class _SyncOps:
         """Indexed by op code: the method that times that op, ``(r, i, t, dur, key)`` -> when
         the rank goes on or ``None`` (one that refuses, for the ops :func:`run_ops` times itself)."""
         wave = self.wave_groups is not None
-        out: list[Callable[[int, int, float, float, int], float | None]] = [self._not_mine] * 7
+        out: list[Callable[[int, int, float, float, int], float | None]] = [self._not_mine] * 8
         out[_COLL] = self.allreduce
         out[_PUSH] = self.wave_push if wave else self.push
         out[_PULL] = self.wave_pull if wave else self.pull
@@ -270,14 +276,65 @@ class _SyncOps:
         return when
 
 
+class _Flows:
+    """The flows of ``FLOW_SEND`` ops in the event loop: a send starts a flow on the
+    :class:`FlowNet`, whose end is a heap event ``(t, -1 - flow)``; an event whose time is no
+    longer the flow's end (rates changed since) is stale and skipped. At the end the message
+    arrives (its latency after its bytes), its receiver is woken and a blocking sender goes on."""
+
+    __slots__ = ("arrival", "blocked", "end", "ends", "heap", "net", "overlap", "owner", "pc", "waiting")
+
+    def __init__(self, net: FlowNet, overlap: bool, heap: list[tuple[float, int]], arrival: dict[int, float],
+                 waiting: dict[int, int], ends: list[list[float]], pc: list[int], blocked: list[float]) -> None:
+        self.net, self.overlap, self.heap, self.arrival, self.waiting = net, overlap, heap, arrival, waiting
+        self.ends, self.pc, self.blocked = ends, pc, blocked
+        self.end: dict[int, float] = {}
+        self.owner: dict[int, tuple[int, int, int, int]] = {}  # flow -> (rank, op, message key, spec)
+
+    def _schedule(self, ends: Mapping[int, float]) -> None:
+        for f, e in ends.items():
+            if self.end.get(f) != e:
+                self.end[f] = e
+                heapq.heappush(self.heap, (e, -1 - f))
+
+    def send(self, r: int, i: int, t: float, key: int, spec: int) -> bool:
+        """Start the flow of op ``i`` of rank ``r`` at ``t``; True when the rank goes on at once."""
+        f, ends = self.net.start(t, spec)
+        self.owner[f] = (r, i, key, spec)
+        self._schedule(ends)
+        if self.overlap:
+            return True
+        self.blocked[r] = t
+        return False
+
+    def event(self, t: float, token: int) -> None:
+        f = -1 - token
+        if self.end.get(f) != t:
+            return  # stale: the flow's rate changed after this event was scheduled
+        del self.end[f]
+        r, i, key, spec = self.owner.pop(f)
+        done = t + self.net.latency_s(spec)
+        self._schedule(self.net.finish(t, f))
+        self.arrival[key] = done
+        self.ends[r][i] = done
+        w = self.waiting.pop(key, -1)
+        if w >= 0:
+            heapq.heappush(self.heap, (done, w))
+        if not self.overlap:  # the sender waited at op i: it goes on after it
+            self.blocked[r] = -1.0
+            self.pc[r] = i + 1
+            heapq.heappush(self.heap, (done, r))
+
+
 def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bool, n_links: int,
             collective_size: Mapping[int, int] | None = None, wave_groups: WaveGroups | None = None,
-            ) -> tuple[list[list[float]], list[list[float]], list[int]]:
+            flows: FlowNet | None = None) -> tuple[list[list[float]], list[list[float]], list[int]]:
     """Time every op; returns per-rank start and end lists and each rank's program counter.
 
     ``collective_size[key]`` is the number of members of the all-reduce ``key``; ``wave_groups``
     the holder sets of WSP's asynchronous all-reduces (``None``: a ``PULL`` waits for the other
-    virtual workers' pushes, with no all-reduce time).
+    virtual workers' pushes, with no all-reduce time); ``flows`` the shared NICs that
+    ``FLOW_SEND`` ops cross (their link field indexes ``flows.specs``).
 
     The simulator's hot loop: compute, sends, receives and steps are timed inline, with the
     state in local variables; the rare ops that synchronise ranks go to :class:`_SyncOps`.
@@ -293,11 +350,16 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
     link_free = [0.0] * max(n_links, 1)
     heap = [(0.0, r) for r in range(n_ranks)]
     sync = _SyncOps(starts, ends, blocked, heap, rank_worker, collective_size, wave_groups).handlers()
+    net = _Flows(flows, overlap, heap, arrival, waiting, ends, pc, blocked) if flows is not None else None
     heappush, heappop = heapq.heappush, heapq.heappop
     inf = math.inf
 
     while heap:
         t, r = heappop(heap)
+        if r < 0:
+            assert net is not None
+            net.event(t, r)
+            continue
         o, st, en = ops[r], starts[r], ends[r]
         n, i = len(o), pc[r]
         limit = heap[0][0] if heap else inf
@@ -338,6 +400,12 @@ def run_ops(ops: Sequence[Sequence[Op]], rank_worker: Sequence[int], overlap: bo
                 st[i] = t
                 t += dur
                 en[i] = t
+            elif code == FLOW_SEND:
+                assert net is not None
+                st[i] = t
+                if not net.send(r, i, t, key, link):
+                    break  # the flow's end moves the rank on (pc[r] = i + 1)
+                limit = heap[0][0]
             else:
                 goes_on = sync[code](r, i, t, dur, key)
                 if goes_on is None:

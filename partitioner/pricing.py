@@ -1,5 +1,5 @@
 """How plans are priced: :class:`CostOptions` (precision, optimizer state, the framework's reserved
-memory, communication overlap, gradient sync).
+memory, communication overlap, gradient sync and its precision).
 
 The options are data, saved in every plan (``Plan.pricing``) so that a plan is re-priced as it
 was planned; :mod:`partitioner.cost` applies them. They live apart from the cost model so that
@@ -32,6 +32,9 @@ class CostOptions:
     for plain SGD. ``reserved_bytes`` is the framework's own memory on every GPU (CUDA context,
     communication buffers, workspaces, allocator slack). ``sync`` prices the gradient all-reduce
     between data-parallel holders of the same layers and the optimizer step.
+    ``allreduce_precision`` is the precision gradients are all-reduced in when it differs from
+    the training precision (DeepSpeed's ``fp32_allreduce`` under fp16 training: ``"fp32"``, 4
+    bytes per parameter on the wire); empty: the training precision.
     """
 
     overlap_comm: bool = False
@@ -39,6 +42,7 @@ class CostOptions:
     reserved_bytes: float = 0.5 * GIB
     precision: str = "fp32"
     sync: bool = True
+    allreduce_precision: str = ""
 
     def __post_init__(self) -> None:
         for name in ("optimizer_state_factor", "reserved_bytes"):
@@ -47,6 +51,14 @@ class CostOptions:
                 raise FormatError(name, v, "must be a finite number >= 0")
         if self.precision not in PRECISIONS:
             raise FormatError("precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
+        if self.allreduce_precision not in ("", *PRECISIONS):
+            raise FormatError("allreduce_precision", self.allreduce_precision,
+                              f"must be one of {', '.join(PRECISIONS)} (or empty: the training precision)")
+
+    @property
+    def allreduce_element_bytes(self) -> int:
+        """Bytes of one gradient element as data parallelism all-reduces it."""
+        return 4 if (self.allreduce_precision or self.precision) == "fp32" else 2
 
     @property
     def element_bytes(self) -> int:
@@ -60,14 +72,17 @@ class CostOptions:
         return weight_versions * e + e + master + 4.0 * self.optimizer_state_factor
 
     def to_dict(self) -> dict[str, Any]:
-        return {"overlap_comm": self.overlap_comm, "optimizer_state_factor": self.optimizer_state_factor,
-                "reserved_GiB": self.reserved_bytes / GIB, "precision": self.precision, "sync": self.sync}
+        d: dict[str, Any] = {"overlap_comm": self.overlap_comm, "optimizer_state_factor": self.optimizer_state_factor,
+                             "reserved_GiB": self.reserved_bytes / GIB, "precision": self.precision, "sync": self.sync}
+        if self.allreduce_precision:
+            d["allreduce_precision"] = self.allreduce_precision
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "pricing.") -> CostOptions:
         if not isinstance(d, Mapping):
             raise FormatError(where.rstrip("."), d, "must be an object {precision, reserved_GiB, ...}")
-        known = {"overlap_comm", "optimizer_state_factor", "reserved_GiB", "precision", "sync"}
+        known = {"overlap_comm", "optimizer_state_factor", "reserved_GiB", "precision", "sync", "allreduce_precision"}
         for k in d:
             check(k in known, f"{where}{k}", d[k], f"unknown option; known: {', '.join(sorted(known))}")
         try:
@@ -75,6 +90,7 @@ class CostOptions:
                        optimizer_state_factor=req_number(d, "optimizer_state_factor", where, default=2.0),
                        reserved_bytes=req_number(d, "reserved_GiB", where, default=0.5) * GIB,
                        precision=opt_field(d, "precision", str, "fp32", where),
-                       sync=opt_field(d, "sync", bool, True, where))
+                       sync=opt_field(d, "sync", bool, True, where),
+                       allreduce_precision=opt_field(d, "allreduce_precision", str, "", where))
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None

@@ -19,6 +19,7 @@ import numpy as np
 from .cluster import Cluster, split_kind
 from .cost import CostModel, CostOptions, SyncGroup
 from .events import (
+    FLOW_SEND,
     OP_OF_KIND,
     DeadlockError,
     Op,
@@ -27,6 +28,7 @@ from .events import (
     run_ops,
     simulate_programs,
 )
+from .flows import FlowNet, FlowSpec
 from .placement import PipelinePlacement, place, replica_shares
 from .plan import Plan
 from .profile import Profile
@@ -144,6 +146,25 @@ class _Ranks:
     weights: list[list[tuple[int, int]]] = field(default_factory=list)
     coll_size: dict[int, int] = field(default_factory=dict)
     links: dict[tuple[str, str], int] = field(default_factory=dict)
+    nic_index: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    nic_Bps: list[float] = field(default_factory=list)
+    flow_specs: dict[FlowSpec, int] = field(default_factory=dict)
+
+    def flow_of(self, cluster: Cluster, a: str, b: str, nbytes: float) -> int:
+        """The :class:`FlowSpec` (its index) of a message of ``nbytes`` from ``a`` to ``b`` over
+        shared NICs, or -1 where the transfer crosses none (inside a node, or no NIC modelled)."""
+        route = cluster.nic_route(a, b)
+        if not route or nbytes <= 0:
+            return -1
+        res = []
+        for node, nic, way, gbps in route:
+            k = self.nic_index.setdefault((node, nic, way), len(self.nic_index))
+            if k == len(self.nic_Bps):
+                self.nic_Bps.append(gbps * 1e9)
+            res.append(k)
+        link = cluster.link(a, b)
+        spec = FlowSpec(tuple(res), link.send_gbps_at(nbytes) * 1e9, nbytes, link.latency_s + link.send_overhead_s)
+        return self.flow_specs.setdefault(spec, len(self.flow_specs))
 
     def link_of(self, cluster: Cluster, a: str, b: str) -> int:
         """The link a transfer from device ``a`` to ``b`` uses: the device pair in a node, the
@@ -180,8 +201,9 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     if spec(sched).sync == "wave":
         wave_groups = WaveGroups(tuple(tuple(sync.wave_of.get(dev, ())) for dev in ranks.names),
                                  tuple(len(g.devices) for g in sync.wave), tuple(cost.sync_s(g) for g in sync.wave))
+    flows = FlowNet(ranks.nic_Bps, list(ranks.flow_specs)) if ranks.flow_specs else None
     starts, ends, pc = run_ops(ranks.ops, ranks.rank_worker, cost.options.overlap_comm, len(ranks.links),
-                               ranks.coll_size, wave_groups)
+                               ranks.coll_size, wave_groups, flows)
     if any(pc[r] < len(ranks.ops[r]) for r in range(len(ranks.ops))):
         raise_deadlock([to_actions(c) for c in ranks.columns], pc, ranks.names, ranks.rank_worker)
     return _summarise(plan, cost, n_iter, ranks.columns, starts, ends, ranks.names, ranks.rank_worker,
@@ -215,7 +237,10 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
         held = pipe.held(r)
         d, lnk = _durations(ranks, plan, cost, cluster, pipe, dev, r, col, rank_dev)
         d, key = _keys(ranks.coll_size, col, d, pipe.worker, sync, n_iter)
-        ranks.ops.append(list(zip(_OP_CODE[col[0]].tolist(), d.tolist(), key.tolist(), lnk.tolist(), strict=True)))
+        code = _OP_CODE[col[0]]
+        if cluster.has_nics:  # sends over shared NICs are flows; their link field names the flow
+            code, lnk = _flows(ranks, plan, cost, cluster, pipe, dev, col, rank_dev, code, lnk)
+        ranks.ops.append(list(zip(code.tolist(), d.tolist(), key.tolist(), lnk.tolist(), strict=True)))
         ranks.columns.append(col)
         ranks.names.append(dev)
         ranks.rank_worker.append(pipe.worker)
@@ -258,6 +283,25 @@ def _durations(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pip
     if n_slices > 1:  # compute and transfers of a slice scale with its share of the samples
         d = np.where((mb >= 0) & (mb % m_run < n_slices), d / n_slices, d)
     return d, lnk
+
+
+def _flows(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pipe: PipelinePlacement, dev: str,
+           col: Columns, rank_dev: list[str], code: np.ndarray, lnk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sends of ``dev`` that cross shared NICs as ``FLOW_SEND`` ops, each with its
+    :class:`FlowSpec` in the link field (a slice of the first micro-batch moves its share)."""
+    kind, mb, stage, peer, _ = col
+    code, lnk = code.copy(), lnk.copy()
+    n_slices, m_run = plan.first_slices, plan.micro_batching.count
+    for send, out in ((SEND_ACT.code, True), (SEND_GRAD.code, False)):
+        for i in np.flatnonzero(kind == send).tolist():
+            a, b = pipe.stages[stage[i]]
+            nbytes = cost.boundary_bytes(b if out else a)
+            if n_slices > 1 and mb[i] >= 0 and mb[i] % m_run < n_slices:
+                nbytes /= n_slices
+            f = ranks.flow_of(cluster, dev, rank_dev[peer[i]], nbytes)
+            if f >= 0:
+                code[i], lnk[i] = FLOW_SEND, f
+    return code, lnk
 
 
 def _keys(coll_size: dict[int, int], col: Columns, d: np.ndarray, worker: int, sync: _Sync, n_iter: int

@@ -21,6 +21,7 @@ __all__ = ["build_parser", "main", "quiet", "verbosity"]
 # One module per subcommand, in the order ``--help`` lists them.
 COMMAND_MODULES = (
     "partitioner_cli.bench",
+    "partitioner_cli.calibrate",
     "partitioner_cli.compare",
     "partitioner_cli.explain",
     "partitioner_cli.export",

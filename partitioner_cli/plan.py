@@ -34,6 +34,9 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--precision", choices=PRECISIONS, default=None,
                        help="training precision: fp32, or fp16/bf16 mixed precision with fp32 master weights "
                             "(default fp32)")
+    group.add_argument("--allreduce-precision", choices=PRECISIONS, default=None,
+                       help="precision the data-parallel gradients are all-reduced in, when not the training "
+                            "precision (fp32 for DeepSpeed's fp32_allreduce under fp16)")
     group.add_argument("--optimizer-state-factor", type=bounded_float(0.0, 1000.0), default=None,
                        help="optimizer state per parameter in 4-byte words (Adam 2, SGD+momentum 1, SGD 0; default 2)")
     group.add_argument("--reserved-gb", type=bounded_float(0.0, 1e6), default=None,
@@ -50,6 +53,8 @@ def cost_options_from_args(args: argparse.Namespace, base: CostOptions | None = 
         changes["overlap_comm"] = True
     if args.precision is not None:
         changes["precision"] = args.precision
+    if args.allreduce_precision is not None:
+        changes["allreduce_precision"] = args.allreduce_precision
     if args.optimizer_state_factor is not None:
         changes["optimizer_state_factor"] = args.optimizer_state_factor
     if args.reserved_gb is not None:

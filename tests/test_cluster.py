@@ -1,8 +1,10 @@
+import csv
 import json
+from importlib import resources
 
 import pytest
 
-from partitioner.cluster import GIB, Cluster, catalog, resolve_gpu_type
+from partitioner.cluster import GIB, Cluster, DeviceType, catalog, resolve_gpu_type
 from partitioner.errors import FormatError
 
 
@@ -161,3 +163,30 @@ def test_a_grouping_with_a_worker_that_fits_nowhere_is_no_plan_not_a_crash() -> 
     assert plan_of([[big, tiny]], planner, prof, sched)[0].virtual_workers
     with pytest.raises(WorkerUnfit, match=r"b:0"):
         plan_of([[big], [tiny]], planner, prof, sched)
+
+
+def test_usable_memory_is_sourced_and_what_plans_may_use():
+    cat = catalog()
+    with_usable = {k: t for k, t in cat.items() if t.usable_memory_bytes}
+    assert {"V100-SXM2-16GB", "V100-PCIe-16GB", "T4"} <= set(with_usable)
+    for t in with_usable.values():
+        assert 0 < t.usable_memory_bytes < t.memory_bytes and t.capacity_bytes == t.usable_memory_bytes
+    # what frameworks see on these parts (nvidia-smi / deviceQuery totals with ECC on)
+    assert cat["V100-SXM2-16GB"].capacity_bytes / 2**30 == pytest.approx(15.78, abs=0.01)
+    assert cat["T4"].capacity_bytes / 2**30 == pytest.approx(14.76, abs=0.01)
+    assert cat["TITAN-RTX"].capacity_bytes == cat["TITAN-RTX"].memory_bytes  # unknown: the nominal size
+    # the RTX 2080 and the 2080 Ti are two parts
+    assert cat["RTX-2080"].memory_bytes == 8 * 2**30 and cat["RTX-2080-Ti"].memory_bytes == 11 * 2**30
+    cl = Cluster.homogeneous("T4", 1, 2, 16, 3)
+    assert cl.devices[0].memory_bytes == cat["T4"].usable_memory_bytes
+    text = resources.files("partitioner").joinpath("data/gpu_catalog.csv").read_text(encoding="utf-8")
+    for row in csv.DictReader(text.splitlines()):
+        assert bool(row["usable_mem_gib"]) == bool(row["usable_source"]), row["gpu"]
+
+
+def test_usable_memory_round_trips_and_is_checked():
+    t = DeviceType("X", 16 * 2**30, 1e13, 1e12, usable_memory_bytes=15 * 2**30)
+    back = DeviceType.from_dict("X", t.to_dict())
+    assert back == t and back.capacity_bytes == 15 * 2**30
+    with pytest.raises(FormatError, match="usable_memory_GB"):
+        DeviceType.from_dict("X", {"memory_GB": 16, "fp32_tflops": 10, "mem_GBps": 900, "usable_memory_GB": 17})

@@ -50,19 +50,22 @@ def test_the_front_door_gives_what_each_path_gives(inputs):
 
 
 def test_micro_batch_choice_through_the_front_door(inputs):
+    """The global batch is the samples of an iteration, all workers together: K x m x b = B, and
+    the certificate covers every size and worker count (the cluster planner's own choice at one K
+    never beats it)."""
     prof, cl = inputs
-    got = plan(prof, cl, PlanRequest(micro_batches="auto", global_batch=32, virtual_workers=1))
-    direct = choose_micro_batches(prof, cl, 32, plan_cluster, virtual_workers=1, policy="opt", simulate_top=4)
-    assert got.ok and direct.result.plan is not None
-
-    def shape(p):
-        return p.virtual_workers, p.micro_batch_size, p.micro_batches, p.first_slices, p.predicted
-
-    assert shape(got.plan) == shape(direct.result.plan)
-    chosen = got.details["micro_batch_choice"]
-    assert (chosen["micro_batch_size"], chosen["micro_batches"]) == (direct.micro_batch_size, direct.micro_batches)
-    assert chosen["micro_batch_size"] * chosen["micro_batches"] == 32
-    assert got.details["messages"][0].startswith(f"micro-batch size {direct.micro_batch_size} x ")
+    for k in (1, 2, None):
+        got = plan(prof, cl, PlanRequest(micro_batches="auto", global_batch=32, virtual_workers=k))
+        assert got.ok and got.plan is not None
+        chosen = got.details["micro_batch_choice"]
+        workers = len(got.plan.virtual_workers)
+        assert workers == (k or workers) and chosen["virtual_workers"] == workers
+        assert workers * chosen["micro_batch_size"] * chosen["micro_batches"] == 32
+        assert got.details["messages"][0].startswith(f"global batch 32: {workers} virtual worker(s) x ")
+        assert got.plan.predicted["samples_per_s"] == pytest.approx(max(t[2] for t in chosen["tried"]))
+        direct = choose_micro_batches(prof, cl, 32 // (k or 1), plan_cluster, virtual_workers=k or 1, policy="opt")
+        assert direct.ok
+        assert 1.0 / got.lower_bound >= direct.samples_per_s * (1 - 1e-6)
 
 
 def test_nothing_fits_is_infeasible_with_a_reason_not_none():

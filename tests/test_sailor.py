@@ -13,7 +13,7 @@ from partitioner.importers.sailor import import_sailor
 
 DATA = Path(__file__).parent / "data" / "sailor_opt350"
 CATALOG_NAMES = {"A100-40": "A100-SXM4-40GB", "A100-80": "A100-SXM4-80GB", "GH-96": "GH-96",
-                 "RTX-2080": "RTX-2080", "RTX-3090": "RTX-3090", "Titan-RTX": "TITAN-RTX",
+                 "RTX-2080": "RTX-2080-Ti", "RTX-3090": "RTX-3090", "Titan-RTX": "TITAN-RTX",
                  "V100-16": "V100-SXM2-16GB"}
 
 
@@ -82,3 +82,33 @@ def test_cli_import_sailor(tmp_path, capsys):
     assert p.micro_batch_size == 2 and len(p.gpu_types) == 7
     assert cli.main(["import", "sailor", str(DATA), "--micro-batch-size", "3", "-o", str(tmp_path / "x.json")]) == 2
     assert "micro-batch sizes with that degree" in capsys.readouterr().err
+
+
+def test_sailor_rtx_2080_is_the_11_gib_part_with_the_cluster_files_memory(tmp_path):
+    from partitioner.importers.sailor import sailor_gpu_name
+    from partitioner.importers.sailor_runs import import_sailor_run, sailor_device_types
+
+    assert sailor_gpu_name("RTX-2080") == "RTX-2080-Ti"
+    types = sailor_device_types(DATA, ["RTX-2080", "V100-16", "GH-96"])
+    cfg = json.loads((DATA / "basic_cluster_config.json").read_text())
+    assert types["RTX-2080-Ti"].memory_bytes == cfg["RTX-2080"]["mem_per_gpu"] == 11 * 2**30
+    assert types["GH-96"].memory_bytes == cfg["GH-96"]["mem_per_gpu"]
+    v100 = types["V100-SXM2-16GB"]  # Sailor's nominal 16 GiB; the driver's usable share kept
+    assert v100.memory_bytes == 16 * 2**30 and v100.capacity_bytes / 2**30 == pytest.approx(15.78, abs=0.01)
+    # a run on Sailor's RTX-2080 nodes (8 GPUs each) gets 11 GiB GPUs
+    run = json.loads((DATA.parent / "sailor_validation" / "clariden_opt350" / "plan_config_N4_D1.json").read_text())
+    for stage in run["pipeline_list"][0]["tmp_per_stage"]:
+        stage[0] = [[["RTX-2080", 8, "zone"]], 1]
+    run["mbs"], run["gbs"] = 1, 4
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    imported = import_sailor_run(path, DATA, DATA.parent / "sailor_validation" / "network" /
+                                 "network_coeffs_all_homo.json")
+    assert {d.gpu_type for d in imported.cluster.devices} == {"RTX-2080-Ti"}
+    assert all(d.memory_bytes == 11 * 2**30 for d in imported.cluster.devices)
+    bad = tmp_path / "bad"
+    shutil.copytree(DATA, bad)
+    cfg["RTX-2080"]["mem_per_gpu"] = -1
+    (bad / "basic_cluster_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FormatError, match=r"RTX-2080\.mem_per_gpu"):
+        sailor_device_types(bad, ["RTX-2080"])

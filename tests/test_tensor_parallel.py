@@ -166,3 +166,38 @@ def test_the_search_takes_the_best_candidate_and_its_bound_holds(opt350: Profile
     for stage in (s for w in res.plan.virtual_workers for s in w.stages):
         for dev in stage.devices:
             assert len({g.split(":")[0] for g in cl.device(dev).gpu_names}) == 1
+
+
+# -- the per-layer bound ------------------------------------------------------------------------
+
+
+def test_the_layer_bound_holds_for_the_planners_plans(opt350: Profile) -> None:
+    from partitioner.schedule import Schedule
+    from solvers.cluster.bounds.layers import layer_bound
+    from solvers.cluster.planner import plan_cluster, price_plan
+
+    cl = Cluster("c", (Node("n0", ("V100-16",) * 2, 100.0), Node("n1", ("A100-40",) * 2, 100.0)), 10.0)
+    for k in (1, 2):
+        res = plan_cluster(opt350, cl, k, micro_batches=8, options=FP16)
+        assert res.ok and res.plan is not None
+        rate = price_plan(CostModel(opt350, cl, FP16), res.plan)["samples_per_s"]
+        bound = layer_bound(CostModel(opt350, cl, FP16), cl.devices, k, Schedule.of("1f1b", 8))
+        assert rate <= bound * (1 + 1e-9)
+        assert 1.0 / res.lower_bound <= bound * (1 + 1e-9)  # the planner's certificate takes it
+
+
+def test_the_layer_bound_of_one_kind_is_the_lp_of_two_identical_halves() -> None:
+    import numpy as np
+
+    from solvers.cluster.bounds.layers import _solve
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        layers = int(rng.integers(2, 8))
+        comp, hold, mem = (rng.uniform(0.1, 1.0, (layers, 1)) for _ in range(3))
+        count, cap = np.array([4.0]), np.array([float(rng.uniform(1.0, 6.0))])
+        k, m = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        one = _solve(comp, hold, mem, count, cap, k, m, 1)
+        two = _solve(np.hstack([comp, comp]), np.hstack([hold, hold]), np.hstack([mem, mem]),
+                     np.array([2.0, 2.0]), np.array([cap[0], cap[0]]), k, m, 1)
+        assert one == pytest.approx(two, rel=1e-6) or (one == 0.0 and two == 0.0)

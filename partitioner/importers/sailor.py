@@ -9,7 +9,9 @@ gives one profile with measured times for every GPU type found.
 
 GPU names are mapped to catalog names with :func:`partitioner.cluster.resolve_gpu_type`
 (``A100-40`` -> ``A100-SXM4-40GB``, ``Titan-RTX`` -> ``TITAN-RTX``, ...); a name the catalog
-lacks (Sailor's ``GH-96``, a Grace-Hopper 96 GB part) is kept as Sailor spells it.
+lacks (Sailor's ``GH-96``, a Grace-Hopper 96 GB part) is kept as Sailor spells it. Sailor's
+``RTX-2080`` is an 11 GiB part (its ``basic_cluster_config.json``: 11811160064 bytes per GPU), so
+an RTX 2080 Ti (the RTX 2080 has 8 GiB): it is mapped to ``RTX-2080-Ti`` (:data:`SAILOR_GPU_TYPES`).
 
 Sailor records no FLOPs; they are computed from the model shape for a GPT-style decoder:
 a block does ``24 b s h^2 + 4 b s^2 h`` forward FLOPs, the head ``2 b s h V``, the
@@ -49,13 +51,20 @@ from ..profile import (
     Profile,
 )
 
-__all__ = ["SAILOR_SKIP", "import_sailor", "import_sailor_degrees", "sailor_degrees", "sailor_gpu_name"]
+__all__ = ["SAILOR_GPU_TYPES", "SAILOR_SKIP", "import_sailor", "import_sailor_degrees", "sailor_degrees",
+           "sailor_gpu_name"]
 
 SAILOR_SKIP = ("basic_cluster_config", "llm_info", "training_config")
+
+# Sailor's names whose catalog part is not the one the name resolves to: Sailor's "RTX-2080"
+# nodes have 11 GiB per GPU (basic_cluster_config.json: 11811160064 bytes), the RTX 2080 Ti's size.
+SAILOR_GPU_TYPES = {"RTX-2080": "RTX-2080-Ti"}
 
 
 def sailor_gpu_name(name: str) -> str:
     """The catalog name for a Sailor GPU name, or the Sailor name if the catalog lacks it."""
+    if name in SAILOR_GPU_TYPES:
+        return SAILOR_GPU_TYPES[name]
     try:
         return resolve_gpu_type(name).name
     except FormatError:
@@ -293,9 +302,12 @@ def import_sailor_degrees(directory: str | os.PathLike[str], *, micro_batch_size
     t). ``options`` are :func:`import_sailor`'s."""
     degrees = sailor_degrees(directory, micro_batch_size, gpu_types)
     if 1 not in degrees:
-        raise FormatError("micro_batch_size", micro_batch_size, "no GPU type has times at tensor-parallel degree 1 "
-                          f"for this micro-batch size (degrees measured: {', '.join(map(str, degrees)) or 'none'})",
-                          file=str(directory))
+        sizes = sorted({int(k) for p in Path(directory).glob("*.json") if not p.name.startswith(SAILOR_SKIP)
+                        for k, v in load_mapping(p).items() if str(k).isdigit() and isinstance(v, dict) and "1" in v})
+        raise FormatError("micro_batch_size", micro_batch_size, f"no times for micro-batch {micro_batch_size} at "
+                          f"tensor-parallel degree 1 on any GPU type (degrees measured at this size: "
+                          f"{', '.join(map(str, degrees)) or 'none'}); micro-batch sizes with that degree: "
+                          f"{', '.join(map(str, sizes)) or 'none'}", file=str(directory))
     base = import_sailor(directory, micro_batch_size=micro_batch_size, gpu_types=degrees[1], **options)
     layers = list(base.layers)
     for t, names in degrees.items():

@@ -17,7 +17,9 @@ virtual worker ``d`` (as Megatron-DeepSpeed runs them), with ``gbs / (mbs * dp)`
 when the counts differ, one pipeline of replicated stages takes all ``gbs / mbs``. The plan runs
 1F1B in fp16 mixed precision with Adam; links between nodes carry the measured inter-node
 curve of their GPU type for ``gpus_per_node`` GPUs (between two types, the slower one's), links
-inside a node the intra-node curve where the file has one.
+inside a node the intra-node curve where the file has one. Where the profile directory holds
+Sailor's ``basic_cluster_config.json``, its ``mem_per_gpu`` is each type's memory (the catalog's
+usable fraction of it kept where the catalog knows one).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..cluster import (
     Link,
     Node,
     device_name,
+    resolve_gpu_type,
 )
 from ..cost import CostOptions
 from ..errors import FormatError
@@ -48,7 +51,8 @@ from .sailor import import_sailor, import_sailor_degrees, sailor_gpu_name
 
 MIXED = 0  # _Layout.tp of a run whose replicas differ in tensor-parallel degree
 
-__all__ = ["MEGATRON_DEEPSPEED_RESERVED_GIB", "SailorRun", "import_sailor_run", "sailor_bandwidth", "sailor_cluster"]
+__all__ = ["MEGATRON_DEEPSPEED_RESERVED_GIB", "SailorRun", "import_sailor_run", "sailor_bandwidth", "sailor_cluster",
+           "sailor_device_types"]
 
 # The one calibrated constant: the memory Megatron-DeepSpeed itself holds on every GPU beyond
 # weights, gradients, optimizer state and activations (communication buffers, workspaces,
@@ -86,6 +90,39 @@ def sailor_bandwidth(path: str | os.PathLike[str], kind: str, gpu: str, gpus_per
                           f"[{lo * 1e9:g}, {hi * 1e9:g}] bytes/s", file=str(path))
     return Bandwidth(float(row[1]) / 1e9, log2_mb_poly=tuple(float(c) for c in row[0]),
                      name=f"{Path(path).name}:{kind}.{gpu}.{gpus_per_node}")
+
+
+def sailor_device_types(profile_dir: str | os.PathLike[str], names: list[str]) -> dict[str, DeviceType]:
+    """The GPU types ``names`` (Sailor's spelling) as ``Cluster.device_types`` entries keyed by
+    their catalog name, with the memory per GPU that Sailor's ``basic_cluster_config.json`` in
+    ``profile_dir`` states (its ``mem_per_gpu``, bytes); the catalog's usable memory is scaled
+    with it. Types the file does not name keep the catalog's figures (``_EXTRA_TYPES`` for
+    GPUs the catalog lacks); no file: no override."""
+    path = Path(profile_dir) / "basic_cluster_config.json"
+    out: dict[str, DeviceType] = {}
+    data = load_mapping(path) if path.exists() else {}
+    for name in names:
+        gpu = sailor_gpu_name(name)
+        base = _EXTRA_TYPES[name] if name in _EXTRA_TYPES else _catalog_type(gpu)
+        entry = data.get(name)
+        if base is None or not isinstance(entry, dict) or "mem_per_gpu" not in entry:
+            if base is not None and name in _EXTRA_TYPES:
+                out[gpu] = base
+            continue
+        mem = entry["mem_per_gpu"]
+        if not (is_finite_number(mem) and 0 < mem <= 1e6 * GIB):
+            raise FormatError(f"{name}.mem_per_gpu", mem, "must be a number of bytes > 0", file=str(path))
+        usable = base.usable_memory_bytes * mem / base.memory_bytes
+        out[gpu] = replace(base, name=gpu, memory_bytes=float(mem), usable_memory_bytes=usable,
+                           source=f"{base.source}; memory from Sailor's basic_cluster_config.json")
+    return out
+
+
+def _catalog_type(gpu: str) -> DeviceType | None:
+    try:
+        return resolve_gpu_type(gpu)
+    except FormatError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -151,7 +188,7 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
         profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=layout.tp,
                                 gpu_types=tuple(layout.types), activations=activations, clip_noise=clip_noise)
     placed = _place(layout)
-    cluster = _cluster(network, layout, placed)
+    cluster = _cluster(network, layout, placed, sailor_device_types(profile_dir, layout.types))
     where = "pipeline_list[0]"
     ranges = layout.ranges
     _check(ranges[-1][1] == profile.num_layers, f"{where}.layers_per_stage[{len(ranges) - 1}]",
@@ -310,10 +347,11 @@ def _place(layout: _Layout) -> _Placement:
 
 
 def sailor_cluster(network: str | os.PathLike[str], gpus: Mapping[str, int], gpus_per_node: Mapping[str, int],
-                   name: str = "") -> Cluster:
+                   name: str = "", profile_dir: str | os.PathLike[str] | None = None) -> Cluster:
     """A cluster of ``gpus`` (Sailor's GPU name -> count) on nodes of ``gpus_per_node`` of each type
     (the last node of a type holds the rest), with Sailor's measured curves as :func:`import_sailor_run`
-    gives a run's nodes. Single GPUs: a planner views it as tensor-parallel groups."""
+    gives a run's nodes, and the memory sizes of ``profile_dir``'s ``basic_cluster_config.json``
+    (:func:`sailor_device_types`). Single GPUs: a planner views it as tensor-parallel groups."""
     node_types: list[str] = []
     node_gpus: list[int] = []
     slots: list[int] = []
@@ -327,7 +365,9 @@ def sailor_cluster(network: str | os.PathLike[str], gpus: Mapping[str, int], gpu
             node_types.append(gpu)
             node_gpus.append(per)
             slots.append(min(per, count - first))
-    made = _cluster_of(network, tuple(gpus), _Placement(node_types, node_gpus, slots, {}), 1)
+    extra = sailor_device_types(profile_dir, list(gpus)) if profile_dir is not None else {
+        sailor_gpu_name(g): _EXTRA_TYPES[g] for g in gpus if g in _EXTRA_TYPES}
+    made = _cluster_of(network, tuple(gpus), _Placement(node_types, node_gpus, slots, {}), 1, extra)
     return replace(made, name=name or "+".join(f"{c}x{g}" for g, c in gpus.items()))
 
 
@@ -352,17 +392,18 @@ def _place_groups(layout: _Layout) -> _Placement:
     return _Placement(node_types, node_gpus, slots, device)
 
 
-def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placement) -> Cluster:
+def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placement,
+             extra: dict[str, DeviceType]) -> Cluster:
     """The run's nodes (:func:`_cluster_of`)."""
-    return _cluster_of(network, tuple(layout.types), placed, layout.tp)
+    return _cluster_of(network, tuple(layout.types), placed, layout.tp, extra)
 
 
-def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed: _Placement, tp: int) -> Cluster:
+def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed: _Placement, tp: int,
+                extra: dict[str, DeviceType]) -> Cluster:
     """Nodes with Sailor's measured curves: each type's intra-node curve inside a node
     (its inter-node one where none is given), between nodes the type's inter-node curve, and
     between nodes of two types the slower type's."""
     node_types, node_gpus = placed.node_types, placed.node_gpus
-    extra = {sailor_gpu_name(g): _EXTRA_TYPES[g] for g in types if g in _EXTRA_TYPES}
 
     def curve(kind: str, gpu: str, gpn: int) -> Bandwidth | None:
         try:

@@ -87,10 +87,16 @@ def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int
 
 def _solve(comp: np.ndarray, hold: np.ndarray, mem: np.ndarray, count: np.ndarray, cap: np.ndarray, k: int,
            m: int, b: int) -> float:
-    """Variables x (L x n), y (L x n), T; see the module docstring."""
+    """Variables x (L x n), y (L x n), T; see the module docstring. One kind: the LP's optimum in
+    closed form (every layer there, ``K`` holders each)."""
+    n_layers, n = comp.shape
+    if n == 1:
+        if k * float(mem[:, 0].sum()) > count[0] * cap[0]:
+            return 0.0
+        busy = (k * m * float(comp[:, 0].sum()) + k * float(hold[:, 0].sum())) / count[0]
+        return k * m * b / busy if busy > 0 else math.inf
     from scipy import sparse
 
-    n_layers, n = comp.shape
     nx = n_layers * n
     t_col = 2 * nx
     # busy time per kind: K m sum_l x c + sum_l y h - n_t T <= 0

@@ -1,0 +1,168 @@
+"""Flows on shared resources: concurrent transfers divide a resource's bandwidth (max-min fair).
+
+A node's GPUs reach other nodes through the node's NICs (``Node.nic_gbps``, ``Node.nics``): a
+NIC is two resources, one per direction (full duplex), each of ``nic_gbps`` GB/s. A transfer
+between GPUs of two nodes is a *flow*: it crosses the sender's NIC out and the receiver's NIC
+in, and alone it would move at its link's rate (``Bandwidth.gbps_at`` of its size: the measured
+curve, its own cap). Flows that overlap in time share each resource they cross, max-min fairly
+(progressive filling: every flow gets an equal share of its tightest resource, and what a flow
+capped elsewhere leaves is shared by the others), so
+
+* bytes are conserved: a flow ends when its bytes are moved, at whatever rates it was given;
+* no flow beats its link's rate, and no resource carries more than its bandwidth at any time.
+
+A flow's latency (``Bandwidth.latency_s``, the per-message cost) is paid after its bytes, holding
+no resource. :class:`FlowNet` is the state the event engine (:mod:`partitioner.events`) keeps:
+flows start at the clock of their send, and :meth:`FlowNet.start` / :meth:`FlowNet.finish`
+return the completion time each active flow has under the new rates. The closed form
+(:meth:`partitioner.cost.CostModel.plan_iteration_s`) charges a cross-node message the rate it
+gets when the plan's cross-node senders behind one NIC send at once (:func:`shared_rate_gbps`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+    from .plan import Plan
+
+__all__ = ["FlowNet", "FlowSpec", "fair_rates", "nic_sharers", "shared_rate_gbps"]
+
+
+@dataclass(frozen=True)
+class FlowSpec:
+    """What one kind of flow needs: the resources it crosses, its rate alone (bytes/s), the bytes
+    it moves and the latency paid after them (s)."""
+
+    resources: tuple[int, ...]
+    rate_Bps: float
+    nbytes: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.rate_Bps > 0 and math.isfinite(self.rate_Bps)):
+            raise ValueError(f"rate_Bps = {self.rate_Bps}: must be a finite number > 0")
+        if not (self.nbytes >= 0 and math.isfinite(self.nbytes)) or not self.latency_s >= 0:
+            raise ValueError(f"nbytes = {self.nbytes}, latency_s = {self.latency_s}: must be finite and >= 0")
+
+    @property
+    def alone_s(self) -> float:
+        """Seconds the flow takes with no other flow on its resources."""
+        return self.latency_s + self.nbytes / self.rate_Bps
+
+
+def fair_rates(caps: Sequence[float], routes: Sequence[Sequence[int]], capacity: Sequence[float]) -> list[float]:
+    """Max-min fair rates of flows with their own ``caps`` crossing ``routes`` (resource indices)
+    of ``capacity`` each (progressive filling)."""
+    n = len(caps)
+    rate = [0.0] * n
+    left = list(capacity)
+    todo = set(range(n))
+    users: dict[int, set[int]] = {}
+    for f in todo:
+        for res in routes[f]:
+            users.setdefault(res, set()).add(f)
+    while todo:
+        # the tightest resource share, and the smallest own cap, among flows not yet fixed
+        share, tight = math.inf, -1
+        for res, fs in users.items():
+            live = len(fs & todo)
+            if live and left[res] / live < share:
+                share, tight = left[res] / live, res
+        f_min = min(todo, key=lambda f: caps[f])
+        if caps[f_min] <= share:
+            fixed, value = {f_min}, caps[f_min]
+        else:
+            fixed, value = users[tight] & todo, share
+        for f in fixed:
+            rate[f] = value
+            for res in routes[f]:
+                left[res] = max(0.0, left[res] - value)
+        todo -= fixed
+    return rate
+
+
+def shared_rate_gbps(alone_gbps: float, nic_gbps: Sequence[float], sharers: Sequence[int]) -> float:
+    """The rate of one of ``sharers[i]`` flows that cross NIC ``i`` of ``nic_gbps[i]`` at once, each
+    at most ``alone_gbps``: ``min(alone, min_i nic_i / sharers_i)`` (a flow capped below its fair
+    share leaves the rest to the others, which :func:`fair_rates` shares out; when every flow is
+    alike, as the closed form assumes, this is the fair rate)."""
+    out = alone_gbps
+    for cap, k in zip(nic_gbps, sharers, strict=True):
+        if cap > 0 and k > 0:
+            out = min(out, cap / k)
+    return out
+
+
+class FlowNet:
+    """Active flows on the shared resources; all times are absolute seconds."""
+
+    def __init__(self, capacity_Bps: Sequence[float], specs: Sequence[FlowSpec]):
+        self.capacity = list(capacity_Bps)
+        self.specs = list(specs)
+        self.now = 0.0
+        self.left: dict[int, float] = {}  # flow id -> bytes still to move
+        self.rate: dict[int, float] = {}  # flow id -> bytes/s now
+        self.spec_of: dict[int, int] = {}
+        self.moved: dict[int, float] = {}  # per resource: bytes carried (for checks)
+        self._next = 0
+
+    def _advance(self, t: float) -> None:
+        dt = t - self.now
+        if dt > 0:
+            for f, r in self.rate.items():
+                self.left[f] -= r * dt
+                for res in self.specs[self.spec_of[f]].resources:
+                    self.moved[res] = self.moved.get(res, 0.0) + r * dt
+        self.now = max(self.now, t)
+
+    def _reshare(self) -> dict[int, float]:
+        ids = list(self.left)
+        specs = [self.specs[self.spec_of[f]] for f in ids]
+        rates = fair_rates([s.rate_Bps for s in specs], [s.resources for s in specs], self.capacity)
+        self.rate = dict(zip(ids, rates, strict=True))
+        return {f: self.now + max(0.0, self.left[f]) / self.rate[f] for f in ids}
+
+    def start(self, t: float, spec: int) -> tuple[int, Mapping[int, float]]:
+        """A flow of ``specs[spec]`` starts at ``t``: its id, and every active flow's end of bytes."""
+        self._advance(t)
+        f = self._next
+        self._next += 1
+        self.left[f] = self.specs[spec].nbytes
+        self.spec_of[f] = spec
+        return f, self._reshare()
+
+    def finish(self, t: float, flow: int) -> Mapping[int, float]:
+        """Flow ``flow`` has moved its bytes at ``t``: the other flows' new ends of bytes."""
+        self._advance(t)
+        self.left.pop(flow)
+        self.rate.pop(flow)
+        self.spec_of.pop(flow)
+        return self._reshare()
+
+    def latency_s(self, flow_spec: int) -> float:
+        return self.specs[flow_spec].latency_s
+
+
+def nic_sharers(plan: Plan, cluster: Cluster) -> dict[tuple[str, int, str], int]:
+    """Per NIC direction ``(node, nic, "out" | "in")``: how many of ``plan``'s devices send (out)
+    or receive (in) pipeline messages across it. Replicas of a pipeline run in step, so these
+    devices' messages cross the NIC at the same time, one message per device at a time where
+    sends block the sender (the default): what the closed form charges. With overlapped sends
+    (``overlap_comm``) a device's activation and gradient may be in flight together or not,
+    as the schedule has it; the simulator times that, the closed form counts devices."""
+    users: dict[tuple[str, int, str], set[str]] = {}
+    for vw in plan.virtual_workers:
+        for k, st in enumerate(vw.stages):
+            for j in (k - 1, k + 1):
+                if not 0 <= j < len(vw.stages):
+                    continue
+                peer = vw.stages[j].device
+                for d in st.devices:
+                    for node, nic, way, _ in cluster.nic_route(d, peer):
+                        users.setdefault((node, nic, way), set()).add(d if way == "out" else peer)
+    return {k: len(v) for k, v in users.items()}
