@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shlex
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +59,28 @@ def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
     monkeypatch.setenv(FAULT_ENV, "1:3")
     rc = cli.main([*_cli_args(tmp_path), "--steps", "5", "--lr", "0.3", "--checkpoint-dir", str(ckpt),
                    "--checkpoint-every", "2"])
-    err = capsys.readouterr().err.strip()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert rc != 0
     assert len(err.splitlines()) == 1, err
     assert "rank 1 (device n0:1) was killed by signal SIGKILL" in err
     manifest = latest_complete(str(ckpt))
     assert manifest is not None and manifest.step == 2 and plan_sha256(manifest.plan) == plan_sha256(PLAN)
     monkeypatch.delenv(FAULT_ENV)
+    # the commands that continue without the lost device, printed on stdout, do: re-plan, then resume at step 2
+    said = captured.out.splitlines()
+    assert said[-3].startswith("device n0:1 is lost; to continue without it, re-plan and resume from the last")
+    replan_cmd, train_cmd = shlex.split(said[-2]), shlex.split(said[-1])
+    assert replan_cmd[:3] == ["partitioner", "replan", str(tmp_path / "plan.json")] and "--without" in replan_cmd
+    assert cli.main(replan_cmd[1:]) == 0
+    new_plan = Plan.load(replan_cmd[replan_cmd.index("-o") + 1])
+    assert new_plan.devices == ("n0:0",) and new_plan.micro_batches * new_plan.micro_batch_size == 4
+    capsys.readouterr()
+    assert "--resume" in train_cmd and cli.main(train_cmd[1:]) == 0
+    assert "resumed at step 2" in capsys.readouterr().out
+    assert latest_complete(str(ckpt)).plan == new_plan  # type: ignore[union-attr]
+    for step in (4, 5):  # what follows resumes the first plan from step 2 again
+        shutil.rmtree(step_dir(str(ckpt), step))
 
     # a checkpoint begun and not completed (its ranks' files, no manifest, not renamed) is not resumed from
     partial = ckpt / ".partial-step-00000004"
