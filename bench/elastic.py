@@ -181,14 +181,14 @@ def main() -> int:
           f"workers x 4 micro-batches of 2; {args.steps} steps, a checkpoint every {args.every}; {args.runs} runs, "
           f"seed {args.seed}\n")
     print(f"{'run':>3} {'procs':>5} {'killed':>12} {'step':>4} {'one line':>8} {'failed s':>8} {'replan s':>8} "
-          f"{'new plan':>12} {'resumed at':>10} {'expected':>8} {'state equal':>11} {'losses equal':>12}")
+          f"{'new plan':>12} {'how':>5} {'resumed at':>10} {'expected':>8} {'state equal':>11} {'losses equal':>12}")
     straight: dict[tuple[str, ...], list[float]] = {}
     rows = []
     for run in range(args.runs):
         r = one_run(run, rng, args, prof, clus, straight)
         rows.append(r)
         print(f"{run:>3} {r['procs']:>5} {'r' + str(r['rank']) + ' ' + str(r['device']):>12} {r['step']:>4} "
-              f"{r['line']!s:>8} {r['failed_s']:8.2f} {r['replan_s']:8.3f} {r['new']:>12} {r['first']:>10} "
+              f"{r['line']!s:>8} {r['failed_s']:8.2f} {r['replan_s']:8.3f} {r['new']:>12} {r['how']:>5} {r['first']:>10} "
               f"{r['expected']:>8} {r['state']!s:>11} {r['losses']!s:>12}")
     ok = sum(bool(r["ok"]) for r in rows)
     print(f"\n{ok} of {args.runs} runs: the kill in one line, resumed on the re-planned plan at the last checkpoint's "
