@@ -229,7 +229,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path
     straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120),
                            start_method="fork")
     assert m["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
-    assert latest_complete(str(ckpt))["step"] == 5  # type: ignore[index]
+    assert latest_complete(str(ckpt)).step == 5  # type: ignore[union-attr]
 
 
 # -- an unusable checkpoint directory, damaged checkpoints --------------------------------------
