@@ -102,3 +102,22 @@ def test_replan_refuses_unknown_devices_and_its_own_input(tmp_path: Path, capsys
     assert cli.main([*base, "-o", str(tmp_path / "old.json")]) == 2
     capsys.readouterr()
     assert json.loads((tmp_path / "old.json").read_text()) == old.to_dict()  # untouched
+
+
+def test_the_devices_to_plan_over_follow_the_new_cluster_and_the_flags() -> None:
+    from partitioner_cli.replan import new_devices
+
+    old = old_plan()
+    # a cluster without the last node: its devices are lost without being named
+    smaller = flat_cluster(["fast", "slow", "fast", "slow"], per_node=2, memory_gb={"fast": 80, "slow": 40})
+    chosen = new_devices(old, smaller, None, None)
+    assert chosen == [d.name for d in smaller.devices if d.name in old.devices]  # in the cluster's order
+    assert set(new_devices(old, CLUSTER, ["n0:0"], None)) == set(old.devices) - {"n0:0"}
+    assert set(new_devices(old, CLUSTER, None, "all")) == {d.name for d in CLUSTER.devices}
+    # a device of another GPU type now counts as lost
+    swapped = flat_cluster(["slow", "slow", "fast", "slow", "fast", "slow"], per_node=2,
+                           memory_gb={"fast": 80, "slow": 40})
+    done = replan(old, PROFILE, swapped, new_devices(old, swapped, None, None))
+    assert ("n0:0" in done.lost) == ("n0:0" in old.devices)
+    assert all(st.gpu_type == swapped.device(st.device).gpu_type for vw in done.plan.virtual_workers
+               for st in vw.stages)
