@@ -6,8 +6,8 @@ gpt2-tiny on two CPU processes (`--local`, gloo), SGD, checkpoints every ``--eve
 run kills rank R (SIGKILL, through the runtime's fault hook ``PARTITIONER_FAULT_KILL``) as step S
 begins, R and S drawn at random; then the same training is started again with resume. Checked
 per run: the kill is reported in one line naming the rank and the signal; the last complete
-checkpoint is the last multiple of ``--every`` before S; every file of every complete checkpoint
-loads with ``weights_only=True``; the resumed run starts there and its losses equal an
+checkpoint is the last multiple of ``--every`` before S; every complete checkpoint's files are
+those its manifest lists (sizes and SHA-256) and load by name; the resumed run starts there and its losses equal an
 uninterrupted run's from that step on (relative 1e-5). Prints one row per run and the totals.
 The kill lands as a step begins (the hook's one point), so it never interrupts a checkpoint
 being written; those writes are atomic by construction (temporary file, then rename).
@@ -27,12 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
 
 from bench._machine import machine_line  # noqa: E402
 from partitioner.errors import PartitionerError  # noqa: E402
 from partitioner.plan import Plan, Stage, VirtualWorker  # noqa: E402
-from runtime.checkpoint import latest_complete, step_dir  # noqa: E402
+from runtime.checkpoint import latest_complete, load_state, read_manifest, step_dir, verify  # noqa: E402
 from runtime.launch import FAULT_ENV, TrainConfig, train_local  # noqa: E402
 
 PLAN = Plan("gpt2-tiny", (VirtualWorker((Stage((0, 2), "n0:0"), Stage((2, 4), "n0:1"))),), micro_batch_size=2,
@@ -40,19 +39,21 @@ PLAN = Plan("gpt2-tiny", (VirtualWorker((Stage((0, 2), "n0:0"), Stage((2, 4), "n
 
 
 def intact(root: str) -> tuple[int, int]:
-    """(complete checkpoints, files among them that do not load with weights_only=True)."""
+    """(complete checkpoints, those among them whose files are not the manifest's or do not load)."""
     complete = bad = 0
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        d = os.path.join(root, name)
-        if not os.path.isfile(os.path.join(d, "manifest.json")):
+        if not name.startswith("step-"):
+            continue
+        step = int(name.removeprefix("step-"))
+        manifest = read_manifest(step_dir(root, step), step)
+        if manifest is None:
             continue
         complete += 1
-        for f in sorted(os.listdir(d)):
-            if f.endswith(".pt"):
-                try:
-                    torch.load(os.path.join(d, f), weights_only=True)
-                except Exception:
-                    bad += 1
+        try:
+            verify(root, manifest)
+            load_state(root, step)
+        except Exception:
+            bad += 1
     return complete, bad
 
 
@@ -90,7 +91,7 @@ def main() -> int:
             expected = step // args.every * args.every
             complete, bad = intact(ckpt)
             manifest = latest_complete(ckpt)
-            assert manifest is None or os.path.isdir(step_dir(ckpt, int(manifest["step"])))
+            assert manifest is None or os.path.isdir(step_dir(ckpt, manifest.step))
             resumed = train_local(PLAN, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=ckpt,  # type: ignore[arg-type]
                                                     checkpoint_every=args.every, resume=True),
                                   start_method="fork")
@@ -103,7 +104,7 @@ def main() -> int:
         print(f"{run:>3} {rank:>4} {step:>4} {line!s:>8} {first:>10} {expected:>8} {complete:>14} {bad:>7} "
               f"{equal!s:>12} {time.perf_counter() - t0:5.1f}")
     print(f"\n{ok_runs} of {args.runs} runs resumed where expected with the uninterrupted losses; "
-          f"{corrupt_total} corrupt checkpoint files")
+          f"{corrupt_total} corrupt checkpoints")
     return 0 if ok_runs == args.runs and corrupt_total == 0 else 1
 
 

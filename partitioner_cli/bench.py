@@ -116,6 +116,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "mixed RTX-3090 / RTX-2080 Ti / TITAN-RTX cluster)",
               _script("projection_plans"), _script("projection_plans"),
               needs=(str(SHARED / "sailor_opt350"),)),
+    Benchmark("sailor_h2h", "our tensor/pipeline/data-parallel search against Sailor's chosen plans on its three "
+              "OPT-350M problems (global batch 1,024), both simulated here; planning time and certificate",
+              _script("sailor_h2h", "--time-limit", "20", "--sizes", "2"), _script("sailor_h2h", "--time-limit", "60"),
+              needs=(str(SHARED / "sailor_opt350"), str(SHARED / "sailor_plans")), long=True),
     Benchmark("cli_startup", "wall time of CLI commands that never need torch",
               _script("cli_startup", "--runs", "3"), _script("cli_startup", "--runs", "5", "--pyc")),
     Benchmark("scale", "cluster planner's solve time, gap and memory against layers x GPUs",
@@ -147,6 +151,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("kill_resume", "a random rank killed at a random step, 20 times: every resume, no corrupt checkpoint",
               _script("kill_resume", "--runs", "5"), _script("kill_resume", "--runs", "20"), needs=("torch",),
               long=True, seeds={"kill": 0}),
+    Benchmark("elastic", "a random rank killed, the plan re-planned without its device, the run resumed on it: "
+              "resume step, state bit for bit, losses, re-plan time on 16 and 256 GPUs",
+              _script("elastic", "--runs", "3", "--replan-rounds", "2"), _script("elastic", "--runs", "20"),
+              needs=("torch",), long=True, seeds={"kill": 0}),
     Benchmark("gpu_breakdown", "one GPU's training step against its per-layer profile: time and memory",
               _script("gpu_breakdown"), _script("gpu_breakdown", "--model", "gpt2-medium", "--seq-len", "1024"),
               needs=("gpu", "torch")),

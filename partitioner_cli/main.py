@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "partitioner_cli.import_",
     "partitioner_cli.plan",
     "partitioner_cli.profile",
+    "partitioner_cli.replan",
     "partitioner_cli.simulate",
     "partitioner_cli.train",
 )

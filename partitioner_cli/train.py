@@ -27,13 +27,13 @@ from partitioner_cli.simulate import profile_for_plan
 if TYPE_CHECKING:
     from runtime.layout import Layout
 
-__all__ = ["launch_lines", "register"]
+__all__ = ["continue_lines", "launch_lines", "register"]
 
 
 def _run(args: argparse.Namespace) -> int:
     from partitioner.emulation import predict_emulated
     from partitioner.simulate import simulate_plan
-    from runtime.launch import TrainConfig, prepare, train_distributed, train_local
+    from runtime.launch import TrainConfig, prepare
     from runtime.model import is_model_ref
     from runtime.run import chain_for
 
@@ -80,13 +80,7 @@ def _run(args: argparse.Namespace) -> int:
         predicted = predict_emulated(plan, profile, cluster, local=emulation.local, reference=args.emulate_reference,
                                      link_gbps=emulation.link_gbps, links=emulation.links).iteration_s
         _print_emulation(emulation, plan)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if args.local and under_torchrun:
-        raise PartitionerError("--local starts its own processes; do not combine it with torchrun")
-    if not args.local and not under_torchrun:
-        raise PartitionerError("run under torchrun (RANK and WORLD_SIZE set) or pass --local to start one "
-                               "process per plan device on this machine")
-    metrics = train_local(plan, config, run=run) if args.local else train_distributed(plan, config, run=run)
+    metrics = _train(args, plan, config, run)
     if metrics is None:  # a rank other than 0 under torchrun
         return 0
     metrics["predicted_iteration_s"] = predicted
@@ -123,21 +117,60 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_launch_lines(args: argparse.Namespace, layout: Layout) -> int:
-    """The torchrun line of every node of the plan, this command's options carried over."""
-    train = [args.plan, "--profile", args.profile, "--cluster", args.cluster, "--model", args.model,
+def _train_args(args: argparse.Namespace, plan: str, resume: bool) -> list[str]:
+    """This command's plan and options (``plan`` for the plan; ``--resume`` when ``resume``)."""
+    train = [plan, "--profile", args.profile, "--cluster", args.cluster, "--model", args.model,
              "--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", repr(args.lr),
              "--seed", str(args.seed), "--device", args.device, "--timeout", repr(args.timeout)]
     if args.threads:
         train += ["--threads", str(args.threads)]
     if args.checkpoint_dir:
         train += ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every", str(args.checkpoint_every)]
-    if args.resume:
+    if resume:
         train.append("--resume")
     if args.output:
         train += ["-o", args.output]
-    print("\n".join(launch_lines(layout, train, args.rdzv_endpoint)))
+    return train
+
+
+def _print_launch_lines(args: argparse.Namespace, layout: Layout) -> int:
+    """The torchrun line of every node of the plan, this command's options carried over."""
+    print("\n".join(launch_lines(layout, _train_args(args, args.plan, args.resume), args.rdzv_endpoint)))
     return 0
+
+
+def _train(args: argparse.Namespace, plan: Plan, config: Any, run: Any) -> dict[str, Any] | None:
+    """Train locally or under torchrun; a lost rank under ``--local`` also prints (on stdout) the
+    commands that continue the run without its device, before the one-line error."""
+    from runtime.launch import RankFailed, train_distributed, train_local
+
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.local and under_torchrun:
+        raise PartitionerError("--local starts its own processes; do not combine it with torchrun")
+    if not args.local and not under_torchrun:
+        raise PartitionerError("run under torchrun (RANK and WORLD_SIZE set) or pass --local to start one "
+                               "process per plan device on this machine")
+    if not args.local:
+        return train_distributed(plan, config, run=run)
+    try:
+        return train_local(plan, config, run=run)
+    except RankFailed as err:
+        print("\n".join(continue_lines(args, run.layout.ranks[err.rank].device)), flush=True)
+        raise
+
+
+def continue_lines(args: argparse.Namespace, device: str) -> list[str]:
+    """What to run to continue without ``device``: ``partitioner replan`` of the plan without it,
+    then this training on the new plan with ``--resume`` (from the last complete checkpoint)."""
+    root, ext = os.path.splitext(args.plan)
+    new_plan = f"{root}-without-{device.replace(':', '_')}{ext or '.json'}"
+    replan = ["partitioner", "replan", args.plan, "--profile", args.profile, "--cluster", args.cluster,
+              "--without", device, "-o", new_plan]
+    train = ["partitioner", "train", *_train_args(args, new_plan, bool(args.checkpoint_dir)), "--local"]
+    where = (f"from the last complete checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else
+             "from step 0: this run wrote no checkpoints (no --checkpoint-dir)")
+    return [f"device {device} is lost; to continue without it, re-plan and resume {where}:",
+            f"  {shlex.join(replan)}", f"  {shlex.join(train)}"]
 
 
 def launch_lines(layout: Layout, train_args: Sequence[str], rdzv_endpoint: str, rdzv_id: str = "partitioner"

@@ -1,20 +1,23 @@
-"""Checkpoints of a training run: one file per rank and step, and a manifest that completes them.
+"""Checkpoints that do not depend on the plan: written by any plan, loaded into any other.
 
 Layout under the checkpoint directory ``D``::
 
-    D/step-00000020/rank0.pt   rank 0's stages (weights, buffers) and optimizer state
-    D/step-00000020/rank1.pt
-    D/step-00000020/manifest.json   written by rank 0 after every rank has written its file
+    D/step-00000020/.metadata        torch.distributed.checkpoint's index of every tensor
+    D/step-00000020/__0_0.distcp     the tensors rank 0 wrote, __1_0.distcp rank 1's, ...
+    D/step-00000020/manifest.json    the plan, step, data position, and every file's size and SHA-256
 
-Every file is written to a temporary name in the same directory and renamed
-(``os.replace``), so a reader sees a whole file or none. A rank file holds the plan's hash
-(:func:`plan_sha256`: the SHA-256 of the plan's canonical JSON), the step (the number of
-optimizer steps done), the rank, each stage's ``state_dict`` and the optimizer's
-``state_dict``; it is read with ``torch.load(..., weights_only=True)``. A checkpoint is
-*complete* when its manifest exists and names every rank's file; resuming picks the last
-complete one, and a checkpoint of another plan is refused before any step. A damaged
-checkpoint (a manifest whose ``files`` or ``step`` is wrong, a rank file that cannot be read or
-does not hold this rank's stages and optimizer) is refused in one line naming the file.
+Every rank saves its stages' state by name (:mod:`runtime.named_state`: ``model.layers.<l>.*``,
+the optimizer's ``optim.layers.<l>.*``, its generator's ``rng.rank<r>``) in one collective
+``torch.distributed.checkpoint.save``; a layer held by several ranks (virtual workers,
+replicas: the same values) is written once. Loading reads, for each rank of any other plan, the
+names of the layers it holds: the checkpoint is resharded by name, and another split (cuts,
+stage count, virtual workers, replicas) resumes from it.
+
+Atomic: the ranks write into ``D/.partial-step-00000020``; rank 0 then hashes every file,
+writes the manifest (temporary file, rename) and renames the directory to
+``step-00000020``, so a step directory is complete or absent. Before a run resumes, every file
+the manifest names is checked (present, its size, its SHA-256): a missing, truncated or altered
+shard is refused in one line naming it, never a silent restart.
 """
 
 from __future__ import annotations
@@ -23,20 +26,27 @@ import hashlib
 import json
 import os
 import re
-import tempfile
-from collections.abc import Collection, Mapping
-from typing import Any, NoReturn
+import shutil
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from partitioner._io import atomic_write_text, req_field, req_int
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan
 
-__all__ = ["latest_complete", "load_rank", "plan_sha256", "restore_rank", "resume_step", "save_rank", "step_dir",
-           "write_manifest"]
+from .named_state import RNG, apply_state, rank_state, rng_key, wanted_state
 
-_FORMAT = "partitioner.checkpoint/1"
+__all__ = ["FORMAT", "Manifest", "check_resumable", "latest_complete", "load_state", "plan_sha256", "read_manifest", "restore",
+           "resume_step", "save_checkpoint", "step_dir", "verify"]
+
+FORMAT = "partitioner.checkpoint/2"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _DAMAGED = ("the checkpoint is damaged: remove its step directory to resume from the one before, or use another "
             "`checkpoint_dir`")
@@ -52,154 +62,284 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
 
 
-def _atomic(path: str, write: Any) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+def _partial_dir(root: str, step: int) -> str:
+    return os.path.join(root, f".partial-step-{step:08d}")
+
+
+def _num_layers(plan: Plan) -> int:
+    return max(st.stop for vw in plan.virtual_workers for st in vw.stages)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What completes a checkpoint: the step (optimizer steps done), the plan that wrote it, the
+    model, the data (kind and seed: step ``t``'s global batch is made from ``(seed, t)``, so the
+    step is the data position), the device of every rank that wrote it, and every file with its
+    size and SHA-256 (empty until rank 0 has hashed them)."""
+
+    step: int
+    plan: Plan
+    model: str
+    seed: int
+    data: str
+    devices: tuple[str, ...]
+    files: Mapping[str, tuple[int, str]] = field(default_factory=dict)  # name -> (bytes, sha256)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "files", dict(self.files))
+        if not (isinstance(self.step, int) and self.step >= 0):
+            raise FormatError("step", self.step, "must be an integer >= 0")
+        if not self.devices:
+            raise FormatError("devices", [], "must name the device of every rank that wrote the checkpoint")
+        for name, entry in self.files.items():
+            if not (isinstance(name, str) and name and "/" not in name and isinstance(entry, tuple) and len(entry) == 2
+                    and isinstance(entry[0], int) and entry[0] >= 0 and isinstance(entry[1], str) and len(entry[1]) == 64):
+                raise FormatError(f"files.{name}", entry, "must be [bytes, sha256] of a file of the step directory")
+
+    @property
+    def num_layers(self) -> int:
+        return _num_layers(self.plan)
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per step: micro-batch size x micro-batches x virtual workers."""
+        return self.plan.micro_batch_size * self.plan.micro_batches * len(self.plan.virtual_workers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "step": self.step, "model": self.model, "num_layers": self.num_layers,
+                "global_batch": self.global_batch, "data": {"kind": self.data, "seed": self.seed, "step": self.step},
+                "rng": f"{RNG}<r>: each writing rank's torch CPU generator", "devices": list(self.devices),
+                "plan_sha256": plan_sha256(self.plan), "plan": self.plan.to_dict(),
+                "files": {k: list(v) for k, v in sorted(self.files.items())}}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Manifest:
+        if not isinstance(d, dict):
+            raise FormatError("", expected="must be a JSON object")
+        fmt = d.get("format")
+        if fmt != FORMAT:
+            raise FormatError("format", fmt, f"must be {FORMAT} (a checkpoint of an earlier version cannot be "
+                              f"resumed by this one; start again with another `checkpoint_dir`)")
+        data = req_field(d, "data", dict)
+        files = req_field(d, "files", dict)
+        try:
+            plan = Plan.from_dict(req_field(d, "plan", dict))
+        except FormatError as err:
+            raise err.under("plan.") from None
+        return cls(step=req_int(d, "step", maximum=2**62), plan=plan, model=req_field(d, "model", str),
+                   seed=req_int(data, "seed", "data.", maximum=2**63), data=req_field(data, "kind", str, "data."),
+                   devices=tuple(req_field(d, "devices", list)),
+                   files={k: tuple(v) if isinstance(v, list) else v for k, v in files.items()})
+
+
+# -- saving (collective) -----------------------------------------------------------------------
+
+
+def save_checkpoint(root: str, manifest: Manifest, rank: int, by_layer: Mapping[int, nn.Module],
+                    optimizer: torch.optim.Optimizer | None) -> None:
+    """Every rank of the process group calls this after the same step: this rank's state by name
+    goes into the step's checkpoint; rank 0 completes it (hashes, manifest, rename). Returns when
+    the checkpoint is complete."""
+    import torch.distributed.checkpoint as dcp
+
+    partial = _partial_dir(root, manifest.step)
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a step begun by an earlier run that died
+        os.makedirs(partial)
+    dist.barrier()
+    state = rank_state(by_layer, optimizer, rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True, overwrite=True))
+    if rank == 0:
+        _complete(root, partial, manifest)
+    dist.barrier()
+
+
+def _complete(root: str, partial: str, manifest: Manifest) -> None:
+    """Rank 0, after every rank has written: the manifest, then the directory under its step's name."""
+    files = {name: _fingerprint(os.path.join(partial, name)) for name in sorted(os.listdir(partial))
+             if os.path.isfile(os.path.join(partial, name))}
+    done = Manifest(manifest.step, manifest.plan, manifest.model, manifest.seed, manifest.data, manifest.devices, files)
+    atomic_write_text(os.path.join(partial, MANIFEST), json.dumps(done.to_dict(), indent=1))
+    final = step_dir(root, manifest.step)
+    if os.path.exists(final):  # the same step written again (a run resumed before it): the new one replaces it
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial, final)
+    fd = os.open(root, os.O_RDONLY)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def save_rank(root: str, step: int, rank: int, plan_hash: str, stages: dict[int, dict[str, torch.Tensor]],
-              optimizer: dict[str, Any] | None) -> str:
-    """Write rank ``rank``'s checkpoint of ``step`` atomically; returns its path."""
-    state = {"format": _FORMAT, "plan_sha256": plan_hash, "step": step, "rank": rank,
-             "stages": {int(s): {k: v.detach().cpu() for k, v in sd.items()} for s, sd in stages.items()},
-             "optimizer": optimizer if optimizer is not None else {}}
-    path = os.path.join(step_dir(root, step), f"rank{rank}.pt")
-    _atomic(path, lambda f: torch.save(state, f))
-    return path
+def _fingerprint(path: str) -> tuple[int, str]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return os.path.getsize(path), h.hexdigest()
 
 
-def write_manifest(root: str, step: int, plan_hash: str, world_size: int) -> None:
-    """Mark checkpoint ``step`` complete (call after every rank has saved, e.g. after a barrier)."""
-    manifest = {"format": _FORMAT, "plan_sha256": plan_hash, "step": step, "world_size": world_size,
-                "files": [f"rank{r}.pt" for r in range(world_size)]}
-    _atomic(os.path.join(step_dir(root, step), "manifest.json"),
-            lambda f: f.write(json.dumps(manifest, indent=1).encode("utf-8")))
+# -- finding, checking -------------------------------------------------------------------------
 
 
-def latest_complete(root: str) -> dict[str, Any] | None:
+def latest_complete(root: str) -> Manifest | None:
     """The manifest of the last complete checkpoint under ``root`` (``None`` if there is none).
-    A manifest that cannot be read as a JSON object leaves its checkpoint incomplete; one whose
-    ``files`` or ``step`` is damaged is refused (:func:`_manifest`)."""
+    A step directory without a readable manifest is skipped; one whose manifest is damaged is
+    refused in one line naming it."""
     if not os.path.isdir(root):
         return None
     steps = sorted((int(m.group(1)) for name in os.listdir(root) if (m := _STEP_DIR.match(name))), reverse=True)
     for step in steps:
-        d = step_dir(root, step)
-        manifest = _manifest(d, step)
-        if manifest is not None and all(os.path.isfile(os.path.join(d, name)) for name in manifest["files"]):
+        manifest = read_manifest(step_dir(root, step), step)
+        if manifest is not None:
             return manifest
     return None
 
 
-def _manifest(d: str, step: int) -> dict[str, Any] | None:
-    """The manifest of checkpoint directory ``d`` (of step ``step``): ``None`` when it is missing
-    or not a JSON object; one line naming it when its ``files`` are not a list of file names or
-    its ``step`` is not the directory's."""
-    path = os.path.join(d, "manifest.json")
+def read_manifest(d: str, step: int) -> Manifest | None:
+    """The manifest of step directory ``d`` (of step ``step``): ``None`` when it is missing or not
+    JSON; one line naming it when it is damaged (a field missing or wrong, its step not the
+    directory's, no files)."""
+    path = os.path.join(d, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+            raw = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict):
-        return None
-    files = manifest.get("files")
-    if not (isinstance(files, list) and files and all(isinstance(n, str) and n for n in files)):
-        _refuse(manifest, "files", f"must list the checkpoint's rank files (rank0.pt, rank1.pt, ...); {_DAMAGED}", path)
-    got = manifest.get("step")
-    if not (isinstance(got, int) and not isinstance(got, bool) and got == step):
-        _refuse(manifest, "step", f"must be {step}, the step of its directory; {_DAMAGED}", path)
+    try:
+        manifest = Manifest.from_dict(raw)
+    except FormatError as err:
+        why = err.expected if err.field == "format" else f"{err.expected}; {_DAMAGED}" if err.expected else _DAMAGED
+        raise FormatError(err.field, err.value, why, file=path) from None
+    if manifest.step != step:
+        raise FormatError("step", manifest.step, f"must be {step}, the step of its directory; {_DAMAGED}", file=path)
+    if not manifest.files:
+        raise FormatError("files", {}, f"must list the checkpoint's files; {_DAMAGED}", file=path)
     return manifest
 
 
-def _refuse(manifest: dict[str, Any], key: str, expected: str, path: str) -> NoReturn:
-    """One line naming the manifest ``path``, its field ``key`` (its value, or that it is missing) and ``expected``."""
-    if key in manifest:
-        raise FormatError(key, manifest[key], expected, file=path)
-    raise FormatError(key, expected=expected, file=path)
+def verify(root: str, manifest: Manifest) -> None:
+    """Refuse, in one line naming the file, a checkpoint whose files are not those its manifest
+    lists: missing, of another size (truncated), or of other bytes."""
+    d = step_dir(root, manifest.step)
+    for name, (size, digest) in sorted(manifest.files.items()):
+        path = os.path.join(d, name)
+        if not os.path.isfile(path):
+            raise PartitionerError(f"{path}: missing (the manifest lists it); {_DAMAGED}")
+        got = os.path.getsize(path)
+        if got != size:
+            raise PartitionerError(f"{path}: {got} bytes, the manifest says {size} (a truncated or damaged shard); "
+                                   f"{_DAMAGED}")
+        if _fingerprint(path)[1] != digest:
+            raise PartitionerError(f"{path}: its SHA-256 is not the manifest's (the shard was altered); {_DAMAGED}")
 
 
-def resume_step(root: str, plan: Plan, world_size: int) -> int:
-    """The step to resume from (0 when ``root`` holds no complete checkpoint); refuses, in one
-    line, a checkpoint of another plan or of another number of processes."""
+def check_resumable(root: str, manifest: Manifest, plan: Plan, model: str, seed: int, data: str) -> None:
+    """Refuse, in one line naming the manifest, resuming ``plan`` from ``manifest``: another
+    model or layer count, or another data order (kind, seed or global batch)."""
+    where = os.path.join(step_dir(root, manifest.step), MANIFEST)
+    layers = _num_layers(plan)
+    if manifest.model != model or manifest.num_layers != layers:
+        raise PartitionerError(f"{where}: model = {manifest.model!r} ({manifest.num_layers} layers): this run "
+                               f"trains {model!r} ({layers} layers); resume the model it was trained on")
+    new_batch = plan.micro_batch_size * plan.micro_batches * len(plan.virtual_workers)
+    if manifest.global_batch != new_batch:
+        p = manifest.plan
+        raise PartitionerError(
+            f"{where}: global_batch = {manifest.global_batch} ({len(p.virtual_workers)} virtual worker(s) x "
+            f"{p.micro_batches} micro-batches x {p.micro_batch_size}): this plan's is {new_batch} "
+            f"({len(plan.virtual_workers)} x {plan.micro_batches} x {plan.micro_batch_size}); the data order "
+            f"needs the same global batch (plan with `micro_batches` = global batch / (micro-batch size x virtual "
+            f"workers))")
+    if (manifest.data, manifest.seed) != (data, seed):
+        raise PartitionerError(f"{where}: data = {manifest.data}, seed {manifest.seed}: this run's are {data}, seed "
+                               f"{seed}; resume with the same data and `seed`")
+
+
+def resume_step(root: str, plan: Plan, model: str, seed: int, data: str) -> int:
+    """The step to resume from (0 when ``root`` holds no complete checkpoint), its files verified
+    and its model and data order those of this run (:func:`check_resumable`); the plan may differ."""
     manifest = latest_complete(root)
     if manifest is None:
         return 0
-    where = os.path.join(step_dir(root, manifest["step"]), "manifest.json")
-    if manifest.get("plan_sha256") != plan_sha256(plan):
-        raise PartitionerError(f"{where}: plan_sha256 = {str(manifest.get('plan_sha256'))[:12]}...: the checkpoint "
-                               f"is of another plan (this plan's is {plan_sha256(plan)[:12]}...); resume with the "
-                               f"plan it was trained with, or use another `checkpoint_dir`")
-    if manifest.get("world_size") != world_size:
-        raise PartitionerError(f"{where}: world_size = {manifest.get('world_size')}: this run has {world_size} "
-                               f"processes")
-    return int(manifest["step"])
+    check_resumable(root, manifest, plan, model, seed, data)
+    verify(root, manifest)
+    return manifest.step
 
 
-def load_rank(root: str, step: int, rank: int, plan_hash: str, stages: Collection[int] = ()) -> dict[str, Any]:
-    """Rank ``rank``'s checkpoint of ``step`` (``weights_only``), checked against ``plan_hash``
-    and, when ``stages`` are named, holding the weights of each and an optimizer state."""
-    path = os.path.join(step_dir(root, step), f"rank{rank}.pt")
+# -- loading -----------------------------------------------------------------------------------
+
+
+def _stored(d: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of checkpoint directory ``d``: name -> (shape, dtype)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # whatever the loader raises, the file is not a checkpoint it can read
-        why = "the file is empty" if os.path.isfile(path) and os.path.getsize(path) == 0 else _detail(err)
-        raise PartitionerError(f"{path}: cannot be read ({why}); {_DAMAGED}") from None
-    if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise PartitionerError(f"{path}: format = {state.get('format') if isinstance(state, dict) else None!r}: "
-                               f"not a {_FORMAT} file")
-    if state.get("plan_sha256") != plan_hash or state.get("step") != step or state.get("rank") != rank:
-        raise PartitionerError(f"{path}: plan_sha256/step/rank = {str(state.get('plan_sha256'))[:12]}.../"
-                               f"{state.get('step')}/{state.get('rank')}: expected {plan_hash[:12]}.../{step}/{rank}")
-    if stages:
-        _check_held(path, state, rank, stages)
+        meta = dcp.FileSystemReader(d).read_metadata()
+    except Exception as err:  # whatever the reader raises, the index cannot be read
+        raise PartitionerError(f"{os.path.join(d, '.metadata')}: cannot be read ({_detail(err)}); {_DAMAGED}") from None
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
+
+
+def _read(d: str, state: dict[str, torch.Tensor]) -> None:
+    """Read ``state``'s tensors (by name) from checkpoint directory ``d``, in this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(d), no_dist=True)
+    except (Exception, CheckpointException) as err:  # a shard that cannot be read as its index says
+        raise PartitionerError(f"{d}: cannot be read ({_detail(err)}); {_DAMAGED}") from None
+
+
+def restore(root: str, step: int, rank: int, by_layer: Mapping[int, nn.Module],
+            optimizer: torch.optim.Optimizer | None, *, same_ranks: bool = False) -> None:
+    """Load checkpoint ``step`` into this rank's layers (``by_layer``: global layer index ->
+    module) and ``optimizer``, by name, whatever plan wrote it; with ``same_ranks`` (the
+    checkpoint was written by ranks on these same devices) this rank's generator state too."""
+    d = step_dir(root, step)
+    stored = _stored(d)
+    try:
+        state = wanted_state(by_layer, optimizer, stored)
+    except PartitionerError as err:
+        raise PartitionerError(f"{d}: {err}") from None
+    if same_ranks and rng_key(rank) in stored:
+        state[rng_key(rank)] = torch.empty(stored[rng_key(rank)][0], dtype=stored[rng_key(rank)][1])
+    _read(d, state)
+    try:
+        apply_state(by_layer, optimizer, state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as err:
+        raise PartitionerError(f"{d}: does not fit rank {rank}'s layers ({_detail(err)}); {_DAMAGED}") from None
+    if rng_key(rank) in state:
+        torch.set_rng_state(state[rng_key(rank)])
+
+
+def load_state(root: str, step: int) -> dict[str, torch.Tensor]:
+    """Every tensor of checkpoint ``step``, by name (for comparisons and inspection)."""
+    d = step_dir(root, step)
+    state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in _stored(d).items()}
+    _read(d, state)
     return state
 
 
-def _check_held(path: str, state: dict[str, Any], rank: int, stages: Collection[int]) -> None:
-    """Refuse, in one line naming the file, a rank checkpoint without the weights of every stage
-    in ``stages`` or without an optimizer state."""
-    held = state.get("stages")
-    if not isinstance(held, dict) or any(not isinstance(held.get(s), dict) for s in stages):
-        shown = sorted(held) if isinstance(held, dict) else held
-        raise FormatError("stages", shown, f"must hold the weights of stage(s) {', '.join(map(str, sorted(stages)))} "
-                          f"(rank {rank}'s); {_DAMAGED}", file=path)
-    if not isinstance(state.get("optimizer"), dict):
-        raise FormatError("optimizer", state.get("optimizer"), f"must be the optimizer's state (a dict); {_DAMAGED}",
-                          file=path)
-
-
-def restore_rank(root: str, step: int, rank: int, plan_hash: str, modules: Mapping[int, nn.Module],
-                 optimizer: torch.optim.Optimizer | None) -> None:
-    """Load rank ``rank``'s checkpoint of ``step`` into its stage ``modules`` and ``optimizer``;
-    one line naming the file for a checkpoint that does not fit them."""
-    path = os.path.join(step_dir(root, step), f"rank{rank}.pt")
-    state = load_rank(root, step, rank, plan_hash, stages=modules.keys())
-    for s, mod in modules.items():
-        try:
-            mod.load_state_dict(state["stages"][s])
-        except (RuntimeError, ValueError, KeyError, TypeError) as err:
-            raise PartitionerError(f"{path}: stages[{s}] does not fit stage {s} of this plan "
-                                   f"({_detail(err)}); {_DAMAGED}") from None
-    if optimizer is not None:
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
-            raise PartitionerError(f"{path}: optimizer does not fit this rank's optimizer ({_detail(err)}); "
-                                   f"{_DAMAGED}") from None
-
-
 def _detail(err: BaseException) -> str:
-    """``Type: message`` of ``err`` on one line (at most 200 characters of the message)."""
+    """``Type: message`` of ``err`` on one line (at most 200 characters of the message); of a
+    checkpoint exception, the last line of the first rank's failure."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else first
     text = " ".join(str(err).split())
     return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__

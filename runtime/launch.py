@@ -46,7 +46,7 @@ from .run import RunSpec, TrainConfig, chain_for, check_checkpoints, check_world
 from .stage import LayerChain
 
 # (TrainConfig, RunSpec, the checks and run_rank are defined in runtime.run and runtime.rank, and named here too)
-__all__ = ["FAULT_ENV", "RunSpec", "TrainConfig", "check_checkpoints", "check_world_size", "free_port", "gather_json",
+__all__ = ["FAULT_ENV", "RankFailed", "RunSpec", "TrainConfig", "check_checkpoints", "check_world_size", "free_port", "gather_json",
            "prepare", "run_rank", "spawn_local", "train_distributed", "train_local"]
 
 def prepare(plan: Plan, config: TrainConfig, chain: LayerChain | None = None) -> RunSpec:
@@ -308,6 +308,14 @@ def _exception_line(trace: str) -> str:
     return line
 
 
+class RankFailed(PartitionerError):
+    """A local process died (killed, exited) or raised: its ``rank``, and one line that names it."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, backend: str = "gloo",
                 threads: int = 1, timeout_s: float = 300.0, start_method: str = "spawn", pin_cpu: bool = False,
                 rank_names: list[str] | None = None) -> None:
@@ -336,11 +344,11 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),
             except mp.ProcessExitedException as err:
                 how = (f"was killed by signal {err.signal_name}" if err.signal_name
                        else f"exited with code {err.exit_code}")
-                raise PartitionerError(f"rank {err.error_index}{names(err.error_index)} {how}; "
-                                       f"the other processes were stopped") from None
+                raise RankFailed(err.error_index, f"rank {err.error_index}{names(err.error_index)} {how}; "
+                                 f"the other processes were stopped") from None
             except mp.ProcessRaisedException as err:
-                raise PartitionerError(f"rank {err.error_index}{names(err.error_index)} failed: "
-                                       f"{_exception_line(str(err))}") from None
+                raise RankFailed(err.error_index, f"rank {err.error_index}{names(err.error_index)} failed: "
+                                 f"{_exception_line(str(err))}") from None
             if time.monotonic() > deadline:
                 for proc in ctx.processes:
                     if proc.is_alive():

@@ -33,7 +33,7 @@ from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
 from partitioner.schedule import Action, F, MicroBatching, spec
 
-from .checkpoint import plan_sha256, restore_rank, resume_step, save_rank, write_manifest
+from .checkpoint import Manifest, latest_complete, restore, save_checkpoint
 from .data import DataSource, make_data
 from .dataparallel import GradientAverager
 from .emulation import LinkDelay, Stretch
@@ -191,8 +191,7 @@ class PipelineRun(RankRun):
         ctx, config = self.ctx, self.ctx.config
         params = [q for mod in ctx.modules.values() for q in mod.parameters()]
         optimizer = torch.optim.SGD(params, lr=config.lr) if params else None
-        plan_hash = plan_sha256(ctx.run.plan)
-        self.first = self._resume(optimizer, plan_hash)
+        self.first = self._resume(optimizer)
         averager = GradientAverager(ctx.layout, ctx.rank, ctx.by_layer)
         averager.delay = _link_delay(config, ctx.layout)
         self.averager = averager
@@ -203,7 +202,7 @@ class PipelineRun(RankRun):
         actions = ctx.layout.actions(ctx.rank)
         self.figures["micro_batches"] = sorted({a.micro_batch for a in actions if a.kind == F})
         versions: list[dict[int, dict[str, torch.Tensor]]] | None = [] if config.eval_global else None
-        self.figures["end_s"] = self._steps(executor, averager, actions, optimizer, plan_hash, versions)
+        self.figures["end_s"] = self._steps(executor, averager, actions, optimizer, versions)
         self.figures["link_slept_s"] = averager.delay.slept_s if averager.delay is not None else 0.0
         if versions is not None and len(ctx.me.stages) == ctx.num_stages:
             self.figures["global_eval"] = [[self.first + k, x] for k, x in enumerate(
@@ -214,23 +213,27 @@ class PipelineRun(RankRun):
         ran, warmup = len(self.step_s), self.ctx.config.warmup
         return ran - warmup if ran > warmup else max(ran, 1)
 
-    def _resume(self, optimizer: torch.optim.Optimizer | None, plan_hash: str) -> int:
+    def _resume(self, optimizer: torch.optim.Optimizer | None) -> int:
         """The step this run starts at, agreed by every rank (rank 0's last complete checkpoint
-        with ``resume``), with this rank's stages and optimizer loaded from it."""
+        with ``resume``, checked before any process started), with this rank's layers and
+        optimizer state loaded from it by name, whatever plan wrote it (its generator state too
+        when the checkpoint's ranks were on this run's devices)."""
         ctx, config = self.ctx, self.ctx.config
         if not (config.checkpoint_dir and config.resume):
             return 0
-        found = resume_step(config.checkpoint_dir, ctx.run.plan, ctx.layout.world_size) if ctx.rank == 0 else 0
-        agreed = torch.tensor([found], device=ctx.device)
+        manifest = latest_complete(config.checkpoint_dir) if ctx.rank == 0 else None
+        agreed = torch.tensor([manifest.step if manifest is not None else 0], device=ctx.device)
         dist.broadcast(agreed, 0)
         first = int(agreed.item())
         if first:
-            restore_rank(config.checkpoint_dir, first, ctx.rank, plan_hash, ctx.modules, optimizer)
+            manifest = latest_complete(config.checkpoint_dir) if manifest is None else manifest
+            same = manifest is not None and manifest.devices == tuple(r.device for r in ctx.layout.ranks)
+            restore(config.checkpoint_dir, first, ctx.rank, ctx.by_layer, optimizer, same_ranks=same)
             log.info("rank %d resumes from step %d", ctx.rank, first)
         return first
 
     def _steps(self, executor: PipelineExecutor, averager: GradientAverager, actions: list[Action],
-               optimizer: torch.optim.Optimizer | None, plan_hash: str,
+               optimizer: torch.optim.Optimizer | None,
                versions: list[dict[int, dict[str, torch.Tensor]]] | None) -> list[float]:
         """The step loop: every step timed between two barriers, its weights recorded when asked,
         a checkpoint when one is due. Returns the seconds from the run's start to every step's end."""
@@ -259,7 +262,7 @@ class PipelineRun(RankRun):
                 versions.append({s: {n: q.detach().clone() for n, q in mod.named_parameters()}
                                  for s, mod in ctx.modules.items()})
             self._tick(bar, executor)
-            self._checkpoint(step + 1, optimizer, plan_hash)
+            self._checkpoint(step + 1, optimizer)
         if bar is not None:
             bar.close()
         return end_s
@@ -286,19 +289,17 @@ class PipelineRun(RankRun):
             bar.set_postfix(loss=f"{executor.losses[-1]:.4f}", refresh=False)
         bar.update(1)
 
-    def _checkpoint(self, done: int, optimizer: torch.optim.Optimizer | None, plan_hash: str) -> None:
-        """After step ``done``: this rank's checkpoint when one is due (every ``checkpoint_every``
-        steps and at the end), then, when every rank has written, rank 0's manifest."""
+    def _checkpoint(self, done: int, optimizer: torch.optim.Optimizer | None) -> None:
+        """After step ``done``, when a checkpoint is due (every ``checkpoint_every`` steps and at
+        the end): every rank's layers and optimizer state by name, in one collective checkpoint
+        (:func:`runtime.checkpoint.save_checkpoint`)."""
         ctx, config = self.ctx, self.ctx.config
         every = config.checkpoint_every
         if not (config.checkpoint_dir and ((every and done % every == 0) or done == config.steps)):
             return
-        save_rank(config.checkpoint_dir, done, ctx.rank, plan_hash,
-                  {s: mod.state_dict() for s, mod in ctx.modules.items()},
-                  optimizer.state_dict() if optimizer is not None else None)
-        dist.barrier()
-        if ctx.rank == 0:
-            write_manifest(config.checkpoint_dir, done, plan_hash, ctx.layout.world_size)
+        manifest = Manifest(done, ctx.run.plan, config.model, config.seed, config.data,
+                            tuple(r.device for r in ctx.layout.ranks))
+        save_checkpoint(config.checkpoint_dir, manifest, ctx.rank, ctx.by_layer, optimizer)
 
 
 class _OneListRun(RankRun):

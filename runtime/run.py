@@ -141,7 +141,7 @@ def check_checkpoints(plan: Plan, config: TrainConfig, world_size: int) -> int:
                                f"{plan.schedule} runs its iterations as one action list without a point where all "
                                f"ranks agree on the weights")
     check_checkpoint_dir(config.checkpoint_dir)
-    start = resume_step(config.checkpoint_dir, plan, world_size) if config.resume else 0
+    start = resume_step(config.checkpoint_dir, plan, config.model, config.seed, config.data) if config.resume else 0
     if start >= config.steps:
         raise PartitionerError(f"{config.checkpoint_dir}: the last complete checkpoint is of step {start}, "
                                f"not before `steps` {config.steps}; ask for more steps")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shlex
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +17,7 @@ from partitioner.errors import PartitionerError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner_cli import main as cli
-from runtime.checkpoint import (
-    latest_complete,
-    load_rank,
-    plan_sha256,
-    restore_rank,
-    save_rank,
-    step_dir,
-    write_manifest,
-)
+from runtime.checkpoint import latest_complete, load_state, plan_sha256, step_dir
 from runtime.launch import FAULT_ENV, TrainConfig, train_local
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,17 +59,34 @@ def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
     monkeypatch.setenv(FAULT_ENV, "1:3")
     rc = cli.main([*_cli_args(tmp_path), "--steps", "5", "--lr", "0.3", "--checkpoint-dir", str(ckpt),
                    "--checkpoint-every", "2"])
-    err = capsys.readouterr().err.strip()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert rc != 0
     assert len(err.splitlines()) == 1, err
     assert "rank 1 (device n0:1) was killed by signal SIGKILL" in err
     manifest = latest_complete(str(ckpt))
-    assert manifest is not None and manifest["step"] == 2 and manifest["plan_sha256"] == plan_sha256(PLAN)
+    assert manifest is not None and manifest.step == 2 and plan_sha256(manifest.plan) == plan_sha256(PLAN)
     monkeypatch.delenv(FAULT_ENV)
+    # the commands that continue without the lost device, printed on stdout, do: re-plan, then resume at step 2
+    said = captured.out.splitlines()
+    assert said[-3].startswith("device n0:1 is lost; to continue without it, re-plan and resume from the last")
+    replan_cmd, train_cmd = shlex.split(said[-2]), shlex.split(said[-1])
+    assert replan_cmd[:3] == ["partitioner", "replan", str(tmp_path / "plan.json")] and "--without" in replan_cmd
+    assert cli.main(replan_cmd[1:]) == 0
+    new_plan = Plan.load(replan_cmd[replan_cmd.index("-o") + 1])
+    assert new_plan.devices == ("n0:0",) and new_plan.micro_batches * new_plan.micro_batch_size == 4
+    capsys.readouterr()
+    assert "--resume" in train_cmd and cli.main(train_cmd[1:]) == 0
+    assert "resumed at step 2" in capsys.readouterr().out
+    assert latest_complete(str(ckpt)).plan == new_plan  # type: ignore[union-attr]
+    for step in (4, 5):  # what follows resumes the first plan from step 2 again
+        shutil.rmtree(step_dir(str(ckpt), step))
 
-    # an incomplete later checkpoint (rank 1's file missing, no manifest) is not resumed from
-    save_rank(str(ckpt), 4, 0, plan_sha256(PLAN), {0: {"w": torch.zeros(1)}}, None)
-    assert latest_complete(str(ckpt))["step"] == 2  # type: ignore[index]
+    # a checkpoint begun and not completed (its ranks' files, no manifest, not renamed) is not resumed from
+    partial = ckpt / ".partial-step-00000004"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"x")
+    assert latest_complete(str(ckpt)).step == 2  # type: ignore[union-attr]
 
     resumed_dir, straight_dir = tmp_path / "resumed", tmp_path / "straight"
     resumed_dir.mkdir()
@@ -91,34 +102,53 @@ def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
     assert set(a) == set(b)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=k)
-    # the end of the resumed run is a complete checkpoint too, readable with weights_only
-    assert latest_complete(str(ckpt))["step"] == 5  # type: ignore[index]
-    state = load_rank(str(ckpt), 5, 1, plan_sha256(PLAN))
-    assert state["step"] == 5 and set(state["stages"]) == {1}
+    # the end of the resumed run is a complete checkpoint too, every layer in it by name
+    assert latest_complete(str(ckpt)).step == 5  # type: ignore[union-attr]
+    assert {k.split(".")[2] for k in load_state(str(ckpt), 5) if k.startswith("model.")} == {"0", "1", "2", "3"}
 
-    # a checkpoint of another plan is refused before any process starts
+    # a plan of another global batch is refused before any process starts (the data order would change)
     other = Plan("gpt2-tiny", PLAN.virtual_workers, micro_batch_size=2, micro_batches=4)
-    with pytest.raises(PartitionerError, match=r"manifest.json: plan_sha256 = .*the checkpoint is of another plan"):
-        train_local(other, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=str(ckpt), resume=True),  # type: ignore[arg-type]
-                    start_method="fork")
+    with pytest.raises(PartitionerError, match=r"manifest.json: global_batch = 4 .*: this plan's is 8"):
+        train_local(other, TrainConfig("gpt2-tiny", **{**cfg, "steps": 8}, checkpoint_dir=str(ckpt),  # type: ignore[arg-type]
+                                       resume=True), start_method="fork")
     # and one that already reached --steps
     with pytest.raises(PartitionerError, match="the last complete checkpoint is of step 5, not before `steps` 5"):
         train_local(PLAN, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=str(ckpt), resume=True),  # type: ignore[arg-type]
                     start_method="fork")
 
 
-def test_checkpoint_files_are_atomic_and_checked(tmp_path: Path) -> None:
-    h = plan_sha256(PLAN)
-    path = save_rank(str(tmp_path), 3, 1, h, {1: {"w": torch.ones(2)}}, {"state": {}, "param_groups": []})
-    assert os.listdir(step_dir(str(tmp_path), 3)) == ["rank1.pt"]  # no temporary left behind
-    assert latest_complete(str(tmp_path)) is None  # no manifest yet
-    torch.testing.assert_close(load_rank(str(tmp_path), 3, 1, h)["stages"][1]["w"], torch.ones(2))
-    with pytest.raises(PartitionerError, match=r"rank1\.pt: plan_sha256/step/rank"):
-        load_rank(str(tmp_path), 3, 1, "0" * 64)
-    Path(path).write_bytes(b"not a checkpoint")
-    with pytest.raises(PartitionerError, match=r"rank1\.pt: cannot be read"):
-        load_rank(str(tmp_path), 3, 1, h)
+# plans of the same global batch (4 samples) that split gpt2-tiny otherwise
+OTHER_CUTS = Plan("gpt2-tiny", (worker([0, 1, 4], ["n0:1", "n0:0"]),), micro_batch_size=2, micro_batches=2)
+THREE_STAGES = Plan("gpt2-tiny", (worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"]),), micro_batch_size=2,
+                    micro_batches=2)
+TWO_WORKERS = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]), worker([0, 3, 4], ["n0:2", "n0:3"])),
+                   micro_batch_size=2, micro_batches=1)
+
+
+@pytest.mark.parametrize("new_plan", [OTHER_CUTS, THREE_STAGES, TWO_WORKERS],
+                         ids=["other-cuts", "three-stages", "two-workers"])
+def test_resume_on_another_plan_continues_the_run(new_plan: Plan, tmp_path: Path) -> None:
+    cfg = dict(warmup=0, lr=0.3, threads=1, timeout_s=120, progress=False)
+    ckpt = str(tmp_path / "ckpt")
+    train_local(PLAN, TrainConfig("gpt2-tiny", steps=2, checkpoint_dir=ckpt, **cfg),  # type: ignore[arg-type]
+                start_method="fork")
+    saved = load_state(ckpt, 2)
+    resumed = train_local(new_plan, TrainConfig("gpt2-tiny", steps=4, checkpoint_dir=ckpt, resume=True,  # type: ignore[arg-type]
+                                                checkpoint_every=3, **cfg), start_method="fork")
+    straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=4, **cfg), start_method="fork")  # type: ignore[arg-type]
+    assert resumed["first_step"] == 2 and len(resumed["loss"]) == 2
+    # the same data, the same weights: the losses go on as the run on the first plan did (up to the order of sums)
+    assert resumed["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
+    assert resumed["world_size"] == len(new_plan.devices)
+    # the new plan's checkpoint holds every layer once, by the same names
+    again = load_state(ckpt, 3)
+    assert {k for k in again if k.startswith("model.")} == {k for k in saved if k.startswith("model.")}
+    assert latest_complete(ckpt).plan == new_plan  # type: ignore[union-attr]
+
+
+def test_checkpoint_hash_is_of_the_canonical_plan() -> None:
     # the plan hash is that of the canonical JSON: key order and spacing do not matter
+    h = plan_sha256(PLAN)
     assert plan_sha256(Plan.from_dict(json.loads(json.dumps(PLAN.to_dict(), indent=3)))) == h
 
 
@@ -199,7 +229,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path
     straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120),
                            start_method="fork")
     assert m["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
-    assert latest_complete(str(ckpt))["step"] == 5  # type: ignore[index]
+    assert latest_complete(str(ckpt)).step == 5  # type: ignore[union-attr]
 
 
 # -- an unusable checkpoint directory, damaged checkpoints --------------------------------------
@@ -229,20 +259,19 @@ def test_unusable_checkpoint_dir_is_refused_before_any_step(tmp_path: Path, caps
     assert json.loads(Path(args[1]).read_text())["model"] == "gpt2-tiny"  # the plan is untouched
 
 
-def _checkpoint(root: Path, step: int = 2) -> None:
-    """A complete checkpoint of PLAN's two ranks at ``step`` (stage s holds one weight)."""
-    h = plan_sha256(PLAN)
-    for r in (0, 1):
-        save_rank(str(root), step, r, h, {r: {"w": torch.ones(2)}}, {"state": {}, "param_groups": []})
-    write_manifest(str(root), step, h, 2)
+def _checkpoint(root: Path) -> None:
+    """A complete checkpoint of PLAN at step 2."""
+    train_local(PLAN, TrainConfig("gpt2-tiny", steps=2, warmup=0, threads=1, timeout_s=120, progress=False,
+                                  checkpoint_dir=str(root)), start_method="fork")
 
 
 @pytest.mark.parametrize(("damage", "expect"), [
-    (lambda m: m.pop("files"), r"manifest\.json: files is missing: must list the checkpoint's rank files"),
-    (lambda m: m.update(files="rank0.pt"), r"manifest\.json: files = 'rank0\.pt': must list"),
-    (lambda m: m.update(step="two"), r"manifest\.json: step = 'two': must be 2, the step of its directory"),
-    (lambda m: m.pop("step"), r"manifest\.json: step is missing: must be 2"),
-    (lambda m: m.update(step=7), r"manifest\.json: step = 7: must be 2"),
+    (lambda m: m.pop("files"), r"manifest\.json: files is missing: the checkpoint is damaged"),
+    (lambda m: m.update(files="rank0.pt"), r"manifest\.json: files = 'rank0\.pt': must be of type dict"),
+    (lambda m: m.update(files={}), r"manifest\.json: files = \{\}: must list the checkpoint's files"),
+    (lambda m: m.update(step="two"), r"manifest\.json: step = 'two': must be of type int"),
+    (lambda m: m.pop("step"), r"manifest\.json: step is missing"),
+    (lambda m: m.update(step=7), r"manifest\.json: step = 7: must be 2, the step of its directory"),
 ])
 def test_a_damaged_manifest_is_one_line_naming_it(damage: Any, expect: str, tmp_path: Path) -> None:
     from runtime.launch import check_checkpoints
@@ -258,26 +287,24 @@ def test_a_damaged_manifest_is_one_line_naming_it(damage: Any, expect: str, tmp_
     assert "the checkpoint is damaged" in str(err.value)
 
 
-def test_a_damaged_rank_file_is_one_line_naming_it(tmp_path: Path) -> None:
-    h = plan_sha256(PLAN)
+def test_a_checkpoint_of_the_former_per_rank_format_is_refused(tmp_path: Path) -> None:
+    from runtime.launch import check_checkpoints
+
+    d = Path(step_dir(str(tmp_path), 2))
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text(json.dumps({"format": "partitioner.checkpoint/1", "step": 2,
+                                                 "files": ["rank0.pt", "rank1.pt"]}))
+    with pytest.raises(PartitionerError, match=r"manifest\.json: format = 'partitioner\.checkpoint/1': must be "
+                                               r"partitioner\.checkpoint/2 \(a checkpoint of an earlier version"):
+        check_checkpoints(PLAN, TrainConfig("gpt2-tiny", steps=5, checkpoint_dir=str(tmp_path), resume=True), 2)
+
+
+def test_a_damaged_shard_is_refused_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.launch as launch
+
     _checkpoint(tmp_path)
-    rank0 = Path(step_dir(str(tmp_path), 2)) / "rank0.pt"
-    modules = {0: torch.nn.Sequential(torch.nn.Linear(2, 2))}
-    optimizer = torch.optim.SGD(modules[0].parameters(), lr=0.1)
-
-    def refused() -> str:
-        with pytest.raises(PartitionerError) as err:
-            restore_rank(str(tmp_path), 2, 0, h, modules, optimizer)
-        line = str(err.value)
-        assert line.startswith(str(rank0)) and len(line.splitlines()) == 1, line
-        return line
-
-    assert "stages[0] does not fit stage 0 of this plan" in refused()  # weights of another model
-    save_rank(str(tmp_path), 2, 0, h, {}, None)  # a file without stages
-    assert ": stages = []: must hold the weights of stage(s) 0 (rank 0's)" in refused()
-    save_rank(str(tmp_path), 2, 0, h, {0: modules[0].state_dict()}, {})  # an empty optimizer state
-    assert ": optimizer does not fit this rank's optimizer (KeyError" in refused()
-    rank0.write_bytes(b"")
-    assert ": cannot be read (the file is empty)" in refused()
-    save_rank(str(tmp_path), 2, 0, h, {0: modules[0].state_dict()}, optimizer.state_dict())
-    restore_rank(str(tmp_path), 2, 0, h, modules, optimizer)  # a whole one loads
+    shard = Path(step_dir(str(tmp_path), 2)) / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    monkeypatch.setattr(launch, "spawn_local", lambda *a, **k: pytest.fail("a process was started"))
+    with pytest.raises(PartitionerError, match=r"__1_0\.distcp: 100 bytes, the manifest says \d+ \(a truncated"):
+        train_local(PLAN, TrainConfig("gpt2-tiny", steps=5, checkpoint_dir=str(tmp_path), resume=True))
