@@ -118,7 +118,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               needs=(str(SHARED / "sailor_opt350"),)),
     Benchmark("sailor_h2h", "our tensor/pipeline/data-parallel search against Sailor's chosen plans on its three "
               "OPT-350M problems (global batch 1,024), both simulated here; planning time and certificate",
-              _script("sailor_h2h", "--time-limit", "20", "--sizes", "2"), _script("sailor_h2h", "--time-limit", "60"),
+              _script("sailor_h2h", "--time-limit", "3"), _script("sailor_h2h", "--time-limit", "30"),
               needs=(str(SHARED / "sailor_opt350"), str(SHARED / "sailor_plans")), long=True),
     Benchmark("cli_startup", "wall time of CLI commands that never need torch",
               _script("cli_startup", "--runs", "3"), _script("cli_startup", "--runs", "5", "--pyc")),

@@ -130,12 +130,11 @@ def test_candidates_hold_the_global_batch_and_groups_stay_in_nodes(opt350: Profi
 
     cl = _cluster({"V100-16": 4})
     assert type_degrees(opt350, cl) == {"V100-SXM2-16GB": (1, 2, 4)}  # 8 GPUs never share a node here
-    cands = candidates(opt350, cl, 64, FP16)
-    assert cands and all(c.virtual_workers * c.micro_batches * opt350.micro_batch_size == 64 for c in cands)
+    cands = candidates({1: opt350, 2: opt350.at_size(2)}, cl, 64, FP16)
+    assert {c.micro_batch_size for c in cands} == {1, 2}
+    assert all(c.virtual_workers * c.micro_batches * c.micro_batch_size == 64 for c in cands)
     assert [c.bound_samples_per_s for c in cands] == sorted((c.bound_samples_per_s for c in cands), reverse=True)
-    with pytest.raises(Exception, match="global_batch"):
-        candidates(opt350, cl, 63, FP16) if opt350.micro_batch_size > 1 else candidates(
-            opt350.rescaled(2), cl, 63, FP16)
+    assert {c.micro_batch_size for c in candidates({1: opt350, 2: opt350.at_size(2)}, cl, 63, FP16)} == {1}
 
 
 def test_degree_one_gives_the_cluster_planners_plan(opt350: Profile) -> None:
@@ -156,7 +155,7 @@ def test_the_search_takes_the_best_candidate_and_its_bound_holds(opt350: Profile
     res = plan_tensor_parallel(opt350, cl, 16, options=FP16, time_limit_s=120)
     assert res.ok
     best = 0.0
-    for c in candidates(opt350, cl, 16, FP16):  # every candidate planned on its own: none is better
+    for c in candidates({1: opt350}, cl, 16, FP16):  # every candidate planned on its own: none is better
         r = plan_cluster(opt350, cl.with_tensor_parallel(dict(c.degrees)), c.virtual_workers,
                          micro_batches=c.micro_batches, options=FP16)
         if r.ok:
