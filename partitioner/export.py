@@ -210,7 +210,7 @@ def check_export_launch(exported: Mapping[str, Any], given: str) -> str:
     devices = [r["device"] for r in sorted(exported["ranks"], key=lambda r: r["rank"])]
     nodes = [NodeLaunch(n["node"], tuple(n["ranks"]), tuple(int(x) for x in n["cuda_visible_devices"].split(",")))
              for n in launch["nodes"]]
-    own = dict(read_launch_order(launch["hostfile"])[1]) if launch.get("hostfile") else {}  # type: ignore[arg-type]
+    own = dict(read_launch_order(launch["hostfile"])[1]) if launch.get("hostfile") else {}
     return check_launch(nodes, devices, given, slots=own)
 
 

@@ -159,18 +159,18 @@ def seat(nodes: Sequence[NodeLaunch], env: Mapping[str, str], node: str | None =
 _HOSTFILE_LINE = re.compile(r"^\s*(\S+)\s+slots\s*=\s*(\d+)\s*$")
 
 
-def read_launch_order(text: str) -> tuple[str, list[tuple[str, int | None]] | list[str]]:
+def read_launch_order(text: str) -> tuple[str, list[tuple[str, int | None]]]:
     """``text`` (a hostfile's path or contents, or a comma-separated list) as what it says:
-    ``("hostfile", [(host, slots)])``, ``("devices", [NODE:INDEX per rank])`` or ``("nodes", [node])``."""
+    ``("hostfile", [(host, slots)])``, ``("devices", [(NODE:INDEX of rank r, None)])`` or
+    ``("nodes", [(node, None)])`` in launch order."""
     source = text
     if os.path.isfile(text):
         with open(text, encoding="utf-8") as f:
             source = f.read()
     lines = [ln.split("#", 1)[0].strip() for ln in source.splitlines()]
-    lines = [ln for ln in lines if ln]
-    if lines and all(_HOSTFILE_LINE.match(ln) for ln in lines):
-        return "hostfile", [(m.group(1), int(m.group(2))) for m in (_HOSTFILE_LINE.match(ln) for ln in lines)
-                            if m is not None]
+    matches = [_HOSTFILE_LINE.match(ln) for ln in lines if ln]
+    if matches and all(matches):
+        return "hostfile", [(m.group(1), int(m.group(2))) for m in matches if m is not None]
     items = [x.strip() for x in source.replace("\n", ",").split(",") if x.strip()]
     if not items:
         raise PartitionerError(f"launch order {text!r}: give a hostfile (HOST slots=N lines), the devices of "
@@ -178,32 +178,31 @@ def read_launch_order(text: str) -> tuple[str, list[tuple[str, int | None]] | li
     if all(":" in x for x in items):
         for x in items:
             split_device(x)
-        return "devices", items
+        return "devices", [(x, None) for x in items]
     if any(":" in x for x in items):
         raise PartitionerError(f"launch order {text!r}: mixes devices (NODE:INDEX) and nodes; give one or the other")
-    return "nodes", items
+    return "nodes", [(x, None) for x in items]
 
 
 def check_launch(nodes: Sequence[NodeLaunch], devices: Sequence[str], given: str,
-                 slots: Mapping[str, int] | None = None) -> str:
+                 slots: Mapping[str, int | None] | None = None) -> str:
     """Check the launch order ``given`` (:func:`read_launch_order`) against a job whose rank ``r``
     must run on ``devices[r]``, its nodes started as ``nodes`` (:func:`node_launches`: node ``k``
     with ``--node-rank k``, or ``k``-th in the hostfile). Returns a line saying that it holds;
     raises :class:`PartitionerError` (one line) naming the first rank that would land elsewhere.
     ``slots``: a hostfile's slot count per node that is right besides the node's process count
     (a hostfile whose ``--include`` picks GPUs that are not ``0 .. n-1``)."""
-    kind, items = read_launch_order(given)
+    kind, order = read_launch_order(given)
     plan_nodes = {n.node: n for n in nodes}
     if kind == "devices":
-        if len(items) != len(devices):
-            raise PartitionerError(f"launch order gives {len(items)} rank(s); the job has {len(devices)} "
+        got_devices = [d for d, _ in order]
+        if len(got_devices) != len(devices):
+            raise PartitionerError(f"launch order gives {len(got_devices)} rank(s); the job has {len(devices)} "
                                    f"({', '.join(devices)})")
-        for r, (got, want) in enumerate(zip(items, devices)):
+        for r, (got, want) in enumerate(zip(got_devices, devices)):
             if got != want:
                 raise PartitionerError(f"launch order puts rank {r} on {got}; the plan runs it on {want}")
         return f"ok: the {len(devices)} ranks run on the plan's devices ({', '.join(devices)})"
-    order: list[tuple[str, int | None]] = ([(str(h), int(s)) for h, s in items]  # type: ignore[misc]
-                                           if kind == "hostfile" else [(str(x), None) for x in items])
     names = [h for h, _ in order]
     unknown = [h for h in names if h not in plan_nodes]
     if unknown:
@@ -217,9 +216,9 @@ def check_launch(nodes: Sequence[NodeLaunch], devices: Sequence[str], given: str
         if count is not None and count != plan_nodes[host].nproc and count != (slots or {}).get(host):
             raise PartitionerError(f"launch order gives {host} {count} slot(s); the plan runs {plan_nodes[host].nproc} "
                                    f"rank(s) there ({', '.join(devices[r] for r in plan_nodes[host].ranks)})")
-    for k, (host, want) in enumerate(zip(names, nodes)):
-        if host != want.node:
-            r = want.ranks[0]
+    for k, (host, node) in enumerate(zip(names, nodes)):
+        if host != node.node:
+            r = node.ranks[0]
             raise PartitionerError(f"launch order starts {host} as node {k}, where the plan runs rank {r} on "
                                    f"{devices[r]}; start the nodes in the order {', '.join(x.node for x in nodes)}")
     return f"ok: nodes started in the order {', '.join(names)} hold the plan's rank -> device mapping"

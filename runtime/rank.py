@@ -493,7 +493,8 @@ def _with_precision(ctx: RankContext, recipe: Recipe, optimizer: torch.optim.Opt
     def typed(shapes: dict[int, Shape]) -> dict[int, Shape]:
         return {s: (shape, boundary_dtype(dtype, recipe)) for s, (shape, dtype) in shapes.items()}
 
-    loss_fn, stepper = ctx.feed.loss, optimizer
+    loss_fn: Any = ctx.feed.loss
+    stepper: Any = optimizer
     if recipe.scales_loss:
         scaler = LossScaler()
         loss_fn, stepper = scaler.wrap_loss(ctx.feed.loss), ScaledStep(optimizer, scaler, ctx.device)

@@ -141,12 +141,13 @@ class AutocastStage(nn.Module):
 
     def __init__(self, inner: nn.Module, device_type: str, half: torch.dtype, cast_output: bool):
         super().__init__()
-        self.inner, self.device_type, self.half, self.cast_output = inner, device_type, half, cast_output
+        self.inner, self.device_type, self.cast_output = inner, device_type, cast_output
+        self.autocast_dtype = half
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device_type, dtype=self.half):
+        with torch.autocast(self.device_type, dtype=self.autocast_dtype):
             y = self.inner(x)
-        return y.to(self.half) if self.cast_output and y.is_floating_point() else y
+        return y.to(self.autocast_dtype) if self.cast_output and y.is_floating_point() else y
 
 
 def boundary_dtype(dtype: torch.dtype, recipe: Recipe) -> torch.dtype:
@@ -159,12 +160,12 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the backward multiplies the gradient by the scaler's current scale."""
 
     @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, scaler: LossScaler) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, loss: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
         ctx.scale = scaler.scale
         return loss.view_as(loss)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.scale, None
 
 
