@@ -285,12 +285,14 @@ def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, i
     cfg: dict[str, Any] = {}
     with torch.device(device):
         if name in CNN_DEFAULTS:
-            kind, blocks, w, image, classes, hidden = CNN_DEFAULTS[name]
-            w = width if width is not None else w
+            kind, blocks, w0, image, classes, hidden = CNN_DEFAULTS[name]
+            w = width if width is not None else w0
             image = image_size if image_size is not None else image
             cfg = {"width": w, "image_size": image, "classes": classes}
             if kind == "vgg":
-                layers = _vgg19(w, image, classes, hidden if width is None else max(16, int(4096 * w)))
+                # the default width keeps the model's own hidden size, whether or not it was named
+                # (train passes the profile's width back: it must build the model that was profiled)
+                layers = _vgg19(w, image, classes, hidden if w == w0 else max(16, int(4096 * w)))
             else:
                 layers = _resnet(blocks, w, classes)
             make = _image_input(3, image)

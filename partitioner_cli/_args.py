@@ -166,7 +166,8 @@ OPTION_FLAGS: dict[str, str] = {
     "emulate_local": "--emulate-local", "emulate_reference": "--emulate-reference",
     "emulate_link_gbps": "--emulate-link-GBps", "emulate_links": "--emulate-links", "plan_node": "--plan-node",
     "checkpoint_dir": "--checkpoint-dir", "max_seconds": "--max-seconds", "steps": "--steps", "data": "--data",
-    "device": "--device", "micro_batch_size": "--micro-batch-size", "precision": "--precision", "allreduce_precision": "--allreduce-precision",
+    "device": "--device", "micro_batch_size": "--micro-batch-size", "precision": "--precision",
+    "allreduce_precision": "--allreduce-precision", "optimizer": "--optimizer",
 }
 _BACKQUOTED = re.compile(r"`(\w+)`")
 

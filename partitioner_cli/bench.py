@@ -138,6 +138,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("runtime_vs_torch", "this runtime against torch.distributed.pipelining, same split and micro-batches",
               _script("runtime_vs_torch", "--rounds", "3", "--steps", "3"), _script("runtime_vs_torch", "--rounds", "7"),
               needs=("torch",), long=True),
+    Benchmark("exports", "each export against this runtime on one plan: torch pipelining's losses side by side "
+                         "(GPT-2 tiny, 30 steps), DeepSpeed's config class, Megatron-Core's layout and model build",
+              _script("exports", "--steps", "10"), _script("exports"), needs=("torch",), long=True),
     Benchmark("emulation", "emulated heterogeneous cluster (A100 + 2 T4 on CPU processes): measured against "
                            "predicted iteration of opt, uniform and pipedream plans",
               _script("emulation", "--rounds", "2"),

@@ -42,6 +42,7 @@ from .data import make_data
 from .layout import plan_layout
 from .nodes import seat
 from .rank import FAULT_ENV, check_time_bound, run_rank
+from .recipe import training_recipe
 from .run import RunSpec, TrainConfig, chain_for, check_checkpoints, check_world_size
 from .stage import LayerChain
 
@@ -58,6 +59,7 @@ def prepare(plan: Plan, config: TrainConfig, chain: LayerChain | None = None) ->
     layout = plan_layout(plan, chain.num_layers, model=chain.name, assignment=config.replica_assignment)
     run = RunSpec(plan, config, layout, chain)
     check_time_bound(run)
+    training_recipe(plan, config.optimizer, config.precision)  # an optimizer the executor cannot run: refused
     return run
 
 
@@ -97,6 +99,7 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "model": plan.model, "schedule": plan.schedule, "micro_batch_size": plan.micro_batch_size,
         "micro_batches": plan.micro_batches, "virtual_workers": workers, "world_size": len(per_rank),
         "backend": backend,
+        "optimizer": per_rank[0].get("optimizer"), "precision": per_rank[0].get("precision"),
         "config": {k: v for k, v in asdict(config).items() if k not in ("state_dir", "emulation")},
         "data": per_rank[0]["data"], "first_step": per_rank[0]["first_step"],
         "measured_iteration_s": iteration,
@@ -107,7 +110,8 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "samples": sum(done) * plan.micro_batches * plan.micro_batch_size,
         **_global_eval(config, per_rank),
         "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads",
-                                          "seconds_per_step", "peak_memory_bytes", "replica", "micro_batches",
+                                          "seconds_per_step", "peak_memory_bytes", "model_state_bytes", "loss_scale",
+                                          "replica", "micro_batches",
                                           "start_time", "wave_end_s", "empty_wave_s", "pull_end_s")
                    if k in r}
                   for r in per_rank],

@@ -40,6 +40,16 @@ from .emulation import LinkDelay, Stretch
 from .evaluate import evaluate_versions
 from .executor import PipelineExecutor, StashingExecutor
 from .layout import Layout, RankInfo
+from .recipe import (
+    AutocastStage,
+    LossScaler,
+    Recipe,
+    ScaledStep,
+    boundary_dtype,
+    make_optimizer,
+    model_state_bytes,
+    training_recipe,
+)
 from .run import RunSpec, TrainConfig
 from .stage import boundary_shapes, build_stage
 from .twobw import TwoBwExecutor
@@ -169,7 +179,8 @@ class RankRun:
         self.first = 0  # the first step run (after resuming)
         self.step_s: list[float] = []
         self.averager: GradientAverager | None = None
-        self.figures: dict[str, Any] = {"replica": ctx.me.replica}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.figures: dict[str, Any] = {"replica": ctx.me.replica, "optimizer": "sgd", "precision": "fp32"}
 
     def train(self) -> PipelineExecutor:
         """Run every step of this rank; returns the executor that ran them."""
@@ -190,20 +201,26 @@ class PipelineRun(RankRun):
     def train(self) -> PipelineExecutor:
         ctx, config = self.ctx, self.ctx.config
         params = [q for mod in ctx.modules.values() for q in mod.parameters()]
-        optimizer = torch.optim.SGD(params, lr=config.lr) if params else None
+        recipe = training_recipe(ctx.run.plan, config.optimizer, config.precision)
+        optimizer = make_optimizer(params, recipe.optimizer, config.lr) if params else None
+        self.optimizer = optimizer
         self.first = self._resume(optimizer)
         averager = GradientAverager(ctx.layout, ctx.rank, ctx.by_layer)
         averager.delay = _link_delay(config, ctx.layout)
         self.averager = averager
-        executor = PipelineExecutor(ctx.modules, ctx.num_stages, ctx.peers, ctx.input_shapes, ctx.run.plan.micro_batches,
-                                    ctx.feed.micro_batch, ctx.feed.loss, optimizer, ctx.device, averager,
-                                    batching=ctx.run.plan.micro_batching, slice_shapes=ctx.slice_shapes)
+        stages, loss_fn, stepper, input_shapes, slice_shapes = _with_precision(ctx, recipe, optimizer)
+        self.figures.update(optimizer=recipe.optimizer, precision=recipe.precision)
+        executor = PipelineExecutor(stages, ctx.num_stages, ctx.peers, input_shapes, ctx.run.plan.micro_batches,
+                                    ctx.feed.micro_batch, loss_fn, stepper, ctx.device, averager,
+                                    batching=ctx.run.plan.micro_batching, slice_shapes=slice_shapes)
         _emulate(executor, ctx)
         actions = ctx.layout.actions(ctx.rank)
         self.figures["micro_batches"] = sorted({a.micro_batch for a in actions if a.kind == F})
         versions: list[dict[int, dict[str, torch.Tensor]]] | None = [] if config.eval_global else None
         self.figures["end_s"] = self._steps(executor, averager, actions, optimizer, versions)
         self.figures["link_slept_s"] = averager.delay.slept_s if averager.delay is not None else 0.0
+        if isinstance(stepper, ScaledStep):
+            self.figures["loss_scale"] = {"final": stepper.scaler.scale, "skipped_steps": stepper.scaler.skipped}
         if versions is not None and len(ctx.me.stages) == ctx.num_stages:
             self.figures["global_eval"] = [[self.first + k, x] for k, x in enumerate(
                 evaluate_versions(ctx.modules, versions, ctx.data, ctx.run.plan.micro_batch_size, ctx.device))]
@@ -448,16 +465,41 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
                    os.path.join(config.state_dir, f"rank{ctx.rank}.pt"))
     # CUDA: the most memory the caching allocator handed out over the run (tensors alive at
     # once: weights, gradients, optimizer state, activations in flight, buffers); the CUDA
-    # context and the allocator's cached-but-free blocks are not in it. CPU: not measured.
+    # context and the allocator's cached-but-free blocks are not in it. CPU: no peak is measured;
+    # model_state_bytes is the bytes of the stages' parameters, their gradients and the optimizer
+    # state after the run (runtime.recipe.model_state_bytes; activations not counted).
     peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else None
+    state = model_state_bytes(ctx.modules.values(), runner.optimizer)
     stages_layers = ctx.layout.stage_layers[me.worker]
     return {"rank": ctx.rank, "device": me.device, "worker": me.worker, "pipe_rank": me.pipe_rank,
-            "peak_memory_bytes": peak, "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
+            "peak_memory_bytes": peak, "model_state_bytes": state, "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
             "step_s": runner.step_s, "losses": executor.losses, "threads": torch.get_num_threads(),
             "first_step": runner.first, "data": ctx.data.kind,
             "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()},
             "emulated_actions": [executor.stretch.actions, executor.stretch.overruns] if executor.stretch else None,
             **runner.figures}
+
+
+def _with_precision(ctx: RankContext, recipe: Recipe, optimizer: torch.optim.Optimizer | None) -> tuple[
+        dict[int, nn.Module], Any, Any, dict[int, Shape], dict[int, Shape]]:
+    """What the executor runs under ``recipe``'s precision (:mod:`runtime.recipe`): the stages
+    (under autocast, sending their outputs in the half type), the loss (its gradient scaled under
+    fp16), the optimizer (unscaling and skipping under fp16) and the boundaries' types."""
+    if recipe.half is None:
+        return dict(ctx.modules), ctx.feed.loss, optimizer, dict(ctx.input_shapes), dict(ctx.slice_shapes)
+    last = ctx.num_stages - 1
+    stages: dict[int, nn.Module] = {s: AutocastStage(m, ctx.device.type, recipe.half, cast_output=s != last)
+                                    for s, m in ctx.modules.items()}
+
+    def typed(shapes: dict[int, Shape]) -> dict[int, Shape]:
+        return {s: (shape, boundary_dtype(dtype, recipe)) for s, (shape, dtype) in shapes.items()}
+
+    loss_fn: Any = ctx.feed.loss
+    stepper: Any = optimizer
+    if recipe.scales_loss:
+        scaler = LossScaler()
+        loss_fn, stepper = scaler.wrap_loss(ctx.feed.loss), ScaledStep(optimizer, scaler, ctx.device)
+    return stages, loss_fn, stepper, typed(ctx.input_shapes), typed(ctx.slice_shapes)
 
 
 def _rank_device(config: TrainConfig, local_rank: int) -> torch.device:
