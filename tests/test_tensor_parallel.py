@@ -200,3 +200,15 @@ def test_the_layer_bound_of_one_kind_is_the_lp_of_two_identical_halves() -> None
         two = _solve(np.hstack([comp, comp]), np.hstack([hold, hold]), np.hstack([mem, mem]),
                      np.array([2.0, 2.0]), np.array([cap[0], cap[0]]), k, m, 1)
         assert one == pytest.approx(two, rel=1e-6) or (one == 0.0 and two == 0.0)
+
+
+def test_the_layer_bound_at_one_worker_bounds_every_worker_count(opt350: Profile) -> None:
+    from partitioner.schedule import Schedule
+    from solvers.cluster.bounds.layers import layer_bound
+
+    cl = Cluster("c", (Node("n0", ("V100-16",) * 4, 100.0), Node("n1", ("A100-40",) * 4, 100.0)), 10.0)
+    for view in (cl, cl.with_tensor_parallel({"V100-16": 2})):
+        cost = CostModel(opt350, view, FP16)
+        one = layer_bound(cost, view.devices, 1, Schedule.of("1f1b", 8))
+        for k in range(2, len(view.devices) + 1):
+            assert layer_bound(cost, view.devices, k, Schedule.of("1f1b", 8)) <= one * (1 + 1e-9)

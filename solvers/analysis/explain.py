@@ -19,7 +19,7 @@ from typing import Any
 from partitioner.cluster import GIB, Cluster, Node, catalog
 from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError, PartitionerError
-from partitioner.plan import Plan
+from partitioner.plan import Plan, group_size
 from partitioner.profile import Profile
 from partitioner.schedule import check_schedule, spec
 
@@ -156,7 +156,7 @@ def _stage_costs(cost: CostModel, plan: Plan) -> list[StageCost]:
         for k, st in enumerate(vw.stages):
             prev = vw.stages[k - 1].device if k > 0 else None
             nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
-            speed = {d: cost.compute_s(cost.cluster.device(d).gpu_type, st.start, st.stop) for d in st.devices}
+            speed = {d: cost.compute_s(cost.cluster.device(d).kind, st.start, st.stop) for d in st.devices}
             best = min(st.devices, key=speed.__getitem__)
             c, a, g = speed[best], cost.boundary_s(st.stop, best, nxt), cost.boundary_s(st.start, best, prev)
             # replicas share the micro-batches: each part at the replicas' combined pace
@@ -287,7 +287,7 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
         for vw in plan.virtual_workers:
             for st in vw.stages:
                 for d in st.devices:
-                    update[d] = update.get(d, 0.0) + cost.update_s(cluster.device(d).gpu_type, st.start, st.stop)
+                    update[d] = update.get(d, 0.0) + cost.update_s(cluster.device(d).kind, st.start, st.stop)
     peak = {d: float(tl.peak_memory_bytes[d]) for d in tl.devices}
     capacity = {d: float(cluster.device(d).memory_bytes) for d in tl.devices}
     bounds: dict[str, float] = {"bottleneck_s": bottleneck.time_s}
@@ -332,6 +332,9 @@ def format_explanation(e: Explanation, max_untimed: int = 8) -> str:
     overlap = bool(e.extra.get("overlap_comm"))
     lines = [f"{e.model} under {e.schedule}"]
     where = "+".join(b.devices)
+    degrees = sorted({group_size(d) for d in b.devices})
+    if degrees != [1]:  # tensor-parallel groups: each GPU of the group runs one shard
+        where += f" (tensor parallel {'/'.join(map(str, degrees))})"
     lines.append(f"bottleneck: worker {b.worker} stage {b.stage} on {where}, layers [{b.layers[0]}, "
                  f"{b.layers[1]}): {_ms(b.time_s)} per micro-batch = compute {_ms(b.compute_s)} + activation "
                  f"send {_ms(b.activation_send_s)} + gradient send {_ms(b.gradient_send_s)}"

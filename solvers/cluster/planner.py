@@ -655,19 +655,13 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     return replace(result, plan=plan)
 
 
-LAYER_BOUND_ANY_K_GPUS = 64  # with K free, the per-layer bound is the largest over every K up to this many GPUs
-
-
 def _layer_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None) -> float:
-    """:func:`solvers.cluster.bounds.layers.layer_bound` at ``k`` workers, or at every K when ``k``
-    is free (on clusters of at most LAYER_BOUND_ANY_K_GPUS devices; beyond, no bound from it)."""
+    """:func:`solvers.cluster.bounds.layers.layer_bound` at ``k`` workers; with ``k`` free, at one
+    worker, which bounds every K alike (``K`` workers hold ``K`` copies and run ``K m`` micro-batches:
+    their busy time is at least ``K`` times one worker's, all-reduces and memory aside)."""
     from solvers.cluster.bounds.layers import layer_bound
 
-    if k is not None:
-        return layer_bound(cost, devs, k, schedule)
-    if len(devs) > LAYER_BOUND_ANY_K_GPUS:
-        return math.inf
-    return max(layer_bound(cost, devs, kk, schedule) for kk in range(1, len(devs) + 1))
+    return layer_bound(cost, devs, 1 if k is None else k, schedule)
 
 
 def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: str, micro_batches: int) -> float:

@@ -22,7 +22,10 @@ micro-batches, devices of kind ``t`` (a GPU type at a tensor-parallel degree) ``
 * memory: a holder keeps the layer's weights, gradients and optimizer state and at least one
   micro-batch of its activations, ``sum_l y[l, t] (w_t(l) + s_t(l)) <= n_t (C_t - reserved)``.
 
-``min T`` is a floor on the iteration, so ``K m b / T`` bounds samples/s. It leaves out the
+``min T`` is a floor on the iteration, so ``K m b / T`` bounds samples/s. At ``K = 1`` it bounds
+every ``K``: with ``y = K y'`` a plan of ``K`` workers is busy at least ``K`` times a feasible
+point of the one-worker LP (whose memory row is looser and whose all-reduce term is 0), so
+``K m b / T_K <= m b / T_1``. It leaves out the
 pipeline's fill and the sends between stages (the fleet bound has the fill); the planner takes
 the smaller of the two. An infeasible LP (the kinds cannot hold ``K`` copies of the model) is a
 bound of 0: no plan with ``K`` workers exists.
