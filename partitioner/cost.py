@@ -454,10 +454,12 @@ class CostModel:
     @_by_kind
     def update_s(self, gpu_type: str, start: int, stop: int) -> float:
         """Optimizer step of layers ``[start, stop)`` on ``gpu_type`` (0 where the profile has none)."""
-        return float(self._update_prefix(gpu_type)[stop] - self._update_prefix(gpu_type)[start])
+        return float(self.update_prefix(gpu_type)[stop] - self.update_prefix(gpu_type)[start])
 
     @functools.cache  # noqa: B019
-    def _update_prefix(self, gpu_type: str) -> np.ndarray:
+    @_by_kind
+    def update_prefix(self, gpu_type: str) -> np.ndarray:
+        """Prefix sums of the optimizer step's seconds per layer on ``gpu_type``."""
         key = self._times_key.get(gpu_type, gpu_type)
         return np.concatenate([np.zeros(1), np.cumsum(self.profile.update_times_for(key))])
 

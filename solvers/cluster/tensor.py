@@ -149,11 +149,14 @@ def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpt
                                       "closed_form": priced})  # type: ignore[typeddict-unknown-key]
 
 
+REL_TOL = 0.01  # the search stops once no candidate left can beat the best plan by more than this
+
+
 def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, *,
                          sizes: Sequence[int] | None = None, options: CostOptions | None = None,
                          schedule: str = "1f1b", tensor_parallel: int | None = None,
                          virtual_workers: int | None = None, time_limit_s: float = 60.0,
-                         rel_tol: float = 0.0) -> SolveResult:
+                         rel_tol: float = REL_TOL) -> SolveResult:
     """The best plan over every candidate (see the module docstring), with the certificate of the
     whole space. ``sizes``: micro-batch sizes to consider (the profile at each,
     :meth:`partitioner.profile.Profile.at_size`; default its own); ``tensor_parallel`` /
@@ -166,7 +169,7 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method="tensor",
                            reason=f"no micro-batch size of {', '.join(map(str, profiles))} and number of pipelines "
                                   f"splits the global batch {global_batch} in a way that fits this cluster's memory")
-    best = _quick_pass(profiles, cluster, cands, options, schedule, t0 + time_limit_s / 2)
+    best = _quick_pass(profiles, cluster, cands, options, schedule, t0 + time_limit_s, rel_tol)
     open_bound = 0.0  # the best rate any planned candidate may still reach (its own certificate)
     tried: list[dict[str, Any]] = []
     stop = len(cands)  # the candidates from here on were not planned in full
@@ -196,13 +199,13 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
 
 
 def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Sequence[Candidate],
-                options: CostOptions | None, schedule: str, deadline: float
+                options: CostOptions | None, schedule: str, deadline: float, rel_tol: float = 0.0
                 ) -> tuple[float, SolveResult, Candidate] | None:
     """The best uniform plan (:func:`_quick`) of the candidates, in bound order, until ``deadline``
     or until no candidate left can beat it."""
     best: tuple[float, SolveResult, Candidate] | None = None
     for cand in cands:
-        if time.perf_counter() > deadline or (best is not None and best[0] >= cand.bound_samples_per_s):
+        if time.perf_counter() > deadline or (best is not None and best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
             break
         quick = _quick(profiles[cand.micro_batch_size], cluster, cand, options, schedule)
         if quick is not None and (best is None or quick[0] > best[0]):

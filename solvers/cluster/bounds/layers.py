@@ -76,16 +76,26 @@ def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int
     comp = np.empty((n_layers, n_kinds))
     hold = np.empty((n_layers, n_kinds))
     mem = np.empty((n_layers, n_kinds))
-    versions = schedule.weight_versions
     for j, kind in enumerate(kinds):
-        t = split_kind(kind)[1]
-        shard = cost.at_degree(t)
-        comp[:, j] = shard.layer_compute_s(split_kind(kind)[0])
-        grads = np.diff(shard.param_prefix) / t  # one GPU's gradient bytes (the shards move side by side)
-        step = np.array([shard.update_s(split_kind(kind)[0], i, i + 1) for i in range(n_layers)]) * stepped
-        hold[:, j] = step + (2.0 * (k - 1) / k * grads / fastest if allreduce else 0.0)
-        mem[:, j] = [shard.weight_bytes(i, i + 1, versions) + shard.activation_bytes(i, i + 1) for i in range(n_layers)]
+        c, step, grads, m_j = _layer_columns(cost, kind, schedule.weight_versions)
+        comp[:, j] = c
+        hold[:, j] = step * stepped + (2.0 * (k - 1) / k * grads / fastest if allreduce else 0.0)
+        mem[:, j] = m_j
     return _solve(comp, hold, mem, count, cap, k, m, cost.profile.micro_batch_size)
+
+
+def _layer_columns(cost: CostModel, kind: str, versions: int) -> tuple[np.ndarray, ...]:
+    """Per layer on ``kind``: forward + backward seconds, step seconds, one GPU's gradient bytes, and
+    its weights (``versions`` copies, gradients, optimizer state) plus one micro-batch's saved
+    activations (the cost model's prefix sums, differenced)."""
+    gpu_type, t = split_kind(kind)
+    shard = cost.at_degree(t)
+    comp = shard.layer_compute_s(gpu_type)
+    step = np.diff(shard.update_prefix(gpu_type))
+    grads = np.diff(shard.param_prefix) / t  # one GPU's gradient bytes (the shards move side by side)
+    weights = np.diff(shard.param_count_prefix) * shard.options.bytes_per_parameter(versions)
+    saved = shard.saved_stop[1:] - shard.saved_start[:-1]  # activation_bytes(i, i + 1) for every i
+    return comp, step, grads, weights + saved
 
 
 def _solve(comp: np.ndarray, hold: np.ndarray, mem: np.ndarray, count: np.ndarray, cap: np.ndarray, k: int,
