@@ -212,3 +212,93 @@ def test_the_layer_bound_at_one_worker_bounds_every_worker_count(opt350: Profile
         one = layer_bound(cost, view.devices, 1, Schedule.of("1f1b", 8))
         for k in range(2, len(view.devices) + 1):
             assert layer_bound(cost, view.devices, k, Schedule.of("1f1b", 8)) <= one * (1 + 1e-9)
+
+
+# -- the 3D search against exhaustive enumeration ------------------------------------------------
+
+
+def _tiny(seed: int) -> tuple[Profile, Cluster]:
+    """Three or four layers with a degree-2 shard, on one node of two A GPUs and one of two B; the
+    layers' weights (2-3.2 GB each, 10-16 GB with a second version, gradients and Adam) make memory
+    bind: no GPU holds the model, a V100 holds at most one layer, groups of two hold more."""
+    import random
+
+    from partitioner.profile import LayerProfile, LayerShard, LayerTime
+
+    rnd = random.Random(seed)
+    layers = []
+    for i in range(rnd.choice((3, 4))):
+        a, b = rnd.uniform(1, 3) * 1e-3, rnd.uniform(1, 3) * 1e-3
+        speedup = rnd.uniform(1.1, 1.9)
+        params = rnd.uniform(2e9, 3.2e9)
+        shard = LayerShard(params / 2, 1e8, {t: LayerTime(x / speedup / 3, 2 * x / speedup / 3)
+                                             for t, x in (("A100-40", a), ("V100-16", b))})
+        layers.append(LayerProfile(f"l{i}", param_bytes=params, saved_bytes=2e8,
+                                   output_bytes=rnd.uniform(1e6, 5e7),
+                                   times={"A100-40": LayerTime(a / 3, 2 * a / 3), "V100-16": LayerTime(b / 3, 2 * b / 3)},
+                                   shards={2: shard}))
+    cl = Cluster("tiny", (Node("n0", ("A100-40",) * 2, 50.0), Node("n1", ("V100-16",) * 2, 50.0)), 5.0)
+    return Profile("tiny", 1, tuple(layers)), cl
+
+
+def _exhaustive(profile: Profile, cluster: Cluster, global_batch: int, options: CostOptions) -> float:
+    """The best samples/s of every plan of the search's space: each GPU type idle or at degree 1 or
+    2, every GPU of the used types in a worker; K, grouping, device order and split; priced by the
+    cluster planner's closed form."""
+    import itertools
+
+    from solvers.cluster.planner import price_plan
+
+    best = 0.0
+    for da, dv in itertools.product((0, 1, 2), (0, 1, 2)):
+        if da == dv == 0:
+            continue
+        view = cluster.with_tensor_parallel({t: d for t, d in (("A100-40", da), ("V100-16", dv)) if d})
+        cost = CostModel(profile, view, options)
+        idle = {name for name, d in (("A100-SXM4-40GB", da), ("V100-SXM2-16GB", dv)) if d == 0}
+        devs = [d.name for d in view.devices if d.gpu_type not in idle]
+        n_layers = profile.num_layers
+        for k in (1, 2, 4, 8):
+            if k > len(devs):
+                continue
+            m = global_batch // k
+            for owner in itertools.product(range(k), repeat=len(devs)):
+                groups = [[d for d, o in zip(devs, owner) if o == w] for w in range(k)]
+                if any(not g or len(g) > n_layers for g in groups):
+                    continue
+                if [owner.index(w) for w in range(k)] != sorted(owner.index(w) for w in range(k)):
+                    continue  # workers numbered by their first device: each grouping once
+                for workers in itertools.product(*(_pipelines(g, n_layers) for g in groups)):
+                    plan = Plan(profile.model, tuple(workers), "2bw", 1, m)
+                    try:
+                        cost.check_plan_memory(plan)
+                    except FormatError:
+                        continue
+                    best = max(best, price_plan(cost, plan)["samples_per_s"])
+    return best
+
+
+def _pipelines(devices: list[str], n_layers: int) -> list[VirtualWorker]:
+    import itertools
+
+    out = []
+    for order in itertools.permutations(devices):
+        for cuts in itertools.combinations(range(1, n_layers), len(order) - 1):
+            edges = (0, *cuts, n_layers)
+            out.append(VirtualWorker(tuple(Stage((edges[i], edges[i + 1]), d) for i, d in enumerate(order))))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_3d_search_equals_exhaustive_enumeration_on_tiny_instances(seed: int) -> None:
+    """Degree per type (or idle) x K x grouping x order x split, every one priced: the search finds
+    the best (no all-reduce priced and a no-flush schedule, where the cluster planner is exact)."""
+    from solvers.cluster.tensor import plan_tensor_parallel
+
+    profile, cluster = _tiny(seed)
+    options = CostOptions(sync=False, reserved_bytes=0.0)
+    res = plan_tensor_parallel(profile, cluster, 8, options=options, schedule="2bw", rel_tol=0.0,
+                               time_limit_s=300)
+    assert res.ok
+    assert 1.0 / res.objective == pytest.approx(_exhaustive(profile, cluster, 8, options), rel=1e-9)
+    assert 1.0 / res.lower_bound >= 1.0 / res.objective * (1 - 1e-9)

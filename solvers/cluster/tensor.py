@@ -55,6 +55,17 @@ class Candidate:
     bound_samples_per_s: float
 
 
+UNUSED = 0  # a candidate's degree for a GPU type it leaves idle (a slow type can slow every worker it joins)
+
+
+def candidate_view(cluster: Cluster, degrees: Sequence[tuple[str, int]]) -> tuple[Cluster, list[Device]]:
+    """The cluster viewed at a candidate's degrees, and the devices it uses (those of the GPU types
+    it does not leave idle)."""
+    view = cluster.with_tensor_parallel({t: d for t, d in degrees if d != UNUSED})
+    idle = {t for t, d in degrees if d == UNUSED}
+    return view, [d for d in view.devices if d.gpu_type not in idle]
+
+
 def type_degrees(profile: Profile, cluster: Cluster, fixed: int | None = None) -> dict[str, tuple[int, ...]]:
     """Per GPU type of ``cluster``, the degrees it may take: profiled on that type, and dividing
     every run of the type's GPUs in a node (a group never spans nodes or types). ``fixed``: that
@@ -90,10 +101,14 @@ def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: 
             continue
         per_type = type_degrees(profile, cluster, fixed)
         types = list(per_type)
-        for combo in itertools.product(*(per_type[t] for t in types)):
-            view = cluster.with_tensor_parallel(dict(zip(types, combo, strict=True)))
+        choices = [per_type[t] if len(types) == 1 else (UNUSED, *per_type[t]) for t in types]
+        for combo in itertools.product(*choices):
+            if all(d == UNUSED for d in combo):
+                continue
+            degrees = tuple(zip(types, combo, strict=True))
+            view, devices = candidate_view(cluster, degrees)
             cost = CostModel(profile, view, options)
-            n = len(view.devices)
+            n = len(devices)
             for k in [virtual_workers] if virtual_workers else range(1, n + 1):
                 if k > n or (global_batch // b) % k:
                     continue
@@ -102,9 +117,9 @@ def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: 
                     continue
                 # the per-layer bound only: the fleet bound's LPs cost 30 times more; a candidate
                 # planned in full gets it too (the cluster planner's certificate)
-                bound = layer_bound(cost, view.devices, k, Schedule.of(schedule, m))
+                bound = layer_bound(cost, devices, k, Schedule.of(schedule, m))
                 if bound > 0:  # 0: no plan of k workers fits
-                    out.append(Candidate(b, tuple(zip(types, combo, strict=True)), k, m, bound))
+                    out.append(Candidate(b, degrees, k, m, bound))
     out.sort(key=lambda c: -c.bound_samples_per_s)
     return out
 
@@ -129,8 +144,8 @@ def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpt
     """The candidate's uniform grouping (:func:`uniform_grouping`), every worker mapped and split
     exactly, priced as the cluster planner prices plans: a plan in milliseconds that the full
     search only has to beat. None where the grouping does not exist or does not fit."""
-    view = cluster.with_tensor_parallel(dict(cand.degrees))
-    groups = uniform_grouping(view.devices, cand.virtual_workers)
+    view, devices = candidate_view(cluster, cand.degrees)
+    groups = uniform_grouping(devices, cand.virtual_workers)
     if groups is None or len(groups[0]) > QUICK_WORKER_DEVICES:
         return None
     cost = CostModel(profile, view, options)
@@ -216,11 +231,12 @@ def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Sequen
 def _full(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOptions | None, schedule: str,
           left_s: float, tried: list[dict[str, Any]]) -> SolveResult | None:
     """The cluster planner on one candidate (None where it refuses the candidate, noted in ``tried``)."""
-    view = cluster.with_tensor_parallel(dict(cand.degrees))
+    view, devices = candidate_view(cluster, cand.degrees)
     tried.append({"micro_batch_size": cand.micro_batch_size, "degrees": dict(cand.degrees),
                   "virtual_workers": cand.virtual_workers, "micro_batches": cand.micro_batches})
     try:
         return plan_cluster(profile, view, cand.virtual_workers, micro_batches=cand.micro_batches, options=options,
+                            devices=[d.name for d in devices],
                             schedule=schedule, time_limit_s=max(left_s / 4, min(left_s, 1.0)))
     except FormatError as err:  # a candidate the planner refuses (say, more workers than layers allow)
         tried[-1]["refused"] = str(err)
@@ -233,7 +249,7 @@ def _result(best: tuple[float, SolveResult, Candidate], profiles: Mapping[int, P
     rate, res, cand = best
     assert res.plan is not None
     if res.method == "tensor:uniform":  # predictions attached to the one plan returned
-        view = cluster.with_tensor_parallel(dict(cand.degrees))
+        view = candidate_view(cluster, cand.degrees)[0]
         closed = cast(Mapping[str, float], dict(res.details)["closed_form"])
         res = replace(res, plan=with_predictions(res.plan, profiles[cand.micro_batch_size], view, options, closed))
     status = SolveStatus.OPTIMAL if upper <= rate * (1 + 1e-9) else SolveStatus.FEASIBLE
