@@ -241,8 +241,29 @@ class CostModel:
                 f"profile '{self.profile.model}' has no times for GPU type {gpu_type} (it has: {have}); "
                 f"measure it, merge a profile that has it, or project it from the catalog")
         fwd, bwd = self.profile.times_for(key)
+        if self.shards > 1:  # a shard's collectives its times leave out, on the group's node link
+            comm = self.tensor_parallel_comm_s(gpu_type)
+            fwd, bwd = fwd + comm, bwd + comm
         zero = np.zeros(1)
         return np.concatenate([zero, np.cumsum(fwd)]), np.concatenate([zero, np.cumsum(bwd)])
+
+    def tensor_parallel_comm_s(self, gpu_type: str) -> np.ndarray:
+        """Per layer, the seconds one direction's all-reduces of a tensor-parallel group of this
+        model's degree take (``LayerProfile.allreduce_bytes`` of the shard: Megatron's two per
+        transformer block, forward and backward alike): a ring over the ``t`` GPUs,
+        ``2 (t - 1) / t`` of the bytes on the slowest node link of nodes with ``t`` or more GPUs of
+        ``gpu_type`` (a group never leaves its node). Zero where the times include them."""
+        t = self.shards
+        nbytes = self.profile.array("allreduce_bytes")
+        if not nbytes.any():
+            return np.zeros(self.num_layers)
+        links = [self.cluster.link(f"{n.name}:0", f"{n.name}:1") for n in self.cluster.nodes
+                 if sum(resolve_gpu_type(g, self.cluster.device_types).name == gpu_type for g in n.gpus) >= t]
+        if not links:  # no node holds such a group: no plan can use one
+            return np.where(nbytes > 0, np.inf, 0.0)
+        # two all-reduces of half the bytes each; a ring sends 2 (t - 1) steps of a t-th of a message
+        return np.array([max(2 * 2 * (t - 1) * link.seconds(x / 2 / t) for link in links) if x > 0 else 0.0
+                         for x in nbytes])
 
     @functools.cache  # noqa: B019
     def _total_prefix(self, gpu_type: str) -> np.ndarray:

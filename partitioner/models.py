@@ -174,36 +174,43 @@ def _image_input(channels: int, image: int) -> Callable[[int, torch.device | str
 
 
 class _Attention(nn.Module):
-    """Multi-head self-attention written with explicit matmuls (so FLOP counters see it)."""
+    """Multi-head self-attention written with explicit matmuls (so FLOP counters see it). With
+    ``tensor_parallel`` t, one GPU's shard of it (Megatron-style): ``heads / t`` heads, the qkv
+    projection's columns and the output projection's rows of those heads; its output is that
+    GPU's partial sum (the group all-reduces the t of them)."""
 
-    def __init__(self, hidden: int, heads: int, causal: bool):
+    def __init__(self, hidden: int, heads: int, causal: bool, tensor_parallel: int = 1):
         super().__init__()
-        self.heads, self.causal = heads, causal
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
+        self.heads, self.causal = heads // tensor_parallel, causal
+        self.head_dim = hidden // heads
+        self.local = self.heads * self.head_dim
+        self.qkv = nn.Linear(hidden, 3 * self.local)
+        self.proj = nn.Linear(self.local, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=2)
-        q, k, v = (t.reshape(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(h // self.heads)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split(self.local, dim=2)
+        q, k, v = (t.reshape(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         if self.causal:
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
             att = att.masked_fill(mask, float("-inf"))
         att = torch.softmax(att, dim=-1)
-        y = torch.matmul(att, v).transpose(1, 2).reshape(b, s, h)
+        y = torch.matmul(att, v).transpose(1, 2).reshape(b, s, self.local)
         return self.proj(y)
 
 
 class _Block(nn.Module):
-    """A transformer block: pre-LN (GPT-2) or post-LN (BERT)."""
+    """A transformer block: pre-LN (GPT-2) or post-LN (BERT); with ``tensor_parallel`` t, one GPU's
+    shard of it (the attention's heads and the MLP's hidden units split t ways, layer norms whole)."""
 
-    def __init__(self, hidden: int, heads: int, causal: bool, pre_ln: bool):
+    def __init__(self, hidden: int, heads: int, causal: bool, pre_ln: bool, tensor_parallel: int = 1):
         super().__init__()
         self.pre_ln = pre_ln
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn = _Attention(hidden, heads, causal)
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.attn = _Attention(hidden, heads, causal, tensor_parallel)
+        ffn = 4 * hidden // tensor_parallel
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -244,10 +251,11 @@ class _LMHead(nn.Module):
 
 
 def _transformer(blocks: int, hidden: int, heads: int, vocab: int, positions: int,
-                 bert: bool) -> list[tuple[str, nn.Module]]:
+                 bert: bool, tensor_parallel: int = 1) -> list[tuple[str, nn.Module]]:
     layers: list[tuple[str, nn.Module]] = [("embed", _Embedding(vocab, hidden, positions, norm=bert))]
     for i in range(blocks):
-        layers.append((f"block{i}", _Block(hidden, heads, causal=not bert, pre_ln=not bert)))
+        layers.append((f"block{i}", _Block(hidden, heads, causal=not bert, pre_ln=not bert,
+                                          tensor_parallel=tensor_parallel)))
     layers.append(("head", _LMHead(hidden, vocab)))
     return layers
 
@@ -270,12 +278,15 @@ def model_names() -> tuple[str, ...]:
 
 def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, image_size: int | None = None,
                 width: float | None = None, num_blocks: int | None = None, vocab: int | None = None,
-                device: torch.device | str = "cpu", seed: int = 0) -> ZooModel:
+                device: torch.device | str = "cpu", seed: int = 0, tensor_parallel: int = 1) -> ZooModel:
     """Build zoo model ``name`` (see :data:`MODEL_NAMES`) as a layer chain.
 
     ``seq_len`` (transformers), ``image_size`` and ``width`` (CNNs, channel multiplier),
     ``num_blocks`` (transformers) and ``vocab`` override the defaults. ``device="meta"``
     builds without allocating memory. Parameters are seeded, so two builds are identical.
+    ``tensor_parallel`` t (transformers): every block is one GPU's shard of it (``heads / t`` heads,
+    ``4 h / t`` MLP units; embedding and head whole), what one GPU of a group of t computes; a head
+    count t does not divide is refused naming the model and the degree.
     """
     if name not in MODEL_NAMES:
         raise PartitionerError(f"unknown model '{name}'; the zoo has: {', '.join(MODEL_NAMES)}")
@@ -285,6 +296,9 @@ def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, i
     cfg: dict[str, Any] = {}
     with torch.device(device):
         if name in CNN_DEFAULTS:
+            if tensor_parallel != 1:
+                raise PartitionerError(f"tensor-parallel degree {tensor_parallel} for {name}: the zoo shards "
+                                       "transformers only")
             kind, blocks, w0, image, classes, hidden = CNN_DEFAULTS[name]
             w = width if width is not None else w0
             image = image_size if image_size is not None else image
@@ -309,7 +323,11 @@ def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, i
             # (OPT-350M's shape is gpt2-medium with 2,048 positions and a vocabulary of 50,272)
             positions = max(seq, 512 if bert else 1024)
             cfg = {"blocks": n, "hidden": hidden, "heads": heads, "vocab": v, "seq_len": seq, "positions": positions}
-            layers = _transformer(n, hidden, heads, v, positions, bert)
+            if not (isinstance(tensor_parallel, int) and tensor_parallel >= 1 and heads % tensor_parallel == 0):
+                raise PartitionerError(f"tensor-parallel degree {tensor_parallel} for {name}: its blocks have {heads} "
+                                       f"attention heads, which the degree must divide (the heads are split among "
+                                       f"the GPUs of a group)")
+            layers = _transformer(n, hidden, heads, v, positions, bert, tensor_parallel)
             make = _token_input(v, seq)
     for _, m in layers:
         m.train()

@@ -302,3 +302,56 @@ def test_the_3d_search_equals_exhaustive_enumeration_on_tiny_instances(seed: int
     assert res.ok
     assert 1.0 / res.objective == pytest.approx(_exhaustive(profile, cluster, 8, options), rel=1e-9)
     assert 1.0 / res.lower_bound >= 1.0 / res.objective * (1 - 1e-9)
+
+
+# -- shards measured on one device ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_shards() -> Profile:
+    torch = pytest.importorskip("torch")
+    from partitioner.models import build_model
+    from partitioner.profiler import profile_model
+    from partitioner.shard_profiler import profile_shards
+
+    torch.set_num_threads(1)
+    m = build_model("gpt2-tiny", 2)
+    prof = profile_model(m.layers, m.sample_input("cpu"), model_name="gpt2-tiny", warmup=0, repeats=1,
+                         min_layer_time_s=0.0, progress=False)
+    shards = {t: build_model("gpt2-tiny", 2, tensor_parallel=t).layers for t in (2, 4)}
+    return profile_shards(prof, m.layers, shards, m.sample_input("cpu"), sharded=["block0", "block1"], warmup=0,
+                          repeats=1, min_layer_time_s=0.0)
+
+
+def test_a_measured_shard_holds_its_part_and_the_cost_model_adds_its_all_reduces(tiny_shards: Profile) -> None:
+    from partitioner.cluster import DeviceType
+
+    p = tiny_shards
+    assert p.tensor_parallel_degrees == (1, 2, 4) and Profile.from_dict(p.to_dict()) == p
+    block, embed = p.layers[1], p.layers[0]
+    for t in (2, 4):  # weights split t ways, layer norms and the row-parallel biases whole
+        assert block.param_bytes / t < block.shards[t].param_bytes < 1.05 * block.param_bytes / t
+        assert block.shards[t].allreduce_bytes == 2 * 2 * 32 * 64 * 4  # 2 x b s h fp32 elements
+        assert embed.shards[t].param_bytes == embed.param_bytes and embed.shards[t].allreduce_bytes == 0
+    cpu = DeviceType("cpu", 64 * 2**30, 1e12, 1e11)
+    for gbps in (1.0, 100.0):
+        cl = Cluster("c", (Node("n0", ("cpu",) * 4, gbps),), 1.0, {"cpu": cpu})
+        cost = CostModel(p, cl, CostOptions())
+        comm = cost.at_degree(2).tensor_parallel_comm_s("cpu")
+        # two all-reduces of b s h elements each way: a ring of 2 sends 2 x 1/2 of each
+        assert comm[1] == pytest.approx(2 * 2 * 1 * (2 * 32 * 64 * 4 / 2) / (gbps * 1e9))
+        f, b = cost.fwd_bwd_s(cl.device("n0:0-1").kind, 1, 2)
+        assert f == pytest.approx(block.shards[2].times["cpu"].fwd_s + comm[1])
+        assert b == pytest.approx(block.shards[2].times["cpu"].bwd_s + comm[1])
+        plan = _plan(p, [("n0:0-1", 0, 2), ("n0:2-3", 2, 4)])
+        tl = simulate_plan(plan, p, cl, CostOptions())  # the "within 2 %"; the closed form never below
+        assert tl.iteration_s * (1 - 1e-9) <= cost.plan_iteration_s(plan) <= tl.iteration_s * 1.02
+
+
+def test_a_degree_that_does_not_divide_the_heads_is_refused_naming_it() -> None:
+    pytest.importorskip("torch")
+    from partitioner.errors import PartitionerError
+    from partitioner.models import build_model
+
+    with pytest.raises(PartitionerError, match="degree 3 for gpt2-tiny: its blocks have 4 attention heads"):
+        build_model("gpt2-tiny", 1, tensor_parallel=3)
