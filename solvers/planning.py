@@ -76,6 +76,7 @@ class PlanRequest:
     global_batch: int | None = None
     virtual_workers: int | str | None = None
     tensor_parallel: int | str | None = None
+    pipeline_parallel: int | None = None  # stages per virtual worker (one device each), with micro_batches auto
     policy: str | None = None
     replication: bool = False
     objective: str = "sync"
@@ -92,6 +93,11 @@ class PlanRequest:
         _count(self.micro_batches, "micro_batches", MAX_MICRO_BATCHES)
         _count(self.virtual_workers, "virtual_workers", MAX_GPUS)
         _count(self.tensor_parallel, "tensor_parallel", MAX_TENSOR_PARALLEL)
+        if self.pipeline_parallel is not None:
+            _count(self.pipeline_parallel, "pipeline_parallel", MAX_GPUS)
+            if self.micro_batches != "auto":
+                raise OptionError("pipeline_parallel", self.pipeline_parallel, "fixes the stages of every worker in "
+                                  "the global-batch search: give `micro_batches` auto and `global_batch`")
         if self.tensor_parallel == "auto" and self.micro_batches != "auto":
             raise OptionError("tensor_parallel", "auto", "chooses the degrees with the micro-batches under a global "
                               "batch: give `micro_batches` auto and `global_batch`, or a degree")
@@ -203,7 +209,8 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
     res = plan_tensor_parallel(profile, cluster, g, sizes=_sizes(profile, g), options=request.options,
                                schedule=request.schedule, tensor_parallel=tp if isinstance(tp, int) else None,
                                virtual_workers=request.virtual_workers if isinstance(request.virtual_workers, int)
-                               else None, time_limit_s=request.time_limit_s or DEFAULT_SEARCH_S)
+                               else None, pipeline=request.pipeline_parallel,
+                               time_limit_s=request.time_limit_s or DEFAULT_SEARCH_S)
     if not res.ok or res.plan is None:
         return res
     res, slices, rate = _sliced(res, profile.at_size(res.plan.micro_batch_size), cluster, request.options)

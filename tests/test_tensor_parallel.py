@@ -355,3 +355,14 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused_naming_it() -> None:
 
     with pytest.raises(PartitionerError, match="degree 3 for gpt2-tiny: its blocks have 4 attention heads"):
         build_model("gpt2-tiny", 1, tensor_parallel=3)
+
+
+def test_a_fixed_pipeline_size_gives_workers_of_that_many_stages(opt350: Profile) -> None:
+    from solvers.planning import PlanRequest, plan
+
+    cl = Cluster("c", (Node("n0", ("V100-16",) * 4, 100.0), Node("n1", ("A100-40",) * 4, 100.0)), 10.0)
+    for p in (1, 2, 4):
+        res = plan(opt350, cl, PlanRequest(micro_batches="auto", global_batch=64, options=FP16, pipeline_parallel=p,
+                                           time_limit_s=30))
+        assert res.ok and res.plan is not None
+        assert {len(w.stages) for w in res.plan.virtual_workers} == {p}

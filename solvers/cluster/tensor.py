@@ -92,7 +92,7 @@ def type_degrees(profile: Profile, cluster: Cluster, fixed: int | None = None) -
 
 def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
                options: CostOptions | None = None, schedule: str = "1f1b", fixed: int | None = None,
-               virtual_workers: int | None = None) -> list[Candidate]:
+               virtual_workers: int | None = None, pipeline: int | None = None) -> list[Candidate]:
     """Every (size, view, K) whose pipelines split ``global_batch`` into whole micro-batches of a
     size of ``profiles`` (size -> the profile at that size), with its bound, best bound first."""
     out = []
@@ -109,7 +109,13 @@ def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: 
             view, devices = candidate_view(cluster, degrees)
             cost = CostModel(profile, view, options)
             n = len(devices)
-            for k in [virtual_workers] if virtual_workers else range(1, n + 1):
+            if pipeline is not None:  # K workers of `pipeline` stages each, one device a stage
+                if n % pipeline:
+                    continue
+                ks = [n // pipeline] if virtual_workers in (None, n // pipeline) else []
+            else:
+                ks = [virtual_workers] if virtual_workers else list(range(1, n + 1))
+            for k in ks:
                 if k > n or (global_batch // b) % k:
                     continue
                 m = global_batch // (b * k)
@@ -170,16 +176,16 @@ REL_TOL = 0.01  # the search stops once no candidate left can beat the best plan
 def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, *,
                          sizes: Sequence[int] | None = None, options: CostOptions | None = None,
                          schedule: str = "1f1b", tensor_parallel: int | None = None,
-                         virtual_workers: int | None = None, time_limit_s: float = 60.0,
-                         rel_tol: float = REL_TOL) -> SolveResult:
+                         virtual_workers: int | None = None, pipeline: int | None = None,
+                         time_limit_s: float = 60.0, rel_tol: float = REL_TOL) -> SolveResult:
     """The best plan over every candidate (see the module docstring), with the certificate of the
     whole space. ``sizes``: micro-batch sizes to consider (the profile at each,
     :meth:`partitioner.profile.Profile.at_size`; default its own); ``tensor_parallel`` /
-    ``virtual_workers`` fix a dimension; ``rel_tol`` stops once no candidate left can beat the
-    best by more than that fraction. The plan is of ``profile.at_size(plan.micro_batch_size)``."""
+    ``virtual_workers`` / ``pipeline`` (stages per worker, one device each) fix a dimension;
+    ``rel_tol`` stops once no candidate left can beat the best by more than that fraction. The plan is of ``profile.at_size(plan.micro_batch_size)``."""
     t0 = time.perf_counter()
     profiles = {b: profile.at_size(b) for b in (sizes or [profile.micro_batch_size])}
-    cands = candidates(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers)
+    cands = candidates(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers, pipeline)
     if not cands:
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method="tensor",
                            reason=f"no micro-batch size of {', '.join(map(str, profiles))} and number of pipelines "
@@ -195,6 +201,11 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
             break
         res = _full(profiles[cand.micro_batch_size], cluster, cand, options, schedule, left, tried)
         if res is None:
+            continue
+        if pipeline is not None and res.plan is not None and any(
+                len(w.stages) != pipeline for w in res.plan.virtual_workers):
+            tried[-1]["refused"] = f"workers of other than {pipeline} stages"
+            open_bound = max(open_bound, cand.bound_samples_per_s)
             continue
         rate = 1.0 / res.objective if res.ok and res.objective > 0 else 0.0
         upper = min(1.0 / res.lower_bound if res.lower_bound > 0 else math.inf, cand.bound_samples_per_s)
