@@ -218,7 +218,8 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
     assert plan_ is not None
     b, k, m = plan_.micro_batch_size, len(plan_.virtual_workers), plan_.micro_batches
     tp_chosen: dict[str, int] = dict(res.details.get("tensor_parallel", {}))  # type: ignore[call-overload]
-    shown_tp = ", ".join(f"{t} idle" if d == 0 else f"{t} x{d}" for t, d in tp_chosen.items()) if tp_chosen else "1"
+    shown_tp = (", ".join(f"{t} idle" if d == 0 else f"{t} x{d}" for t, d in tp_chosen.items())
+                if any(d != 1 for d in tp_chosen.values()) else "1")
     messages = [f"global batch {g}: {k} virtual worker(s) x {m} micro-batches of {b} (first micro-batch in "
                 f"{slices} slice(s)), tensor parallel {shown_tp}: {rate:.2f} samples/s"]
     measured: Sequence[int] = profile.measured_sizes

@@ -262,7 +262,8 @@ def _result(best: tuple[float, SolveResult, Candidate], profiles: Mapping[int, P
     if res.method == "tensor:uniform":  # predictions attached to the one plan returned
         view = candidate_view(cluster, cand.degrees)[0]
         closed = cast(Mapping[str, float], dict(res.details)["closed_form"])
-        res = replace(res, plan=with_predictions(res.plan, profiles[cand.micro_batch_size], view, options, closed))
+        res = replace(res, plan=with_predictions(res.plan, profiles[cand.micro_batch_size], view, options, closed,
+                                                 extra_meta={"policy": "uniform", "objective": "sync"}))
     status = SolveStatus.OPTIMAL if upper <= rate * (1 + 1e-9) else SolveStatus.FEASIBLE
     details = {k: v for k, v in dict(res.details).items() if k != "closed_form"}
     details.update({"tensor_parallel": dict(cand.degrees), "virtual_workers": cand.virtual_workers,
