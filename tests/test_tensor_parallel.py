@@ -344,8 +344,11 @@ def test_a_measured_shard_holds_its_part_and_the_cost_model_adds_its_all_reduces
         assert f == pytest.approx(block.shards[2].times["cpu"].fwd_s + comm[1])
         assert b == pytest.approx(block.shards[2].times["cpu"].bwd_s + comm[1])
         plan = _plan(p, [("n0:0-1", 0, 2), ("n0:2-3", 2, 4)])
-        tl = simulate_plan(plan, p, cl, CostOptions())  # the "within 2 %"; the closed form never below
-        assert tl.iteration_s * (1 - 1e-9) <= cost.plan_iteration_s(plan) <= tl.iteration_s * 1.02
+        tl = simulate_plan(plan, p, cl, CostOptions())
+        # exact, or above by at most the later stage's round trip (1F1B's warm-up can hide it when the
+        # first stage is the slower: the measured times decide which)
+        trip = sum(cost.fwd_bwd_s(cl.device("n0:2-3").kind, 2, 4))
+        assert tl.iteration_s * (1 - 1e-9) <= cost.plan_iteration_s(plan) <= tl.iteration_s + trip + 1e-9
 
 
 def test_a_degree_that_does_not_divide_the_heads_is_refused_naming_it() -> None:
