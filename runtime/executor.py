@@ -114,9 +114,6 @@ class PipelineExecutor:
         self.seconds = {"compute": 0.0, "recv": 0.0, "step": 0.0}
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}  # receives posted ahead, by tag
         self.stretch: Stretch | None = None
-        # stage -> the weight-gradient share of its backward, for stretching a split backward's I
-        # and W under emulation (default: half each, the profile's estimate rule)
-        self.weight_share: dict[int, float] = {}
         self._reset()
 
     def emulate(self, stretch: Stretch) -> None:
@@ -279,8 +276,7 @@ class PipelineExecutor:
                 else:  # heterogeneity emulation: the action takes its stage's factor times its compute
                     share = 1.0 / self.batching.first_slices if self.batching.is_slice(j) else 1.0
                     if k in (I, W):  # a part of the backward: its share of the backward's target
-                        w = self.weight_share.get(s, 0.5)
-                        share *= w if k == W else 1.0 - w
+                        share *= self.stretch.split_share(s, k == W)
                     compute, slept = self.stretch.hold(s, k != F, t0, share)
                     seconds["compute"] += compute
                     seconds["emulation"] += slept
