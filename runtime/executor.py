@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partitioner.channels import ChannelCursor, Key, Message, own_order
 from partitioner.schedule import (
     PULL,
     PUSH,
@@ -58,6 +59,7 @@ from partitioner.schedule import (
     I,
     MicroBatching,
     W,
+    match_key,
 )
 
 from .emulation import Stretch
@@ -114,6 +116,8 @@ class PipelineExecutor:
         self.seconds = {"compute": 0.0, "recv": 0.0, "step": 0.0}
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}  # receives posted ahead, by tag
         self.stretch: Stretch | None = None
+        self._cursors: dict[int, ChannelCursor] | None = None  # order_channels
+        self._acts_ahead: dict[int, int] = {}  # peer -> activation receives posted and not yet taken
         self._reset()
 
     def emulate(self, stretch: Stretch) -> None:
@@ -146,10 +150,12 @@ class PipelineExecutor:
         """Shape and dtype of stage ``s``'s input for micro-batch ``j`` (a slice's is smaller)."""
         return (self.slice_shapes if self.batching.is_slice(j) else self.input_shapes)[s]
 
-    def _recv(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
-        """The message ``tag`` from pipeline rank ``peer``: its receive was posted ahead (see
-        :meth:`run`) or is posted now; waits for it."""
-        posted = self._posted.pop(tag) if tag in self._posted else self._post(shape, dtype, peer, tag)
+    def _recv(self, peer: int, tag: int) -> torch.Tensor:
+        """The message ``tag`` from pipeline rank ``peer``, whose receive was posted (see
+        :meth:`run`): waits for it."""
+        posted = self._posted.pop(tag, None)
+        if posted is None:
+            raise RuntimeError(f"message {tag} from pipeline rank {peer} was never posted")
         work, buf = posted
         if work is not None:
             work.wait()
@@ -229,74 +235,91 @@ class PipelineExecutor:
         if params:
             torch.autograd.backward(out, grad, inputs=params)
 
+    def order_channels(self, channels: Mapping[int, Sequence[Message]]) -> None:
+        """Post the messages exchanged with each pipeline rank in this order
+        (:func:`partitioner.channels.channel_order`: the order both ends post them, which a
+        backend that matches by order, NCCL, needs); without it, each run's list's own order."""
+        self._cursors = {peer: ChannelCursor(seq) for peer, seq in channels.items()}
+
+    def _post_key(self, peer: int, key: Key) -> None:
+        """Post the receive of message ``key`` (a match key) from pipeline rank ``peer``."""
+        direction, j, sender = key
+        if direction == "act":
+            shape, dtype = self._input_shape(j, sender + 1)
+            self._acts_ahead[peer] = self._acts_ahead.get(peer, 0) + 1
+        else:  # the gradient of this rank's output of stage sender - 1
+            out = self._outputs.get((j, sender - 1))
+            if out is None:
+                raise RuntimeError(f"gradient {key} from pipeline rank {peer} must be received before the "
+                                   f"forward of micro-batch {j} on stage {sender - 1} ran: the channel order does "
+                                   "not fit this rank's list")
+            shape, dtype = out.shape, out.dtype
+        tag = message_tag(direction, j, sender, self.num_stages)
+        self._posted[tag] = self._post(shape, dtype, peer, tag)
+
+    def _post_ahead(self, cursors: Mapping[int, ChannelCursor]) -> None:
+        """Post, per peer and in its channel order, the receives that can be posted now: an
+        activation while no other from that peer is waiting to be taken, a gradient once the
+        forward it belongs to has run (its shape is then known)."""
+        for peer, cursor in cursors.items():
+            while (key := cursor.next_receive()) is not None:
+                if key[0] == "act" and self._acts_ahead.get(peer, 0) > 0:
+                    break
+                if key[0] == "grad" and (key[1], key[2] - 1) not in self._outputs:
+                    break
+                self._post_key(peer, cursor.advance())
+
+    def _communicate(self, a: Action, cursor: ChannelCursor) -> None:
+        """A send or receive action: the receives its channel puts before it are posted first."""
+        k, j, s, S = a.kind, a.micro_batch, a.stage, self.num_stages
+        key = match_key(a)
+        if k in (SEND_ACT, SEND_GRAD):
+            for earlier in cursor.send(key):
+                self._post_key(a.peer, earlier)
+            if k == SEND_ACT:
+                self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
+                return
+            g = self._in_grads.pop((j, s))
+            if g is None:
+                shape, dtype = self._input_shape(j, s)
+                g = torch.zeros(shape, dtype=dtype, device=self.device)
+            self._send(g, a.peer, message_tag("grad", j, s, S))
+            return
+        for needed in cursor.receive(key):
+            self._post_key(a.peer, needed)
+        buf = self._recv(a.peer, message_tag(*key, S))
+        if k == RECV_ACT:
+            self._acts_ahead[a.peer] -= 1
+            self._inputs[(j, s)] = buf.requires_grad_(True)
+        else:
+            self._out_grads[(j, s)] = buf
+
     def run(self, actions: Sequence[Action]) -> None:
         """Execute ``actions`` (one rank's list) in order.
 
-        Receives are posted ahead, so that a message can be taken in while this rank computes
-        rather than only when it asks for it (NCCL moves a message only once its receive is
-        posted): the next activation as soon as the previous one is taken, and a gradient as soon
-        as the forward it belongs to has run (its shape is then known). At most one activation
-        buffer more than the schedule holds.
+        Every message is posted in its channel's order (:meth:`order_channels`), and receives are
+        posted ahead, so that a message can be taken in while this rank computes rather than only
+        when it asks for it (NCCL moves a message only once its receive is posted): the next
+        activation from a peer as soon as the previous one is taken, and a gradient as soon as the
+        forward it belongs to has run, each as far as the channel's order allows. At most one
+        activation buffer per peer more than the schedule holds.
         """
-        S = self.num_stages
         clock, seconds = time.perf_counter, self.seconds
-        act_recvs = [a for a in actions if a.kind == RECV_ACT]
-        grad_recv = {(a.micro_batch, a.stage): a for a in actions if a.kind == RECV_GRAD}
-        next_act = 0
-
-        def post_next_activation() -> None:
-            nonlocal next_act
-            if next_act < len(act_recvs):
-                r = act_recvs[next_act]
-                next_act += 1
-                shape, dtype = self._input_shape(r.micro_batch, r.stage)
-                tag = message_tag("act", r.micro_batch, r.stage - 1, S)
-                self._posted[tag] = self._post(shape, dtype, r.peer, tag)
-
-        post_next_activation()
+        cursors = self._cursors
+        if cursors is None:
+            cursors = {peer: ChannelCursor(seq) for peer, seq in own_order(actions).items()}
+        for cursor in cursors.values():
+            cursor.restart()
+        self._post_ahead(cursors)
         for a in actions:
-            k, j, s = a.kind, a.micro_batch, a.stage
+            k = a.kind
             t0 = clock()
             if k in (F, B, I, W):
-                if k == F:
-                    self._forward(j, s)
-                    later = grad_recv.get((j, s))
-                    if later is not None:  # post the receive of this output's gradient now
-                        y = self._outputs[(j, s)]
-                        tag = message_tag("grad", j, s + 1, S)
-                        self._posted[tag] = self._post(y.shape, y.dtype, later.peer, tag)
-                elif k == B:
-                    self._backward(j, s)
-                elif k == I:
-                    self._backward_input(j, s)
-                else:
-                    self._backward_weight(j, s)
-                if self.stretch is None:
-                    seconds["compute"] += clock() - t0
-                else:  # heterogeneity emulation: the action takes its stage's factor times its compute
-                    share = 1.0 / self.batching.first_slices if self.batching.is_slice(j) else 1.0
-                    if k in (I, W):  # a part of the backward: its share of the backward's target
-                        share *= self.stretch.split_share(s, k == W)
-                    compute, slept = self.stretch.hold(s, k != F, t0, share)
-                    seconds["compute"] += compute
-                    seconds["emulation"] += slept
-            elif k == SEND_ACT:
-                self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
-            elif k == RECV_ACT:
-                shape, dtype = self._input_shape(j, s)
-                self._inputs[(j, s)] = self._recv(shape, dtype, a.peer,
-                                                  message_tag("act", j, s - 1, S)).requires_grad_(True)
-                post_next_activation()
-                seconds["recv"] += clock() - t0
-            elif k == SEND_GRAD:
-                g = self._in_grads.pop((j, s))
-                if g is None:
-                    shape, dtype = self._input_shape(j, s)
-                    g = torch.zeros(shape, dtype=dtype, device=self.device)
-                self._send(g, a.peer, message_tag("grad", j, s, S))
-            elif k == RECV_GRAD:
-                out = self._outputs[(j, s)]
-                self._out_grads[(j, s)] = self._recv(out.shape, out.dtype, a.peer, message_tag("grad", j, s + 1, S))
+                self._compute(a, t0)
+            elif k in (SEND_ACT, SEND_GRAD):
+                self._communicate(a, cursors[a.peer])
+            elif k in (RECV_ACT, RECV_GRAD):
+                self._communicate(a, cursors[a.peer])
                 seconds["recv"] += clock() - t0
             elif k == STEP:
                 self.step(a.version)
@@ -309,6 +332,30 @@ class PipelineExecutor:
                 seconds["step"] += clock() - t0
             else:
                 raise ValueError(f"action {k} is not executed by this runtime")
+            if k in (F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD):
+                self._post_ahead(cursors)
+
+    def _compute(self, a: Action, t0: float) -> None:
+        """F, B, I or W of ``a``; under emulation, held until its target (:mod:`runtime.emulation`)."""
+        k, j, s = a.kind, a.micro_batch, a.stage
+        if k == F:
+            self._forward(j, s)
+        elif k == B:
+            self._backward(j, s)
+        elif k == I:
+            self._backward_input(j, s)
+        else:
+            self._backward_weight(j, s)
+        if self.stretch is None:
+            self.seconds["compute"] += time.perf_counter() - t0
+            return
+        # heterogeneity emulation: the action takes its stage's factor times its compute
+        share = 1.0 / self.batching.first_slices if self.batching.is_slice(j) else 1.0
+        if k in (I, W):  # a part of the backward: its share of the backward's target
+            share *= self.stretch.split_share(s, k == W)
+        compute, slept = self.stretch.hold(s, k != F, t0, share)
+        self.seconds["compute"] += compute
+        self.seconds["emulation"] += slept
 
     def push(self, wave: int) -> None:
         raise ValueError("PUSH needs the WSP executor (runtime.wsp.WspExecutor)")
