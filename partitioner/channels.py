@@ -65,9 +65,9 @@ def channel_order(lists: Sequence[Sequence[Action]]) -> list[dict[int, list[Mess
             stuck = [f"rank {r} at {lists[r][pos[r]]!r}" for r in range(n) if pos[r] < len(lists[r])]
             raise ValueError(f"the action lists deadlock: {', '.join(stuck)} wait for messages never sent")
     out: list[dict[int, list[Message]]] = [{} for _ in range(n)]
-    for (a, b), seq in pairs.items():
-        out[a][b] = [(sender == a, key) for sender, key in seq]
-        out[b][a] = [(sender == b, key) for sender, key in seq]
+    for (lo, hi), seq in pairs.items():
+        out[lo][hi] = [(sender == lo, key) for sender, key in seq]
+        out[hi][lo] = [(sender == hi, key) for sender, key in seq]
     return out
 
 

@@ -357,7 +357,7 @@ def emulation_for(plan: Plan, profile: Profile, cluster: Cluster, *, local: str 
                                           "down; name a type at least as fast as every type of the plan, or "
                                           "leave `emulate_reference` out (the fastest type per layer)")
                     factors.append(max(x, 1.0))
-                stages.append(EmulatedStage(w, k, d, gpu, st.start, st.stop, factors[0], factors[1], *targets,
+                stages.append(EmulatedStage(w, k, d, gpu, st.start, st.stop, factors[0], factors[1], targets[0], targets[1],
                                             bwd_weight_share=_weight_share(emu, gpu, st.start, st.stop)))
     if not links:
         return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule)

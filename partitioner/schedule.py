@@ -38,7 +38,9 @@ message tag. For every ordered pair of ranks the sends appear on the sender in t
 order as the receives on the receiver, so FIFO point-to-point channels also match by order --
 except under ``zbv``, where both chunks' messages cross each pair of ranks in both directions
 and a receiver may take them in another order than they were sent: its lists match by tag only
-(``FIFO_MATCHED`` lists the schedules whose lists also match by order).
+(``FIFO_MATCHED`` lists the schedules whose lists also match by order). A runtime on an
+order-matching channel posts each pair's messages in the order :mod:`partitioner.channels`
+derives from the lists, which works for every schedule.
 Sends are *posted* without waiting for the receiver (``isend``; the buffer is released once
 the transfer is done) and receives block. Under those semantics every list produced here is
 deadlock-free when each rank runs its list in order (the simulator checks this and names the

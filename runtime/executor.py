@@ -22,15 +22,18 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
     ``isend`` of the stage's output / input gradient to the peer (posted, not waited: the
     schedules' matching rule needs sends that do not wait for the receiver).
 ``RECV_ACT`` / ``RECV_GRAD``
-    ``irecv`` into a buffer of the known shape, waited at once. Activation shapes come from a
+    ``irecv`` into a buffer of the known shape (posted earlier, see below), waited at once. Activation shapes come from a
     dry pass on the meta device (one for whole micro-batches, one for slices); a gradient has
     the shape of the stage's own output.
 ``STEP``
     wait for this iteration's sends, average gradients over the virtual workers (the
     ``sync`` callback), optimizer step, zero the gradients.
 
-Messages carry the tag of :func:`partitioner.schedule.match_key`; FIFO order per pair of
-ranks matches them as well (NCCL ignores tags).
+Messages carry the tag of :func:`partitioner.schedule.match_key` (gloo matches by it), and every
+message between two ranks, send or receive, is posted in the one order both ends follow
+(:mod:`partitioner.channels`, :meth:`PipelineExecutor.order_channels`), so a backend that matches
+by order per pair of ranks and runs a pair's messages one at a time (NCCL) matches them too, for
+every schedule, ``zbv``'s crossing chunks included.
 """
 
 from __future__ import annotations
