@@ -13,11 +13,16 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
     backward of ``j`` through ``s``: from the loss on the last stage, otherwise with the
     gradient its ``RECV_GRAD`` received. Parameter gradients accumulate over the iteration.
 ``I(j, s)`` / ``W(j, s)``
-    the backward of ``j`` through ``s`` in two (the zero-bubble schedules): ``I`` computes only the
-    gradient of the stage's input (``torch.autograd.grad`` w.r.t. it, keeping the graph), which its
-    ``SEND_GRAD`` sends on; ``W`` later computes the weights' gradients from the same graph and
-    output gradient (``torch.autograd.backward`` with ``inputs=`` the stage's parameters, which
-    accumulates them as ``B`` does). ``I`` then ``W`` leaves the same gradients as ``B``.
+    the backward of ``j`` through ``s`` in two (the zero-bubble schedules). A stage that is an
+    ``nn.Sequential`` runs its forward layer by layer and keeps each layer with parameters' output;
+    ``I`` computes, in one ``torch.autograd.grad`` keeping the graph, the gradient of the stage's
+    input (which its ``SEND_GRAD`` sends on) and of those outputs; ``W`` later computes each such
+    layer's weight gradients from its output's gradient (``torch.autograd.backward`` with
+    ``inputs=`` the layer's parameters), through that layer only. Otherwise (another module, or a
+    parameter shared by two of its layers) ``I`` computes the input's gradient alone and ``W``
+    starts from the stage's output, computing the stage's inner input gradients again on its way
+    to the weights. Either way the gradients accumulate as ``B``'s do: ``I`` then ``W`` leaves
+    the same gradients as ``B``.
 ``SEND_ACT`` / ``SEND_GRAD``
     ``isend`` of the stage's output / input gradient to the peer (posted, not waited: the
     schedules' matching rule needs sends that do not wait for the receiver).
@@ -119,6 +124,7 @@ class PipelineExecutor:
         self.seconds = {"compute": 0.0, "recv": 0.0, "step": 0.0}
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}  # receives posted ahead, by tag
         self.stretch: Stretch | None = None
+        self._split_stages: set[int] = set()  # stages with I actions in the list being run
         self._cursors: dict[int, ChannelCursor] | None = None  # order_channels
         self._acts_ahead: dict[int, int] = {}  # peer -> activation receives posted and not yet taken
         self._reset()
@@ -134,8 +140,12 @@ class PipelineExecutor:
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._out_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._in_grads: dict[tuple[int, int], torch.Tensor | None] = {}
-        # (micro-batch, stage) -> the output and its gradient an I left for its W
-        self._weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # (micro-batch, stage) -> what an I left for its W: per layer with parameters, its output,
+        # the output's gradient and its parameters (or the stage's output, gradient and parameters)
+        self._weight_work: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor | None, list[Any]]]] = {}
+        # (micro-batch, stage) -> per layer with parameters: its output, the output's version, its
+        # parameters (a split backward's stage run layer by layer, see _forward)
+        self._layer_outputs: dict[tuple[int, int], list[tuple[torch.Tensor, int, list[Any]]]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._loss_sum: torch.Tensor | float = 0.0  # a device tensor: read back once per iteration
 
@@ -185,7 +195,22 @@ class PipelineExecutor:
         return x
 
     def _forward(self, j: int, s: int) -> None:
-        self._keep_output((j, s), self.stages[s](self._input(j, s)))
+        """Forward of micro-batch ``j`` through stage ``s``. A stage whose backward is split (it
+        has ``I`` actions) and is an ``nn.Sequential`` runs layer by layer, keeping each layer
+        with parameters' output, so that its ``W`` can start from those outputs' gradients
+        (:meth:`_backward_weight`); the same operations, the same result."""
+        mod, x = self.stages[s], self._input(j, s)
+        if s not in self._split_stages or not isinstance(mod, nn.Sequential):
+            self._keep_output((j, s), mod(x))
+            return
+        kept = []
+        for layer in mod:
+            x = layer(x)
+            params = [p for p in layer.parameters() if p.requires_grad]
+            if params and isinstance(x, torch.Tensor) and x.requires_grad:
+                kept.append((x, x._version, params))
+        self._layer_outputs[(j, s)] = kept
+        self._keep_output((j, s), x)
 
     def _keep_output(self, key: tuple[int, int], y: torch.Tensor) -> None:
         """Keep stage output ``y`` of (micro-batch, stage) ``key`` for its backward; the last
@@ -219,24 +244,40 @@ class PipelineExecutor:
                                    else None)
 
     def _backward_input(self, j: int, s: int) -> None:
-        """``I``: the gradient of the stage's input only, the graph kept for the ``W``."""
+        """``I``: the gradient of the stage's input only, the graph kept for the ``W``; with the
+        stage's layer outputs kept (:meth:`_forward`), their gradients too, in the same pass."""
         key = (j, s)
         out = self._outputs.pop(key)
         grad = self._output_grad(j, s, out)
         x = self._inputs.pop(key, None)
+        want_x = s > 0 and x is not None and x.requires_grad
+        kept = self._layer_outputs.pop(key, None)
+        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        shared = len({id(p) for _, _, ps in kept or () for p in ps}) < sum(len(ps) for _, _, ps in kept or ())
+        if kept and not shared and {id(p) for _, _, ps in kept for p in ps} == {id(p) for p in params} \
+                and all(y._version == v for y, v, _ in kept):
+            wanted = ([x] if want_x and x is not None else []) + [y for y, _, _ in kept]
+            grads = torch.autograd.grad(out, wanted, grad, retain_graph=True, allow_unused=True)
+            if s > 0:
+                self._in_grads[key] = grads[0] if want_x else None
+            # a layer output the stage's output does not depend on (no gradient) has no W
+            self._weight_work[key] = [(y, g, ps) for (y, _, ps), g in zip(kept, grads[len(grads) - len(kept):],
+                                                                        strict=True) if g is not None]
+            return
         if s > 0:
             dx = None
-            if x is not None and x.requires_grad:
+            if want_x and x is not None:
                 dx = torch.autograd.grad(out, x, grad, retain_graph=True, allow_unused=True)[0]
             self._in_grads[key] = dx
-        self._weight_work[key] = (out, grad)
+        self._weight_work[key] = [(out, grad, params)]
 
     def _backward_weight(self, j: int, s: int) -> None:
-        """``W``: the weights' gradients of the micro-batch, accumulated into ``.grad`` as ``B`` does."""
-        out, grad = self._weight_work.pop((j, s))
-        params = [p for p in self.stages[s].parameters() if p.requires_grad]
-        if params:
-            torch.autograd.backward(out, grad, inputs=params)
+        """``W``: the weights' gradients of the micro-batch, accumulated into ``.grad`` as ``B``
+        does: from each kept layer output's gradient through that layer only, or from the
+        stage's output (which computes again the input gradients inside the stage on the way)."""
+        for y, g, params in self._weight_work.pop((j, s)):
+            if params:  # g is None only for the last stage's loss
+                torch.autograd.backward(y, g, inputs=params)
 
     def order_channels(self, channels: Mapping[int, Sequence[Message]]) -> None:
         """Post the messages exchanged with each pipeline rank in this order
@@ -308,6 +349,7 @@ class PipelineExecutor:
         activation buffer per peer more than the schedule holds.
         """
         clock, seconds = time.perf_counter, self.seconds
+        self._split_stages = {a.stage for a in actions if a.kind == I}
         cursors = self._cursors
         if cursors is None:
             cursors = {peer: ChannelCursor(seq) for peer, seq in own_order(actions).items()}

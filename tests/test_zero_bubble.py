@@ -406,3 +406,66 @@ def test_emulated_zb_h1_is_faster_than_1f1b_as_predicted() -> None:
     assert measured["zb-h1"] < measured["1f1b"], (measured, predicted)
     for schedule, x in measured.items():
         assert abs(x / predicted[schedule] - 1) <= 0.25, (schedule, measured, predicted)
+
+
+class _CountBackward(torch.autograd.Function):
+    """Identity whose backward counts its calls (the input gradients computed through it)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        _CountBackward.calls += 1
+        return g
+
+
+class _Counted(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _CountBackward.apply(x)
+
+
+def _one_rank_grads(schedule: str, tied: str = "") -> tuple[dict[str, torch.Tensor], int]:
+    """Both stages of a 1-device zbv (or its 1f1b over one stage of the same layers): the
+    parameters' gradients after one iteration, and the counting layer's backward calls."""
+    from runtime.executor import PipelineExecutor
+
+    torch.manual_seed(0)
+    first, last, head = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+    if tied == "stages":  # zbv: a parameter of stage 0 and stage 1
+        last.weight = first.weight
+    elif tied == "stage":  # zbv: two layers of stage 1
+        head.weight = last.weight
+    layers = [first, nn.Tanh(), last, _Counted(), nn.Sequential(head, nn.ReLU())]
+    xs = torch.randn(3, 2, 3)
+    _CountBackward.calls = 0
+    if schedule == "zbv":
+        mods = {0: nn.Sequential(*layers[:2]), 1: nn.Sequential(*layers[2:])}
+        shapes = {1: (torch.Size([2, 3]), torch.float32)}
+        actions = build_schedule("zbv", 1, 3, 2)[0]
+    else:
+        mods, shapes, actions = {0: nn.Sequential(*layers)}, {}, build_schedule("1f1b", 1, 3)[0]
+    ex = PipelineExecutor(mods, len(mods), [0], shapes, 3, lambda j: xs[j], lambda y, j: y.pow(2).mean(), None,
+                          torch.device("cpu"))
+    ex.run(actions)
+    unique = {id(p): p for layer in layers for p in layer.parameters()}  # a tied parameter once
+    return {str(i): p.grad.clone() for i, p in enumerate(unique.values())}, _CountBackward.calls
+
+
+def test_w_starts_from_each_layers_output_gradient() -> None:
+    """A split backward's W computes the weight gradients from each layer's output gradient
+    (kept by its I), not by going back through the layers again: the counting layer between two
+    weighted layers of stage 1 runs its backward once per micro-batch, in the I, as under 1F1B;
+    the gradients equal 1F1B's, with a parameter tied between the two stages as well. With one
+    tied between two layers of stage 1 its W starts from the stage's output (one layer's W would
+    take the other's share too) and goes through the counting layer again: twice per micro-batch."""
+    for tied, calls in (("", 3), ("stages", 3), ("stage", 6)):
+        want, calls_b = _one_rank_grads("1f1b", tied)
+        got, calls_iw = _one_rank_grads("zbv", tied)
+        assert (calls_b, calls_iw) == (3, calls)
+        assert want.keys() == got.keys()
+        for k, g in want.items():
+            torch.testing.assert_close(got[k], g, rtol=1e-6, atol=1e-8)
