@@ -142,9 +142,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                          "(GPT-2 tiny, 30 steps), DeepSpeed's config class, Megatron-Core's layout and model build",
               _script("exports", "--steps", "10"), _script("exports"), needs=("torch",), long=True),
     Benchmark("emulation", "emulated heterogeneous cluster (A100 + 2 T4 on CPU processes): measured against "
-                           "predicted iteration of opt, uniform and pipedream plans",
-              _script("emulation", "--rounds", "2"),
-              _script("emulation", "--rounds", "5", "--wsp", "--png", "{img}/emulation_wsp.png"),
+                           "predicted iteration of opt, uniform and pipedream plans; zb-h1 against 1f1b on 4 GPUs",
+              _script("emulation", "--rounds", "2", "--zero-bubble"),
+              _script("emulation", "--rounds", "5", "--zero-bubble", "--wsp", "--png", "{img}/emulation_wsp.png"),
               figures=("emulation_wsp.png",), needs=("torch",), long=True, seeds={"weights_and_data": 0}),
     Benchmark("wsp", "WSP against sync data parallelism on an emulated 3-type cluster (links emulated): time to "
                      "a held-out loss, speed-up, predicted against measured",

@@ -36,7 +36,6 @@ import torch.multiprocessing as mp
 from partitioner.emulation import Emulation
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
-from partitioner.schedule import FIFO_MATCHED
 
 from .data import make_data
 from .layout import plan_layout
@@ -156,14 +155,6 @@ def _emulated(emulation: Emulation, per_rank: list[dict[str, Any]]) -> dict[str,
                       for r in per_rank]}
 
 
-def _check_backend(plan: Plan, backend: str) -> None:
-    """Refuse a schedule whose lists match messages by tag only on NCCL, which matches by order."""
-    if backend == "nccl" and plan.schedule not in FIFO_MATCHED:
-        raise PartitionerError(f"schedule {plan.schedule}: its messages match by tag, not by order per pair of ranks, "
-                               f"and NCCL ignores tags; train it on CPU (gloo) or export it to torch.distributed."
-                               f"pipelining (partitioner export)")
-
-
 def _threads(config: TrainConfig, nprocs: int) -> int:
     if config.threads:
         return config.threads
@@ -182,7 +173,6 @@ def train_distributed(plan: Plan, config: TrainConfig, *, run: RunSpec | None = 
     me = seat(run.layout, os.environ, config.node or None)  # the plan device this process plays
     rank = me.rank
     backend = "nccl" if config.device == "cuda" else "gloo"
-    _check_backend(plan, backend)
     torch.set_num_threads(_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     timeout = datetime.timedelta(seconds=config.timeout_s)
     dist.init_process_group(backend, store=attempt_store(os.environ, timeout), rank=rank, world_size=world,
@@ -380,7 +370,6 @@ def train_local(plan: Plan, config: TrainConfig, start_method: str = "spawn", *,
     if config.device == "cuda" and torch.cuda.device_count() < n:
         raise PartitionerError(f"the plan needs {n} GPUs on this machine; torch sees {torch.cuda.device_count()}")
     check_checkpoints(plan, config, n)
-    _check_backend(plan, "nccl" if config.device == "cuda" else "gloo")
     # a data kind the model has no task for is refused here, before any process starts
     make_data(run.chain, config.data, plan.micro_batch_size, plan.micro_batches, run.layout.workers, config.seed)
     with tempfile.TemporaryDirectory(prefix="partitioner-train-") as tmp:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from partitioner.channels import Message, channel_order
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.placement import PipelinePlacement, place, replica_assignment, supports
 from partitioner.plan import Plan
@@ -104,15 +105,26 @@ class Layout:
         is assigned, its peers the replicas that hold the same micro-batches (with the deeper
         1F1B warm-up the simulator gives replicated pipelines)."""
         me = self.ranks[rank]
-        plan, pipe = self.plan, self.placements[me.worker]
+        return self.pipeline_actions(me.worker, iterations)[me.pipe_rank]
+
+    def pipeline_actions(self, worker: int, iterations: int = 1) -> list[list[Action]]:
+        """Every pipeline rank's action list of virtual worker ``worker`` (:meth:`actions`)."""
+        plan, pipe = self.plan, self.placements[worker]
         m_run = plan.micro_batching.count
-        if not self.replicated(me.worker):
-            return build_schedule(plan.schedule, len(self.pipelines[me.worker]), m_run, plan.chunks, iterations,
-                                  plan.staleness)[me.pipe_rank]
+        if not self.replicated(worker):
+            return build_schedule(plan.schedule, len(self.pipelines[worker]), m_run, plan.chunks, iterations,
+                                  plan.staleness)
         depths = [sum(len(r) for r in pipe.replicas[k + 1:]) for k in range(pipe.ranks)]
         cols = schedule_columns(plan.schedule, pipe.ranks, m_run, plan.chunks, iterations, plan.staleness, depths)
-        assign = [np.asarray(a, dtype=np.int64) for a in self.assignment[me.worker]]
-        return to_actions(_replicated_ranks(pipe, cols, assign, m_run)[me.pipe_rank][2])
+        assign = [np.asarray(a, dtype=np.int64) for a in self.assignment[worker]]
+        return [to_actions(ranked[2]) for ranked in _replicated_ranks(pipe, cols, assign, m_run)]
+
+    def channels(self, rank: int, iterations: int = 1) -> dict[int, list[Message]]:
+        """Per pipeline rank that rank ``rank`` exchanges messages with: those messages in the
+        order both ends post them (:func:`partitioner.channels.channel_order` over the lists of
+        :meth:`actions`)."""
+        me = self.ranks[rank]
+        return channel_order(self.pipeline_actions(me.worker, iterations))[me.pipe_rank]
 
 
 def plan_layout(plan: Plan, num_layers: int, model: str = "",

@@ -215,6 +215,7 @@ class PipelineRun(RankRun):
                                     batching=ctx.run.plan.micro_batching, slice_shapes=slice_shapes)
         _emulate(executor, ctx)
         actions = ctx.layout.actions(ctx.rank)
+        executor.order_channels(ctx.layout.channels(ctx.rank))
         self.figures["micro_batches"] = sorted({a.micro_batch for a in actions if a.kind == F})
         versions: list[dict[int, dict[str, torch.Tensor]]] | None = [] if config.eval_global else None
         self.figures["end_s"] = self._steps(executor, averager, actions, optimizer, versions)
@@ -349,6 +350,7 @@ class TwoBwRun(_OneListRun):
         ctx, steps = self.ctx, self.ctx.config.steps
         two = self._executor(TwoBwExecutor)
         actions = ctx.layout.actions(ctx.rank, iterations=steps)
+        two.order_channels(ctx.layout.channels(ctx.rank, iterations=steps))
         dist.barrier()
         t0 = time.perf_counter()
         two.run(actions)
@@ -375,6 +377,7 @@ class WspRun(_OneListRun):
         if config.eval_global:
             wsp.snapshots = {}
         actions = ctx.layout.actions(ctx.rank, iterations=config.steps)
+        wsp.order_channels(ctx.layout.channels(ctx.rank, iterations=config.steps))
         dist.barrier()
         deadline = _deadline(config, ctx.device)
         t0 = time.time()
