@@ -174,24 +174,33 @@ def _image_input(channels: int, image: int) -> Callable[[int, torch.device | str
 
 
 class _Attention(nn.Module):
-    """Multi-head self-attention written with explicit matmuls (so FLOP counters see it)."""
+    """Multi-head self-attention written with explicit matmuls (so FLOP counters see it).
+
+    The fused ``qkv`` projection's outputs are laid out head after head (``[q_0 k_0 v_0 q_1 k_1
+    v_1 ...]``, each ``head_dim`` wide), as Megatron-LM fuses them: a tensor-parallel shard of
+    ``qkv`` (rows ``[i * 3h / t, (i + 1) * 3h / t)``, ``ColwiseParallel``) is then exactly the
+    ``q``, ``k`` and ``v`` of heads ``[i * heads / t, (i + 1) * heads / t)``, and ``forward`` runs
+    whatever heads its ``qkv`` gives it (``runtime/tensor_parallel.py``)."""
 
     def __init__(self, hidden: int, heads: int, causal: bool):
         super().__init__()
         self.heads, self.causal = heads, causal
+        self.head_dim = hidden // heads
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=2)
-        q, k, v = (t.reshape(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(h // self.heads)
+        fused = self.qkv(x)
+        b, s, width = fused.shape
+        d = self.head_dim
+        n = width // (3 * d)  # the heads here: all of them, or a tensor-parallel shard's
+        q, k, v = fused.reshape(b, s, n, 3, d).permute(3, 0, 2, 1, 4).unbind(0)  # (b, n, s, d) each
+        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d)
         if self.causal:
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
             att = att.masked_fill(mask, float("-inf"))
         att = torch.softmax(att, dim=-1)
-        y = torch.matmul(att, v).transpose(1, 2).reshape(b, s, h)
+        y = torch.matmul(att, v).transpose(1, 2).reshape(b, s, n * d)
         return self.proj(y)
 
 

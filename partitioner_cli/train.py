@@ -185,7 +185,7 @@ def launch_lines(layout: Layout, train_args: Sequence[str], rdzv_endpoint: str, 
         cmd = ["torchrun", "--nnodes", str(len(nodes)), "--nproc-per-node", str(len(ranks)),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id,
                "-m", "partitioner_cli", "train", *train_args, "--plan-node", name]
-        lines.append(f"# node {name}: {', '.join(layout.ranks[k].device for k in ranks)}\n" + shlex.join(cmd))
+        lines.append(f"# node {name}: {', '.join(layout.ranks[k].gpu for k in ranks)}\n" + shlex.join(cmd))
     return lines
 
 

@@ -7,7 +7,8 @@ device (by index) that the plan uses on its own node, and joins the process grou
 device's rank of the layout. Its node is named (``plan_node``: the torchrun lines that
 ``partitioner train --launch-lines`` prints name it on every machine) or, without a name, the
 ``GROUP_RANK``-th node of the plan (nodes in the order the plan first uses them). On a GPU the
-process uses the GPU whose index the device name gives (``n1:3``: GPU 3).
+process uses the GPU whose index the device name gives (``n1:3``: GPU 3). A tensor-parallel group
+``n1:2-3`` is two processes (:mod:`runtime.layout`), on GPUs 2 and 3 (``RankInfo.gpu``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ def plan_nodes(layout: Layout) -> dict[str, list[int]]:
     """The plan's nodes in first-use order, each with its layout ranks sorted by device index."""
     nodes: dict[str, list[int]] = {}
     for r in layout.ranks:
-        nodes.setdefault(_split(r.device)[0], []).append(r.rank)
+        nodes.setdefault(_split(r.gpu)[0], []).append(r.rank)
     for ranks in nodes.values():
-        ranks.sort(key=lambda k: _split(layout.ranks[k].device)[1])
+        ranks.sort(key=lambda k: _split(layout.ranks[k].gpu)[1])
     return nodes
 
 
@@ -66,7 +67,7 @@ def seat(layout: Layout, env: Mapping[str, str], node: str | None = None) -> Nod
     local_world = int(env.get("LOCAL_WORLD_SIZE", str(len(ranks))))
     if local_world != len(ranks):
         raise PartitionerError(f"node {node} holds {len(ranks)} device(s) of the plan "
-                               f"({', '.join(layout.ranks[k].device for k in ranks)}): start it with "
+                               f"({', '.join(layout.ranks[k].gpu for k in ranks)}): start it with "
                                f"--nproc-per-node {len(ranks)} (LOCAL_WORLD_SIZE = {local_world})")
     r = layout.ranks[ranks[local]]
-    return NodeSeat(r.rank, r.device, _split(r.device)[1])
+    return NodeSeat(r.rank, r.device, _split(r.gpu)[1])
