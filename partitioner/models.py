@@ -174,29 +174,37 @@ def _image_input(channels: int, image: int) -> Callable[[int, torch.device | str
 
 
 class _Attention(nn.Module):
-    """Multi-head self-attention written with explicit matmuls (so FLOP counters see it). With
-    ``tensor_parallel`` t, one GPU's shard of it (Megatron-style): ``heads / t`` heads, the qkv
-    projection's columns and the output projection's rows of those heads; its output is that
-    GPU's partial sum (the group all-reduces the t of them)."""
+    """Multi-head self-attention written with explicit matmuls (so FLOP counters see it).
+
+    The fused ``qkv`` projection's outputs are laid out head after head (``[q_0 k_0 v_0 q_1 k_1
+    v_1 ...]``, each ``head_dim`` wide), as Megatron-LM fuses them: a tensor-parallel shard of
+    ``qkv`` (rows ``[i * 3h / t, (i + 1) * 3h / t)``, ``ColwiseParallel``) is then exactly the
+    ``q``, ``k`` and ``v`` of heads ``[i * heads / t, (i + 1) * heads / t)``, and ``forward`` runs
+    whatever heads its ``qkv`` gives it (``runtime/tensor_parallel.py``). Built with
+    ``tensor_parallel`` t, it is one GPU's shard from the start (``heads / t`` heads, the output
+    projection's rows of those heads; its output that GPU's partial sum), what the profiler times
+    (``partitioner/shard_profiler.py``)."""
 
     def __init__(self, hidden: int, heads: int, causal: bool, tensor_parallel: int = 1):
         super().__init__()
         self.heads, self.causal = heads // tensor_parallel, causal
         self.head_dim = hidden // heads
-        self.local = self.heads * self.head_dim
-        self.qkv = nn.Linear(hidden, 3 * self.local)
-        self.proj = nn.Linear(self.local, hidden)
+        local = self.heads * self.head_dim
+        self.qkv = nn.Linear(hidden, 3 * local)
+        self.proj = nn.Linear(local, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).split(self.local, dim=2)
-        q, k, v = (t.reshape(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        fused = self.qkv(x)
+        b, s, width = fused.shape
+        d = self.head_dim
+        n = width // (3 * d)  # the heads here: all of them, or a tensor-parallel shard's
+        q, k, v = fused.reshape(b, s, n, 3, d).permute(3, 0, 2, 1, 4).unbind(0)  # (b, n, s, d) each
+        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d)
         if self.causal:
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
             att = att.masked_fill(mask, float("-inf"))
         att = torch.softmax(att, dim=-1)
-        y = torch.matmul(att, v).transpose(1, 2).reshape(b, s, self.local)
+        y = torch.matmul(att, v).transpose(1, 2).reshape(b, s, n * d)
         return self.proj(y)
 
 

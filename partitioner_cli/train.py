@@ -203,7 +203,7 @@ def launch_lines(layout: Layout, train_args: Sequence[str], rdzv_endpoint: str, 
     for k, n in enumerate(nodes):
         cmd = torchrun_command(nodes, k, ["-m", "partitioner_cli", "train", *train_args, "--plan-node", n.node],
                                rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, visible_devices=False)
-        lines.append(f"# node {n.node}: {', '.join(layout.ranks[r].device for r in n.ranks)}\n" + cmd)
+        lines.append(f"# node {n.node}: {', '.join(layout.ranks[r].gpu for r in n.ranks)}\n" + cmd)
     return lines
 
 

@@ -118,6 +118,9 @@ class PipelineExecutor:
         self.optimizer = optimizer
         self.device = device
         self.sync = sync
+        # pipeline rank -> the global ranks a send to it goes to, when not its peer alone (tensor
+        # parallelism: runtime.layout.Layout.send_to)
+        self.send_to: dict[int, tuple[int, ...]] = {}
         self.losses: list[float] = []  # last stage: the iteration's loss (sum of the scaled losses)
         # seconds spent per kind of work, summed over every run: compute (F, B), waiting in
         # receives, and the step (send completion, gradient averaging, optimizer)
@@ -153,7 +156,8 @@ class PipelineExecutor:
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         buf = tensor.detach().contiguous()
-        self._pending.append((dist.isend(buf, self.peers[peer], tag=tag), buf))
+        for dst in self.send_to.get(peer, (self.peers[peer],)):
+            self._pending.append((dist.isend(buf, dst, tag=tag), buf))
 
     def _post(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
         buf = torch.empty(shape, dtype=dtype, device=self.device)

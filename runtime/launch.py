@@ -44,6 +44,7 @@ from .rank import FAULT_ENV, check_time_bound, run_rank
 from .recipe import training_recipe
 from .run import RunSpec, TrainConfig, chain_for, check_checkpoints, check_world_size
 from .stage import LayerChain
+from .tensor_parallel import check_tensor_parallel
 
 # (TrainConfig, RunSpec, the checks and run_rank are defined in runtime.run and runtime.rank, and named here too)
 __all__ = ["FAULT_ENV", "RankFailed", "RunSpec", "TrainConfig", "check_checkpoints", "check_world_size", "free_port", "gather_json",
@@ -53,12 +54,14 @@ def prepare(plan: Plan, config: TrainConfig, chain: LayerChain | None = None) ->
     """The run every rank receives, computed once: the model's chain (``chain`` when the caller
     built it with :func:`runtime.run.chain_for`), the plan's layout for that chain with the
     config's replica assignment, and the refusal, in one line before any process starts, of what
-    this runtime cannot do with the config's options (:func:`runtime.rank.check_time_bound`)."""
+    this runtime cannot do with the config's options (:func:`runtime.rank.check_time_bound`) or
+    cannot shard (:func:`runtime.tensor_parallel.check_tensor_parallel`)."""
     chain = chain if chain is not None else chain_for(plan, config)
     layout = plan_layout(plan, chain.num_layers, model=chain.name, assignment=config.replica_assignment)
     run = RunSpec(plan, config, layout, chain)
     check_time_bound(run)
     training_recipe(plan, config.optimizer, config.precision)  # an optimizer the executor cannot run: refused
+    check_tensor_parallel(run)
     return run
 
 
@@ -108,9 +111,9 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "iterations_per_worker": done,
         "samples": sum(done) * plan.micro_batches * plan.micro_batch_size,
         **_global_eval(config, per_rank),
-        "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads",
-                                          "seconds_per_step", "peak_memory_bytes", "model_state_bytes", "loss_scale",
-                                          "replica", "micro_batches",
+        "ranks": [{k: r[k] for k in ("rank", "device", "gpu", "tp_rank", "tp_size", "worker", "pipe_rank", "stages",
+                                          "layers", "threads", "seconds_per_step", "peak_memory_bytes",
+                                          "model_state_bytes", "loss_scale", "replica", "micro_batches",
                                           "start_time", "wave_end_s", "empty_wave_s", "pull_end_s")
                    if k in r}
                   for r in per_rank],

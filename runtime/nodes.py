@@ -7,7 +7,8 @@ device (by index) that the plan uses on its own node, and joins the process grou
 device's rank of the layout. Its node is named (``plan_node``: the torchrun lines that
 ``partitioner train --launch-lines`` prints name it on every machine) or, without a name, the
 ``GROUP_RANK``-th node of the plan (nodes in the order the plan first uses them). On a GPU the
-process uses the GPU whose index the device name gives (``n1:3``: GPU 3).
+process uses the GPU whose index the device name gives (``n1:3``: GPU 3). A tensor-parallel group
+``n1:2-3`` is two processes (:mod:`runtime.layout`), on GPUs 2 and 3 (``RankInfo.gpu``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ __all__ = ["NodeSeat", "layout_nodes", "plan_nodes", "seat"]
 def layout_nodes(layout: Layout) -> list[NodeLaunch]:
     """The plan's nodes in first-use order, each with its layout ranks by device index (the
     launch logic every export shares, :mod:`partitioner.launch`)."""
-    return node_launches([r.device for r in layout.ranks], local_order="index")
+    return node_launches([r.gpu for r in layout.ranks], local_order="index")  # a group's ranks: one GPU each
 
 
 def plan_nodes(layout: Layout) -> dict[str, list[int]]:
@@ -47,5 +48,5 @@ def seat(layout: Layout, env: Mapping[str, str], node: str | None = None) -> Nod
     """The plan device of the torchrun process with environment ``env`` (``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``) on node ``node`` (default: the ``GROUP_RANK``-th)."""
     rank, _ = launch_seat(layout_nodes(layout), env, node)
-    device = layout.ranks[rank].device
-    return NodeSeat(rank, device, split_device(device)[1])
+    me = layout.ranks[rank]
+    return NodeSeat(rank, me.device, split_device(me.gpu)[1])

@@ -52,6 +52,7 @@ from .recipe import (
 )
 from .run import RunSpec, TrainConfig
 from .stage import boundary_shapes, build_stage
+from .tensor_parallel import full_state, shard_rank
 from .twobw import TwoBwExecutor
 from .wsp import WspExecutor
 
@@ -136,7 +137,7 @@ class RankContext:
 
     @property
     def peers(self) -> tuple[int, ...]:
-        return self.layout.pipelines[self.me.worker]
+        return self.layout.peers(self.rank)  # (a tensor-parallel rank's peers: runtime.layout)
 
 
 def rank_context(run: RunSpec, rank: int, device: torch.device) -> RankContext:
@@ -146,6 +147,7 @@ def rank_context(run: RunSpec, rank: int, device: torch.device) -> RankContext:
     me = layout.ranks[rank]
     stages_layers = layout.stage_layers[me.worker]
     modules = {s: build_stage(chain, *stages_layers[s], seed=config.seed, device=device) for s in me.stages}
+    shard_rank(run, rank, device, modules)  # a tensor-parallel group's shards (runtime.tensor_parallel)
     by_layer = {stages_layers[s][0] + k: layer for s, mod in modules.items() for k, layer in enumerate(mod)}
     shapes = boundary_shapes(chain, plan.micro_batch_size)
     input_shapes = {s: shapes[stages_layers[s][0] - 1] for s in me.stages if stages_layers[s][0] > 0}
@@ -213,6 +215,7 @@ class PipelineRun(RankRun):
         executor = PipelineExecutor(stages, ctx.num_stages, ctx.peers, input_shapes, ctx.run.plan.micro_batches,
                                     ctx.feed.micro_batch, loss_fn, stepper, ctx.device, averager,
                                     batching=ctx.run.plan.micro_batching, slice_shapes=slice_shapes)
+        executor.send_to = ctx.layout.send_to(ctx.rank)
         _emulate(executor, ctx)
         actions = ctx.layout.actions(ctx.rank)
         executor.order_channels(ctx.layout.channels(ctx.rank))
@@ -291,7 +294,7 @@ class PipelineRun(RankRun):
         lock, which a killed rank would leak)."""
         ctx, config, me = self.ctx, self.ctx.config, self.ctx.me
         show = (config.progress and sys.stderr.isatty() and me.worker == 0 and ctx.num_stages - 1 in me.stages
-                and me.replica == 0)
+                and me.replica == 0 and me.tp_rank == 0)
         if not show:
             return None
         return tqdm(total=config.steps, initial=self.first, unit="step",
@@ -464,7 +467,7 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
         seconds["allreduce"] = runner.averager.seconds
     timed_steps = runner.timed_steps()
     if config.state_dir:
-        torch.save({s: {k: v.cpu() for k, v in m.state_dict().items()} for s, m in ctx.modules.items()},
+        torch.save({s: full_state(m) for s, m in ctx.modules.items()},
                    os.path.join(config.state_dir, f"rank{ctx.rank}.pt"))
     # CUDA: the most memory the caching allocator handed out over the run (tensors alive at
     # once: weights, gradients, optimizer state, activations in flight, buffers); the CUDA
@@ -474,9 +477,12 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
     peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else None
     state = model_state_bytes(ctx.modules.values(), runner.optimizer)
     stages_layers = ctx.layout.stage_layers[me.worker]
-    return {"rank": ctx.rank, "device": me.device, "worker": me.worker, "pipe_rank": me.pipe_rank,
-            "peak_memory_bytes": peak, "model_state_bytes": state, "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
-            "step_s": runner.step_s, "losses": executor.losses, "threads": torch.get_num_threads(),
+    return {"rank": ctx.rank, "device": me.device, "gpu": me.gpu, "tp_rank": me.tp_rank, "tp_size": me.tp_size,
+            "worker": me.worker, "pipe_rank": me.pipe_rank,
+            "peak_memory_bytes": peak, "model_state_bytes": state, "stages": list(me.stages),
+            "layers": [list(stages_layers[s]) for s in me.stages],
+            "step_s": runner.step_s, "losses": executor.losses if me.tp_rank == 0 else [],  # (one per group)
+            "threads": torch.get_num_threads(),
             "first_step": runner.first, "data": ctx.data.kind,
             "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()},
             "emulated_actions": [executor.stretch.actions, executor.stretch.overruns] if executor.stretch else None,

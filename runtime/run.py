@@ -140,7 +140,7 @@ def check_world_size(layout: Layout, world_size: int) -> None:
     """Refuse, in one line, a process group of another size than the plan's devices."""
     if world_size != layout.world_size:
         raise PartitionerError(
-            f"the plan runs on {layout.world_size} devices ({', '.join(r.device for r in layout.ranks)}), "
+            f"the plan runs on {layout.world_size} devices ({', '.join(r.gpu for r in layout.ranks)}), "
             f"one process each, but WORLD_SIZE = {world_size}; start {layout.world_size} processes")
 
 
