@@ -250,10 +250,10 @@ def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluste
         measured = {r["device"]: r["peak_memory_bytes"] for r in ranks}
     else:
         cost = CostModel(plan.profile_view(profile), cluster, options)
-        predicted = {}
+        predicted = {}  # per GPU: one rank of a tensor-parallel group holds its shard
         for r in ranks:
-            predicted[r["device"]] = predicted.get(r["device"], 0.0) + sum(
-                cost.weight_bytes(a, b) for a, b in r["layers"])
+            t = cluster.device(r["device"]).tensor_parallel
+            predicted[r["device"]] = sum(cost.weight_bytes(a, b, tensor_parallel=t) for a, b in r["layers"])
         what = ("model state: bytes of the parameters, gradients and optimizer state held (activations are not "
                 "measured on CPU) against the cost model's for the rank's layers")
         measured = {r["device"]: r.get("model_state_bytes") for r in ranks}

@@ -237,11 +237,15 @@ class ScaledStep:
 def model_state_bytes(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None) -> float:
     """Bytes of a rank's model state as it stands: its parameters, their gradients (counted at
     the parameters' size whether or not they are held now: they are between a backward and the
-    step) and the optimizer's state tensors."""
+    step) and the optimizer's state tensors; of a tensor-parallel shard (a DTensor) what this rank
+    holds, not the whole tensor."""
+    def held(t: torch.Tensor) -> int:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size()
+
     params = [p for m in modules for p in m.parameters()]
-    total = sum(2 * p.numel() * p.element_size() for p in params)
+    total = sum(2 * held(p) for p in params)
     if optimizer is not None:
         for state in optimizer.state.values():
-            total += sum(t.numel() * t.element_size() for t in state.values()
-                         if isinstance(t, torch.Tensor) and t.dim() > 0)
+            total += sum(held(t) for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
     return float(total)

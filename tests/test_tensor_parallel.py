@@ -369,3 +369,25 @@ def test_a_fixed_pipeline_size_gives_workers_of_that_many_stages(opt350: Profile
                                            time_limit_s=30))
         assert res.ok and res.plan is not None
         assert {len(w.stages) for w in res.plan.virtual_workers} == {p}
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_plan_trains_with_the_memory_it_was_priced_at(tmp_path: Path) -> None:
+    """Profile gpt2-tiny with its degree-2 shards, plan the global batch with groups of two, train it
+    on four gloo ranks: each rank holds the model state the cost model priced for its shard."""
+    import json
+
+    from partitioner_cli.main import main
+
+    prof, plan, metrics = tmp_path / "g.json", tmp_path / "p.json", tmp_path / "m.json"
+    cluster = str(Path(__file__).resolve().parents[1] / "examples" / "clusters" / "cpu4.yaml")
+    assert main(["profile", "gpt2-tiny", "--micro-batch-size", "1", "--threads", "1", "--tensor-parallel", "2",
+                 "--repeats", "1", "--warmup", "0", "-o", str(prof)]) == 0
+    assert main(["plan", str(prof), "--cluster", cluster, "--micro-batches", "auto", "--global-batch", "8",
+                 "--tensor-parallel", "2", "--time-limit", "10", "-o", str(plan)]) == 0
+    assert main(["train", str(plan), "--profile", str(prof), "--cluster", cluster, "--model", "gpt2-tiny", "--local",
+                 "--steps", "2", "--warmup", "0", "-o", str(metrics)]) == 0
+    rows = json.loads(metrics.read_text())["memory"]["ranks"]
+    assert len(rows) == 4 and all(r["device"].count("-") == 1 for r in rows)
+    for r in rows:
+        assert r["measured_bytes"] == pytest.approx(r["predicted_bytes"], rel=1e-6)
