@@ -150,13 +150,10 @@ def test_timeline_round_trip_and_predict() -> None:
     assert all(math.isfinite(v) for v in pred.values())
 
 
-def test_simulating_a_large_pipeline_is_fast() -> None:
-    import time
-
+def test_simulating_a_large_pipeline_counts_every_event() -> None:
+    """(How fast it is: bench/simulator.py.)"""
     plan, cluster = chain_plan(16, 128, "1f1b")
-    t0 = time.perf_counter()
     tl = simulate_plan(plan, uniform_profile(16), cluster)
-    assert time.perf_counter() - t0 < 2.0
     assert tl.num_events == 16 * 128 * 2 + 2 * 2 * 128 * 15 + 16
 
 
