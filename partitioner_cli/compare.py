@@ -37,7 +37,7 @@ def _objective(c: Any) -> tuple[str, str]:
 
 
 def format_comparison(rows: Sequence[Any]) -> str:
-    header = ["solver", "kind", "status", "vw", "objective", "bound", "gap", "model samples/s",
+    header = ["solver", "kind", "status", "vw", "tp", "objective", "bound", "gap", "model samples/s",
               "simulated samples/s", "solve time"]
     table = []
     for c in rows:
@@ -45,7 +45,8 @@ def format_comparison(rows: Sequence[Any]) -> str:
         gap = "-" if math.isnan(c.gap) else f"{c.gap * 100:.2f}%"
         model = "-" if math.isnan(c.model_samples_per_s) else f"{c.model_samples_per_s:.1f}"
         sim = "-" if math.isnan(c.simulated_samples_per_s) else f"{c.simulated_samples_per_s:.1f}"
-        table.append([c.name, c.kind, c.status, str(c.virtual_workers) if c.ok else "-", obj, bound, gap, model, sim,
+        table.append([c.name, c.kind, c.status, str(c.virtual_workers) if c.ok else "-",
+                      c.tensor_parallel if c.ok else "-", obj, bound, gap, model, sim,
                       f"{c.solve_s:.3f} s" if c.status != "n/a" else "-"])
     widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]

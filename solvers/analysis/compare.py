@@ -22,7 +22,7 @@ from typing import Any
 from partitioner.cluster import Cluster
 from partitioner.cost import CostOptions
 from partitioner.errors import PartitionerError
-from partitioner.plan import Plan
+from partitioner.plan import Plan, group_size
 from partitioner.profile import Profile
 from partitioner.schedule import DEFAULT_MICRO_BATCHES
 from solvers import solve
@@ -51,6 +51,7 @@ class Comparison:
     solve_s: float = 0.0
     reason: str = ""
     plan: Plan | None = field(default=None, repr=False, compare=False)  # not in to_dict
+    tensor_parallel: str = "1"  # the plan's tensor-parallel degrees ("1", "2", "1/4": groups of several)
 
     def __post_init__(self) -> None:
         if self.kind not in ("solver", "policy", "baseline"):
@@ -68,7 +69,7 @@ class Comparison:
                 "objective": num(self.objective), "lower_bound": num(self.lower_bound), "gap": num(self.gap),
                 "unit": self.unit, "model_samples_per_s": num(self.model_samples_per_s),
                 "simulated_samples_per_s": num(self.simulated_samples_per_s), "solve_s": self.solve_s,
-                "reason": self.reason}
+                "reason": self.reason, "tensor_parallel": self.tensor_parallel}
 
 
 def _entry(name: str, kind: str, run: Any) -> Comparison:
@@ -86,9 +87,11 @@ def _entry(name: str, kind: str, run: Any) -> Comparison:
         return Comparison(name, kind, str(r.status), solve_s=r.runtime_s, reason=r.reason)
     plan = r.plan
     unit = "s/sample" if plan.meta.get("objective") in ("sync", "wsp") else "s (bottleneck)"
+    degrees = "/".join(map(str, sorted({group_size(d) for d in plan.devices})))
     return Comparison(name, kind, str(r.status), len(plan.virtual_workers), r.objective, r.lower_bound, r.gap, unit,
                       float(plan.meta.get("closed_form", {}).get("samples_per_s", math.nan)),
-                      float(plan.predicted.get("samples_per_s", math.nan)), r.runtime_s, plan=plan)
+                      float(plan.predicted.get("samples_per_s", math.nan)), r.runtime_s, plan=plan,
+                      tensor_parallel=degrees)
 
 
 def compare(profile: Profile, cluster: Cluster, *, virtual_workers: int | str | None = None,
