@@ -167,6 +167,7 @@ OPTION_FLAGS: dict[str, str] = {
     "emulate_link_gbps": "--emulate-link-GBps", "emulate_links": "--emulate-links", "plan_node": "--plan-node",
     "checkpoint_dir": "--checkpoint-dir", "max_seconds": "--max-seconds", "steps": "--steps", "data": "--data",
     "device": "--device", "micro_batch_size": "--micro-batch-size", "precision": "--precision", "allreduce_precision": "--allreduce-precision",
+    "recompute": "--recompute", "zero": "--zero",
 }
 _BACKQUOTED = re.compile(r"`(\w+)`")
 

@@ -137,7 +137,7 @@ class WorkerPlanner:
         options: list[tuple[Stage, ...]] = []
         if res.solution is not None:
             sol = res.solution
-            options.append(tuple(Stage(r, d.name, d.gpu_type) for r, d in zip(sol.ranges, sol.devices, strict=True)))
+            options.append(sol.stages())
         if self.replication and len(devices) > 1:
             order = list(res.solution.devices) if res.solution is not None else list(devices)
             rep = replicate_worker(cost, order, sched)
