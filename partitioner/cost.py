@@ -575,6 +575,18 @@ class CostModel:
         """Bytes of weights + gradients + master copy + optimizer state per parameter."""
         return self.options.bytes_per_parameter(schedule.weight_versions)
 
+    def least_stage_bytes(self, start: int, stop: int, versions: int = 1, tensor_parallel: int = 1) -> float:
+        """The least memory layers ``[start, stop)`` take on a device of any plan with the levers the
+        options allow, with one micro-batch in flight and nothing reserved: weights with ZeRO's state
+        divided over every GPU of the cluster, and one micro-batch's activations less what selective
+        recomputation drops where it is allowed (full recomputation holds one micro-batch's
+        activations during its backward). For bounds."""
+        holders = self.cluster.num_gpus if self.options.zero else 1
+        kept = self.recomputing("selective" if "selective" in self.options.recompute_modes or
+                                self.options.recompute == "auto" else "none")
+        return self.weight_bytes(start, stop, versions, tensor_parallel, holders) + \
+            kept.activation_bytes(start, stop, tensor_parallel)
+
     def least_memory_matrix(self, in_flight: int, schedule: Schedule, rows: slice = slice(None),
                             tensor_parallel: int = 1) -> np.ndarray:
         """The least :meth:`memory_matrix` any lever the options allow gives (every recompute mode
@@ -903,10 +915,11 @@ class CostModel:
         return max(t + sum(self.update_shard_s(self.cluster.device(d).kind, a, b, holders) for a, b in layers_of[d])
                    for d, t in finish.items())
 
-    def layer_holders(self, plan: Plan) -> np.ndarray:
+    def layer_holders(self, plan: Plan, at_least: int = 1) -> np.ndarray:
         """How many devices hold each layer (over every virtual worker and replica): the
-        data-parallel holders that share the layer's optimizer state under ZeRO."""
-        out = np.zeros(self.num_layers, dtype=np.int64)
+        data-parallel holders that share the layer's optimizer state under ZeRO; ``at_least``
+        where a worker is priced before the others are known (each holds every layer)."""
+        out = np.full(self.num_layers, max(at_least - 1, 0), dtype=np.int64)
         for vw in plan.virtual_workers:
             for st in vw.stages:
                 out[st.start:min(st.stop, self.num_layers)] += len(st.devices)
@@ -959,13 +972,14 @@ class CostModel:
                     used[d] = used.get(d, 0.0) + self.plan_stage_memory_bytes(st, d, in_flight, sched, holders)
         return used
 
-    def check_plan_memory(self, plan: Plan) -> None:
-        """Raise :class:`FormatError` naming the first device whose stages do not fit."""
+    def check_plan_memory(self, plan: Plan, holders_at_least: int = 1) -> None:
+        """Raise :class:`FormatError` naming the first device whose stages do not fit (a plan of one
+        worker among ``holders_at_least`` under ZeRO: :meth:`layer_holders`)."""
         self.check_order(plan)
         sched = plan.pipeline_schedule
         if sched.spec.multi_chunk or sched.spec.split_backward:
             return  # multi-chunk and zero-bubble schedules: the simulator measures their peak
-        holders = self.layer_holders(plan)
+        holders = self.layer_holders(plan, holders_at_least)
         for w, vw in enumerate(plan.virtual_workers):
             p = len(vw.stages)
             for k, st in enumerate(vw.stages):

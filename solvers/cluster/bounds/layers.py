@@ -81,7 +81,8 @@ def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int
         grads = np.diff(shard.param_prefix) / t  # one GPU's gradient bytes (the shards move side by side)
         step = np.array([shard.update_s(split_kind(kind)[0], i, i + 1) for i in range(n_layers)]) * stepped
         hold[:, j] = step + (2.0 * (k - 1) / k * grads / fastest if allreduce else 0.0)
-        mem[:, j] = [shard.weight_bytes(i, i + 1, versions) + shard.activation_bytes(i, i + 1) for i in range(n_layers)]
+        # with memory levers, the least a layer takes in any plan (valid for the planner's larger space)
+        mem[:, j] = [shard.least_stage_bytes(i, i + 1, versions) for i in range(n_layers)]
     return _solve(comp, hold, mem, count, cap, k, m, cost.profile.micro_batch_size)
 
 
