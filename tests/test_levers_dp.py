@@ -153,3 +153,26 @@ def test_the_integer_models_refuse_recomputation_by_name() -> None:
     prof, cluster = _tight()
     with pytest.raises(OptionError, match="recompute"):
         solve(prof, cluster, solver="cpsat", options=CostOptions(recompute="auto"))
+
+
+def test_explain_says_which_lever_each_stage_uses_and_what_it_costs() -> None:
+    from solvers.analysis.explain import explain_plan, format_explanation
+
+    prof, cluster = _tight()
+    opts = CostOptions(reserved_bytes=0, recompute="auto")
+    res = solve(prof, cluster, schedule="1f1b", micro_batches=8, options=opts)
+    assert res.plan is not None
+    e = explain_plan(res.plan, prof, cluster, what_if=False)
+    stages = res.plan.virtual_workers[0].stages
+    levered = [k for k, s in enumerate(stages) if s.recompute != "none"]
+    assert [lv.stage for lv in e.levers] == levered
+    cost = CostModel(prof, cluster, opts)
+    for lv in e.levers:
+        st = stages[lv.stage]
+        f, _ = cost.fwd_bwd_s("A", st.start, st.stop)
+        if lv.mode == "full":
+            assert lv.extra_s == pytest.approx(f)
+        assert 0 < lv.extra_s <= f * (1 + 1e-12) and lv.saved_bytes > 0
+    text = format_explanation(e)
+    assert "memory levers:" in text and f"recompute {e.levers[0].mode}" in text
+    assert e.to_dict()["levers"]["recompute"][0]["recompute"] == e.levers[0].mode
