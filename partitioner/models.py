@@ -174,7 +174,13 @@ def _image_input(channels: int, image: int) -> Callable[[int, torch.device | str
 
 
 class _Attention(nn.Module):
-    """Multi-head self-attention written with explicit matmuls (so FLOP counters see it)."""
+    """Multi-head self-attention written with explicit matmuls (so FLOP counters see it).
+
+    ``recompute_core`` (set by the runtime for a stage planned with selective recomputation):
+    the attention core (scores, mask, soft-max, weighted sum) keeps nothing for backward and is
+    run again there (``torch.utils.checkpoint``); the numbers are the same."""
+
+    recompute_core = False
 
     def __init__(self, hidden: int, heads: int, causal: bool):
         super().__init__()
@@ -182,17 +188,26 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = q.shape[-2]
+        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        if self.causal:
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            att = att.masked_fill(mask, float("-inf"))
+        att = torch.softmax(att, dim=-1)
+        return torch.matmul(att, v)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(x).split(h, dim=2)
         q, k, v = (t.reshape(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(h // self.heads)
-        if self.causal:
-            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-            att = att.masked_fill(mask, float("-inf"))
-        att = torch.softmax(att, dim=-1)
-        y = torch.matmul(att, v).transpose(1, 2).reshape(b, s, h)
-        return self.proj(y)
+        if self.recompute_core and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
 class _Block(nn.Module):
