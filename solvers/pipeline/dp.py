@@ -284,7 +284,9 @@ def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: Sc
     largest = max(devices, key=lambda d: d.memory_bytes)
     fewest = schedule.activations_in_flight(1)
     names = [layer.name for layer in cost.profile.layers]
-    alone = np.array([cost.stage_memory_bytes(i, i + 1, fewest, schedule) for i in range(n_layers)])
+    # with recomputation allowed, each figure in the mode that needs least
+    modes = [cost.recomputing(mode) for mode in cost.options.recompute_modes]
+    alone = np.array([min(c.stage_memory_bytes(i, i + 1, fewest, schedule) for c in modes) for i in range(n_layers)])
     worst = int(alone.argmax())
     reserved = cost.options.reserved_bytes
     if alone[worst] > largest.memory_bytes:
@@ -297,7 +299,7 @@ def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: Sc
             return f"layer {worst} needs {m.stage(worst, worst + 1, 1) / GIB:.2f} GiB"
 
         return reason + _memory_levers(cost, devices, schedule, figure)
-    need = cost.stage_memory_bytes(0, n_layers, fewest, schedule) + (p - 1) * reserved
+    need = min(c.stage_memory_bytes(0, n_layers, fewest, schedule) for c in modes) + (p - 1) * reserved
     have = sum(d.memory_bytes for d in devices)
     if need > have:
         reason = (f"the model needs at least {need / GIB:.2f} GiB across {p} stages even with "
