@@ -16,7 +16,16 @@ virtual workers of one device each (the A100 and a T4), gpt2-tiny on the text ta
 Communication is this machine's and every run has the same wave count: bench/wsp.py measures WSP
 with the cluster's links emulated and runs that end by time.
 
+With ``--zero-bubble``, also ``zb-h1`` against ``1f1b`` on four GPUs (examples/clusters/emulate4.yaml:
+two P100 and two T4, several times slower than the H100 reference, so every rank sleeps most of
+each action): each schedule planned by ``partitioner plan --schedule`` on the emulated profile (a
+4-stage plan), trained under the emulation (4 processes; a split backward's ``I`` and ``W`` each
+take their part of the stage's backward as the model splits it, ``EmulatedStage.bwd_weight_share``)
+and compared with ``predict_emulated``: whether zb-h1 is measured faster and within 10 % of its
+prediction. ``--no-plans`` skips the opt / uniform / pipedream comparison.
+
     python bench/emulation.py [--rounds 3] [--steps 8] [--rules profiled,scaled] [--reference H100-SXM5-80GB]
+                              [--no-plans] [--zero-bubble [--zb-micro-batches 4] [--zb-batch 64]]
                               [--wsp [--wsp-steps 30] [--png loss_vs_time.png]]
 """
 
@@ -42,6 +51,7 @@ from partitioner.cluster import Cluster
 from partitioner.emulation import emulated_profile, emulation_for, predict_emulated
 from partitioner.models import build_model
 from partitioner.plan import Plan, Stage, VirtualWorker
+from partitioner.profile import Profile
 from partitioner.profiler import profile_model
 from partitioner.projection.roofline import project_profile
 from runtime.launch import TrainConfig, train_local
@@ -49,13 +59,19 @@ from runtime.launch import TrainConfig, train_local
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples" / "clusters" / "emulate3.yaml"
 PLANS = (("opt (partitioner plan)", ()), ("uniform", ("--solver", "uniform")), ("pipedream", ("--solver", "pipedream")))
+# the zero-bubble part: four GPUs, zb-h1 against 1f1b, each planned by `partitioner plan --schedule`
+CLUSTER4 = ROOT / "examples" / "clusters" / "emulate4.yaml"
+ZB_SCHEDULES = ("1f1b", "zb-h1")
+ZB_PLANS = tuple((s, ("--schedule", s)) for s in ZB_SCHEDULES)
 
 
-def make_plans(emu_profile: Path, micro_batches: int, tmp: Path) -> dict[str, Plan]:
+def make_plans(emu_profile: Path, micro_batches: int, tmp: Path, cluster: Path = CLUSTER,
+               cases: tuple[tuple[str, tuple[str, ...]], ...] = PLANS) -> dict[str, Plan]:
+    """``partitioner plan`` on the emulated profile for each (label, extra options) of ``cases``."""
     plans = {}
-    for label, extra in PLANS:
+    for label, extra in cases:
         out = tmp / f"plan_{len(plans)}.json"
-        cmd = [sys.executable, "-m", "partitioner_cli", "plan", str(emu_profile), "--cluster", str(CLUSTER),
+        cmd = [sys.executable, "-m", "partitioner_cli", "plan", str(emu_profile), "--cluster", str(cluster),
                "--micro-batches", str(micro_batches), *extra, "-o", str(out)]
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if res.returncode != 0:
@@ -63,6 +79,27 @@ def make_plans(emu_profile: Path, micro_batches: int, tmp: Path) -> dict[str, Pl
             continue
         plans[label] = Plan.load(out)
     return plans
+
+
+def planned(profile: Profile, cluster_path: Path, args: argparse.Namespace, micro_batches: int,
+            cases: tuple[tuple[str, tuple[str, ...]], ...]) -> dict[str, Plan]:
+    """The plans ``partitioner plan`` makes for the emulated cluster of ``cluster_path``."""
+    emu = emulated_profile(profile, Cluster.load(cluster_path), reference=args.reference)
+    with tempfile.TemporaryDirectory(prefix="bench-emulation-") as tmp:
+        emu_path = Path(tmp) / "emulated.json"
+        emu.save(emu_path)
+        return make_plans(emu_path, micro_batches, Path(tmp), cluster_path, cases)
+
+
+def emulated_run(plan: Plan, profile: Profile, cluster: Cluster, args: argparse.Namespace,
+                 rule: str = "profiled") -> tuple[float, int, int]:
+    """One emulated training run of ``plan``: (median iteration s, overruns, stretched actions)."""
+    emulation = emulation_for(plan, profile, cluster, reference=args.reference, rule=rule)
+    m = train_local(plan, TrainConfig(args.model, steps=args.steps, warmup=args.warmup, threads=1,
+                                      data="synthetic", progress=False, emulation=emulation),
+                    start_method="fork")
+    ranks = m["emulated"]["ranks"]
+    return float(m["measured_iteration_s"]), sum(r["overruns"] for r in ranks), sum(r["actions"] for r in ranks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,45 +112,65 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reference", default="H100-SXM5-80GB", help="the emulation's reference type (default H100-SXM5-80GB)")
     ap.add_argument("--rules", default="profiled,scaled", help="emulation rules to run (comma-separated)")
+    ap.add_argument("--no-plans", action="store_true", help="skip the opt / uniform / pipedream comparison")
+    ap.add_argument("--zero-bubble", action="store_true", help="also zb-h1 against 1f1b on a 4-stage plan")
+    ap.add_argument("--zb-micro-batches", type=int, default=4, help="zero-bubble part: micro-batches")
+    ap.add_argument("--zb-batch", type=int, default=64,
+                    help="zero-bubble part: micro-batch size (longer actions than --batch: a wake-up or a message "
+                         "costs a smaller share of each)")
     ap.add_argument("--wsp", action="store_true", help="also WSP against synchronous data parallelism")
     ap.add_argument("--wsp-steps", type=int, default=30)
     ap.add_argument("--wsp-rounds", type=int, default=2)
     ap.add_argument("--target-loss", type=float, default=3.5, help="WSP part: time to the first step at or below it")
     ap.add_argument("--png", help="WSP part: write the loss-against-time plot here")
     args = ap.parse_args(argv)
-    rules = [r for r in args.rules.split(",") if r]
     torch.set_num_threads(1)
     cluster = Cluster.load(CLUSTER)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load_before = os.getloadavg()[0]
     t_start = time.monotonic()
-    zoo = build_model(args.model, args.batch)
-    measured = profile_model(zoo.layers, zoo.sample_input(), "cpu", model_name=args.model, threads=1)
-    profile = project_profile(measured, [*cluster.gpu_types, args.reference], source="cpu")
-    emu = emulated_profile(profile, cluster, reference=args.reference)
-    with tempfile.TemporaryDirectory(prefix="bench-emulation-") as tmp:
-        emu_path = Path(tmp) / "emulated.json"
-        emu.save(emu_path)
-        plans = make_plans(emu_path, args.micro_batches, Path(tmp))
+    load_before = os.getloadavg()[0]
+    rows: list[dict[str, object]] = []
+    if not args.no_plans:
+        profile = measured_profile(args.model, args.batch, [*cluster.gpu_types, args.reference])
+        rows += plans_against_each_other(args, profile, cluster, load_before, t_start)
+    if args.zero_bubble:
+        profile = measured_profile(args.model, args.zb_batch, [*Cluster.load(CLUSTER4).gpu_types, args.reference])
+        rows += zero_bubble_against_1f1b(args, profile)
+    if args.wsp:
+        rows += wsp_against_sync(args, cluster)
+    emit(rows, seeds={"weights_and_data": 0})
+    return 0
+
+
+def measured_profile(model: str, batch: int, gpu_types: list[str]) -> Profile:
+    """``model`` at micro-batch ``batch`` profiled on this CPU (one thread), projected to ``gpu_types``."""
+    zoo = build_model(model, batch)
+    measured = profile_model(zoo.layers, zoo.sample_input(), "cpu", model_name=model, threads=1)
+    return project_profile(measured, list(dict.fromkeys(gpu_types)), source="cpu")
+
+
+def _cores() -> int | None:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def plans_against_each_other(args: argparse.Namespace, profile: Profile, cluster: Cluster, load_before: float,
+                             t_start: float) -> list[dict[str, object]]:
+    """opt, uniform and pipedream plans of the 3-GPU cluster, each rule: measured against predicted."""
+    rules = [r for r in args.rules.split(",") if r]
+    plans = planned(profile, CLUSTER, args, args.micro_batches, PLANS)
     predicted = {label: predict_emulated(plan, profile, cluster, reference=args.reference).iteration_s
                  for label, plan in plans.items()}
     runs: dict[tuple[str, str], list[tuple[float, int, int]]] = {(p, r): [] for p in plans for r in rules}
     for rnd in range(args.rounds):
         for label, plan in plans.items():
             for rule in rules:
-                emulation = emulation_for(plan, profile, cluster, reference=args.reference, rule=rule)
-                m = train_local(plan, TrainConfig(args.model, steps=args.steps, warmup=args.warmup, threads=1,
-                                                  data="synthetic", progress=False, emulation=emulation),
-                                start_method="fork")
-                ranks = m["emulated"]["ranks"]
-                over, total = sum(r["overruns"] for r in ranks), sum(r["actions"] for r in ranks)
-                runs[(label, rule)].append((m["measured_iteration_s"], over, total))
+                it, over, total = emulated_run(plan, profile, cluster, args, rule)
+                runs[(label, rule)].append((it, over, total))
                 print(f"round {rnd} {label:22s} {rule:8s} predicted {predicted[label] * 1e3:8.2f} ms  measured "
-                      f"{m['measured_iteration_s'] * 1e3:8.2f} ms ({(m['measured_iteration_s'] / predicted[label] - 1) * 100:+.1f}%)"
+                      f"{it * 1e3:8.2f} ms ({(it / predicted[label] - 1) * 100:+.1f}%)"
                       f"  overruns {over}/{total}", flush=True)
     first = next(iter(plans))
     rows = []
-    lines = [f"Machine: {machine_line()}; {cores} cores available. {args.model}, micro-batch {args.batch}, "
+    lines = [f"Machine: {machine_line()}; {_cores()} cores available. {args.model}, micro-batch {args.batch}, "
              f"{args.micro_batches} micro-batches, 1f1b; cluster {CLUSTER.name} (A100 + 2 x T4, links 2 GB/s) "
              f"emulated on this CPU, reference {args.reference}; 3 processes, gloo, one torch thread each; "
              f"{args.steps} steps, median of the last {args.steps - args.warmup}; {args.rounds} interleaved rounds, "
@@ -138,10 +195,52 @@ def main(argv: list[str] | None = None) -> int:
                          f"{(med / predicted[label] - 1) * 100:+.1f}% | {errs[0] * 100:+.1f}% .. {errs[-1] * 100:+.1f}% "
                          f"| {pr:.3f} | {mr:.3f} | {over}/{total} |")
     print("\n".join(lines))
-    if args.wsp:
-        rows += wsp_against_sync(args, cluster)
-    emit(rows, seeds={"weights_and_data": 0})
-    return 0
+    return rows
+
+
+def zero_bubble_against_1f1b(args: argparse.Namespace, profile: Profile) -> list[dict[str, object]]:
+    """zb-h1 against 1f1b on the 4-GPU cluster (plans by ``partitioner plan --schedule``), rule
+    profiled: measured against predicted, and which is faster."""
+    cluster = Cluster.load(CLUSTER4)
+    t_start, load_before = time.monotonic(), os.getloadavg()[0]
+    plans = planned(profile, CLUSTER4, args, args.zb_micro_batches, ZB_PLANS)
+    predicted = {s: predict_emulated(plan, profile, cluster, reference=args.reference).iteration_s
+                 for s, plan in plans.items()}
+    runs: dict[str, list[tuple[float, int, int]]] = {s: [] for s in plans}
+    for rnd in range(args.rounds):
+        for s, plan in plans.items():
+            it, over, total = emulated_run(plan, profile, cluster, args)
+            runs[s].append((it, over, total))
+            print(f"zero-bubble round {rnd} {s:6s} predicted {predicted[s] * 1e3:8.2f} ms  measured {it * 1e3:8.2f} ms "
+                  f"({(it / predicted[s] - 1) * 100:+.1f}%)  overruns {over}/{total}", flush=True)
+    med = {s: statistics.median(x for x, _, _ in xs) for s, xs in runs.items()}
+    lines = ["", f"Zero bubble, emulated: {args.model}, micro-batch {args.zb_batch}, {args.zb_micro_batches} micro-batches; "
+                 f"cluster {CLUSTER4.name} (2 x P100 + 2 x T4, links 2 GB/s) emulated on this CPU, reference "
+                 f"{args.reference}, rule profiled (a split backward's I and W each take their part of the stage's "
+                 f"backward as the model splits it); plans by `partitioner plan --schedule` on the emulated profile; "
+                 f"4 processes, gloo, one torch thread each; {args.steps} steps, median of the last "
+                 f"{args.steps - args.warmup}; {args.rounds} interleaved rounds, medians over rounds. Machine: "
+                 f"{machine_line()}; {_cores()} cores available; 1-minute load average before / after: "
+                 f"{load_before:.2f} / {os.getloadavg()[0]:.2f}. Wall time {time.monotonic() - t_start:.0f} s.",
+             "", "| schedule | stages (layers) | predicted ms | measured ms | measured/predicted - 1 | range over rounds "
+                 "| overruns |", "|---|---|---|---|---|---|---|"]
+    rows: list[dict[str, object]] = []
+    for s, plan in plans.items():
+        errs = sorted(x / predicted[s] - 1 for x, _, _ in runs[s])
+        over, total = sum(o for _, o, _ in runs[s]), sum(t for _, _, t in runs[s])
+        cuts = " ".join(f"[{st.start},{st.stop})" for st in plan.virtual_workers[0].stages)
+        rows.append({"plan": s, "rule": "profiled", "predicted_ms": predicted[s] * 1e3, "measured_ms": med[s] * 1e3,
+                     "error": med[s] / predicted[s] - 1, "overruns": over, "actions": total})
+        lines.append(f"| {s} | {cuts} | {predicted[s] * 1e3:.1f} | {med[s] * 1e3:.1f} | {(med[s] / predicted[s] - 1) * 100:+.1f}% "
+                     f"| {errs[0] * 100:+.1f}% .. {errs[-1] * 100:+.1f}% | {over}/{total} |")
+    if len(plans) == 2:
+        a, b = ZB_SCHEDULES
+        lines.append(f"\n{b} over {a}: predicted {predicted[a] / predicted[b]:.3f}x faster, measured "
+                     f"{med[a] / med[b]:.3f}x; {b} measured faster: {'yes' if med[b] < med[a] else 'NO'}; "
+                     f"{b} within 10 % of its prediction: "
+                     f"{'yes' if abs(med[b] / predicted[b] - 1) <= 0.10 else 'NO'}")
+    print("\n".join(lines))
+    return rows
 
 
 def wsp_against_sync(args: argparse.Namespace, cluster: Cluster) -> list[dict[str, object]]:

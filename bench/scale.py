@@ -5,7 +5,8 @@
 
 Clusters are nodes of 8 GPUs, one GPU type per node, the types in turn (``--types`` of
 TITAN-V, TITAN-RTX, RTX-2060, Quadro-P4000, V100-SXM2-16GB, RTX-3090); the model is a random
-chain (layer times 0.5-1.5x a mean, speeds per type fixed). Each row is one run of
+chain (layer times 0.5-1.5x a mean, speeds per type fixed). ``llm`` is :func:`llm_instance`: 1,024
+GPUs of six types and 1,000 layers with transformer-like memory and outputs. Each row is one run of
 ``plan_cluster(..., "auto", "opt", micro_batches=8, time_limit_s=...)``: wall time (the median of
 ``--repeat`` solves, after one warm-up solve of a small instance so that no row pays the first
 import of SciPy's solvers), status, the certified gap (against the fleet bound,
@@ -53,9 +54,27 @@ def instance(num_layers: int, num_gpus: int, num_types: int, seed: int = 0) -> t
     return Profile("synthetic", 8, layers), Cluster(f"{num_gpus}gpu-{num_types}types", nodes, 12.5)
 
 
+def llm_instance(seed: int = 0) -> tuple[Profile, Cluster]:
+    """A large mixed cluster with a transformer-like profile, seeded: 1,024 GPUs as 128 nodes of 8
+    (six types in turn, each type's speed factor drawn in [0.55, 2.6]), 1,000 layers of 1-3 ms
+    (times the type's factor; a third forward, two thirds backward), 2.4-13.6 MB of parameters,
+    1.2-6.8 MB saved and 1-50 MB of output per layer; 25 GB/s inside a node, 12.5 between."""
+    rng = np.random.default_rng(seed)
+    factors = rng.uniform(0.55, 2.6, len(TYPES))
+    work = rng.uniform(1e-3, 3e-3, 1000)
+    layers = tuple(
+        LayerProfile(f"l{i}", 0.0, float(rng.uniform(2.4e6, 13.6e6)), float(rng.uniform(1.2e6, 6.8e6)),
+                     float(rng.uniform(1e6, 50e6)),
+                     {t: LayerTime(work[i] * f / 3, 2 * work[i] * f / 3) for (t, _), f in zip(TYPES, factors)})
+        for i in range(1000))
+    nodes = tuple(Node(f"n{i}", (TYPES[i % len(TYPES)][0],) * 8, 25.0) for i in range(128))
+    return Profile("llm-like", 8, layers), Cluster("1024gpu-llm-like", nodes, 12.5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="150x64,150x256,1000x1024", help="LAYERSxGPUS, comma-separated")
+    ap.add_argument("--sizes", default="150x64,150x256,1000x1024,llm",
+                    help="LAYERSxGPUS, comma-separated; 'llm' is llm_instance (1,000 layers, 1,024 GPUs)")
     ap.add_argument("--types", type=int, default=6, help="GPU types, 1-6 (default 6)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="time_limit_s of each solve (default 10)")
     ap.add_argument("--repeat", type=int, default=1, help="solves per row; the median time is shown (default 1)")
@@ -67,7 +86,7 @@ def main() -> None:
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat}: must be >= 1")
     try:
-        sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
+        sizes = [(0, 0) if s == "llm" else tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
     except ValueError:
         ap.error(f"--sizes {args.sizes}: write LAYERSxGPUS[,LAYERSxGPUS...], e.g. 150x256")
     print(f"machine: {machine_line()}")
@@ -81,7 +100,8 @@ def main() -> None:
     print("-" * len(header))
     rows = []
     for num_layers, num_gpus in sizes:
-        profile, cluster = instance(num_layers, num_gpus, args.types)
+        profile, cluster = llm_instance() if num_layers == 0 else instance(num_layers, num_gpus, args.types)
+        num_layers = profile.num_layers
         times = []
         for _ in range(args.repeat):
             t0 = time.perf_counter()

@@ -265,10 +265,34 @@ class CostModel:
                 f"profile '{self.profile.model}' has no times for GPU type {gpu_type} (it has: {have}); "
                 f"measure it, merge a profile that has it, or project it from the catalog")
         fwd, bwd = self.profile.times_for(key)
-        if self.recompute != "none":  # the recomputed forward runs inside the backward
-            bwd = bwd + fwd * recompute_extra_fwd_fraction(self.profile, self.recompute)
+        # the recomputed forward runs inside the backward (a full recompute re-runs its collectives too)
+        extra = fwd * recompute_extra_fwd_fraction(self.profile, self.recompute) if self.recompute != "none" else 0.0
+        if self.shards > 1:  # a shard's collectives its times leave out, on the group's node link
+            comm = self.tensor_parallel_comm_s(gpu_type)
+            fwd, bwd = fwd + comm, bwd + comm
+            if self.recompute == "full":
+                extra = extra + comm
+        bwd = bwd + extra
         zero = np.zeros(1)
         return np.concatenate([zero, np.cumsum(fwd)]), np.concatenate([zero, np.cumsum(bwd)])
+
+    def tensor_parallel_comm_s(self, gpu_type: str) -> np.ndarray:
+        """Per layer, the seconds one direction's all-reduces of a tensor-parallel group of this
+        model's degree take (``LayerProfile.allreduce_bytes`` of the shard: Megatron's two per
+        transformer block, forward and backward alike): a ring over the ``t`` GPUs,
+        ``2 (t - 1) / t`` of the bytes on the slowest node link of nodes with ``t`` or more GPUs of
+        ``gpu_type`` (a group never leaves its node). Zero where the times include them."""
+        t = self.shards
+        nbytes = self.profile.array("allreduce_bytes")
+        if not nbytes.any():
+            return np.zeros(self.num_layers)
+        links = [self.cluster.link(f"{n.name}:0", f"{n.name}:1") for n in self.cluster.nodes
+                 if sum(resolve_gpu_type(g, self.cluster.device_types).name == gpu_type for g in n.gpus) >= t]
+        if not links:  # no node holds such a group: no plan can use one
+            return np.where(nbytes > 0, np.inf, 0.0)
+        # two all-reduces of half the bytes each; a ring sends 2 (t - 1) steps of a t-th of a message
+        return np.array([max(2 * 2 * (t - 1) * link.seconds(x / 2 / t) for link in links) if x > 0 else 0.0
+                         for x in nbytes])
 
     @functools.cache  # noqa: B019
     def _total_prefix(self, gpu_type: str) -> np.ndarray:
@@ -483,10 +507,12 @@ class CostModel:
     @_by_kind
     def update_s(self, gpu_type: str, start: int, stop: int) -> float:
         """Optimizer step of layers ``[start, stop)`` on ``gpu_type`` (0 where the profile has none)."""
-        return float(self._update_prefix(gpu_type)[stop] - self._update_prefix(gpu_type)[start])
+        return float(self.update_prefix(gpu_type)[stop] - self.update_prefix(gpu_type)[start])
 
     @functools.cache  # noqa: B019
-    def _update_prefix(self, gpu_type: str) -> np.ndarray:
+    @_by_kind
+    def update_prefix(self, gpu_type: str) -> np.ndarray:
+        """Prefix sums of the optimizer step's seconds per layer on ``gpu_type``."""
         key = self._times_key.get(gpu_type, gpu_type)
         return np.concatenate([np.zeros(1), np.cumsum(self.profile.update_times_for(key))])
 
@@ -575,6 +601,13 @@ class CostModel:
         """Bytes of weights + gradients + master copy + optimizer state per parameter."""
         return self.options.bytes_per_parameter(schedule.weight_versions)
 
+    @property
+    def least_memory_mode(self) -> str:
+        """The recompute mode the options allow that keeps the fewest activations of one micro-batch
+        in flight (full recomputation holds one micro-batch's during its backward, so not less
+        than none): ``selective`` where allowed, else ``none``."""
+        return "selective" if "selective" in self.options.recompute_modes else "none"
+
     def least_stage_bytes(self, start: int, stop: int, versions: int = 1, tensor_parallel: int = 1) -> float:
         """The least memory layers ``[start, stop)`` take on a device of any plan with the levers the
         options allow, with one micro-batch in flight and nothing reserved: weights with ZeRO's state
@@ -582,8 +615,7 @@ class CostModel:
         recomputation drops where it is allowed (full recomputation holds one micro-batch's
         activations during its backward). For bounds."""
         holders = self.cluster.num_gpus if self.options.zero else 1
-        kept = self.recomputing("selective" if "selective" in self.options.recompute_modes or
-                                self.options.recompute == "auto" else "none")
+        kept = self.recomputing(self.least_memory_mode)
         return self.weight_bytes(start, stop, versions, tensor_parallel, holders) + \
             kept.activation_bytes(start, stop, tensor_parallel)
 

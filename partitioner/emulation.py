@@ -32,6 +32,13 @@ profile's time of the stage), an action that computed for ``w`` seconds ends, by
   factor with it: on a 2-core machine a T4 played 8x slower than the reference ran 60 % over
   the prediction where ``profiled`` ran 4 % over (docs/runtime.md).
 
+A zero-bubble schedule splits a backward into ``I`` (input gradient) and ``W`` (weight gradient):
+each takes its part of the backward's target, ``1 - share`` and ``share`` with ``share`` the
+stage's ``W`` over its backward as the simulator prices it (``EmulatedStage.bwd_weight_share``:
+the emulated profile keeps every type's own split, its measured ``bwd_weight_share`` or, without
+one, the estimate rule of ``Profile.backward_split_for``), so the run plays the ``I`` and ``W``
+the model prices.
+
 When the action takes its profiled local time, both rules give exactly the emulated profile's
 time of the stage, which is what the simulator is given to predict the emulated run
 (:func:`emulated_profile`, :func:`predict_emulated`). By default communication is not emulated:
@@ -93,8 +100,14 @@ class EmulatedStage:
     bwd_factor: float
     fwd_s: float
     bwd_s: float
+    # the weight-gradient part W of the backward's target, as the cost model splits it on the
+    # emulated profile (``CostModel.backward_split_s``): a zero-bubble schedule's I takes
+    # ``(1 - share) * bwd_s`` and its W ``share * bwd_s``
+    bwd_weight_share: float = 0.5
 
     def __post_init__(self) -> None:
+        check(isinstance(self.bwd_weight_share, (int, float)) and 0.0 <= self.bwd_weight_share <= 1.0,
+              "bwd_weight_share", self.bwd_weight_share, "must be a number in [0, 1] (W's share of bwd_s)")
         for name in ("fwd_factor", "bwd_factor"):
             v = getattr(self, name)
             check(isinstance(v, (int, float)) and math.isfinite(v) and v >= 1.0, name, v,
@@ -144,6 +157,11 @@ class Emulation:
         """Stage -> (forward, backward) emulated seconds per micro-batch of the stages ``device`` runs."""
         return {s.stage: (s.fwd_s, s.bwd_s) for s in self.stages if s.device == device}
 
+    def weight_shares(self, device: str) -> dict[int, float]:
+        """Stage -> the weight-gradient share of the backward of the stages ``device`` runs (how a
+        split backward's ``I`` and ``W`` divide the backward's target)."""
+        return {s.stage: s.bwd_weight_share for s in self.stages if s.device == device}
+
     def gpu_type(self, device: str) -> str:
         return next((s.gpu_type for s in self.stages if s.device == device), "")
 
@@ -162,10 +180,11 @@ class Emulation:
                "the stage's emulated time, or its measured compute time when longer (an overrun)")
         return {"local": self.local, "reference": self.reference, "link_GBps": self.link_gbps, "rule": self.rule,
                 "explained": "emulated(l) = local(l) * type(l) / reference(l) per layer; a forward or backward "
-                             f"of a stage sleeps until its wall time is {end}",
+                             f"of a stage sleeps until its wall time is {end}; a split backward's I and W "
+                             "take (1 - bwd_weight_share) and bwd_weight_share of the backward's",
                 "stages": [{"worker": s.worker, "stage": s.stage, "device": s.device, "gpu_type": s.gpu_type,
                             "layers": [s.start, s.stop], "fwd_factor": s.fwd_factor, "bwd_factor": s.bwd_factor,
-                            "fwd_s": s.fwd_s, "bwd_s": s.bwd_s}
+                            "fwd_s": s.fwd_s, "bwd_s": s.bwd_s, "bwd_weight_share": s.bwd_weight_share}
                            for s in self.stages],
                 "links": ({"time_scale": self.time_scale,
                           "explained": "every all-reduce between virtual workers (and WSP's push) ends at its "
@@ -274,14 +293,26 @@ def emulated_profile(profile: Profile, cluster: Cluster, *, local: str = LOCAL_D
         f, b = profile.times_for(key)
         ef = local_f * _ratio(profile, t, f, ref_f, ref_name, "fwd")
         eb = local_b * _ratio(profile, t, b, ref_b, ref_name, "bwd")
-        emulated[t] = [LayerTime(float(x), float(y), measured_on=f"emulated on {local}", update_s=float(u))
-                       for x, y, u in zip(ef, eb, update, strict=True)]
+        # the backward keeps the type's own split (its measured share, or none: the estimate rule)
+        shares = [layer.times[key].bwd_weight_share for layer in profile.layers]
+        emulated[t] = [LayerTime(float(x), float(y), measured_on=f"emulated on {local}", update_s=float(u),
+                                 bwd_weight_share=w)
+                       for x, y, u, w in zip(ef, eb, update, shares, strict=True)]
     # only the local times and the emulated ones: a type's other keys (aliases) and the times at
     # other micro-batch sizes would otherwise be priced in their place
     layers = tuple(replace(layer, times={local: layer.times[local], **{t: ts[i] for t, ts in emulated.items()}},
                            times_at={})
                    for i, layer in enumerate(profile.layers))
     return replace(profile, layers=layers, meta={**profile.meta, "emulated": {"local": local, "reference": ref_name}})
+
+
+def _weight_share(emu: Profile, gpu: str, start: int, stop: int) -> float:
+    """W's share of the backward of layers ``[start, stop)`` on ``gpu`` in the emulated profile,
+    as the simulator prices a split backward (``Profile.backward_split_for``; 0.5 for a stage
+    whose backward takes no time)."""
+    b_in, b_w, _ = emu.backward_split_for(gpu)
+    total = float(np.sum(b_in[start:stop]) + np.sum(b_w[start:stop]))
+    return min(max(float(np.sum(b_w[start:stop])) / total, 0.0), 1.0) if total > 0 else 0.5
 
 
 def emulation_time_scale(profile: Profile, cluster: Cluster, *, local: str = LOCAL_DEVICE,
@@ -326,7 +357,8 @@ def emulation_for(plan: Plan, profile: Profile, cluster: Cluster, *, local: str 
                                           "down; name a type at least as fast as every type of the plan, or "
                                           "leave `emulate_reference` out (the fastest type per layer)")
                     factors.append(max(x, 1.0))
-                stages.append(EmulatedStage(w, k, d, gpu, st.start, st.stop, factors[0], factors[1], *targets))
+                stages.append(EmulatedStage(w, k, d, gpu, st.start, st.stop, factors[0], factors[1], targets[0], targets[1],
+                                            bwd_weight_share=_weight_share(emu, gpu, st.start, st.stop)))
     if not links:
         return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule)
     executor = spec(plan.schedule).executor  # (the runtime's executor: 2bw's all-reduce has no delay)

@@ -24,6 +24,12 @@ Three targets, each a JSON-ready dict (``partitioner.export/1``) with a ready sn
     and, where the split has equal middle stages, the older
     ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` form.
 
+Every target also gets the plan's training (``training``: precision, optimizer and learning
+rate, ZeRO stage 0; in DeepSpeed's config and Megatron-LM's arguments too) and a launch order
+(``launch``: the nodes in the order of their ranks, each with ``CUDA_VISIBLE_DEVICES`` and its
+torchrun line with ``--node-rank``; DeepSpeed's hostfile), so that the plan's stage -> GPU mapping
+holds (:mod:`partitioner.launch`; :func:`check_export_launch` checks a hostfile or rank order).
+
 A plan a target cannot run raises :class:`ExportError`, one line naming what the target lacks.
 """
 
@@ -35,11 +41,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import FormatError, PartitionerError
+from .launch import (
+    NodeLaunch,
+    check_launch,
+    contiguity_problem,
+    deepspeed_launcher_problem,
+    hostfile,
+    node_launches,
+    torchrun_command,
+)
 from .plan import Plan, VirtualWorker
+from .pricing import DEFAULT_LR, priced_optimizer
 from .schedule import spec, stage_rank
 
-__all__ = ["EXPORT_FORMAT", "TARGETS", "TORCH_SCHEDULE_CLASSES", "ExportError", "deepspeed_uniform_parts",
-           "export_plan", "megatron_layer_kinds"]
+__all__ = ["EXPORT_FORMAT", "TARGETS", "TORCH_SCHEDULE_CLASSES", "ExportError", "check_export_launch",
+           "deepspeed_uniform_parts", "export_plan", "megatron_layer_kinds", "training_of"]
 
 EXPORT_FORMAT = "partitioner.export/1"
 TARGETS = ("torch-pipelining", "deepspeed", "megatron")
@@ -149,6 +165,63 @@ def _one_stage_per_rank(plan: Plan, target: str, schedules: str) -> None:
                                   f"rank; {target} holds one stage per rank ({schedules}); re-plan with 1f1b or gpipe")
 
 
+def training_of(plan: Plan, lr: float | None = None) -> dict[str, Any]:
+    """How the plan was priced to train, as every export writes it: ``precision`` (``fp32``, or
+    ``fp16`` / ``bf16`` mixed precision with fp32 master weights), ``optimizer`` (``adam`` for 2
+    words of optimizer state per parameter, ``sgd`` for none; a plan without pricing: ``sgd`` in
+    fp32, as the runtime trains it), its ``lr`` (``lr``, else the runtime's default for it) and
+    the ``zero_stage`` (0: the pricing keeps every parameter's state on its stage's devices)."""
+    pricing = plan.pricing
+    optimizer = priced_optimizer(pricing)
+    out: dict[str, Any] = {"precision": pricing.precision if pricing is not None else "fp32", "optimizer": optimizer,
+                           "lr": float(lr) if lr is not None else DEFAULT_LR[optimizer], "zero_stage": 0,
+                           "pricing": pricing.to_dict() if pricing is not None else None}
+    if pricing is None:
+        out["note"] = "the plan records no pricing (made by hand): fp32 and plain SGD, as the runtime trains it"
+    elif pricing.optimizer_state_factor not in (0.0, 2.0):
+        out["note"] = (f"the pricing counts {pricing.optimizer_state_factor:g} word(s) of optimizer state per "
+                       "parameter; exported as plain SGD, as the runtime trains it")
+    return out
+
+
+def _launch(devices: Sequence[str], program: Sequence[str]) -> tuple[list[NodeLaunch], dict[str, Any]]:
+    """The launch order of a job whose rank ``r`` runs on ``devices[r]``: its nodes in the order of
+    their ranks (node ``k`` started with ``--node-rank k``), each node's GPUs in local-rank order
+    (``CUDA_VISIBLE_DEVICES``) and the torchrun command of every node (:mod:`partitioner.launch`)."""
+    nodes = node_launches(devices, "rank")
+    return nodes, {"nodes": [n.to_dict(k, devices) for k, n in enumerate(nodes)],
+                   "master_node": nodes[0].node,
+                   "torchrun": [torchrun_command(nodes, k, program) for k in range(len(nodes))]}
+
+
+def _rank_order(plan: Plan, target: str, orders: Mapping[str, Sequence[str]]) -> str:
+    """The first of ``orders`` (name -> the device of each rank) whose ranks a launcher can start
+    node after node; refuses (one line) when none can."""
+    why = {}
+    for name, devices in orders.items():
+        problem = contiguity_problem(node_launches(devices, "rank"))
+        if problem is None:
+            return name
+        why[name] = problem
+    raise ExportError(target, "no launch order holds the plan's stage -> GPU mapping: a launcher (torchrun "
+                              "--node-rank, a hostfile) starts each node's processes as consecutive ranks, but "
+                              + "; ".join(f"{name}: {w}" for name, w in why.items()))
+
+
+def check_export_launch(exported: Mapping[str, Any], given: str) -> str:
+    """Check a launch order (a DeepSpeed hostfile, the devices of ranks 0, 1, ..., or the nodes in
+    launch order; :func:`partitioner.launch.read_launch_order`) against an export's rank -> device
+    mapping. Returns the line saying it holds; raises :class:`PartitionerError` (one line)."""
+    from .launch import read_launch_order
+
+    launch = exported["launch"]
+    devices = [r["device"] for r in sorted(exported["ranks"], key=lambda r: r["rank"])]
+    nodes = [NodeLaunch(n["node"], tuple(n["ranks"]), tuple(int(x) for x in n["cuda_visible_devices"].split(",")))
+             for n in launch["nodes"]]
+    own = dict(read_launch_order(launch["hostfile"])[1]) if launch.get("hostfile") else {}
+    return check_launch(nodes, devices, given, slots=own)
+
+
 # -- torch.distributed.pipelining -----------------------------------------------------------
 
 
@@ -164,7 +237,7 @@ def _holder_sets(plan: Plan, pipelines: Sequence[Sequence[int]], n_layers: int) 
     return [{"ranks": list(ranks), "layers": layers} for ranks, layers in holders.items()]
 
 
-def _torch_pipelining(plan: Plan, layer_names: Sequence[str] | None) -> dict[str, Any]:
+def _torch_pipelining(plan: Plan, layer_names: Sequence[str] | None, lr: float | None = None) -> dict[str, Any]:
     target = "torch-pipelining"
     n_layers = _check_plan(plan, target)
     if plan.schedule not in TORCH_SCHEDULE_CLASSES:
@@ -214,27 +287,38 @@ def _torch_pipelining(plan: Plan, layer_names: Sequence[str] | None) -> dict[str
         "stages_per_rank": plan.chunks, "world_size": len(ranks),
         "ranks": ranks, "pipelines": pipelines,
         "grad_sync": _holder_sets(plan, rank_lists, n_layers) if len(pipelines) > 1 else [],
+        "training": training_of(plan, lr),
     }
+    # the script seats itself from its node (GROUP_RANK = --node-rank) and LOCAL_RANK, so any rank
+    # order launches; node k is the k-th in the order of the ranks
+    _, out["launch"] = _launch([r["device"] for r in ranks], ["examples/torch_pipelining_train.py", "EXPORT.json"])
     out["snippet"] = _torch_snippet(out)
     return out
 
 
 def _torch_snippet(e: Mapping[str, Any]) -> str:
     multi = e["schedule_class"] in MULTI_STAGE_CLASSES
+    t = e["training"]
     lines = [
-        f"# torchrun --nproc-per-node {e['world_size']} train.py   (rank r on the device the export lists for it;",
-        "#  examples/torch_pipelining_train.py is a complete script)",
+        "# launch: every node's line of export['launch']['torchrun'] on that node (node k: --node-rank k,",
+        "#  CUDA_VISIBLE_DEVICES in its ranks' order); examples/torch_pipelining_train.py is a complete script",
         "import json, torch, torch.distributed as dist",
-        "from runtime.torch_pipelining import build_rank",
+        "from runtime.data import make_data",
+        "from runtime.recipe import make_optimizer",
+        "from runtime.torch_pipelining import build_rank, export_seat",
         "",
-        "dist.init_process_group()",
         "export = json.load(open('EXPORT.json'))",
-        "me = build_rank(export, dist.get_rank(), seed=0)   # PipelineStage(s) + torch."
-        f"{e['schedule_class']}({'stages' if multi else 'stage'}, n_microbatches={e['n_microbatches']}, ...)",
-        "opt = torch.optim.SGD(me.parameters(), lr=0.01)",
-        "for batch in batches:                  # the global batch; each pipeline takes its batch_rows",
-        "    losses = me.step(batch)            # torch's schedule.step on this rank's rows",
-        "    me.sync_gradients()                # average over virtual workers (grad_sync)",
+        "rank, gpu = export_seat(export)              # this process's rank: its node's LOCAL_RANK-th",
+        "dist.init_process_group(rank=rank, world_size=export['world_size'])",
+        "data = make_data(chain, 'auto', ...)          # the model's task: cross-entropy on its targets",
+        f"me = build_rank(export, rank, seed=0, loss_fn=data.loss)   # precision {t['precision']} from the plan; "
+        f"PipelineStage(s) + torch.{e['schedule_class']}({'stages' if multi else 'stage'}, "
+        f"n_microbatches={e['n_microbatches']}, ...)",
+        f"opt = me.wrap_optimizer(make_optimizer(me.parameters(), {t['optimizer']!r}, lr={t['lr']!r}))",
+        "for step in range(steps):                   # the global batch; each pipeline takes its batch_rows",
+        "    x, y = data.global_batch(step)",
+        "    losses = me.step(x, y)                  # torch's schedule.step on this rank's rows",
+        "    me.sync_gradients()                     # average over virtual workers (grad_sync)",
         "    opt.step(); opt.zero_grad()",
     ]
     spec = e["pipelines"][0]["split_spec"]
@@ -261,7 +345,7 @@ def deepspeed_uniform_parts(num_layers: int, num_stages: int) -> list[int]:
     return [p * size + min(p, extra) for p in range(num_stages + 1)]
 
 
-def _deepspeed(plan: Plan) -> dict[str, Any]:
+def _deepspeed(plan: Plan, lr: float | None = None) -> dict[str, Any]:
     target = "deepspeed"
     n_layers = _check_plan(plan, target)
     _one_stage_per_rank(plan, target, "its TrainSchedule, a 1F1B order")
@@ -270,34 +354,91 @@ def _deepspeed(plan: Plan) -> dict[str, Any]:
                                           "parts)")
     pp, dp = len(parts) - 1, len(plan.virtual_workers)
     m, b = plan.micro_batches, plan.micro_batch_size
-    # DeepSpeed's PipeDataParallelTopology orders ranks pipe-major: rank = stage * dp + replica
-    ranks = [{"rank": s * dp + w, "device": vw.stages[s].device, "gpu_type": vw.stages[s].gpu_type,
-              "stage": s, "data_parallel_rank": w}
-             for s in range(pp) for w, vw in enumerate(plan.virtual_workers)]
+    vws = plan.virtual_workers
+    # DeepSpeed's PipeDataParallelTopology orders ranks pipe-major (rank = stage * dp + replica); a
+    # ProcessTopology(axes=['data', 'pipe']) data-major (rank = replica * pp + stage): the first whose
+    # ranks a launcher can start node after node
+    orders = {"pipe-major": [vws[r % dp].stages[r // dp].device for r in range(pp * dp)],
+              "data-major": [vws[r // pp].stages[r % pp].device for r in range(pp * dp)]}
+    order = _rank_order(plan, target, orders)
+    rank_of = ((lambda s, w: s * dp + w) if order == "pipe-major" else (lambda s, w: w * pp + s))
+    ranks = sorted(({"rank": rank_of(s, w), "device": vw.stages[s].device, "gpu_type": vw.stages[s].gpu_type,
+                     "stage": s, "data_parallel_rank": w}
+                    for s in range(pp) for w, vw in enumerate(vws)), key=lambda r: r["rank"])
     uniform = parts == deepspeed_uniform_parts(n_layers, pp)
+    training = training_of(plan, lr)
     out: dict[str, Any] = {
         "format": EXPORT_FORMAT, "target": target, "model": plan.model, "num_layers": n_layers,
         "num_stages": pp, "data_parallel": dp, "parts": parts,
         "partition_method": "uniform" if uniform else None,
-        "schedule": plan.schedule,
-        "config": {"train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
-                   "train_batch_size": b * m * dp},
+        "schedule": plan.schedule, "rank_order": order,
+        "topology": {"axes": ["pipe", "data"] if order == "pipe-major" else ["data", "pipe"],
+                     "dims": [pp, dp] if order == "pipe-major" else [dp, pp]},
+        "config": _deepspeed_config(training, b, m, dp),
+        "training": training,
         "world_size": pp * dp, "ranks": ranks,
     }
+    nodes, out["launch"] = _launch(orders[order], ["TRAIN.py", "--deepspeed_config", "ds_config.json"])
+    out["launch"].update(_deepspeed_launcher(nodes))
     out["snippet"] = _deepspeed_snippet(out)
     return out
+
+
+def _deepspeed_config(t: Mapping[str, Any], b: int, m: int, dp: int) -> dict[str, Any]:
+    """The DeepSpeed config of a plan's training: batch, precision (fp16 with dynamic loss scaling
+    as torch.amp.GradScaler scales: from 2**16, doubled after 2000 good steps, halved at once on an
+    overflow; bf16), torch's own optimizer (Adam without weight decay, AdamW with torch's 0.01, SGD)
+    and ZeRO stage 0 (the pricing keeps every parameter's optimizer state on its stage)."""
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
+                              "train_batch_size": b * m * dp}
+    if t["precision"] == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
+                          "hysteresis": 1, "min_loss_scale": 1}
+    elif t["precision"] == "bf16":
+        config["bf16"] = {"enabled": True}
+    lr = t["lr"]
+    config["optimizer"] = {
+        "adam": {"type": "Adam", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+                                            "torch_adam": True, "adam_w_mode": False}},
+        "adamw": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
+                                              "torch_adam": True}},
+        "sgd": {"type": "SGD", "params": {"lr": lr}},
+    }[t["optimizer"]]
+    config["zero_optimization"] = {"stage": t["zero_stage"]}
+    return config
+
+
+def _deepspeed_launcher(nodes: Sequence[NodeLaunch]) -> dict[str, Any]:
+    """The hostfile (nodes in rank order) and ``deepspeed``'s command, or why its launcher cannot
+    hold the mapping (the torchrun lines then start the job; DeepSpeed reads their environment)."""
+    problem = deepspeed_launcher_problem(nodes)
+    plain = all(list(n.gpus) == list(range(n.nproc)) for n in nodes)
+    slots = "".join(f"{n.node} slots={n.nproc if plain else max(n.gpus) + 1}\n" for n in nodes)
+    cmd = ["deepspeed", "--hostfile", "hostfile", "--master_addr", nodes[0].node]
+    if not plain:
+        cmd += ["--include", "@".join(f"{n.node}:{n.cuda_visible_devices}" for n in nodes)]
+    return {"hostfile": slots if problem is None else hostfile(nodes),
+            "deepspeed": shlex.join([*cmd, "TRAIN.py", "--deepspeed_config", "ds_config.json"]) if problem is None
+            else None,
+            "deepspeed_unavailable": problem}
+
+
+def _ds_stages(e: Mapping[str, Any]) -> str:
+    if e["rank_order"] == "pipe-major":
+        return f"num_stages={e['num_stages']}"
+    return f"topology=ProcessTopology(axes=['data', 'pipe'], dims=[{e['data_parallel']}, {e['num_stages']}])"
 
 
 def _deepspeed_snippet(e: Mapping[str, Any]) -> str:
     lines = [
         "import deepspeed",
-        "from deepspeed.pipe import PipelineModule",
+        "from deepspeed.pipe import PipelineModule" + (", ProcessTopology" if e["rank_order"] != "pipe-major" else ""),
         "",
         f"# layers: the model's {e['num_layers']} layers in order (nn.Module or LayerSpec), as the plan's profile lists them",
     ]
     if e["partition_method"] == "uniform":
         lines += [f"# the plan's split is DeepSpeed's own uniform split: {e['parts']}",
-                  f"net = PipelineModule(layers=layers, num_stages={e['num_stages']}, partition_method='uniform')"]
+                  f"net = PipelineModule(layers=layers, {_ds_stages(e)}, partition_method='uniform')"]
     else:
         lines += [
             "class PlannedPipelineModule(PipelineModule):",
@@ -310,11 +451,16 @@ def _deepspeed_snippet(e: Mapping[str, Any]) -> str:
             "        stage = self._topo.get_coord(self.global_rank).pipe",
             "        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])",
             "",
-            f"net = PlannedPipelineModule(layers=layers, num_stages={e['num_stages']})",
+            f"net = PlannedPipelineModule(layers=layers, {_ds_stages(e)})",
         ]
     lines += ["engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),",
               f"                                       config={e['config']!r})",
-              "loss = engine.train_batch(data_iter)   # one plan iteration: gradient_accumulation_steps micro-batches"]
+              "loss = engine.train_batch(data_iter)   # one plan iteration: gradient_accumulation_steps micro-batches",
+              "",
+              f"# launch (ranks {e['rank_order']}): the hostfile in rank order, then",
+              f"#   {e['launch']['deepspeed']}" if e["launch"]["deepspeed"] else
+              f"#   not deepspeed's launcher: {e['launch']['deepspeed_unavailable']}; instead, on each node:",
+              *(f"#   {c}" for c in e["launch"]["torchrun"])]
     return "\n".join(lines) + "\n"
 
 
@@ -336,7 +482,7 @@ def _layout_stage(kinds: Sequence[str]) -> str:
     return ("E" if "E" in kinds else "") + body + ("L" if "L" in kinds else "")
 
 
-def _megatron(plan: Plan) -> dict[str, Any]:
+def _megatron(plan: Plan, lr: float | None = None) -> dict[str, Any]:
     target = "megatron"
     n_layers = _check_plan(plan, target)
     kinds = megatron_layer_kinds(plan.model, n_layers)
@@ -350,28 +496,59 @@ def _megatron(plan: Plan) -> dict[str, Any]:
     cuts = _identical_cuts(plan, target, "Megatron-LM's data-parallel replicas all run one pipeline split")
     pp, v, dp = sizes[0], plan.chunks, len(plan.virtual_workers)
     m, b = plan.micro_batches, plan.micro_batch_size
+    vws = plan.virtual_workers
     stage_kinds = [kinds[a:c] for a, c in itertools.pairwise(cuts)]
     counts = [k.count("t") for k in stage_kinds]
     layout = "|".join(_layout_stage(k) for k in stage_kinds)
     n_t = n_layers - 2
+    # Megatron-LM's rank order (tensor parallel 1): tp-cp-ep-dp-pp, pipeline-major (rank = pipeline
+    # rank * dp + data-parallel rank), or with --use-tp-pp-dp-mapping tp-cp-ep-pp-dp, data-major
+    orders = {"pipe-major": [vws[r % dp].stages[r // dp].device for r in range(pp * dp)],
+              "data-major": [vws[r // pp].stages[r % pp].device for r in range(pp * dp)]}
+    order = _rank_order(plan, target, orders)
+    training = training_of(plan, lr)
     args: list[str] = ["--num-layers", str(n_t), "--pipeline-model-parallel-size", str(pp)]
     if v > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(v)]
-    args += ["--micro-batch-size", str(b), "--global-batch-size", str(b * m * dp)]
+    args += ["--micro-batch-size", str(b), "--global-batch-size", str(b * m * dp), *_megatron_training(training)]
+    if order == "data-major":
+        args.append("--use-tp-pp-dp-mapping")
     uneven, why = _megatron_uneven(counts, pp, v)
-    ranks = [{"rank": d * dp + w, "device": vw.stages[d].device, "gpu_type": vw.stages[d].gpu_type,
-              "pipeline_rank": d, "data_parallel_rank": w, "stages": list(range(d, pp * v, pp))}
-             for d in range(pp) for w, vw in enumerate(plan.virtual_workers)]
+    rank_of = ((lambda d, w: d * dp + w) if order == "pipe-major" else (lambda d, w: w * pp + d))
+    ranks = sorted(({"rank": rank_of(d, w), "device": vw.stages[d].device, "gpu_type": vw.stages[d].gpu_type,
+                     "pipeline_rank": d, "data_parallel_rank": w, "stages": list(range(d, pp * v, pp))}
+                    for d in range(pp) for w, vw in enumerate(vws)), key=lambda r: r["rank"])
     out: dict[str, Any] = {
         "format": EXPORT_FORMAT, "target": target, "model": plan.model, "num_layers": n_layers,
         "transformer_layers_per_stage": counts, "pipeline_parallel": pp, "virtual_stages_per_rank": v,
-        "data_parallel": dp, "schedule": plan.schedule, "layout": layout,
+        "data_parallel": dp, "schedule": plan.schedule, "layout": layout, "rank_order": order,
+        "training": training,
         "args": args, "layout_args": [*args, "--pipeline-model-parallel-layout", layout],
         "uneven_args": None if uneven is None else [*args, *uneven],
         "uneven_args_unavailable": why, "world_size": pp * dp, "ranks": ranks,
     }
+    chosen = out["layout_args"]
+    _, out["launch"] = _launch(orders[order], ["pretrain_gpt.py", *chosen])
     out["snippet"] = _megatron_snippet(out)
     return out
+
+
+def _megatron_training(t: Mapping[str, Any]) -> list[str]:
+    """Megatron-LM's arguments for a plan's training: precision (``--fp16`` with dynamic loss
+    scaling as torch.amp.GradScaler does it, ``--bf16``; both keep fp32 main weights), the optimizer
+    (Megatron's ``adam`` is decoupled weight decay, 0.01 by default: 0 for Adam, 0.01 for AdamW;
+    its ``sgd`` has momentum 0.9 by default: 0 for plain SGD) and the learning rate."""
+    args: list[str] = []
+    if t["precision"] == "fp16":
+        args += ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "2000", "--hysteresis", "1"]
+    elif t["precision"] == "bf16":
+        args.append("--bf16")
+    lr = repr(float(t["lr"]))
+    if t["optimizer"] == "sgd":
+        return [*args, "--optimizer", "sgd", "--sgd-momentum", "0", "--weight-decay", "0", "--lr", lr]
+    decay = "0.01" if t["optimizer"] == "adamw" else "0"
+    return [*args, "--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.999", "--adam-eps", "1e-08",
+            "--weight-decay", decay, "--lr", lr]
 
 
 def _megatron_uneven(counts: Sequence[int], pp: int, v: int) -> tuple[list[str] | None, str | None]:
@@ -408,21 +585,27 @@ def _megatron_snippet(e: Mapping[str, Any]) -> str:
         lines += [f"# --decoder-first/last-pipeline-num-layers cannot express it: {e['uneven_args_unavailable']}"]
     lines += ["# Megatron-LM with --pipeline-model-parallel-layout:",
               "torchrun ... pretrain_gpt.py " + " ".join(e["args"]) + " --pipeline-model-parallel-layout "
-              + shlex.quote(e["layout"])]
+              + shlex.quote(e["layout"]),
+              f"# launch (ranks {e['rank_order']}), each line on its node, node k first with --node-rank k:",
+              *e["launch"]["torchrun"]]
     return "\n".join(lines) + "\n"
 
 
 # -- entry point ----------------------------------------------------------------------------
 
 
-def export_plan(plan: Plan, target: str, layer_names: Sequence[str] | None = None) -> dict[str, Any]:
+def export_plan(plan: Plan, target: str, layer_names: Sequence[str] | None = None,
+                lr: float | None = None) -> dict[str, Any]:
     """``plan`` as ``target`` (one of :data:`TARGETS`) takes it; raises :class:`ExportError`
     when the target cannot run it. ``layer_names`` (the module names of the model's layers as
-    an ``nn.Sequential``) give torch's ``split_spec``; without them it is ``None``."""
+    an ``nn.Sequential``) give torch's ``split_spec``; without them it is ``None``. Every export
+    carries the plan's training (:func:`training_of`: precision, optimizer, ``lr`` or the
+    runtime's default for it) and its launch order (``launch``: the nodes in rank order, each
+    node's ``CUDA_VISIBLE_DEVICES``, its torchrun line; a DeepSpeed hostfile)."""
     if target == "torch-pipelining":
-        return _torch_pipelining(plan, layer_names)
+        return _torch_pipelining(plan, layer_names, lr)
     if target == "deepspeed":
-        return _deepspeed(plan)
+        return _deepspeed(plan, lr)
     if target == "megatron":
-        return _megatron(plan)
+        return _megatron(plan, lr)
     raise PartitionerError(f"unknown export target '{target}'; valid targets: {', '.join(TARGETS)}")

@@ -176,17 +176,28 @@ def _image_input(channels: int, image: int) -> Callable[[int, torch.device | str
 class _Attention(nn.Module):
     """Multi-head self-attention written with explicit matmuls (so FLOP counters see it).
 
+    The fused ``qkv`` projection's outputs are laid out head after head (``[q_0 k_0 v_0 q_1 k_1
+    v_1 ...]``, each ``head_dim`` wide), as Megatron-LM fuses them: a tensor-parallel shard of
+    ``qkv`` (rows ``[i * 3h / t, (i + 1) * 3h / t)``, ``ColwiseParallel``) is then exactly the
+    ``q``, ``k`` and ``v`` of heads ``[i * heads / t, (i + 1) * heads / t)``, and ``forward`` runs
+    whatever heads its ``qkv`` gives it (``runtime/tensor_parallel.py``). Built with
+    ``tensor_parallel`` t, it is one GPU's shard from the start (``heads / t`` heads, the output
+    projection's rows of those heads; its output that GPU's partial sum), what the profiler times
+    (``partitioner/shard_profiler.py``).
+
     ``recompute_core`` (set by the runtime for a stage planned with selective recomputation):
     the attention core (scores, mask, soft-max, weighted sum) keeps nothing for backward and is
     run again there (``torch.utils.checkpoint``); the numbers are the same."""
 
     recompute_core = False
 
-    def __init__(self, hidden: int, heads: int, causal: bool):
+    def __init__(self, hidden: int, heads: int, causal: bool, tensor_parallel: int = 1):
         super().__init__()
-        self.heads, self.causal = heads, causal
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
+        self.heads, self.causal = heads // tensor_parallel, causal
+        self.head_dim = hidden // heads
+        local = self.heads * self.head_dim
+        self.qkv = nn.Linear(hidden, 3 * local)
+        self.proj = nn.Linear(local, hidden)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s = q.shape[-2]
@@ -198,27 +209,31 @@ class _Attention(nn.Module):
         return torch.matmul(att, v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=2)
-        q, k, v = (t.reshape(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        fused = self.qkv(x)
+        b, s, width = fused.shape
+        d = self.head_dim
+        n = width // (3 * d)  # the heads here: all of them, or a tensor-parallel shard's
+        q, k, v = fused.reshape(b, s, n, 3, d).permute(3, 0, 2, 1, 4).unbind(0)  # (b, n, s, d) each
         if self.recompute_core and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
             y = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
             y = self._core(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.proj(y.transpose(1, 2).reshape(b, s, n * d))
 
 
 class _Block(nn.Module):
-    """A transformer block: pre-LN (GPT-2) or post-LN (BERT)."""
+    """A transformer block: pre-LN (GPT-2) or post-LN (BERT); with ``tensor_parallel`` t, one GPU's
+    shard of it (the attention's heads and the MLP's hidden units split t ways, layer norms whole)."""
 
-    def __init__(self, hidden: int, heads: int, causal: bool, pre_ln: bool):
+    def __init__(self, hidden: int, heads: int, causal: bool, pre_ln: bool, tensor_parallel: int = 1):
         super().__init__()
         self.pre_ln = pre_ln
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn = _Attention(hidden, heads, causal)
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.attn = _Attention(hidden, heads, causal, tensor_parallel)
+        ffn = 4 * hidden // tensor_parallel
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -259,10 +274,11 @@ class _LMHead(nn.Module):
 
 
 def _transformer(blocks: int, hidden: int, heads: int, vocab: int, positions: int,
-                 bert: bool) -> list[tuple[str, nn.Module]]:
+                 bert: bool, tensor_parallel: int = 1) -> list[tuple[str, nn.Module]]:
     layers: list[tuple[str, nn.Module]] = [("embed", _Embedding(vocab, hidden, positions, norm=bert))]
     for i in range(blocks):
-        layers.append((f"block{i}", _Block(hidden, heads, causal=not bert, pre_ln=not bert)))
+        layers.append((f"block{i}", _Block(hidden, heads, causal=not bert, pre_ln=not bert,
+                                          tensor_parallel=tensor_parallel)))
     layers.append(("head", _LMHead(hidden, vocab)))
     return layers
 
@@ -285,12 +301,15 @@ def model_names() -> tuple[str, ...]:
 
 def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, image_size: int | None = None,
                 width: float | None = None, num_blocks: int | None = None, vocab: int | None = None,
-                device: torch.device | str = "cpu", seed: int = 0) -> ZooModel:
+                device: torch.device | str = "cpu", seed: int = 0, tensor_parallel: int = 1) -> ZooModel:
     """Build zoo model ``name`` (see :data:`MODEL_NAMES`) as a layer chain.
 
     ``seq_len`` (transformers), ``image_size`` and ``width`` (CNNs, channel multiplier),
     ``num_blocks`` (transformers) and ``vocab`` override the defaults. ``device="meta"``
     builds without allocating memory. Parameters are seeded, so two builds are identical.
+    ``tensor_parallel`` t (transformers): every block is one GPU's shard of it (``heads / t`` heads,
+    ``4 h / t`` MLP units; embedding and head whole), what one GPU of a group of t computes; a head
+    count t does not divide is refused naming the model and the degree.
     """
     if name not in MODEL_NAMES:
         raise PartitionerError(f"unknown model '{name}'; the zoo has: {', '.join(MODEL_NAMES)}")
@@ -300,12 +319,17 @@ def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, i
     cfg: dict[str, Any] = {}
     with torch.device(device):
         if name in CNN_DEFAULTS:
-            kind, blocks, w, image, classes, hidden = CNN_DEFAULTS[name]
-            w = width if width is not None else w
+            if tensor_parallel != 1:
+                raise PartitionerError(f"tensor-parallel degree {tensor_parallel} for {name}: the zoo shards "
+                                       "transformers only")
+            kind, blocks, w0, image, classes, hidden = CNN_DEFAULTS[name]
+            w = width if width is not None else w0
             image = image_size if image_size is not None else image
             cfg = {"width": w, "image_size": image, "classes": classes}
             if kind == "vgg":
-                layers = _vgg19(w, image, classes, hidden if width is None else max(16, int(4096 * w)))
+                # the default width keeps the model's own hidden size, whether or not it was named
+                # (train passes the profile's width back: it must build the model that was profiled)
+                layers = _vgg19(w, image, classes, hidden if w == w0 else max(16, int(4096 * w)))
             else:
                 layers = _resnet(blocks, w, classes)
             make = _image_input(3, image)
@@ -322,7 +346,11 @@ def build_model(name: str, batch_size: int = 1, *, seq_len: int | None = None, i
             # (OPT-350M's shape is gpt2-medium with 2,048 positions and a vocabulary of 50,272)
             positions = max(seq, 512 if bert else 1024)
             cfg = {"blocks": n, "hidden": hidden, "heads": heads, "vocab": v, "seq_len": seq, "positions": positions}
-            layers = _transformer(n, hidden, heads, v, positions, bert)
+            if not (isinstance(tensor_parallel, int) and tensor_parallel >= 1 and heads % tensor_parallel == 0):
+                raise PartitionerError(f"tensor-parallel degree {tensor_parallel} for {name}: its blocks have {heads} "
+                                       f"attention heads, which the degree must divide (the heads are split among "
+                                       f"the GPUs of a group)")
+            layers = _transformer(n, hidden, heads, v, positions, bert, tensor_parallel)
             make = _token_input(v, seq)
     for _, m in layers:
         m.train()

@@ -167,4 +167,26 @@ def supports(plan: Plan, target: str) -> str | None:
                         f"replicated stages with schedule {', '.join(REPLICATED_SCHEDULES[:-1])} or "
                         f"{REPLICATED_SCHEDULES[-1]}, not "
                         f"'{plan.schedule}'; re-plan without `replication` or with one of those schedules")
+    return _tensor_parallel_support(plan)
+
+
+def _tensor_parallel_support(plan: Plan) -> str | None:
+    """Why the runtime cannot run ``plan``'s tensor-parallel groups, or None: 2bw and wsp keep their
+    weights outside the stage modules (no shards), and a layer's gradients are averaged between
+    shards of one degree, so every device that holds a layer holds it at the same degree."""
+    held: dict[int, tuple[int, str, str]] = {}  # layer -> (degree, where, device) of its first holder
+    for w, vw in enumerate(plan.virtual_workers):
+        for k, st in enumerate(vw.stages):
+            for i, (dev, t) in enumerate(zip(st.devices, st.tensor_parallel, strict=True)):
+                where = f"virtual_workers[{w}].stages[{k}]" + (f".replicas[{i - 1}]" if i else "")
+                if t > 1 and spec(plan.schedule).executor != "pipeline":
+                    return (f"{where} runs on {dev}, a tensor-parallel group of {t}: the runtime shards stages with "
+                            f"the flushing schedules, not '{plan.schedule}' (its weights are kept outside the "
+                            f"stage modules); re-plan without tensor-parallel groups or with a flushing schedule")
+                for layer in range(st.start, st.stop):
+                    first = held.setdefault(layer, (t, where, dev))
+                    if first[0] != t:
+                        return (f"layer {layer} is held at tensor-parallel degree {first[0]} by {first[1]} ({first[2]}) "
+                                f"and {t} by {where} ({dev}): the runtime averages a layer's gradients between "
+                                f"shards of one degree; plan every holder of a layer at the same degree")
     return None

@@ -16,7 +16,8 @@ from typing import Any
 from ._io import is_finite_number, opt_field, req_number
 from .errors import FormatError, check
 
-__all__ = ["GIB", "PRECISIONS", "RECOMPUTE_MODES", "RECOMPUTE_POLICIES", "ZERO_STAGES", "CostOptions"]
+__all__ = ["DEFAULT_LR", "GIB", "OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "PRECISIONS", "RECOMPUTE_MODES",
+           "RECOMPUTE_POLICIES", "ZERO_STAGES", "CostOptions", "priced_optimizer"]
 
 GIB = 2**30
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -26,6 +27,11 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # What a planner may choose per stage: one mode for every stage, or the cheapest that fits ("auto").
 RECOMPUTE_POLICIES = (*RECOMPUTE_MODES, "auto")
 ZERO_STAGES = (0, 1, 2)
+# The optimizers the runtime and the exports run, the optimizer state each keeps per parameter in
+# 4-byte words (CostOptions.optimizer_state_factor), and the learning rate used when none is given.
+OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZER_STATE_FACTOR = {"sgd": 0.0, "adam": 2.0, "adamw": 2.0}
+DEFAULT_LR = {"sgd": 0.01, "adam": 0.001, "adamw": 0.001}
 
 
 @dataclass(frozen=True)
@@ -129,3 +135,9 @@ class CostOptions:
                        recompute=opt_field(d, "recompute", str, "none", where))
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
+
+
+def priced_optimizer(options: CostOptions | None) -> str:
+    """The optimizer a plan's pricing stands for: Adam for 2 (or more) words of state per
+    parameter, plain SGD otherwise; plain SGD for a plan that records no pricing (made by hand)."""
+    return "adam" if options is not None and options.optimizer_state_factor >= 2 else "sgd"

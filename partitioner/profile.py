@@ -139,9 +139,13 @@ class LayerShard:
     times: Mapping[str, LayerTime] = field(default_factory=dict)
     shared_saved_bytes: float = 0.0
     times_at: Mapping[int, Mapping[str, LayerTime]] = field(default_factory=dict)
+    # bytes the group all-reduces in the layer's forward (the backward all-reduces as many), per
+    # micro-batch, that ``times`` leave out: the cost model prices them on the group's node link
+    # (0: the times include every collective, as a measurement of the whole group does)
+    allreduce_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("param_bytes", "saved_bytes", "shared_saved_bytes"):
+        for name in ("param_bytes", "saved_bytes", "shared_saved_bytes", "allreduce_bytes"):
             v = getattr(self, name)
             check(is_finite_number(v) and 0 <= v <= MAX_BYTES, name, v, f"must be a number of bytes in [0, {MAX_BYTES:g}]")
         check(self.shared_saved_bytes <= self.saved_bytes, "shared_saved_bytes", self.shared_saved_bytes,
@@ -158,6 +162,8 @@ class LayerShard:
             d["shared_saved_bytes"] = self.shared_saved_bytes
         if self.times_at:
             d["times_at"] = {str(b): {g: t.to_dict() for g, t in v.items()} for b, v in self.times_at.items()}
+        if self.allreduce_bytes:
+            d["allreduce_bytes"] = self.allreduce_bytes
         return d
 
     @classmethod
@@ -171,6 +177,7 @@ class LayerShard:
                 times=_times_of(opt_field(d, "times", Mapping, {}, where), f"{where}times."),
                 shared_saved_bytes=req_number(d, "shared_saved_bytes", where, default=0.0, maximum=MAX_BYTES),
                 times_at=_times_at_of(opt_field(d, "times_at", Mapping, {}, where), f"{where}times_at"),
+                allreduce_bytes=req_number(d, "allreduce_bytes", where, default=0.0, maximum=MAX_BYTES),
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
@@ -216,6 +223,8 @@ class LayerProfile:
     own_output_bytes: float | None = None
     # tensor-parallel degree t >= 2 -> what one GPU of a group of t holds and takes
     shards: Mapping[int, LayerShard] = field(default_factory=dict)
+    # in the profile of one shard (Profile.shard): LayerShard.allreduce_bytes
+    allreduce_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "name", self.name, "must be a non-empty string")
@@ -228,7 +237,7 @@ class LayerProfile:
             v = self.own_output_bytes
             check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
                   "own_output_bytes", v, "must be a finite number >= 0")
-        for name in ("flops", "param_bytes", "saved_bytes", "output_bytes", "shared_saved_bytes"):
+        for name in ("flops", "param_bytes", "saved_bytes", "output_bytes", "shared_saved_bytes", "allreduce_bytes"):
             v = getattr(self, name)
             check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
                   name, v, "must be a finite number >= 0")
@@ -252,7 +261,7 @@ class LayerProfile:
     def scaled_bytes(self, f: float) -> dict[str, Any]:
         """The activation byte fields multiplied by ``f`` (for ``dataclasses.replace``)."""
         return {"saved_bytes": self.saved_bytes * f, "output_bytes": self.output_bytes * f,
-                "shared_saved_bytes": self.shared_saved_bytes * f,
+                "shared_saved_bytes": self.shared_saved_bytes * f, "allreduce_bytes": self.allreduce_bytes * f,
                 "own_output_bytes": None if self.own_output_bytes is None else self.own_output_bytes * f}
 
     def to_dict(self) -> dict[str, Any]:
@@ -268,6 +277,7 @@ class LayerProfile:
             **({"times_at": {str(b): {g: t.to_dict() for g, t in v.items()} for b, v in self.times_at.items()}}
                if self.times_at else {}),
             **({"tensor_parallel": {str(t): sh.to_dict() for t, sh in self.shards.items()}} if self.shards else {}),
+            **({"allreduce_bytes": self.allreduce_bytes} if self.allreduce_bytes else {}),
         }
 
     @classmethod
@@ -295,6 +305,7 @@ class LayerProfile:
                 own_output_bytes=(None if d.get("own_output_bytes") is None
                                   else req_number(d, "own_output_bytes", where, maximum=MAX_BYTES)),
                 shards=shards,
+                allreduce_bytes=req_number(d, "allreduce_bytes", where, default=0.0, maximum=MAX_BYTES),
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
@@ -453,7 +464,8 @@ class Profile:
                               f"has: {', '.join(map(str, self.tensor_parallel_degrees))}")
         layers = tuple(replace(layer, param_bytes=layer.shards[t].param_bytes, saved_bytes=layer.shards[t].saved_bytes,
                                shared_saved_bytes=layer.shards[t].shared_saved_bytes, times=layer.shards[t].times,
-                               times_at=layer.shards[t].times_at, shards={}) for layer in self.layers)
+                               times_at=layer.shards[t].times_at, allreduce_bytes=layer.shards[t].allreduce_bytes,
+                               shards={}) for layer in self.layers)
         out = Profile(self.model, self.micro_batch_size, layers, self.dtype, self.source, self.edges,
                       {**self.meta, "tensor_parallel": t})
         self._shards[t] = out
@@ -467,7 +479,7 @@ class Profile:
         per_t = {t: f(self.shard(t)) for t in self.tensor_parallel_degrees[1:]}
         layers = tuple(replace(layer, shards={t: LayerShard(p.layers[i].param_bytes, p.layers[i].saved_bytes,
                                                             p.layers[i].times, p.layers[i].shared_saved_bytes,
-                                                            p.layers[i].times_at)
+                                                            p.layers[i].times_at, p.layers[i].allreduce_bytes)
                                               for t, p in per_t.items()})
                        for i, layer in enumerate(made.layers))
         return replace(made, layers=layers)

@@ -44,9 +44,11 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
     """The plan as a stage table (per virtual worker) under a header with its certificate, priced
     by ``cost`` (the profile, cluster and options the plan was made with)."""
     cluster = cost.cluster
+    used = sum(cluster.device(d).gpus for d in plan.devices)
+    groups = sum(cluster.device(d).gpus > 1 for d in plan.devices)
     out = [f"plan for {plan.model} on {cluster.name}: {len(plan.virtual_workers)} virtual worker(s), "
-           f"{len(plan.devices)} of {len(cluster.devices)} devices, schedule {plan.schedule}, "
-           f"{plan.micro_batches} micro-batches of {plan.micro_batch_size}"]
+           f"{used} of {cluster.num_gpus} GPUs" + (f" ({groups} tensor-parallel group(s))" if groups else "")
+           + f", schedule {plan.schedule}, {plan.micro_batches} micro-batches of {plan.micro_batch_size}"]
     if plan.solver is not None:
         s = plan.solver
         gap = "n/a" if math.isnan(s.gap) else f"{100 * s.gap:.2f}%"

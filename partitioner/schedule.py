@@ -38,7 +38,9 @@ message tag. For every ordered pair of ranks the sends appear on the sender in t
 order as the receives on the receiver, so FIFO point-to-point channels also match by order --
 except under ``zbv``, where both chunks' messages cross each pair of ranks in both directions
 and a receiver may take them in another order than they were sent: its lists match by tag only
-(``FIFO_MATCHED`` lists the schedules whose lists also match by order).
+(``FIFO_MATCHED`` lists the schedules whose lists also match by order). A runtime on an
+order-matching channel posts each pair's messages in the order :mod:`partitioner.channels`
+derives from the lists, which works for every schedule.
 Sends are *posted* without waiting for the receiver (``isend``; the buffer is released once
 the transfer is done) and receives block. Under those semantics every list produced here is
 deadlock-free when each rank runs its list in order (the simulator checks this and names the
@@ -56,7 +58,6 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -331,8 +332,13 @@ class Schedule:
         fill ``(p - 1) F``, which an iteration that ends with a flush (every rank's ``STEP`` after its
         last ``W``) cannot hide (the paper reaches zero for ZB-H2 by overlapping iterations, its
         post-validation); ZB-V at ``F = B = W``, the case Qi et al. call zero bubble, ``(p - 1) F / 2``
-        (the same fill, one chunk's forward). tests/test_zero_bubble.py checks each against the
-        simulator."""
+        (the same fill, one chunk's forward), and at any ratio (``p >= 2``, ``m >= 2p - 1``; 0 for
+        ``p = 1``) the largest of ``(p - 1)(B - W)``, ``(p - 1) B / 2``, ``(p - 2) W / 2 + max(F, B)
+        / 2``, ``(p - 1)(F - B / 2) - d`` and ``(p - 1)(F - W) - d`` with ``d = min(W, max(F - B,
+        0)) / 2``: fitted to the simulator's idle time of the V order (linear in ``p`` at every
+        ratio, the same for every ``m >= 2p - 1``), not derived; below ``m = 2p - 1`` (the order is
+        built for ``2p - 1`` micro-batches and cut) the simulator decides. tests/test_zero_bubble.py
+        checks each against the simulator (ZB-V at random ratios, ``p`` and ``m``)."""
         p, f, b, w = ranks, fwd_s, input_s, weight_s
         name = self.name
         if name in ("gpipe", "1f1b"):
@@ -341,9 +347,19 @@ class Schedule:
             return (p - 1) * (f + b + w) / chunks
         if self.spec.weight_fill:  # ZB-H1, ZB-H2: 1F1B's bubble less the W moved into it, down to the fill
             return (p - 1) * max(f + b + w - self.spec.weight_fill * w, f)
-        if name == "zbv" and math.isclose(f, b) and math.isclose(b, w):
-            return (p - 1) * f / 2
+        if name == "zbv":
+            return self._zbv_bubble_s(p, f, b, w)
         return None
+
+    def _zbv_bubble_s(self, p: int, f: float, b: float, w: float) -> float | None:
+        """ZB-V's idle time per device on equal stages (:meth:`uniform_bubble_s`)."""
+        if p == 1:
+            return 0.0
+        if self.micro_batches < 2 * p - 1:
+            return None
+        d = min(w, max(f - b, 0.0)) / 2
+        return max((p - 1) * (b - w), (p - 1) * b / 2, (p - 2) * w / 2 + max(f, b) / 2,
+                   (p - 1) * (f - b / 2) - d, (p - 1) * (f - w) - d)
 
 
 @dataclass(frozen=True)

@@ -160,13 +160,15 @@ def canonical_names(message: str) -> str:
 OPTION_FLAGS: dict[str, str] = {
     "solver": "--solver", "schedule": "--schedule", "devices": "--devices", "allow_fewer": "--allow-fewer",
     "chunks": "--chunks", "micro_batches": "--micro-batches", "global_batch": "--global-batch",
-    "virtual_workers": "--virtual-workers", "tensor_parallel": "--tensor-parallel", "policy": "--policy", "replication": "--replication",
+    "virtual_workers": "--virtual-workers", "tensor_parallel": "--tensor-parallel",
+    "pipeline_parallel": "--pipeline-parallel-size", "policy": "--policy", "replication": "--replication",
     "time_limit_s": "--time-limit", "threads": "--threads", "seed": "--seed", "chain_order": "--chain-order",
     "fixed_order": "--fixed-order", "emulate": "--emulate", "emulate_rule": "--emulate-rule",
     "emulate_local": "--emulate-local", "emulate_reference": "--emulate-reference",
     "emulate_link_gbps": "--emulate-link-GBps", "emulate_links": "--emulate-links", "plan_node": "--plan-node",
     "checkpoint_dir": "--checkpoint-dir", "max_seconds": "--max-seconds", "steps": "--steps", "data": "--data",
-    "device": "--device", "micro_batch_size": "--micro-batch-size", "precision": "--precision", "allreduce_precision": "--allreduce-precision",
+    "device": "--device", "micro_batch_size": "--micro-batch-size", "precision": "--precision",
+    "allreduce_precision": "--allreduce-precision", "optimizer": "--optimizer",
     "recompute": "--recompute", "zero": "--zero",
 }
 _BACKQUOTED = re.compile(r"`(\w+)`")

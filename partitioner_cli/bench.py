@@ -118,7 +118,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               needs=(str(SHARED / "sailor_opt350"),)),
     Benchmark("sailor_h2h", "our tensor/pipeline/data-parallel search against Sailor's chosen plans on its three "
               "OPT-350M problems (global batch 1,024), both simulated here; planning time and certificate",
-              _script("sailor_h2h", "--time-limit", "20", "--sizes", "2"), _script("sailor_h2h", "--time-limit", "60"),
+              _script("sailor_h2h", "--time-limit", "3"), _script("sailor_h2h", "--time-limit", "30"),
               needs=(str(SHARED / "sailor_opt350"), str(SHARED / "sailor_plans")), long=True),
     Benchmark("memory_levers", "per-stage recomputation and ZeRO-1 against no levers and uniform full recomputation "
               "(Sailor OPT-350M, memory-mixed A100 / V100 / RTX 2080 Ti clusters)",
@@ -142,10 +142,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("runtime_vs_torch", "this runtime against torch.distributed.pipelining, same split and micro-batches",
               _script("runtime_vs_torch", "--rounds", "3", "--steps", "3"), _script("runtime_vs_torch", "--rounds", "7"),
               needs=("torch",), long=True),
+    Benchmark("exports", "each export against this runtime on one plan: torch pipelining's losses side by side "
+                         "(GPT-2 tiny, 30 steps), DeepSpeed's config class, Megatron-Core's layout and model build",
+              _script("exports", "--steps", "10"), _script("exports"), needs=("torch",), long=True),
     Benchmark("emulation", "emulated heterogeneous cluster (A100 + 2 T4 on CPU processes): measured against "
-                           "predicted iteration of opt, uniform and pipedream plans",
-              _script("emulation", "--rounds", "2"),
-              _script("emulation", "--rounds", "5", "--wsp", "--png", "{img}/emulation_wsp.png"),
+                           "predicted iteration of opt, uniform and pipedream plans; zb-h1 against 1f1b on 4 GPUs",
+              _script("emulation", "--rounds", "2", "--zero-bubble"),
+              _script("emulation", "--rounds", "5", "--zero-bubble", "--wsp", "--png", "{img}/emulation_wsp.png"),
               figures=("emulation_wsp.png",), needs=("torch",), long=True, seeds={"weights_and_data": 0}),
     Benchmark("wsp", "WSP against sync data parallelism on an emulated 3-type cluster (links emulated): time to "
                      "a held-out loss, speed-up, predicted against measured",

@@ -2,7 +2,8 @@
 DeepSpeed or Megatron-LM take it (docs/export.md).
 
     partitioner export plan.json --to torch-pipelining -o plan.torch.json
-    partitioner export plan.json --to deepspeed -o plan.ds.json --snippet ds_module.py
+    partitioner export plan.json --to deepspeed -o plan.ds.json --snippet ds_module.py --hostfile hostfile
+    partitioner export plan.json --to megatron --check t0,a0     (a launch order, checked against the plan)
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _summary(e: dict) -> list[str]:
                else "PipelineModule._partition_layers overridden (see snippet)")
         return [f"{e['model']} for DeepSpeed PipelineModule: num_stages {e['num_stages']}, data parallel "
                 f"{e['data_parallel']}, parts {e['parts']} ({how})",
-                "  ranks (pipe-major): " + ", ".join(f"{r['rank']}={r['device']}" for r in e["ranks"])]
+                f"  ranks ({e['rank_order']}): " + ", ".join(f"{r['rank']}={r['device']}" for r in e["ranks"])]
     lines = [f"{e['model']} for Megatron-LM: pipeline {e['pipeline_parallel']} x data {e['data_parallel']}, "
              f"transformer layers per stage {e['transformer_layers_per_stage']}",
              f"  --pipeline-model-parallel-layout '{e['layout']}'"]
@@ -67,26 +68,61 @@ def _summary(e: dict) -> list[str]:
     return lines
 
 
+def _training_lines(e: dict) -> list[str]:
+    t = e["training"]
+    lines = [f"  training: {t['precision']}, {t['optimizer']} (lr {t['lr']:g}), ZeRO stage {t['zero_stage']}"
+             + (f"  ({t['note']})" if t.get("note") else "  (as the plan was priced)")]
+    launch = e["launch"]
+    order = f", ranks {e['rank_order']}" if e.get("rank_order") else ""
+    lines.append(f"  launch{order}: start the nodes in the order {', '.join(n['node'] for n in launch['nodes'])} "
+                 f"(node k with --node-rank k; {launch['master_node']} is the master address)")
+    for n, cmd in zip(launch["nodes"], launch["torchrun"]):
+        lines.append(f"    # node {n['node']}: ranks {n['ranks']} on {', '.join(n['devices'])}")
+        lines.append(f"    {cmd}")
+    if e["target"] == "deepspeed":
+        if launch["deepspeed"]:
+            lines.append("    or, with the hostfile (nodes in rank order): " + launch["deepspeed"])
+        else:
+            lines.append(f"    (not deepspeed's launcher: {launch['deepspeed_unavailable']})")
+    return lines
+
+
 def _run(args: argparse.Namespace) -> int:
     from partitioner._io import atomic_write_text, check_outputs, write_json
+    from partitioner.export import check_export_launch
 
     if args.to not in TARGETS:
         raise PartitionerError(f"unknown target '{args.to}'; valid targets: {', '.join(TARGETS)}")
-    check_outputs({"-o": args.output, "--snippet": args.snippet}, [p for p in (args.plan, args.profile) if p])
+    if not args.output and not args.check:
+        raise PartitionerError("give -o OUT.json (where to write the export), or --check a launch order")
+    if args.hostfile and args.to != "deepspeed":
+        raise PartitionerError(f"--hostfile is DeepSpeed's launcher's; target {args.to} starts with the torchrun lines")
+    check_outputs({"-o": args.output, "--snippet": args.snippet, "--hostfile": args.hostfile},
+                  [p for p in (args.plan, args.profile, args.check) if p])
     plan = Plan.load(args.plan)
     n_layers = plan.virtual_workers[0].stages[-1].stop
     names = _layer_names(plan, args.profile, n_layers) if args.to == "torch-pipelining" else None
     try:
-        exported = export_plan(plan, args.to, names)
+        exported = export_plan(plan, args.to, names, lr=args.lr)
     except PartitionerError as err:
         raise PartitionerError(f"{args.plan}: {err}") from None
+    if args.check:
+        try:
+            print(check_export_launch(exported, args.check))
+        except PartitionerError as err:
+            raise PartitionerError(f"{args.check}: {err}") from None
+    if not args.output:
+        return 0
     write_json(args.output, exported)
-    for line in _summary(exported):
+    for line in [*_summary(exported), *_training_lines(exported)]:
         print(line)
     print(f"wrote {args.output}")
     if args.snippet:
         atomic_write_text(args.snippet, exported["snippet"])
         print(f"wrote {args.snippet}")
+    if args.hostfile:
+        atomic_write_text(args.hostfile, exported["launch"]["hostfile"])
+        print(f"wrote {args.hostfile}")
     return 0
 
 
@@ -95,10 +131,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Turn PLAN into what another framework needs to run it: stage layer ranges, "
                                    "split points and schedule for torch.distributed.pipelining; PipelineModule "
                                    "parts for DeepSpeed; pipeline layout and uneven-stage arguments for "
-                                   "Megatron-LM. A plan the target cannot run is refused with the reason.")
+                                   "Megatron-LM; the plan's precision, optimizer and launch order (torchrun lines per node, a "
+                                   "DeepSpeed hostfile) for every target. A plan the target cannot run is refused with "
+                                   "the reason.")
     p.add_argument("plan", help="plan JSON (from `partitioner plan`)")
     p.add_argument("--to", required=True, metavar="TARGET", help=f"one of: {', '.join(TARGETS)}")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.json", help="write the export here")
+    p.add_argument("-o", "--output", metavar="OUT.json", help="write the export here (required unless --check)")
+    p.add_argument("--check", metavar="HOSTFILE_OR_RANKS",
+                   help="verify a launch order against the plan's stage -> GPU mapping and refuse (one line) one that "
+                        "breaks it: a DeepSpeed hostfile (HOST slots=N lines, in launch order), the devices of "
+                        "ranks 0, 1, ... (n1:0,n1:1,n0:0) or the nodes in launch order (n1,n0)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="the learning rate written into the export (default: the runtime's for the plan's optimizer: "
+                        "0.001 for adam, 0.01 for sgd)")
+    p.add_argument("--hostfile", metavar="FILE", help="deepspeed: also write the hostfile (nodes in rank order) here")
     p.add_argument("--profile", help="profile whose layer names give torch's split_spec (default: the zoo "
                                      "model's layer names, when the plan's model is in the zoo)")
     p.add_argument("--snippet", metavar="FILE", help="also write the ready code snippet here")

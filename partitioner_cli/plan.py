@@ -143,7 +143,7 @@ def _request(args: argparse.Namespace, options: CostOptions) -> PlanRequest:
         micro_batches=count_or_auto(args.micro_batches),
         global_batch=args.global_batch,
         virtual_workers=count_or_auto(args.virtual_workers),
-        tensor_parallel=count_or_auto(args.tensor_parallel),
+        tensor_parallel=count_or_auto(args.tensor_parallel), pipeline_parallel=args.pipeline_parallel_size,
         policy=args.policy, replication=bool(args.replication), objective=args.objective,
         simulate_top=args.simulate_top, time_limit_s=args.time_limit, threads=args.threads, seed=args.seed,
         chain_order=bool(args.chain_order), fixed_order=bool(args.fixed_order))
@@ -182,6 +182,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "(K fixed by --virtual-workers)")
     parser.add_argument("--virtual-workers", "--data-parallel-size", default=None, metavar="K|auto",
                         help="split the cluster into K data-parallel pipelines (hetero planner)")
+    parser.add_argument("--pipeline-parallel-size", type=bounded_int(1, 16_384), default=None, metavar="P",
+                        help="with --micro-batches auto: every virtual worker a pipeline of P stages, one device "
+                             "(GPU or tensor-parallel group) each; default: chosen")
     parser.add_argument("--tensor-parallel", "--tensor-parallel-size", default=None, metavar="T|auto",
                         help="tensor-parallel degree of every stage: GPUs of one type on one node run a stage's "
                              "shards (the profile must hold that degree); auto (with --micro-batches auto) chooses "

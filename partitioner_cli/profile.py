@@ -23,6 +23,17 @@ __all__ = ["register"]
 log = logging.getLogger(__name__)
 
 
+def _degrees(text: str) -> tuple[int, ...]:
+    """``2,4``: tensor-parallel degrees >= 2."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give degrees as T[,T...], e.g. 2,4") from None
+    if not out or any(not 2 <= t <= 64 for t in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: each degree must be in [2, 64]")
+    return tuple(dict.fromkeys(out))
+
+
 def _zoo_names() -> tuple[str, ...]:
     from partitioner.zoo import MODEL_NAMES
 
@@ -123,6 +134,9 @@ def _profile(args: argparse.Namespace) -> int:
     if args.analytic:
         if not targets:
             raise PartitionerError("--analytic needs at least one --gpu-type to compute roofline times for")
+        if getattr(args, "tensor_parallel", ()):
+            raise PartitionerError("--tensor-parallel measures each block's shard; --analytic measures nothing "
+                                   "(leave one out)")
         stats = _in_dtype(_stats(args), args.dtype)
         base = Profile(args.model, args.batch_size,
                        tuple(LayerProfile(s.name, s.flops, s.param_bytes, s.saved_bytes, s.output_bytes,
@@ -137,8 +151,23 @@ def _profile(args: argparse.Namespace) -> int:
         m = _build(args, args.batch_size, "cpu")
         profile = _measure(args, args.model, m.layers, m.sample_input("cpu"), targets,
                            {"config": m.config, **_operators(args, [n for n, _ in m.layers], m.config)})
+        if getattr(args, "tensor_parallel", ()):  # transformers only
+            profile = _shards(args, profile, m)
     _save(args, profile, t0)
     return 0
+
+
+def _shards(args: argparse.Namespace, profile: Profile, m: Any) -> Profile:
+    """The profile with each degree of ``--tensor-parallel`` measured: one GPU's shard of every block
+    (partitioner/shard_profiler.py; the all-reduces priced by the cost model on the cluster's links)."""
+    from partitioner.models import build_model
+    from partitioner.shard_profiler import profile_shards
+
+    shards = {t: build_model(args.model, args.batch_size, seq_len=args.seq_len, vocab=args.vocab,
+                             tensor_parallel=t).layers for t in args.tensor_parallel}
+    blocks = [n for n, _ in m.layers if n.startswith("block")]
+    return profile_shards(profile, m.layers, shards, m.sample_input("cpu"), args.device, sharded=blocks,
+                          warmup=args.warmup, repeats=args.repeats)
 
 
 def _profile_model_ref(args: argparse.Namespace) -> int:
@@ -290,6 +319,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name in _zoo_names():
         p = actions.add_parser(name, parents=[common], help=f"profile the zoo model {name}")
         p.set_defaults(func=_profile, model=name)
+        if name.startswith(("gpt2", "bert")):
+            p.add_argument("--tensor-parallel", type=_degrees, default=(), metavar="T[,T...]",
+                           help="also measure one GPU's shard of every block at these tensor-parallel degrees "
+                                "(heads and MLP units split T ways; the group's all-reduces are priced on the "
+                                "cluster's links when planning)")
 
     up = actions.add_parser("model", parents=[common],
                             help="profile your own model: MODULE:FUNCTION returning a runtime.model.ModelSpec "

@@ -20,8 +20,13 @@ from partitioner.cluster import Cluster
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan
 from partitioner.profile import Profile
-from partitioner.schedule import spec
-from partitioner_cli._args import add_plan_inputs, bounded_float, bounded_int, check_simulation_size
+from partitioner_cli._args import (
+    add_plan_inputs,
+    as_flags,
+    bounded_float,
+    bounded_int,
+    check_simulation_size,
+)
 from partitioner_cli.simulate import profile_for_plan
 
 if TYPE_CHECKING:
@@ -51,7 +56,12 @@ def _run(args: argparse.Namespace) -> int:
         raise err.in_file(args.plan) from None
     emulation = _emulation(args, plan, profile, cluster)
     options = {} if is_model_ref(args.model) else zoo_options(profile)
-    config = TrainConfig(args.model, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
+    from runtime.recipe import DEFAULT_LR, training_recipe
+
+    recipe = training_recipe(plan, args.optimizer or "")  # refused here (one line) when the executor cannot run it
+    lr = args.lr if args.lr is not None else DEFAULT_LR[recipe.optimizer]
+    config = TrainConfig(args.model, steps=args.steps, warmup=args.warmup, lr=lr, optimizer=args.optimizer or "",
+                         seed=args.seed,
                          device=args.device, threads=args.threads, timeout_s=args.timeout, data=args.data,
                          model_options=options, node=args.plan_node or "",
                          checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
@@ -73,7 +83,8 @@ def _run(args: argparse.Namespace) -> int:
     except FormatError as err:
         raise err.in_file(args.plan) from None
     if args.launch_lines:
-        return _print_launch_lines(args, run.layout)
+        return _print_launch_lines(args, run.layout, config)
+
     if emulation is None:
         predicted = simulate_plan(plan, profile, cluster).iteration_s
     else:
@@ -100,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         over, total = sum(r["overruns"] for r in ranks), sum(r["actions"] for r in ranks)
         print(f"  emulation overruns  {over} of {total} forward/backward actions computed longer than their "
               "emulated time" + (" (this machine is too slow for the reference: name a faster one)" if over else ""))
-    _report_memory(metrics, plan, profile, cluster)
+    _report_memory(metrics, plan, profile, cluster, recipe, config.lr)
     if metrics["loss"]:
         what = "mean of the output" if metrics["data"] == "synthetic" else "training loss"
         print(f"  loss {metrics['loss'][0]:.5g} -> {metrics['loss'][-1]:.5g}  ({what})")
@@ -117,13 +128,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_args(args: argparse.Namespace, plan: str, resume: bool) -> list[str]:
-    """This command's plan and options (``plan`` for the plan; ``--resume`` when ``resume``)."""
+def _train_args(args: argparse.Namespace, plan: str, resume: bool, lr: float | None = None) -> list[str]:
+    """This command's plan and options (``plan`` for the plan; ``--resume`` when ``resume``; ``lr``
+    the learning rate the run uses, else the one given)."""
+    lr = lr if lr is not None else args.lr
     train = [plan, "--profile", args.profile, "--cluster", args.cluster, "--model", args.model,
-             "--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", repr(args.lr),
+             "--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup),
+             *(["--lr", repr(lr)] if lr is not None else []),
              "--seed", str(args.seed), "--device", args.device, "--timeout", repr(args.timeout)]
     if args.threads:
         train += ["--threads", str(args.threads)]
+    if args.optimizer:
+        train += ["--optimizer", args.optimizer]
     if args.checkpoint_dir:
         train += ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every", str(args.checkpoint_every)]
     if resume:
@@ -133,9 +149,9 @@ def _train_args(args: argparse.Namespace, plan: str, resume: bool) -> list[str]:
     return train
 
 
-def _print_launch_lines(args: argparse.Namespace, layout: Layout) -> int:
+def _print_launch_lines(args: argparse.Namespace, layout: Layout, config: Any) -> int:
     """The torchrun line of every node of the plan, this command's options carried over."""
-    print("\n".join(launch_lines(layout, _train_args(args, args.plan, args.resume), args.rdzv_endpoint)))
+    print("\n".join(launch_lines(layout, _train_args(args, args.plan, args.resume, config.lr), args.rdzv_endpoint)))
     return 0
 
 
@@ -176,16 +192,18 @@ def continue_lines(args: argparse.Namespace, device: str) -> list[str]:
 def launch_lines(layout: Layout, train_args: Sequence[str], rdzv_endpoint: str, rdzv_id: str = "partitioner"
                  ) -> list[str]:
     """One torchrun command line per node of the plan (run each on its machine): this command with
-    ``train_args`` and the node's name (``--plan-node``)."""
-    from runtime.nodes import plan_nodes
+    ``train_args`` and the node's name (``--plan-node``). The runtime seats every process itself
+    from its node's name (runtime/nodes.py), so the nodes join c10d's rendezvous in any order; the
+    node list and the command are the ones the exports write (:mod:`partitioner.launch`)."""
+    from partitioner.launch import torchrun_command
+    from runtime.nodes import layout_nodes
 
-    nodes = plan_nodes(layout)
+    nodes = layout_nodes(layout)
     lines = []
-    for name, ranks in nodes.items():
-        cmd = ["torchrun", "--nnodes", str(len(nodes)), "--nproc-per-node", str(len(ranks)),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id,
-               "-m", "partitioner_cli", "train", *train_args, "--plan-node", name]
-        lines.append(f"# node {name}: {', '.join(layout.ranks[k].device for k in ranks)}\n" + shlex.join(cmd))
+    for k, n in enumerate(nodes):
+        cmd = torchrun_command(nodes, k, ["-m", "partitioner_cli", "train", *train_args, "--plan-node", n.node],
+                               rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, visible_devices=False)
+        lines.append(f"# node {n.node}: {', '.join(layout.ranks[r].gpu for r in n.ranks)}\n" + cmd)
     return lines
 
 
@@ -203,23 +221,58 @@ def zoo_options(profile: Profile) -> dict[str, Any]:
     return {_ZOO_OPTIONS[k]: v for k, v in config.items() if k in _ZOO_OPTIONS}
 
 
-def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluster: Cluster) -> None:
-    """On CUDA: each rank's measured peak beside the cost model's, priced as the runtime trains
-    (fp32 weights, plain SGD: no optimizer state, nothing reserved), into ``metrics`` and printed."""
-    measured = {r["device"]: r["peak_memory_bytes"] for r in metrics.get("ranks", []) if r.get("peak_memory_bytes")}
-    if not measured or spec(plan.schedule).multi_chunk:
-        return
+def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluster: Cluster, recipe: Any,
+                   lr: float) -> None:
+    """The run's optimizer and precision (and what differs from the plan's pricing), then each rank's measured memory beside the cost model's, priced as the run trained (its
+    precision and optimizer, no reserved memory: neither measure counts the framework's own), into
+    ``metrics`` (``memory``) and printed. CUDA: the peak of torch.cuda.max_memory_allocated
+    against the simulator's peak. CPU, where no peak is measured: the bytes of each rank's
+    parameters, gradients and optimizer state against the cost model's for its layers."""
     from dataclasses import replace
 
-    from partitioner.cost import CostModel, CostOptions
+    from partitioner.cost import CostModel
 
-    options = replace(plan.cost_options() or CostOptions(), precision="fp32", optimizer_state_factor=0.0,
-                      reserved_bytes=0.0)
-    predicted = CostModel(profile, cluster, options).plan_memory_bytes(plan)
+    how = "as the plan was priced" if plan.pricing is not None and not recipe.notes else "see the note"
+    print(f"  optimizer {recipe.optimizer} (lr {lr:g}), precision {recipe.precision}  ({how})")
+    for note in recipe.notes:
+        print(f"  note: {as_flags(note)}")
+    ranks = metrics.get("ranks", [])
+    if not ranks:
+        return
+    options = replace(recipe.pricing(plan.pricing), reserved_bytes=0.0)
+    cuda = all(r.get("peak_memory_bytes") for r in ranks)
+    if cuda:
+        from partitioner.simulate import simulate_plan
+
+        predicted = dict(simulate_plan(plan, profile, cluster, options).peak_memory_bytes)
+        what = ("peak: torch.cuda.max_memory_allocated (weights, gradients, optimizer state, activations; no "
+                "CUDA context) against the simulator's peak")
+        measured = {r["device"]: r["peak_memory_bytes"] for r in ranks}
+    else:
+        cost = CostModel(plan.profile_view(profile), cluster, options)
+        predicted = {}
+        for r in ranks:
+            predicted[r["device"]] = predicted.get(r["device"], 0.0) + sum(
+                cost.weight_bytes(a, b) for a, b in r["layers"])
+        what = ("model state: bytes of the parameters, gradients and optimizer state held (activations are not "
+                "measured on CPU) against the cost model's for the rank's layers")
+        measured = {r["device"]: r.get("model_state_bytes") for r in ranks}
+    metrics["memory"] = {"measured": "peak_memory_bytes" if cuda else "model_state_bytes", "what": what,
+                         "priced_as": options.to_dict(),
+                         "ranks": [{"rank": r["rank"], "device": r["device"], "measured_bytes": measured[r["device"]],
+                                    "predicted_bytes": predicted.get(r["device"])} for r in ranks]}
     metrics["predicted_peak_memory_bytes"] = {d: predicted.get(d) for d in measured}
-    worst = max(measured, key=lambda d: measured[d])
-    print(f"  peak memory         {measured[worst] / 2**30:9.2f} GiB measured on {worst} "
-          f"(torch.cuda.max_memory_allocated), {predicted.get(worst, 0.0) / 2**30:.2f} GiB predicted")
+    print(f"  memory per rank ({what}; priced for {recipe.optimizer} in {recipe.precision}, nothing reserved)")
+    for row in metrics["memory"]["ranks"]:
+        got, want = row["measured_bytes"], row["predicted_bytes"]
+        ratio = f"  ({got / want:.2f}x)" if got and want else ""
+        print(f"    rank {row['rank']}  {row['device']:<8} measured {_size(got):>10}  predicted {_size(want):>10}{ratio}")
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _replica_assignment(plan: Plan, profile: Profile, cluster: Cluster) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -301,7 +354,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "a fast virtual worker runs more wsp waves than a slow one (wsp: one device per virtual "
                         "worker; not 2bw, not with checkpoints)")
     p.add_argument("--warmup", type=bounded_int(0, 1_000_000), default=2, help="steps left out of the timing (default 2)")
-    p.add_argument("--lr", type=bounded_float(1e-12, 1e6), default=0.01, help="SGD learning rate (default 0.01)")
+    p.add_argument("--lr", type=bounded_float(1e-12, 1e6), default=None,
+                   help="the optimizer's learning rate (default 0.01 for sgd, 0.001 for adam and adamw)")
+    p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None,
+                   help="default: as the plan was priced (its optimizer state: 2 words per parameter is adam, 0 "
+                        "sgd; a plan made by hand without pricing: sgd); a mismatch with the pricing is said in "
+                        "one line. The plan's precision (fp32, or bf16/fp16 mixed precision with fp32 master "
+                        "weights; fp16 with loss scaling) is always run")
     p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0, help="seed of the initial weights and the data (default 0)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--threads", type=bounded_int(0, 4096), default=0,

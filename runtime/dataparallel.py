@@ -10,8 +10,9 @@ their worker's mean gradient: summing over all holders and dividing by the worke
 gradient of the global batch's mean loss, as one process computes it. Every rank visits the
 holder sets in the same (first-layer) order, so the collectives cannot wait on each other in a
 cycle. When every holder set is one rank (one virtual worker, nothing replicated) nothing is
-exchanged. Under ``--emulate-links`` each all-reduce takes the emulated links' time
-(:class:`runtime.emulation.LinkDelay`).
+exchanged. A tensor-parallel shard (a ``DTensor`` parameter) is averaged as its local tensor over
+the holders of the same shard (:mod:`runtime.tensor_parallel`). Under ``--emulate-links`` each
+all-reduce takes the emulated links' time (:class:`runtime.emulation.LinkDelay`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from .emulation import LinkDelay
 from .layout import Layout
+from .tensor_parallel import local
 
 __all__ = ["GradientAverager"]
 
@@ -55,7 +57,11 @@ class GradientAverager:
 
     def __call__(self) -> None:
         for group, params, ranks in self.groups:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(local(p.grad))  # (a shard's own part)
             flat = torch.cat([g.reshape(-1) for g in grads])
             t0 = time.perf_counter()
             if self.delay is None:
@@ -65,7 +71,7 @@ class GradientAverager:
             self.seconds += time.perf_counter() - t0
             flat /= self.workers
             offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p).clone()
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n

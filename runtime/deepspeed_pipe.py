@@ -21,7 +21,8 @@ __all__ = ["planned_pipeline_module"]
 
 def planned_pipeline_module(layers: Sequence[Any], export: Mapping[str, Any], **kwargs: Any) -> Any:
     """``PipelineModule(layers, num_stages=...)`` whose stage ``s`` holds layers
-    ``[parts[s], parts[s + 1])`` of the export (``kwargs`` go to ``PipelineModule``)."""
+    ``[parts[s], parts[s + 1])`` of the export (``kwargs`` go to ``PipelineModule``); with the
+    export's data-major ranks (``rank_order``), over ``ProcessTopology(axes=['data', 'pipe'])``."""
     if export.get("format") != EXPORT_FORMAT or export.get("target") != "deepspeed":
         raise PartitionerError(f"not a deepspeed export (format {export.get('format')!r}, target "
                                f"{export.get('target')!r}); make one with `partitioner export` (target deepspeed)")
@@ -36,4 +37,10 @@ def planned_pipeline_module(layers: Sequence[Any], export: Mapping[str, Any], **
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
-    return PlannedPipelineModule(layers=list(layers), num_stages=export["num_stages"], **kwargs)
+    if export.get("rank_order", "pipe-major") == "pipe-major":
+        return PlannedPipelineModule(layers=list(layers), num_stages=export["num_stages"], **kwargs)
+    # data-major ranks (a virtual worker per node): DeepSpeed's topology with the data axis outermost
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    topology = ProcessTopology(axes=list(export["topology"]["axes"]), dims=list(export["topology"]["dims"]))
+    return PlannedPipelineModule(layers=list(layers), topology=topology, **kwargs)

@@ -35,6 +35,8 @@ __all__ = ["LinkDelay", "PendingCollective", "Stretch"]
 class Stretch:
     """Stretch the compute of the stages of one rank: ``factors[stage] = (forward, backward)``
     (rule ``scaled``) or ``targets_s[stage] = (forward, backward)`` seconds (rule ``profiled``).
+    ``weight_shares[stage]``: the weight-gradient part of the stage's backward, which divides the
+    backward's target between a split backward's ``I`` and ``W`` (:meth:`split_share`).
 
     ``sync`` is called before the compute time is read (``torch.cuda.synchronize`` on a GPU,
     whose kernels run asynchronously; nothing on the CPU). ``overruns`` counts the actions that
@@ -44,7 +46,8 @@ class Stretch:
     def __init__(self, factors: Mapping[int, tuple[float, float]],
                  targets_s: Mapping[int, tuple[float, float]] | None = None, rule: str = "profiled",
                  sync: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+                 weight_shares: Mapping[int, float] | None = None):
         if rule not in EMULATION_RULES:
             raise ValueError(f"rule {rule!r}: must be one of {', '.join(EMULATION_RULES)}")
         for stage, pair in factors.items():
@@ -52,7 +55,11 @@ class Stretch:
                 raise ValueError(f"stage {stage}: factors {pair!r} must be two numbers >= 1")
         if rule == "profiled" and (targets_s is None or set(targets_s) != set(factors)):
             raise ValueError("rule profiled needs the target seconds of every stage")
+        for stage, w in (weight_shares or {}).items():
+            if not 0.0 <= w <= 1.0:
+                raise ValueError(f"stage {stage}: weight share {w!r} must be in [0, 1]")
         self.factors = dict(factors)
+        self.weight_shares = dict(weight_shares or {})
         self.targets = dict(targets_s or {})
         self.rule = rule
         self.sync = sync
@@ -63,7 +70,14 @@ class Stretch:
 
     @classmethod
     def for_device(cls, emulation: Emulation, device: str, sync: Callable[[], None] | None = None) -> Stretch:
-        return cls(emulation.factors(device), emulation.targets_s(device), emulation.rule, sync)
+        return cls(emulation.factors(device), emulation.targets_s(device), emulation.rule, sync,
+                   weight_shares=emulation.weight_shares(device))
+
+    def split_share(self, stage: int, weight: bool) -> float:
+        """The part of ``stage``'s backward target that a split backward's ``W`` (``weight``) or
+        ``I`` takes: the stage's weight share as the model splits it (half when not given)."""
+        w = self.weight_shares.get(stage, 0.5)
+        return w if weight else 1.0 - w
 
     def target_s(self, stage: int, backward: bool, compute_s: float, share: float = 1.0) -> float:
         """The wall time an action of ``stage`` that computed for ``compute_s`` seconds must take;

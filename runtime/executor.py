@@ -13,24 +13,32 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
     backward of ``j`` through ``s``: from the loss on the last stage, otherwise with the
     gradient its ``RECV_GRAD`` received. Parameter gradients accumulate over the iteration.
 ``I(j, s)`` / ``W(j, s)``
-    the backward of ``j`` through ``s`` in two (the zero-bubble schedules): ``I`` computes only the
-    gradient of the stage's input (``torch.autograd.grad`` w.r.t. it, keeping the graph), which its
-    ``SEND_GRAD`` sends on; ``W`` later computes the weights' gradients from the same graph and
-    output gradient (``torch.autograd.backward`` with ``inputs=`` the stage's parameters, which
-    accumulates them as ``B`` does). ``I`` then ``W`` leaves the same gradients as ``B``.
+    the backward of ``j`` through ``s`` in two (the zero-bubble schedules). A stage that is an
+    ``nn.Sequential`` runs its forward layer by layer and keeps each layer with parameters' output;
+    ``I`` computes, in one ``torch.autograd.grad`` keeping the graph, the gradient of the stage's
+    input (which its ``SEND_GRAD`` sends on) and of those outputs; ``W`` later computes each such
+    layer's weight gradients from its output's gradient (``torch.autograd.backward`` with
+    ``inputs=`` the layer's parameters), through that layer only. Otherwise (another module, or a
+    parameter shared by two of its layers) ``I`` computes the input's gradient alone and ``W``
+    starts from the stage's output, computing the stage's inner input gradients again on its way
+    to the weights. Either way the gradients accumulate as ``B``'s do: ``I`` then ``W`` leaves
+    the same gradients as ``B``.
 ``SEND_ACT`` / ``SEND_GRAD``
     ``isend`` of the stage's output / input gradient to the peer (posted, not waited: the
     schedules' matching rule needs sends that do not wait for the receiver).
 ``RECV_ACT`` / ``RECV_GRAD``
-    ``irecv`` into a buffer of the known shape, waited at once. Activation shapes come from a
+    ``irecv`` into a buffer of the known shape (posted earlier, see below), waited at once. Activation shapes come from a
     dry pass on the meta device (one for whole micro-batches, one for slices); a gradient has
     the shape of the stage's own output.
 ``STEP``
     wait for this iteration's sends, average gradients over the virtual workers (the
     ``sync`` callback), optimizer step, zero the gradients.
 
-Messages carry the tag of :func:`partitioner.schedule.match_key`; FIFO order per pair of
-ranks matches them as well (NCCL ignores tags).
+Messages carry the tag of :func:`partitioner.schedule.match_key` (gloo matches by it), and every
+message between two ranks, send or receive, is posted in the one order both ends follow
+(:mod:`partitioner.channels`, :meth:`PipelineExecutor.order_channels`), so a backend that matches
+by order per pair of ranks and runs a pair's messages one at a time (NCCL) matches them too, for
+every schedule, ``zbv``'s crossing chunks included.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partitioner.channels import ChannelCursor, Key, Message, own_order
 from partitioner.schedule import (
     PULL,
     PUSH,
@@ -58,6 +67,7 @@ from partitioner.schedule import (
     I,
     MicroBatching,
     W,
+    match_key,
 )
 
 from .emulation import Stretch
@@ -108,15 +118,18 @@ class PipelineExecutor:
         self.optimizer = optimizer
         self.device = device
         self.sync = sync
+        # pipeline rank -> the global ranks a send to it goes to, when not its peer alone (tensor
+        # parallelism: runtime.layout.Layout.send_to)
+        self.send_to: dict[int, tuple[int, ...]] = {}
         self.losses: list[float] = []  # last stage: the iteration's loss (sum of the scaled losses)
         # seconds spent per kind of work, summed over every run: compute (F, B), waiting in
         # receives, and the step (send completion, gradient averaging, optimizer)
         self.seconds = {"compute": 0.0, "recv": 0.0, "step": 0.0}
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}  # receives posted ahead, by tag
         self.stretch: Stretch | None = None
-        # stage -> the weight-gradient share of its backward, for stretching a split backward's I
-        # and W under emulation (default: half each, the profile's estimate rule)
-        self.weight_share: dict[int, float] = {}
+        self._split_stages: set[int] = set()  # stages with I actions in the list being run
+        self._cursors: dict[int, ChannelCursor] | None = None  # order_channels
+        self._acts_ahead: dict[int, int] = {}  # peer -> activation receives posted and not yet taken
         self._reset()
 
     def emulate(self, stretch: Stretch) -> None:
@@ -130,8 +143,12 @@ class PipelineExecutor:
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._out_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._in_grads: dict[tuple[int, int], torch.Tensor | None] = {}
-        # (micro-batch, stage) -> the output and its gradient an I left for its W
-        self._weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # (micro-batch, stage) -> what an I left for its W: per layer with parameters, its output,
+        # the output's gradient and its parameters (or the stage's output, gradient and parameters)
+        self._weight_work: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor | None, list[Any]]]] = {}
+        # (micro-batch, stage) -> per layer with parameters: its output, the output's version, its
+        # parameters (a split backward's stage run layer by layer, see _forward)
+        self._layer_outputs: dict[tuple[int, int], list[tuple[torch.Tensor, int, list[Any]]]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._loss_sum: torch.Tensor | float = 0.0  # a device tensor: read back once per iteration
 
@@ -139,7 +156,8 @@ class PipelineExecutor:
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         buf = tensor.detach().contiguous()
-        self._pending.append((dist.isend(buf, self.peers[peer], tag=tag), buf))
+        for dst in self.send_to.get(peer, (self.peers[peer],)):
+            self._pending.append((dist.isend(buf, dst, tag=tag), buf))
 
     def _post(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
@@ -149,10 +167,12 @@ class PipelineExecutor:
         """Shape and dtype of stage ``s``'s input for micro-batch ``j`` (a slice's is smaller)."""
         return (self.slice_shapes if self.batching.is_slice(j) else self.input_shapes)[s]
 
-    def _recv(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
-        """The message ``tag`` from pipeline rank ``peer``: its receive was posted ahead (see
-        :meth:`run`) or is posted now; waits for it."""
-        posted = self._posted.pop(tag) if tag in self._posted else self._post(shape, dtype, peer, tag)
+    def _recv(self, peer: int, tag: int) -> torch.Tensor:
+        """The message ``tag`` from pipeline rank ``peer``, whose receive was posted (see
+        :meth:`run`): waits for it."""
+        posted = self._posted.pop(tag, None)
+        if posted is None:
+            raise RuntimeError(f"message {tag} from pipeline rank {peer} was never posted")
         work, buf = posted
         if work is not None:
             work.wait()
@@ -179,7 +199,22 @@ class PipelineExecutor:
         return x
 
     def _forward(self, j: int, s: int) -> None:
-        self._keep_output((j, s), self.stages[s](self._input(j, s)))
+        """Forward of micro-batch ``j`` through stage ``s``. A stage whose backward is split (it
+        has ``I`` actions) and is an ``nn.Sequential`` runs layer by layer, keeping each layer
+        with parameters' output, so that its ``W`` can start from those outputs' gradients
+        (:meth:`_backward_weight`); the same operations, the same result."""
+        mod, x = self.stages[s], self._input(j, s)
+        if s not in self._split_stages or not isinstance(mod, nn.Sequential):
+            self._keep_output((j, s), mod(x))
+            return
+        kept = []
+        for layer in mod:
+            x = layer(x)
+            params = [p for p in layer.parameters() if p.requires_grad]
+            if params and isinstance(x, torch.Tensor) and x.requires_grad:
+                kept.append((x, x._version, params))
+        self._layer_outputs[(j, s)] = kept
+        self._keep_output((j, s), x)
 
     def _keep_output(self, key: tuple[int, int], y: torch.Tensor) -> None:
         """Keep stage output ``y`` of (micro-batch, stage) ``key`` for its backward; the last
@@ -213,94 +248,127 @@ class PipelineExecutor:
                                    else None)
 
     def _backward_input(self, j: int, s: int) -> None:
-        """``I``: the gradient of the stage's input only, the graph kept for the ``W``."""
+        """``I``: the gradient of the stage's input only, the graph kept for the ``W``; with the
+        stage's layer outputs kept (:meth:`_forward`), their gradients too, in the same pass."""
         key = (j, s)
         out = self._outputs.pop(key)
         grad = self._output_grad(j, s, out)
         x = self._inputs.pop(key, None)
+        want_x = s > 0 and x is not None and x.requires_grad
+        kept = self._layer_outputs.pop(key, None)
+        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        shared = len({id(p) for _, _, ps in kept or () for p in ps}) < sum(len(ps) for _, _, ps in kept or ())
+        if kept and not shared and {id(p) for _, _, ps in kept for p in ps} == {id(p) for p in params} \
+                and all(y._version == v for y, v, _ in kept):
+            wanted = ([x] if want_x and x is not None else []) + [y for y, _, _ in kept]
+            grads = torch.autograd.grad(out, wanted, grad, retain_graph=True, allow_unused=True)
+            if s > 0:
+                self._in_grads[key] = grads[0] if want_x else None
+            # a layer output the stage's output does not depend on (no gradient) has no W
+            self._weight_work[key] = [(y, g, ps) for (y, _, ps), g in zip(kept, grads[len(grads) - len(kept):],
+                                                                        strict=True) if g is not None]
+            return
         if s > 0:
             dx = None
-            if x is not None and x.requires_grad:
+            if want_x and x is not None:
                 dx = torch.autograd.grad(out, x, grad, retain_graph=True, allow_unused=True)[0]
             self._in_grads[key] = dx
-        self._weight_work[key] = (out, grad)
+        self._weight_work[key] = [(out, grad, params)]
 
     def _backward_weight(self, j: int, s: int) -> None:
-        """``W``: the weights' gradients of the micro-batch, accumulated into ``.grad`` as ``B`` does."""
-        out, grad = self._weight_work.pop((j, s))
-        params = [p for p in self.stages[s].parameters() if p.requires_grad]
-        if params:
-            torch.autograd.backward(out, grad, inputs=params)
+        """``W``: the weights' gradients of the micro-batch, accumulated into ``.grad`` as ``B``
+        does: from each kept layer output's gradient through that layer only, or from the
+        stage's output (which computes again the input gradients inside the stage on the way)."""
+        for y, g, params in self._weight_work.pop((j, s)):
+            if params:  # g is None only for the last stage's loss
+                torch.autograd.backward(y, g, inputs=params)
+
+    def order_channels(self, channels: Mapping[int, Sequence[Message]]) -> None:
+        """Post the messages exchanged with each pipeline rank in this order
+        (:func:`partitioner.channels.channel_order`: the order both ends post them, which a
+        backend that matches by order, NCCL, needs); without it, each run's list's own order."""
+        self._cursors = {peer: ChannelCursor(seq) for peer, seq in channels.items()}
+
+    def _post_key(self, peer: int, key: Key) -> None:
+        """Post the receive of message ``key`` (a match key) from pipeline rank ``peer``."""
+        direction, j, sender = key
+        if direction == "act":
+            shape, dtype = self._input_shape(j, sender + 1)
+            self._acts_ahead[peer] = self._acts_ahead.get(peer, 0) + 1
+        else:  # the gradient of this rank's output of stage sender - 1
+            out = self._outputs.get((j, sender - 1))
+            if out is None:
+                raise RuntimeError(f"gradient {key} from pipeline rank {peer} must be received before the "
+                                   f"forward of micro-batch {j} on stage {sender - 1} ran: the channel order does "
+                                   "not fit this rank's list")
+            shape, dtype = out.shape, out.dtype
+        tag = message_tag(direction, j, sender, self.num_stages)
+        self._posted[tag] = self._post(shape, dtype, peer, tag)
+
+    def _post_ahead(self, cursors: Mapping[int, ChannelCursor]) -> None:
+        """Post, per peer and in its channel order, the receives that can be posted now: an
+        activation while no other from that peer is waiting to be taken, a gradient once the
+        forward it belongs to has run (its shape is then known)."""
+        for peer, cursor in cursors.items():
+            while (key := cursor.next_receive()) is not None:
+                if key[0] == "act" and self._acts_ahead.get(peer, 0) > 0:
+                    break
+                if key[0] == "grad" and (key[1], key[2] - 1) not in self._outputs:
+                    break
+                self._post_key(peer, cursor.advance())
+
+    def _communicate(self, a: Action, cursor: ChannelCursor) -> None:
+        """A send or receive action: the receives its channel puts before it are posted first."""
+        k, j, s, S = a.kind, a.micro_batch, a.stage, self.num_stages
+        key = match_key(a)
+        if k in (SEND_ACT, SEND_GRAD):
+            for earlier in cursor.send(key):
+                self._post_key(a.peer, earlier)
+            if k == SEND_ACT:
+                self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
+                return
+            g = self._in_grads.pop((j, s))
+            if g is None:
+                shape, dtype = self._input_shape(j, s)
+                g = torch.zeros(shape, dtype=dtype, device=self.device)
+            self._send(g, a.peer, message_tag("grad", j, s, S))
+            return
+        for needed in cursor.receive(key):
+            self._post_key(a.peer, needed)
+        buf = self._recv(a.peer, message_tag(*key, S))
+        if k == RECV_ACT:
+            self._acts_ahead[a.peer] -= 1
+            self._inputs[(j, s)] = buf.requires_grad_(True)
+        else:
+            self._out_grads[(j, s)] = buf
 
     def run(self, actions: Sequence[Action]) -> None:
         """Execute ``actions`` (one rank's list) in order.
 
-        Receives are posted ahead, so that a message can be taken in while this rank computes
-        rather than only when it asks for it (NCCL moves a message only once its receive is
-        posted): the next activation as soon as the previous one is taken, and a gradient as soon
-        as the forward it belongs to has run (its shape is then known). At most one activation
-        buffer more than the schedule holds.
+        Every message is posted in its channel's order (:meth:`order_channels`), and receives are
+        posted ahead, so that a message can be taken in while this rank computes rather than only
+        when it asks for it (NCCL moves a message only once its receive is posted): the next
+        activation from a peer as soon as the previous one is taken, and a gradient as soon as the
+        forward it belongs to has run, each as far as the channel's order allows. At most one
+        activation buffer per peer more than the schedule holds.
         """
-        S = self.num_stages
         clock, seconds = time.perf_counter, self.seconds
-        act_recvs = [a for a in actions if a.kind == RECV_ACT]
-        grad_recv = {(a.micro_batch, a.stage): a for a in actions if a.kind == RECV_GRAD}
-        next_act = 0
-
-        def post_next_activation() -> None:
-            nonlocal next_act
-            if next_act < len(act_recvs):
-                r = act_recvs[next_act]
-                next_act += 1
-                shape, dtype = self._input_shape(r.micro_batch, r.stage)
-                tag = message_tag("act", r.micro_batch, r.stage - 1, S)
-                self._posted[tag] = self._post(shape, dtype, r.peer, tag)
-
-        post_next_activation()
+        self._split_stages = {a.stage for a in actions if a.kind == I}
+        cursors = self._cursors
+        if cursors is None:
+            cursors = {peer: ChannelCursor(seq) for peer, seq in own_order(actions).items()}
+        for cursor in cursors.values():
+            cursor.restart()
+        self._post_ahead(cursors)
         for a in actions:
-            k, j, s = a.kind, a.micro_batch, a.stage
+            k = a.kind
             t0 = clock()
             if k in (F, B, I, W):
-                if k == F:
-                    self._forward(j, s)
-                    later = grad_recv.get((j, s))
-                    if later is not None:  # post the receive of this output's gradient now
-                        y = self._outputs[(j, s)]
-                        tag = message_tag("grad", j, s + 1, S)
-                        self._posted[tag] = self._post(y.shape, y.dtype, later.peer, tag)
-                elif k == B:
-                    self._backward(j, s)
-                elif k == I:
-                    self._backward_input(j, s)
-                else:
-                    self._backward_weight(j, s)
-                if self.stretch is None:
-                    seconds["compute"] += clock() - t0
-                else:  # heterogeneity emulation: the action takes its stage's factor times its compute
-                    share = 1.0 / self.batching.first_slices if self.batching.is_slice(j) else 1.0
-                    if k in (I, W):  # a part of the backward: its share of the backward's target
-                        w = self.weight_share.get(s, 0.5)
-                        share *= w if k == W else 1.0 - w
-                    compute, slept = self.stretch.hold(s, k != F, t0, share)
-                    seconds["compute"] += compute
-                    seconds["emulation"] += slept
-            elif k == SEND_ACT:
-                self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
-            elif k == RECV_ACT:
-                shape, dtype = self._input_shape(j, s)
-                self._inputs[(j, s)] = self._recv(shape, dtype, a.peer,
-                                                  message_tag("act", j, s - 1, S)).requires_grad_(True)
-                post_next_activation()
-                seconds["recv"] += clock() - t0
-            elif k == SEND_GRAD:
-                g = self._in_grads.pop((j, s))
-                if g is None:
-                    shape, dtype = self._input_shape(j, s)
-                    g = torch.zeros(shape, dtype=dtype, device=self.device)
-                self._send(g, a.peer, message_tag("grad", j, s, S))
-            elif k == RECV_GRAD:
-                out = self._outputs[(j, s)]
-                self._out_grads[(j, s)] = self._recv(out.shape, out.dtype, a.peer, message_tag("grad", j, s + 1, S))
+                self._compute(a, t0)
+            elif k in (SEND_ACT, SEND_GRAD):
+                self._communicate(a, cursors[a.peer])
+            elif k in (RECV_ACT, RECV_GRAD):
+                self._communicate(a, cursors[a.peer])
                 seconds["recv"] += clock() - t0
             elif k == STEP:
                 self.step(a.version)
@@ -313,6 +381,30 @@ class PipelineExecutor:
                 seconds["step"] += clock() - t0
             else:
                 raise ValueError(f"action {k} is not executed by this runtime")
+            if k in (F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD):
+                self._post_ahead(cursors)
+
+    def _compute(self, a: Action, t0: float) -> None:
+        """F, B, I or W of ``a``; under emulation, held until its target (:mod:`runtime.emulation`)."""
+        k, j, s = a.kind, a.micro_batch, a.stage
+        if k == F:
+            self._forward(j, s)
+        elif k == B:
+            self._backward(j, s)
+        elif k == I:
+            self._backward_input(j, s)
+        else:
+            self._backward_weight(j, s)
+        if self.stretch is None:
+            self.seconds["compute"] += time.perf_counter() - t0
+            return
+        # heterogeneity emulation: the action takes its stage's factor times its compute
+        share = 1.0 / self.batching.first_slices if self.batching.is_slice(j) else 1.0
+        if k in (I, W):  # a part of the backward: its share of the backward's target
+            share *= self.stretch.split_share(s, k == W)
+        compute, slept = self.stretch.hold(s, k != F, t0, share)
+        self.seconds["compute"] += compute
+        self.seconds["emulation"] += slept
 
     def push(self, wave: int) -> None:
         raise ValueError("PUSH needs the WSP executor (runtime.wsp.WspExecutor)")

@@ -36,14 +36,15 @@ import torch.multiprocessing as mp
 from partitioner.emulation import Emulation
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
-from partitioner.schedule import FIFO_MATCHED
 
 from .data import make_data
 from .layout import plan_layout
 from .nodes import seat
 from .rank import FAULT_ENV, check_time_bound, run_rank
+from .recipe import training_recipe
 from .run import RunSpec, TrainConfig, chain_for, check_checkpoints, check_world_size
 from .stage import LayerChain
+from .tensor_parallel import check_tensor_parallel
 
 # (TrainConfig, RunSpec, the checks and run_rank are defined in runtime.run and runtime.rank, and named here too)
 __all__ = ["FAULT_ENV", "RankFailed", "RunSpec", "TrainConfig", "check_checkpoints", "check_world_size", "free_port", "gather_json",
@@ -53,11 +54,14 @@ def prepare(plan: Plan, config: TrainConfig, chain: LayerChain | None = None) ->
     """The run every rank receives, computed once: the model's chain (``chain`` when the caller
     built it with :func:`runtime.run.chain_for`), the plan's layout for that chain with the
     config's replica assignment, and the refusal, in one line before any process starts, of what
-    this runtime cannot do with the config's options (:func:`runtime.rank.check_time_bound`)."""
+    this runtime cannot do with the config's options (:func:`runtime.rank.check_time_bound`) or
+    cannot shard (:func:`runtime.tensor_parallel.check_tensor_parallel`)."""
     chain = chain if chain is not None else chain_for(plan, config)
     layout = plan_layout(plan, chain.num_layers, model=chain.name, assignment=config.replica_assignment)
     run = RunSpec(plan, config, layout, chain)
     check_time_bound(run)
+    training_recipe(plan, config.optimizer, config.precision)  # an optimizer the executor cannot run: refused
+    check_tensor_parallel(run)
     return run
 
 
@@ -97,6 +101,7 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "model": plan.model, "schedule": plan.schedule, "micro_batch_size": plan.micro_batch_size,
         "micro_batches": plan.micro_batches, "virtual_workers": workers, "world_size": len(per_rank),
         "backend": backend,
+        "optimizer": per_rank[0].get("optimizer"), "precision": per_rank[0].get("precision"),
         "config": {k: v for k, v in asdict(config).items() if k not in ("state_dir", "emulation")},
         "data": per_rank[0]["data"], "first_step": per_rank[0]["first_step"],
         "measured_iteration_s": iteration,
@@ -106,8 +111,9 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "iterations_per_worker": done,
         "samples": sum(done) * plan.micro_batches * plan.micro_batch_size,
         **_global_eval(config, per_rank),
-        "ranks": [{k: r[k] for k in ("rank", "device", "worker", "pipe_rank", "stages", "layers", "threads",
-                                          "seconds_per_step", "peak_memory_bytes", "replica", "micro_batches",
+        "ranks": [{k: r[k] for k in ("rank", "device", "gpu", "tp_rank", "tp_size", "worker", "pipe_rank", "stages",
+                                          "layers", "threads", "seconds_per_step", "peak_memory_bytes",
+                                          "model_state_bytes", "loss_scale", "replica", "micro_batches",
                                           "start_time", "wave_end_s", "empty_wave_s", "pull_end_s")
                    if k in r}
                   for r in per_rank],
@@ -152,14 +158,6 @@ def _emulated(emulation: Emulation, per_rank: list[dict[str, Any]]) -> dict[str,
                       for r in per_rank]}
 
 
-def _check_backend(plan: Plan, backend: str) -> None:
-    """Refuse a schedule whose lists match messages by tag only on NCCL, which matches by order."""
-    if backend == "nccl" and plan.schedule not in FIFO_MATCHED:
-        raise PartitionerError(f"schedule {plan.schedule}: its messages match by tag, not by order per pair of ranks, "
-                               f"and NCCL ignores tags; train it on CPU (gloo) or export it to torch.distributed."
-                               f"pipelining (partitioner export)")
-
-
 def _threads(config: TrainConfig, nprocs: int) -> int:
     if config.threads:
         return config.threads
@@ -178,7 +176,6 @@ def train_distributed(plan: Plan, config: TrainConfig, *, run: RunSpec | None = 
     me = seat(run.layout, os.environ, config.node or None)  # the plan device this process plays
     rank = me.rank
     backend = "nccl" if config.device == "cuda" else "gloo"
-    _check_backend(plan, backend)
     torch.set_num_threads(_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     timeout = datetime.timedelta(seconds=config.timeout_s)
     dist.init_process_group(backend, store=attempt_store(os.environ, timeout), rank=rank, world_size=world,
@@ -376,7 +373,6 @@ def train_local(plan: Plan, config: TrainConfig, start_method: str = "spawn", *,
     if config.device == "cuda" and torch.cuda.device_count() < n:
         raise PartitionerError(f"the plan needs {n} GPUs on this machine; torch sees {torch.cuda.device_count()}")
     check_checkpoints(plan, config, n)
-    _check_backend(plan, "nccl" if config.device == "cuda" else "gloo")
     # a data kind the model has no task for is refused here, before any process starts
     make_data(run.chain, config.data, plan.micro_batch_size, plan.micro_batches, run.layout.workers, config.seed)
     with tempfile.TemporaryDirectory(prefix="partitioner-train-") as tmp:

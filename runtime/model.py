@@ -28,6 +28,19 @@ called for the whole global batch and sliced into micro-batches). ``loss(output,
 returns the mean loss of a batch (default: ``torch.nn.functional.cross_entropy``); it must be
 a mean over samples with as many terms per sample, so that micro-batches average to the
 global batch.
+
+Tensor parallelism (plans whose devices are groups ``NODE:FIRST-LAST``): ``tensor_parallel(index,
+layer)`` returns chain layer ``index``'s plan for ``torch.distributed.tensor.parallel.
+parallelize_module`` (submodule path -> ``ColwiseParallel()``, ``RowwiseParallel()``, ...) or
+``None`` to keep the layer whole on every rank of the group. Each layer must take and return the
+whole tensor (a ``ColwiseParallel`` followed by a ``RowwiseParallel`` inside the layer)::
+
+    def tp(index, layer):
+        return {"0": ColwiseParallel(), "2": RowwiseParallel()} if index == 1 else None
+
+    ModelSpec(layers, make_batch, tensor_parallel=tp)   # layer 1 = nn.Sequential(Linear, ReLU, Linear)
+
+Without it a user's model runs whole on every rank of a group (see :mod:`runtime.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +66,15 @@ __all__ = ["ModelSpec", "is_model_ref", "load_model_spec", "spec_chain"]
 @dataclass(frozen=True)
 class ModelSpec:
     """A user's model: ``layers`` (an ``nn.Sequential`` or a list of modules or of
-    ``(name, module)``), ``make_batch(step, batch_size) -> (inputs, targets)`` and an optional
-    ``loss(output, targets) -> scalar`` (default cross-entropy)."""
+    ``(name, module)``), ``make_batch(step, batch_size) -> (inputs, targets)``, an optional
+    ``loss(output, targets) -> scalar`` (default cross-entropy) and an optional
+    ``tensor_parallel(index, layer) -> {submodule path: ParallelStyle} | None``, each layer's
+    plan for tensor-parallel groups (:mod:`runtime.tensor_parallel`)."""
 
     layers: Any
     make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    tensor_parallel: Callable[[int, nn.Module], Mapping[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, nn.Sequential):
@@ -84,6 +100,9 @@ class ModelSpec:
         if self.loss is not None and not callable(self.loss):
             raise PartitionerError(f"ModelSpec.loss = {type(self.loss).__name__}: must be a function "
                                    f"(output, targets) -> scalar, or None for cross-entropy")
+        if self.tensor_parallel is not None and not callable(self.tensor_parallel):
+            raise PartitionerError(f"ModelSpec.tensor_parallel = {type(self.tensor_parallel).__name__}: must be a "
+                                   f"function (index, layer) -> parallelize_module plan or None")
         object.__setattr__(self, "layers", named)
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

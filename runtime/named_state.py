@@ -12,6 +12,11 @@ layers by global index (``by_layer``). The optimizer's state is named through it
 a parameter of ``by_layer[l]`` named ``n`` is ``optim.layers.<l>.<n>``, whatever optimizer made
 the state; a value that is ``None`` is left out, a Python number is kept as a 0-d tensor. The
 optimizer's hyperparameters are not state: the run's configuration gives them.
+
+A tensor-parallel shard (a ``DTensor``, :mod:`runtime.tensor_parallel`) has the same name as the
+whole tensor: ``torch.distributed.checkpoint`` writes each shard at its offset in the whole, and a
+rank reads by name the part it holds, whatever degree wrote the checkpoint (whole into shards,
+shards into whole, or into shards of another degree).
 """
 
 from __future__ import annotations
@@ -95,14 +100,28 @@ def wanted_state(by_layer: Mapping[int, nn.Module], optimizer: torch.optim.Optim
             if tuple(shape) != tuple(t.shape):
                 raise PartitionerError(f"{key} has shape {list(shape)}, layer {layer}'s {name} here "
                                        f"{list(t.shape)}: the checkpoint is of another model")
-            out[key] = torch.empty(shape, dtype=dtype)
+            out[key] = _empty_as(t, shape, dtype)
     if optimizer is not None:
-        prefixes = {optim_key(layer, name, "") for _, layer, name in
+        prefixes = {optim_key(layer, name, ""): p for p, layer, name in
                     _optimizer_params(optimizer, named_parameters(by_layer))}
         for key, (shape, dtype) in stored.items():
             if key.startswith(OPTIM) and key[:key.rindex(".") + 1] in prefixes:
-                out[key] = torch.empty(shape, dtype=dtype)
+                out[key] = _empty_as(prefixes[key[:key.rindex(".") + 1]], shape, dtype)
     return out
+
+
+def _empty_as(live: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor to read a stored tensor of ``shape`` into, for the live tensor ``live``: a
+    ``DTensor`` of ``live``'s mesh and placements when ``live`` is a shard of that shape (the
+    checkpoint then reads this rank's part alone), else a whole tensor on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(live, DTensor) and tuple(shape) == tuple(live.shape):
+        with torch.no_grad():
+            part = torch.empty_like(live.to_local(), dtype=dtype)
+        return DTensor.from_local(part, live.device_mesh, live.placements, run_check=False, shape=live.shape,
+                                  stride=live.stride())
+    return torch.empty(shape, dtype=dtype)
 
 
 def apply_state(by_layer: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer | None,

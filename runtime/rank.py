@@ -40,8 +40,19 @@ from .emulation import LinkDelay, Stretch
 from .evaluate import evaluate_versions
 from .executor import PipelineExecutor, StashingExecutor
 from .layout import Layout, RankInfo
+from .recipe import (
+    AutocastStage,
+    LossScaler,
+    Recipe,
+    ScaledStep,
+    boundary_dtype,
+    make_optimizer,
+    model_state_bytes,
+    training_recipe,
+)
 from .run import RunSpec, TrainConfig
 from .stage import boundary_shapes, build_stage
+from .tensor_parallel import full_state, shard_rank
 from .twobw import TwoBwExecutor
 from .wsp import WspExecutor
 
@@ -126,7 +137,7 @@ class RankContext:
 
     @property
     def peers(self) -> tuple[int, ...]:
-        return self.layout.pipelines[self.me.worker]
+        return self.layout.peers(self.rank)  # (a tensor-parallel rank's peers: runtime.layout)
 
 
 def rank_context(run: RunSpec, rank: int, device: torch.device) -> RankContext:
@@ -136,6 +147,7 @@ def rank_context(run: RunSpec, rank: int, device: torch.device) -> RankContext:
     me = layout.ranks[rank]
     stages_layers = layout.stage_layers[me.worker]
     modules = {s: build_stage(chain, *stages_layers[s], seed=config.seed, device=device) for s in me.stages}
+    shard_rank(run, rank, device, modules)  # a tensor-parallel group's shards (runtime.tensor_parallel)
     by_layer = {stages_layers[s][0] + k: layer for s, mod in modules.items() for k, layer in enumerate(mod)}
     shapes = boundary_shapes(chain, plan.micro_batch_size)
     input_shapes = {s: shapes[stages_layers[s][0] - 1] for s in me.stages if stages_layers[s][0] > 0}
@@ -169,7 +181,8 @@ class RankRun:
         self.first = 0  # the first step run (after resuming)
         self.step_s: list[float] = []
         self.averager: GradientAverager | None = None
-        self.figures: dict[str, Any] = {"replica": ctx.me.replica}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.figures: dict[str, Any] = {"replica": ctx.me.replica, "optimizer": "sgd", "precision": "fp32"}
 
     def train(self) -> PipelineExecutor:
         """Run every step of this rank; returns the executor that ran them."""
@@ -190,20 +203,28 @@ class PipelineRun(RankRun):
     def train(self) -> PipelineExecutor:
         ctx, config = self.ctx, self.ctx.config
         params = [q for mod in ctx.modules.values() for q in mod.parameters()]
-        optimizer = torch.optim.SGD(params, lr=config.lr) if params else None
+        recipe = training_recipe(ctx.run.plan, config.optimizer, config.precision)
+        optimizer = make_optimizer(params, recipe.optimizer, config.lr) if params else None
+        self.optimizer = optimizer
         self.first = self._resume(optimizer)
         averager = GradientAverager(ctx.layout, ctx.rank, ctx.by_layer)
         averager.delay = _link_delay(config, ctx.layout)
         self.averager = averager
-        executor = PipelineExecutor(ctx.modules, ctx.num_stages, ctx.peers, ctx.input_shapes, ctx.run.plan.micro_batches,
-                                    ctx.feed.micro_batch, ctx.feed.loss, optimizer, ctx.device, averager,
-                                    batching=ctx.run.plan.micro_batching, slice_shapes=ctx.slice_shapes)
+        stages, loss_fn, stepper, input_shapes, slice_shapes = _with_precision(ctx, recipe, optimizer)
+        self.figures.update(optimizer=recipe.optimizer, precision=recipe.precision)
+        executor = PipelineExecutor(stages, ctx.num_stages, ctx.peers, input_shapes, ctx.run.plan.micro_batches,
+                                    ctx.feed.micro_batch, loss_fn, stepper, ctx.device, averager,
+                                    batching=ctx.run.plan.micro_batching, slice_shapes=slice_shapes)
+        executor.send_to = ctx.layout.send_to(ctx.rank)
         _emulate(executor, ctx)
         actions = ctx.layout.actions(ctx.rank)
+        executor.order_channels(ctx.layout.channels(ctx.rank))
         self.figures["micro_batches"] = sorted({a.micro_batch for a in actions if a.kind == F})
         versions: list[dict[int, dict[str, torch.Tensor]]] | None = [] if config.eval_global else None
         self.figures["end_s"] = self._steps(executor, averager, actions, optimizer, versions)
         self.figures["link_slept_s"] = averager.delay.slept_s if averager.delay is not None else 0.0
+        if isinstance(stepper, ScaledStep):
+            self.figures["loss_scale"] = {"final": stepper.scaler.scale, "skipped_steps": stepper.scaler.skipped}
         if versions is not None and len(ctx.me.stages) == ctx.num_stages:
             self.figures["global_eval"] = [[self.first + k, x] for k, x in enumerate(
                 evaluate_versions(ctx.modules, versions, ctx.data, ctx.run.plan.micro_batch_size, ctx.device))]
@@ -273,7 +294,7 @@ class PipelineRun(RankRun):
         lock, which a killed rank would leak)."""
         ctx, config, me = self.ctx, self.ctx.config, self.ctx.me
         show = (config.progress and sys.stderr.isatty() and me.worker == 0 and ctx.num_stages - 1 in me.stages
-                and me.replica == 0)
+                and me.replica == 0 and me.tp_rank == 0)
         if not show:
             return None
         return tqdm(total=config.steps, initial=self.first, unit="step",
@@ -332,6 +353,7 @@ class TwoBwRun(_OneListRun):
         ctx, steps = self.ctx, self.ctx.config.steps
         two = self._executor(TwoBwExecutor)
         actions = ctx.layout.actions(ctx.rank, iterations=steps)
+        two.order_channels(ctx.layout.channels(ctx.rank, iterations=steps))
         dist.barrier()
         t0 = time.perf_counter()
         two.run(actions)
@@ -358,6 +380,7 @@ class WspRun(_OneListRun):
         if config.eval_global:
             wsp.snapshots = {}
         actions = ctx.layout.actions(ctx.rank, iterations=config.steps)
+        wsp.order_channels(ctx.layout.channels(ctx.rank, iterations=config.steps))
         dist.barrier()
         deadline = _deadline(config, ctx.device)
         t0 = time.time()
@@ -444,20 +467,48 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
         seconds["allreduce"] = runner.averager.seconds
     timed_steps = runner.timed_steps()
     if config.state_dir:
-        torch.save({s: {k: v.cpu() for k, v in m.state_dict().items()} for s, m in ctx.modules.items()},
+        torch.save({s: full_state(m) for s, m in ctx.modules.items()},
                    os.path.join(config.state_dir, f"rank{ctx.rank}.pt"))
     # CUDA: the most memory the caching allocator handed out over the run (tensors alive at
     # once: weights, gradients, optimizer state, activations in flight, buffers); the CUDA
-    # context and the allocator's cached-but-free blocks are not in it. CPU: not measured.
+    # context and the allocator's cached-but-free blocks are not in it. CPU: no peak is measured;
+    # model_state_bytes is the bytes of the stages' parameters, their gradients and the optimizer
+    # state after the run (runtime.recipe.model_state_bytes; activations not counted).
     peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else None
+    state = model_state_bytes(ctx.modules.values(), runner.optimizer)
     stages_layers = ctx.layout.stage_layers[me.worker]
-    return {"rank": ctx.rank, "device": me.device, "worker": me.worker, "pipe_rank": me.pipe_rank,
-            "peak_memory_bytes": peak, "stages": list(me.stages), "layers": [list(stages_layers[s]) for s in me.stages],
-            "step_s": runner.step_s, "losses": executor.losses, "threads": torch.get_num_threads(),
+    return {"rank": ctx.rank, "device": me.device, "gpu": me.gpu, "tp_rank": me.tp_rank, "tp_size": me.tp_size,
+            "worker": me.worker, "pipe_rank": me.pipe_rank,
+            "peak_memory_bytes": peak, "model_state_bytes": state, "stages": list(me.stages),
+            "layers": [list(stages_layers[s]) for s in me.stages],
+            "step_s": runner.step_s, "losses": executor.losses if me.tp_rank == 0 else [],  # (one per group)
+            "threads": torch.get_num_threads(),
             "first_step": runner.first, "data": ctx.data.kind,
             "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()},
             "emulated_actions": [executor.stretch.actions, executor.stretch.overruns] if executor.stretch else None,
             **runner.figures}
+
+
+def _with_precision(ctx: RankContext, recipe: Recipe, optimizer: torch.optim.Optimizer | None) -> tuple[
+        dict[int, nn.Module], Any, Any, dict[int, Shape], dict[int, Shape]]:
+    """What the executor runs under ``recipe``'s precision (:mod:`runtime.recipe`): the stages
+    (under autocast, sending their outputs in the half type), the loss (its gradient scaled under
+    fp16), the optimizer (unscaling and skipping under fp16) and the boundaries' types."""
+    if recipe.half is None:
+        return dict(ctx.modules), ctx.feed.loss, optimizer, dict(ctx.input_shapes), dict(ctx.slice_shapes)
+    last = ctx.num_stages - 1
+    stages: dict[int, nn.Module] = {s: AutocastStage(m, ctx.device.type, recipe.half, cast_output=s != last)
+                                    for s, m in ctx.modules.items()}
+
+    def typed(shapes: dict[int, Shape]) -> dict[int, Shape]:
+        return {s: (shape, boundary_dtype(dtype, recipe)) for s, (shape, dtype) in shapes.items()}
+
+    loss_fn: Any = ctx.feed.loss
+    stepper: Any = optimizer
+    if recipe.scales_loss:
+        scaler = LossScaler()
+        loss_fn, stepper = scaler.wrap_loss(ctx.feed.loss), ScaledStep(optimizer, scaler, ctx.device)
+    return stages, loss_fn, stepper, typed(ctx.input_shapes), typed(ctx.slice_shapes)
 
 
 def _rank_device(config: TrainConfig, local_rank: int) -> torch.device:

@@ -21,12 +21,14 @@ from typing import Any
 from partitioner.emulation import Emulation
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
+from partitioner.pricing import PRECISIONS
 from partitioner.schedule import spec
 
 from .checkpoint import resume_step
 from .data import DATA_KINDS
 from .layout import Layout
 from .model import is_model_ref, spec_chain
+from .recipe import OPTIMIZERS
 from .stage import LayerChain, zoo_chain
 
 __all__ = ["RunSpec", "TrainConfig", "chain_for", "check_checkpoint_dir", "check_checkpoints", "check_world_size"]
@@ -35,13 +37,17 @@ __all__ = ["RunSpec", "TrainConfig", "chain_for", "check_checkpoint_dir", "check
 @dataclass(frozen=True)
 class TrainConfig:
     """What to train and how: model (a zoo name or a user's ``module:function``, see
-    :mod:`runtime.model`), data (:data:`runtime.data.DATA_KINDS`), steps, SGD learning rate,
-    seed, device, threads, checkpoints (:mod:`runtime.checkpoint`)."""
+    :mod:`runtime.model`), data (:data:`runtime.data.DATA_KINDS`), steps, the optimizer's learning
+    rate, seed, device, threads, checkpoints (:mod:`runtime.checkpoint`). ``optimizer`` (``sgd``,
+    ``adam``, ``adamw``) and ``precision`` (``fp32``, ``fp16``, ``bf16``): ``""`` runs what the
+    plan was priced with (:mod:`runtime.recipe`)."""
 
     model: str
     steps: int = 10
     warmup: int = 2
     lr: float = 0.01
+    optimizer: str = ""  # "": as the plan was priced (runtime.recipe)
+    precision: str = ""  # "": as the plan was priced
     seed: int = 0
     device: str = "cpu"
     threads: int = 0  # torch threads per process; 0 = the machine's cores / processes
@@ -76,6 +82,12 @@ class TrainConfig:
             raise PartitionerError(f"device = {self.device!r}: must be cpu or cuda")
         if not self.lr > 0:
             raise PartitionerError(f"lr = {self.lr!r}: must be > 0")
+        if self.optimizer not in ("", *OPTIMIZERS):
+            raise PartitionerError(f"optimizer = {self.optimizer!r}: must be one of {', '.join(OPTIMIZERS)} "
+                                   "(or empty: as the plan was priced)")
+        if self.precision not in ("", *PRECISIONS):
+            raise PartitionerError(f"precision = {self.precision!r}: must be one of {', '.join(PRECISIONS)} "
+                                   "(or empty: as the plan was priced)")
         if self.data not in DATA_KINDS:
             raise PartitionerError(f"data = {self.data!r}: must be one of {', '.join(DATA_KINDS)}")
         if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
@@ -128,7 +140,7 @@ def check_world_size(layout: Layout, world_size: int) -> None:
     """Refuse, in one line, a process group of another size than the plan's devices."""
     if world_size != layout.world_size:
         raise PartitionerError(
-            f"the plan runs on {layout.world_size} devices ({', '.join(r.device for r in layout.ranks)}), "
+            f"the plan runs on {layout.world_size} devices ({', '.join(r.gpu for r in layout.ranks)}), "
             f"one process each, but WORLD_SIZE = {world_size}; start {layout.world_size} processes")
 
 

@@ -13,11 +13,18 @@ calls :func:`build_rank` (process groups are created collectively). Each step, e
 calls :meth:`TorchPipelineRank.step` with the same global batch (each pipeline trains on its
 ``batch_rows``), then :meth:`TorchPipelineRank.sync_gradients` (averages the gradients of the
 layers several virtual workers hold, over the export's ``grad_sync`` rank sets), then its
-optimizer. The default loss is the mean of the model's output, as in :mod:`runtime.launch`.
+optimizer (:meth:`TorchPipelineRank.wrap_optimizer`: under fp16, unscaled and skipped on an
+overflow). Give ``loss_fn`` the model's task loss (``runtime.data.make_data(...).loss``: the
+cross-entropy on its targets); without one the loss is the mean of the model's output (synthetic
+data, throughput only). The stages run in the export's precision as the project's runtime does
+(:mod:`runtime.recipe`: autocast, fp32 master weights, the boundaries sent in the half type, fp16
+loss scaling). Under torchrun, :func:`export_seat` gives a process its rank from its node
+(``GROUP_RANK``, the ``--node-rank`` of the export's launch lines) and ``LOCAL_RANK``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,11 +35,13 @@ from torch import nn
 
 from partitioner.errors import PartitionerError
 from partitioner.export import EXPORT_FORMAT, MULTI_STAGE_CLASSES, TORCH_SCHEDULE_CLASSES
+from partitioner.launch import NodeLaunch, seat
 
 from .model import is_model_ref, spec_chain
+from .recipe import AutocastStage, LossScaler, ScaledStep
 from .stage import build_stage, zoo_chain
 
-__all__ = ["TorchPipelineRank", "build_rank", "mean_output_loss"]
+__all__ = ["TorchPipelineRank", "build_rank", "export_seat", "mean_output_loss"]
 
 
 def mean_output_loss(output: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,6 +64,14 @@ class TorchPipelineRank:
     is_last: bool
     grad_groups: list[tuple[Any, list[nn.Parameter]]] = field(default_factory=list)
     group_sizes: list[int] = field(default_factory=list)
+    precision: str = "fp32"
+    scaler: LossScaler | None = None  # fp16: the loss's gradient is scaled, the step unscales it
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        """``optimizer`` as this rank steps it: under fp16 the gradients unscaled and the step
+        skipped on every rank when one has an overflow (:class:`runtime.recipe.ScaledStep`)."""
+        return optimizer if self.scaler is None else ScaledStep(optimizer, self.scaler, self.device)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for s in sorted(self.modules):
@@ -68,9 +85,9 @@ class TorchPipelineRank:
         losses: list[torch.Tensor] = []
         if self.is_last:
             rows = global_batch[a:b]
-            kwargs["target"] = target[a:b] if target is not None else torch.zeros(rows.shape[0])
+            kwargs["target"] = (target[a:b] if target is not None else torch.zeros(rows.shape[0])).to(self.device)
             kwargs["losses"] = losses
-        args = (global_batch[a:b],) if self.is_first else ()
+        args = (global_batch[a:b].to(self.device),) if self.is_first else ()
         self.schedule.step(*args, **kwargs)
         return [float(x.detach()) for x in losses] if self.is_last else None
 
@@ -101,11 +118,24 @@ def _check_export(export: Mapping[str, Any]) -> None:
                                f"{', '.join(TORCH_SCHEDULE_CLASSES.values())}")
 
 
+def export_seat(export: Mapping[str, Any], env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """``(rank, local GPU index)`` of this torchrun process in the export: its node is the
+    ``GROUP_RANK``-th of ``export['launch']['nodes']`` (started with ``--node-rank``), its rank the
+    node's ``LOCAL_RANK``-th, its GPU ``cuda:LOCAL_RANK`` (``CUDA_VISIBLE_DEVICES`` lists the
+    node's GPUs in that order). The same seating as the project's runtime (:mod:`partitioner.launch`)."""
+    env = os.environ if env is None else env
+    nodes = [NodeLaunch(n["node"], tuple(n["ranks"]), tuple(int(x) for x in n["cuda_visible_devices"].split(",")))
+             for n in export["launch"]["nodes"]]
+    rank, _ = seat(nodes, env)
+    return rank, int(env.get("LOCAL_RANK", "0"))
+
+
 def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: torch.device | str = "cpu",
                loss_fn: Callable[..., torch.Tensor] = mean_output_loss,
-               model_options: Mapping[str, Any] | None = None) -> TorchPipelineRank:
+               model_options: Mapping[str, Any] | None = None, precision: str | None = None) -> TorchPipelineRank:
     """This rank's stages of the exported plan and torch's schedule over them (collective:
-    every rank of the export calls it)."""
+    every rank of the export calls it). ``precision``: the export's (``training.precision``)
+    unless given."""
     from torch.distributed import pipelining
 
     _check_export(export)
@@ -127,12 +157,18 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
         groups.append(None if len(export["pipelines"]) == 1 else dist.new_group(p["ranks"]))
     group = groups[me["virtual_worker"]]
     n_stages = len(pipe["stages"])
+    precision = precision or export.get("training", {}).get("precision", "fp32")
+    half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    scaler = LossScaler() if precision == "fp16" else None
+    if scaler is not None:
+        loss_fn = scaler.wrap_loss(loss_fn)
     modules: dict[int, nn.Sequential] = {}
     stages = []
     for s in me["stages"]:
         a, b = pipe["stages"][s]["layers"]
         modules[s] = build_stage(chain, a, b, seed=seed, device=device)
-        stages.append(pipelining.PipelineStage(modules[s], s, n_stages, device, group=group))
+        run: nn.Module = modules[s] if half is None else AutocastStage(modules[s], device.type, half, s != n_stages - 1)
+        stages.append(pipelining.PipelineStage(run, s, n_stages, device, group=group))
     cls = getattr(pipelining, export["schedule_class"])
     m = export["n_microbatches"]
     if export["schedule_class"] in MULTI_STAGE_CLASSES:
@@ -153,4 +189,5 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
     return TorchPipelineRank(rank=rank, worker=me["virtual_worker"], pipe_rank=me["pipe_rank"], modules=modules,
                              stages=stages, schedule=schedule, batch_rows=tuple(pipe["batch_rows"]),
                              is_first=0 in me["stages"], is_last=n_stages - 1 in me["stages"],
-                             grad_groups=grad_groups, group_sizes=sizes)
+                             grad_groups=grad_groups, group_sizes=sizes, precision=precision, scaler=scaler,
+                             device=device)

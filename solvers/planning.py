@@ -21,7 +21,6 @@ command shows them as its flags, ``micro_batches`` as ``--micro-batches``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -35,7 +34,7 @@ from partitioner.schedule import spec
 from solvers import solve
 from solvers.pipeline.chunked import parse_chunks
 from solvers.progress import shown
-from solvers.result import SolveResult, SolveStatus
+from solvers.result import SolveResult
 
 __all__ = ["SEARCHED", "TIME_LIMITED", "PlanRequest", "plan", "shown"]
 
@@ -77,6 +76,7 @@ class PlanRequest:
     global_batch: int | None = None
     virtual_workers: int | str | None = None
     tensor_parallel: int | str | None = None
+    pipeline_parallel: int | None = None  # stages per virtual worker (one device each), with micro_batches auto
     policy: str | None = None
     replication: bool = False
     objective: str = "sync"
@@ -93,6 +93,11 @@ class PlanRequest:
         _count(self.micro_batches, "micro_batches", MAX_MICRO_BATCHES)
         _count(self.virtual_workers, "virtual_workers", MAX_GPUS)
         _count(self.tensor_parallel, "tensor_parallel", MAX_TENSOR_PARALLEL)
+        if self.pipeline_parallel is not None:
+            _count(self.pipeline_parallel, "pipeline_parallel", MAX_GPUS)
+            if self.micro_batches != "auto":
+                raise OptionError("pipeline_parallel", self.pipeline_parallel, "fixes the stages of every worker in "
+                                  "the global-batch search: give `micro_batches` auto and `global_batch`")
         if self.tensor_parallel == "auto" and self.micro_batches != "auto":
             raise OptionError("tensor_parallel", "auto", "chooses the degrees with the micro-batches under a global "
                               "batch: give `micro_batches` auto and `global_batch`, or a degree")
@@ -206,33 +211,27 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
             degrees = type_degrees(profile, cluster, request.tensor_parallel)
             cluster = cluster.with_tensor_parallel({t: d[0] for t, d in degrees.items()})
         return solve(profile, cluster, solver=request.planner, **request.solver_options())
-    from solvers.cluster.microbatch import choose_micro_batches
+    from solvers.cluster.tensor import plan_tensor_parallel
 
     assert request.global_batch is not None  # checked by PlanRequest
     g = request.global_batch
-    options = request.solver_options()
-    limit = options.pop("time_limit_s", DEFAULT_SEARCH_S)
-    sizes = [b for b in _sizes(profile, g)]
     tp = request.tensor_parallel
-    degree = tp if isinstance(tp, int) else None
-    workers = request.virtual_workers if isinstance(request.virtual_workers, int) else None
-
-    def per_size(prof: Profile, cl: Cluster, *, schedule: str, micro_batches: int, **_: Any) -> SolveResult:
-        from solvers.cluster.tensor import plan_tensor_parallel
-
-        return plan_tensor_parallel(prof, cl, g, options=request.options, schedule=schedule, tensor_parallel=degree,
-                                    virtual_workers=workers, time_limit_s=limit / len(sizes))
-
-    choice = choose_micro_batches(profile, cluster, g, per_size, sizes=sizes, schedule=request.schedule)
-    if not choice.result.ok:
-        return choice.result
-    b = choice.micro_batch_size
-    k = len(choice.result.plan.virtual_workers) if choice.result.plan else 0
-    tp_chosen: dict[str, int] = dict(choice.result.details.get("tensor_parallel", {}))  # type: ignore[call-overload]
-    shown_tp = ", ".join(f"{t} x{d}" for t, d in tp_chosen.items()) if tp_chosen else "1"
-    messages = [f"global batch {g}: {k} virtual worker(s) x {choice.micro_batches} micro-batches of {b} "
-                f"(first micro-batch in {choice.first_slices} slice(s)), tensor parallel {shown_tp}: "
-                f"{choice.samples_per_s:.2f} samples/s"]
+    res = plan_tensor_parallel(profile, cluster, g, sizes=_sizes(profile, g), options=request.options,
+                               schedule=request.schedule, tensor_parallel=tp if isinstance(tp, int) else None,
+                               virtual_workers=request.virtual_workers if isinstance(request.virtual_workers, int)
+                               else None, pipeline=request.pipeline_parallel,
+                               time_limit_s=request.time_limit_s or DEFAULT_SEARCH_S)
+    if not res.ok or res.plan is None:
+        return res
+    res, slices, rate = _sliced(res, profile.at_size(res.plan.micro_batch_size), cluster, request.options)
+    plan_ = res.plan
+    assert plan_ is not None
+    b, k, m = plan_.micro_batch_size, len(plan_.virtual_workers), plan_.micro_batches
+    tp_chosen: dict[str, int] = dict(res.details.get("tensor_parallel", {}))  # type: ignore[call-overload]
+    shown_tp = (", ".join(f"{t} idle" if d == 0 else f"{t} x{d}" for t, d in tp_chosen.items())
+                if any(d != 1 for d in tp_chosen.values()) else "1")
+    messages = [f"global batch {g}: {k} virtual worker(s) x {m} micro-batches of {b} (first micro-batch in "
+                f"{slices} slice(s)), tensor parallel {shown_tp}: {rate:.2f} samples/s"]
     measured: Sequence[int] = profile.measured_sizes
     if b != profile.micro_batch_size and len(measured) == 1:
         messages.append(f"note: size {b} is priced by scaling the profile measured at "
@@ -242,22 +241,27 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
     elif b not in measured:
         messages.append(f"note: size {b} is priced by interpolating between the measured "
                         f"sizes {', '.join(map(str, measured))}")
-    chosen = {"micro_batch_size": b, "micro_batches": choice.micro_batches, "first_slices": choice.first_slices,
-              "virtual_workers": k, "tensor_parallel": tp_chosen, "global_batch": g,
-              "samples_per_s": choice.samples_per_s, "tried": [list(t) for t in choice.tried]}
-    res = replace(choice.result, details={**choice.result.details, "micro_batch_choice": chosen,
-                                          "messages": messages})
-    return _certified_over_sizes(res, choice.lower_bound)
+    chosen = {"micro_batch_size": b, "micro_batches": m, "first_slices": slices, "virtual_workers": k,
+              "tensor_parallel": tp_chosen, "global_batch": g, "samples_per_s": rate}
+    return replace(res, details={**res.details, "micro_batch_choice": chosen, "messages": messages})
 
 
-def _certified_over_sizes(res: SolveResult, lower_bound: float) -> SolveResult:
-    """``res`` (the chosen size's plan) with the certificate over every size tried: the least
-    lower bound of them all (seconds per sample), optimal only where the plan meets it."""
-    if math.isnan(lower_bound) or res.plan is None:
-        return replace(res, lower_bound=math.nan, status=SolveStatus.FEASIBLE)
-    status = SolveStatus.OPTIMAL if res.objective <= lower_bound * (1 + 1e-9) else SolveStatus.FEASIBLE
-    out = replace(res, lower_bound=min(lower_bound, res.objective), status=status)
-    return replace(out, plan=replace(res.plan, solver=out.solver_info()))
+def _sliced(res: SolveResult, profile: Profile, cluster: Cluster, options: CostOptions
+            ) -> tuple[SolveResult, int, float]:
+    """The plan with its first micro-batch sliced in 1, 2 or 4 (AutoPipe), whichever the simulator
+    finds fastest (flushing schedules whose size the slices divide), and its samples/s."""
+    from solvers.cluster.microbatch import priced
+
+    assert res.plan is not None
+    best = (res, 1, priced(res.plan, profile, cluster, options)[1])
+    for s in (2, 4):
+        if res.plan.micro_batch_size % s or not spec(res.plan.schedule).sliceable:
+            continue
+        plan_ = replace(res.plan, first_slices=s)
+        rate = priced(plan_, profile, cluster, options)[1]
+        if rate > best[2]:
+            best = (replace(res, plan=plan_), s, rate)
+    return best
 
 
 DEFAULT_SEARCH_S = 60.0  # the global-batch search's time limit when none is given (all sizes together)

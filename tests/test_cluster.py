@@ -190,3 +190,22 @@ def test_usable_memory_round_trips_and_is_checked():
     assert back == t and back.capacity_bytes == 15 * 2**30
     with pytest.raises(FormatError, match="usable_memory_GB"):
         DeviceType.from_dict("X", {"memory_GB": 16, "fp32_tflops": 10, "mem_GBps": 900, "usable_memory_GB": 17})
+
+
+def test_a_cluster_with_plenty_of_memory_gets_a_certificate_not_a_crash() -> None:
+    """Memory a million times the model's once made the fleet bound's linear program numerically
+    infeasible (a bound of 0 samples/s, then a division by zero)."""
+    from solvers.cluster.bounds.fleet import fleet_bound
+    from solvers.cluster.planner import plan_cluster
+
+    from .conftest import flat_cluster, make_profile
+
+    prof = make_profile({"A": [0.01] * 12, "B": [0.02] * 12}, param_bytes=[5e7] * 12, saved_bytes=[1e7] * 12,
+                        output_bytes=[1e6] * 12)
+    cl = flat_cluster(["A", "A", "B", "B", "A", "B"] * 3, per_node=2)  # 1e6 GiB per GPU
+    from partitioner.cost import CostModel
+    from partitioner.schedule import Schedule
+
+    assert fleet_bound(CostModel(prof, cl), cl.devices, Schedule.of("1f1b", 8)).samples_per_s > 0
+    res = plan_cluster(prof, cl, "auto", micro_batches=8, time_limit_s=20)
+    assert res.ok and 0 < res.lower_bound <= res.objective

@@ -97,10 +97,21 @@ def test_deepspeed_export_parts_ranks_and_config() -> None:
     assert e["parts"] == cuts and e["num_stages"] == 3 and e["data_parallel"] == 2
     assert e["partition_method"] is None and "_partition_layers" in e["snippet"] and str(cuts) in e["snippet"]
     assert e["config"] == {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
-                           "train_batch_size": 64}
-    # pipe-major ranks: rank = stage * dp + replica
+                           "train_batch_size": 64, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+                           "zero_optimization": {"stage": 0}}  # a plan without pricing: plain SGD in fp32
+    # each worker on a node of its own: pipe-major ranks (rank = stage * dp + replica) would alternate
+    # between the nodes, so the ranks are data-major (rank = replica * pp + stage, DeepSpeed's
+    # ProcessTopology(axes=['data', 'pipe']))
+    assert e["rank_order"] == "data-major"
     assert [(r["rank"], r["device"]) for r in sorted(e["ranks"], key=lambda r: r["rank"])] == [
-        (0, "a:0"), (1, "b:0"), (2, "a:1"), (3, "b:1"), (4, "a:2"), (5, "b:2")]
+        (0, "a:0"), (1, "a:1"), (2, "a:2"), (3, "b:0"), (4, "b:1"), (5, "b:2")]
+    # a stage per node: pipe-major, DeepSpeed's default topology
+    across = Plan("m", (worker(cuts, ["a:0", "b:0", "c:0"]), worker(cuts, ["a:1", "b:1", "c:1"])),
+                  micro_batch_size=4, micro_batches=8)
+    e = export_plan(across, "deepspeed")
+    assert e["rank_order"] == "pipe-major" and "num_stages=3" in e["snippet"]
+    assert [(r["rank"], r["device"]) for r in sorted(e["ranks"], key=lambda r: r["rank"])] == [
+        (0, "a:0"), (1, "a:1"), (2, "b:0"), (3, "b:1"), (4, "c:0"), (5, "c:1")]
     uniform = Plan("m", (worker(deepspeed_uniform_parts(22, 3), ["a:0", "a:1", "a:2"]),))
     assert export_plan(uniform, "deepspeed")["partition_method"] == "uniform"
 

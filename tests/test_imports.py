@@ -220,8 +220,9 @@ def test_solvers_import_only_downward(module):
 
 
 # Modules below the command line that spell other programs' flags: Megatron-LM's arguments in its
-# export, torchrun's --nproc-per-node in the advice of runtime.nodes.
-FOREIGN_FLAGS = {"partitioner.export", "runtime.nodes"}
+# export, torchrun's and DeepSpeed's launchers' in partitioner.launch (the launch recipes and the
+# advice of the runtime's seats).
+FOREIGN_FLAGS = {"partitioner.export", "partitioner.launch", "runtime.nodes"}
 _FLAG = re.compile(r"(?:^|[\s(`/])--[a-zA-Z]")
 
 

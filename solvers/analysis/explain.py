@@ -19,7 +19,7 @@ from typing import Any
 from partitioner.cluster import GIB, Cluster, Node, catalog
 from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError, PartitionerError
-from partitioner.plan import Plan
+from partitioner.plan import Plan, group_size
 from partitioner.profile import Profile
 from partitioner.schedule import check_schedule, spec
 from solvers.analysis.levers import LeverCost, format_levers, lever_costs, zero_saved_bytes
@@ -342,6 +342,9 @@ def format_explanation(e: Explanation, max_untimed: int = 8) -> str:
     overlap = bool(e.extra.get("overlap_comm"))
     lines = [f"{e.model} under {e.schedule}"]
     where = "+".join(b.devices)
+    degrees = sorted({group_size(d) for d in b.devices})
+    if degrees != [1]:  # tensor-parallel groups: each GPU of the group runs one shard
+        where += f" (tensor parallel {'/'.join(map(str, degrees))})"
     lines.append(f"bottleneck: worker {b.worker} stage {b.stage} on {where}, layers [{b.layers[0]}, "
                  f"{b.layers[1]}): {_ms(b.time_s)} per micro-batch = compute {_ms(b.compute_s)} + activation "
                  f"send {_ms(b.activation_send_s)} + gradient send {_ms(b.gradient_send_s)}"

@@ -30,10 +30,10 @@ from partitioner.profile import Profile
 from partitioner.schedule import spec
 from solvers.result import SolveResult, SolveStatus
 
-__all__ = ["MicroBatchChoice", "choose_micro_batches"]
+__all__ = ["MicroBatchChoice", "choose_micro_batches", "priced"]
 
 
-def _priced(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None) -> tuple[float, float]:
+def priced(plan: Plan, profile: Profile, cluster: Cluster, options: CostOptions | None) -> tuple[float, float]:
     """(iteration seconds, samples/s) of ``plan``: simulated, or by the closed form where the
     simulator refuses the plan."""
     from partitioner.simulate import simulate_plan
@@ -130,7 +130,7 @@ def choose_micro_batches(profile: Profile, cluster: Cluster, global_batch: int,
             if b % s or (s > 1 and not spec(schedule).sliceable):
                 continue
             plan = replace(res.plan, first_slices=s)
-            worst, total = _priced(plan, prof, cluster, options)
+            worst, total = priced(plan, prof, cluster, options)
             tried.append((b, s, total))
             if best is None or total > best.samples_per_s:
                 best = MicroBatchChoice(replace(res, plan=plan), worst, total)

@@ -638,17 +638,21 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     with_sync = found.details.get("sync_bound", {})
     if with_sync.get("complete"):  # the bound with the all-reduce in it (solvers.cluster.bounds.sync)
         upper = min(upper, with_sync["samples_per_s"])
+    if upper < predicted["samples_per_s"] * (1 - 1e-9):  # a bound below a plan it was to bound: no certificate
+        log.warning("cluster planner: a bound (%.6g samples/s) is below the plan's %.6g; the plan is returned "
+                    "without a certificate", upper, predicted["samples_per_s"])
+        upper = math.nan
     # Exact search proves optimality only where throughput is a function of the bottleneck alone.
     # (The search prices the all-reduce between workers by an estimate, so with it no proof.)
     closed_form = (not replication and not schedule.spec.flushes
                    and (schedule.spec.sync == "wave" or not cost.options.sync))
     # ... or the plan reaches the bound.
     searched = policy == "opt" and exact and closed_form
-    proven = searched or predicted["samples_per_s"] >= upper * (1 - 1e-9)
+    proven = searched or (not math.isnan(upper) and predicted["samples_per_s"] >= upper * (1 - 1e-9))
     status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
     if searched:  # the exhaustive search is the certificate: its plan is the best any plan reaches
         upper = min(upper, predicted["samples_per_s"])
-    result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / upper,
+    result = SolveResult(status, None, 1.0 / predicted["samples_per_s"], 1.0 / upper if upper > 0 else math.nan,
                          time.perf_counter() - t0, f"hetero:{policy}",
                          details={"virtual_workers": len(g), "objective": objective,
                                   "worker_evaluations": found.used.evaluations, "exact_search": exact,
@@ -666,19 +670,13 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     return replace(result, plan=plan)
 
 
-LAYER_BOUND_ANY_K_GPUS = 64  # with K free, the per-layer bound is the largest over every K up to this many GPUs
-
-
 def _layer_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None) -> float:
-    """:func:`solvers.cluster.bounds.layers.layer_bound` at ``k`` workers, or at every K when ``k``
-    is free (on clusters of at most LAYER_BOUND_ANY_K_GPUS devices; beyond, no bound from it)."""
+    """:func:`solvers.cluster.bounds.layers.layer_bound` at ``k`` workers; with ``k`` free, at one
+    worker, which bounds every K alike (``K`` workers hold ``K`` copies and run ``K m`` micro-batches:
+    their busy time is at least ``K`` times one worker's, all-reduces and memory aside)."""
     from solvers.cluster.bounds.layers import layer_bound
 
-    if k is not None:
-        return layer_bound(cost, devs, k, schedule)
-    if len(devs) > LAYER_BOUND_ANY_K_GPUS:
-        return math.inf
-    return max(layer_bound(cost, devs, kk, schedule) for kk in range(1, len(devs) + 1))
+    return layer_bound(cost, devs, 1 if k is None else k, schedule)
 
 
 def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: str, micro_batches: int) -> float:

@@ -7,8 +7,9 @@ worker may sit on devices of different degrees, and so may the replicas of a sta
 *candidate* is a view and a count ``K`` of virtual workers that divides the global batch:
 ``K x m x b = global_batch`` for the profile's micro-batch size ``b``, so every candidate trains
 the same samples per iteration. Each candidate has a certified upper bound on samples/s (the
-smaller of the fleet bound of :mod:`solvers.cluster.bounds.fleet` and the per-layer bound of
-:mod:`solvers.cluster.bounds.layers` at that K); candidates are planned best
+per-layer bound of :mod:`solvers.cluster.bounds.layers` at that K; a candidate planned in full
+also has the cluster planner's own certificate, with the fleet bound of
+:mod:`solvers.cluster.bounds.fleet`); candidates are planned best
 bound first, and the search stops when the best plan found is at least the next bound (nothing
 left can beat it) or time is up. The certificate of the whole space is the largest bound of the
 candidates not planned and of the planned ones' own certificates.
@@ -20,19 +21,20 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 from partitioner.cluster import Cluster, Device, device_kind
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError, OptionError
+from partitioner.plan import MAX_MICRO_BATCHES
 from partitioner.pricing import CostOptions
 from partitioner.profile import Profile
 from partitioner.schedule import Schedule
 
 from ..predictions import with_predictions
 from ..result import SolveResult, SolveStatus
-from .bounds.fleet import fleet_bound
 from .bounds.layers import layer_bound
 from .planner import WorkerPlanner, WorkerUnfit, plan_cluster, plan_of, price_plan
 
@@ -43,13 +45,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Candidate:
-    """One choice of the outer search: a degree per GPU type, K pipelines of m micro-batches, and
-    the fleet bound on its samples/s."""
+    """One choice of the outer search: a micro-batch size, a degree per GPU type, K pipelines of m
+    micro-batches, and the per-layer bound on its samples/s."""
 
+    micro_batch_size: int
     degrees: tuple[tuple[str, int], ...]
     virtual_workers: int
     micro_batches: int
     bound_samples_per_s: float
+
+
+UNUSED = 0  # a candidate's degree for a GPU type it leaves idle (a slow type can slow every worker it joins)
+
+
+def candidate_view(cluster: Cluster, degrees: Sequence[tuple[str, int]]) -> tuple[Cluster, list[Device]]:
+    """The cluster viewed at a candidate's degrees, and the devices it uses (those of the GPU types
+    it does not leave idle)."""
+    view = cluster.with_tensor_parallel({t: d for t, d in degrees if d != UNUSED})
+    idle = {t for t, d in degrees if d == UNUSED}
+    return view, [d for d in view.devices if d.gpu_type not in idle]
 
 
 def type_degrees(profile: Profile, cluster: Cluster, fixed: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -76,30 +90,42 @@ def type_degrees(profile: Profile, cluster: Cluster, fixed: int | None = None) -
     return out
 
 
-def candidates(profile: Profile, cluster: Cluster, global_batch: int, options: CostOptions | None = None,
-               schedule: str = "1f1b", fixed: int | None = None,
-               virtual_workers: int | None = None) -> list[Candidate]:
-    """Every (view, K) whose pipelines split ``global_batch`` into whole micro-batches, with its
-    bound, best bound first."""
-    b = profile.micro_batch_size
-    if global_batch % b:
-        raise OptionError("global_batch", global_batch, f"must be a multiple of the micro-batch size {b}")
-    per_type = type_degrees(profile, cluster, fixed)
-    types = list(per_type)
+def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
+               options: CostOptions | None = None, schedule: str = "1f1b", fixed: int | None = None,
+               virtual_workers: int | None = None, pipeline: int | None = None) -> list[Candidate]:
+    """Every (size, view, K) whose pipelines split ``global_batch`` into whole micro-batches of a
+    size of ``profiles`` (size -> the profile at that size), with its bound, best bound first."""
     out = []
-    for combo in itertools.product(*(per_type[t] for t in types)):
-        view = cluster.with_tensor_parallel(dict(zip(types, combo, strict=True)))
-        cost = CostModel(profile, view, options)
-        n = len(view.devices)
-        for k in [virtual_workers] if virtual_workers else range(1, n + 1):
-            if k > n or (global_batch // b) % k:
+    for b, profile in profiles.items():
+        if global_batch % b:
+            continue
+        per_type = type_degrees(profile, cluster, fixed)
+        types = list(per_type)
+        choices = [per_type[t] if len(types) == 1 else (UNUSED, *per_type[t]) for t in types]
+        for combo in itertools.product(*choices):
+            if all(d == UNUSED for d in combo):
                 continue
-            m = global_batch // (b * k)
-            sched = Schedule.of(schedule, m)
-            bound = min(fleet_bound(cost, view.devices, sched, virtual_workers=k).samples_per_s,
-                        layer_bound(cost, view.devices, k, sched))
-            if bound > 0:  # 0: no plan of k workers fits
-                out.append(Candidate(tuple(zip(types, combo, strict=True)), k, m, bound))
+            degrees = tuple(zip(types, combo, strict=True))
+            view, devices = candidate_view(cluster, degrees)
+            cost = CostModel(profile, view, options)
+            n = len(devices)
+            if pipeline is not None:  # K workers of `pipeline` stages each, one device a stage
+                if n % pipeline:
+                    continue
+                ks = [n // pipeline] if virtual_workers in (None, n // pipeline) else []
+            else:
+                ks = [virtual_workers] if virtual_workers else list(range(1, n + 1))
+            for k in ks:
+                if k > n or (global_batch // b) % k:
+                    continue
+                m = global_batch // (b * k)
+                if m > MAX_MICRO_BATCHES:
+                    continue
+                # the per-layer bound only: the fleet bound's LPs cost 30 times more; a candidate
+                # planned in full gets it too (the cluster planner's certificate)
+                bound = layer_bound(cost, devices, k, Schedule.of(schedule, m))
+                if bound > 0:  # 0: no plan of k workers fits
+                    out.append(Candidate(b, degrees, k, m, bound))
     out.sort(key=lambda c: -c.bound_samples_per_s)
     return out
 
@@ -124,8 +150,8 @@ def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpt
     """The candidate's uniform grouping (:func:`uniform_grouping`), every worker mapped and split
     exactly, priced as the cluster planner prices plans: a plan in milliseconds that the full
     search only has to beat. None where the grouping does not exist or does not fit."""
-    view = cluster.with_tensor_parallel(dict(cand.degrees))
-    groups = uniform_grouping(view.devices, cand.virtual_workers)
+    view, devices = candidate_view(cluster, cand.degrees)
+    groups = uniform_grouping(devices, cand.virtual_workers)
     if groups is None or len(groups[0]) > QUICK_WORKER_DEVICES:
         return None
     cost = CostModel(profile, view, options)
@@ -144,68 +170,106 @@ def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpt
                                       "closed_form": priced})  # type: ignore[typeddict-unknown-key]
 
 
+REL_TOL = 0.01  # the search stops once no candidate left can beat the best plan by more than this
+
+
 def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, *,
-                         options: CostOptions | None = None, schedule: str = "1f1b",
-                         tensor_parallel: int | None = None, virtual_workers: int | None = None,
-                         time_limit_s: float = 60.0, rel_tol: float = 0.0) -> SolveResult:
+                         sizes: Sequence[int] | None = None, options: CostOptions | None = None,
+                         schedule: str = "1f1b", tensor_parallel: int | None = None,
+                         virtual_workers: int | None = None, pipeline: int | None = None,
+                         time_limit_s: float = 60.0, rel_tol: float = REL_TOL) -> SolveResult:
     """The best plan over every candidate (see the module docstring), with the certificate of the
-    whole space. ``tensor_parallel`` / ``virtual_workers`` fix a dimension; ``rel_tol`` stops
-    once no candidate left can beat the best by more than that fraction."""
+    whole space. ``sizes``: micro-batch sizes to consider (the profile at each,
+    :meth:`partitioner.profile.Profile.at_size`; default its own); ``tensor_parallel`` /
+    ``virtual_workers`` / ``pipeline`` (stages per worker, one device each) fix a dimension;
+    ``rel_tol`` stops once no candidate left can beat the best by more than that fraction. The plan is of ``profile.at_size(plan.micro_batch_size)``."""
     t0 = time.perf_counter()
-    cands = candidates(profile, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers)
+    profiles = {b: profile.at_size(b) for b in (sizes or [profile.micro_batch_size])}
+    cands = candidates(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers, pipeline)
     if not cands:
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method="tensor",
-                           reason=f"no number of pipelines splits the global batch {global_batch} into micro-batches "
-                                  f"of {profile.micro_batch_size} over this cluster")
-    best: tuple[float, SolveResult, Candidate] | None = None
-    for cand in cands:  # a uniform plan of every candidate first: cheap, and often the best there is
-        if time.perf_counter() > t0 + time_limit_s / 4:
-            break
-        quick = _quick(profile, cluster, cand, options, schedule)
-        if quick is not None and (best is None or quick[0] > best[0]):
-            best = (quick[0], quick[1], cand)
+                           reason=f"no micro-batch size of {', '.join(map(str, profiles))} and number of pipelines "
+                                  f"splits the global batch {global_batch} in a way that fits this cluster's memory")
+    best = _quick_pass(profiles, cluster, cands, options, schedule, t0 + time_limit_s, rel_tol)
     open_bound = 0.0  # the best rate any planned candidate may still reach (its own certificate)
-    tried = []
-    stop = len(cands)  # the candidates from here on were not planned
+    tried: list[dict[str, Any]] = []
+    stop = len(cands)  # the candidates from here on were not planned in full
     for k, cand in enumerate(cands):
         left = t0 + time_limit_s - time.perf_counter()
         if left <= 0 or (best is not None and best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
             stop = k
             break
-        view = cluster.with_tensor_parallel(dict(cand.degrees))
-        try:
-            res = plan_cluster(profile, view, cand.virtual_workers, micro_batches=cand.micro_batches,
-                               options=options, schedule=schedule, time_limit_s=max(left / 4, min(left, 1.0)))
-        except FormatError as err:  # a candidate the planner refuses (say, more workers than layers allow)
-            tried.append({"degrees": dict(cand.degrees), "virtual_workers": cand.virtual_workers, "refused": str(err)})
+        res = _full(profiles[cand.micro_batch_size], cluster, cand, options, schedule, left, tried)
+        if res is None:
+            continue
+        if pipeline is not None and res.plan is not None and any(
+                len(w.stages) != pipeline for w in res.plan.virtual_workers):
+            tried[-1]["refused"] = f"workers of other than {pipeline} stages"
+            open_bound = max(open_bound, cand.bound_samples_per_s)
             continue
         rate = 1.0 / res.objective if res.ok and res.objective > 0 else 0.0
-        upper = 1.0 / res.lower_bound if res.lower_bound > 0 else cand.bound_samples_per_s
-        open_bound = max(open_bound, min(upper, cand.bound_samples_per_s))
-        tried.append({"degrees": dict(cand.degrees), "virtual_workers": cand.virtual_workers,
-                      "micro_batches": cand.micro_batches, "samples_per_s": rate,
-                      "bound_samples_per_s": min(upper, cand.bound_samples_per_s)})
+        upper = min(1.0 / res.lower_bound if res.lower_bound > 0 else math.inf, cand.bound_samples_per_s)
+        open_bound = max(open_bound, upper)
+        tried[-1].update({"samples_per_s": rate, "bound_samples_per_s": upper})
         if res.ok and (best is None or rate > best[0]):
             best = (rate, res, cand)
     rest = max((c.bound_samples_per_s for c in cands[stop:]), default=0.0)
     if best is None:
         return SolveResult(SolveStatus.UNKNOWN if rest > 0 else SolveStatus.INFEASIBLE, None,
                            runtime_s=time.perf_counter() - t0, method="tensor",
-                           reason="no candidate (degrees per GPU type, pipelines) gave a plan that fits")
+                           reason="no candidate (micro-batch size, degrees per GPU type, pipelines) gave a plan that "
+                                  "fits" + ("" if rest == 0 else " within the time limit"))
+    return _result(best, profiles, cluster, options, max(best[0], open_bound, rest),
+                   {"candidates": len(cands), "candidates_planned": len(tried), "tried": tried,
+                    "global_batch": global_batch}, t0)
+
+
+def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Sequence[Candidate],
+                options: CostOptions | None, schedule: str, deadline: float, rel_tol: float = 0.0
+                ) -> tuple[float, SolveResult, Candidate] | None:
+    """The best uniform plan (:func:`_quick`) of the candidates, in bound order, until ``deadline``
+    or until no candidate left can beat it."""
+    best: tuple[float, SolveResult, Candidate] | None = None
+    for cand in cands:
+        if time.perf_counter() > deadline or (best is not None and best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
+            break
+        quick = _quick(profiles[cand.micro_batch_size], cluster, cand, options, schedule)
+        if quick is not None and (best is None or quick[0] > best[0]):
+            best = (quick[0], quick[1], cand)
+    return best
+
+
+def _full(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOptions | None, schedule: str,
+          left_s: float, tried: list[dict[str, Any]]) -> SolveResult | None:
+    """The cluster planner on one candidate (None where it refuses the candidate, noted in ``tried``)."""
+    view, devices = candidate_view(cluster, cand.degrees)
+    tried.append({"micro_batch_size": cand.micro_batch_size, "degrees": dict(cand.degrees),
+                  "virtual_workers": cand.virtual_workers, "micro_batches": cand.micro_batches})
+    try:
+        return plan_cluster(profile, view, cand.virtual_workers, micro_batches=cand.micro_batches, options=options,
+                            devices=[d.name for d in devices],
+                            schedule=schedule, time_limit_s=max(left_s / 4, min(left_s, 1.0)))
+    except FormatError as err:  # a candidate the planner refuses (say, more workers than layers allow)
+        tried[-1]["refused"] = str(err)
+        return None
+
+
+def _result(best: tuple[float, SolveResult, Candidate], profiles: Mapping[int, Profile], cluster: Cluster,
+            options: CostOptions | None, upper: float, extra: dict[str, Any], t0: float) -> SolveResult:
+    """The answer: the best plan (with predictions), its candidate's choices and the certificate."""
     rate, res, cand = best
+    assert res.plan is not None
     if res.method == "tensor:uniform":  # predictions attached to the one plan returned
-        assert res.plan is not None
-        view = cluster.with_tensor_parallel(dict(cand.degrees))
-        res = replace(res, plan=with_predictions(res.plan, profile, view, options,
-                                                 res.details.pop("closed_form")))  # type: ignore[typeddict-item]
-    upper = max(rate, open_bound, rest)
+        view = candidate_view(cluster, cand.degrees)[0]
+        closed = cast(Mapping[str, float], dict(res.details)["closed_form"])
+        res = replace(res, plan=with_predictions(res.plan, profiles[cand.micro_batch_size], view, options, closed,
+                                                 extra_meta={"policy": "uniform", "objective": "sync"}))
     status = SolveStatus.OPTIMAL if upper <= rate * (1 + 1e-9) else SolveStatus.FEASIBLE
-    details = dict(res.details)
+    details = {k: v for k, v in dict(res.details).items() if k != "closed_form"}
     details.update({"tensor_parallel": dict(cand.degrees), "virtual_workers": cand.virtual_workers,
-                    "candidates": len(cands), "candidates_planned": len(tried), "tried": tried,
-                    "global_batch": global_batch})
-    log.info("tensor: %d candidates, %d planned, best %.2f samples/s, bound %.2f", len(cands), len(tried),
-             rate, upper)
+                    "micro_batch_size": cand.micro_batch_size, **extra})
+    log.info("tensor: %d candidates, %d planned, best %.2f samples/s, bound %.2f", extra["candidates"],
+             extra["candidates_planned"], rate, upper)
     out = SolveResult(status, res.plan, 1.0 / rate, 1.0 / upper if upper > 0 else math.nan,
                       time.perf_counter() - t0, "tensor", details=details)  # type: ignore[arg-type]
     assert res.plan is not None

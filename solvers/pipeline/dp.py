@@ -425,7 +425,7 @@ def _memory_levers(cost: CostModel, devices: Sequence[Device], schedule: Schedul
     if recompute_checked:
         levered = CostModel(cost.profile, cost.cluster, _replace(cost.options, recompute="auto"))
         sol = chain_dp(levered, devices, schedule, refine=False)
-        if sol is not None:
+        if sol is not None and sol.recompute:  # (a split that fits without it is not this lever's)
             used = ", ".join(f"{m} on {d.name}" for m, d in zip(sol.recompute, sol.devices, strict=True) if m != "none")
             out.append(f"`recompute` auto (activation recomputation where memory binds: {used})")
     if not out:

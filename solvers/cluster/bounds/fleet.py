@@ -216,7 +216,12 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
     fill = schedule.spec.flushes and not replication
     need = worker_memory_bytes(cost, schedule)
     reserved = cost.options.reserved_bytes
-    cap = {t: (next(d for d in devices if d.kind == t).memory_bytes - reserved) / cost.shard_memory_ratio(t)
+    # A GPU that holds the whole worker's memory alone counts as holding exactly that much: any real
+    # worker still fits, and memory rows a million times larger than the model (a test's "plenty")
+    # no longer make the linear program numerically infeasible.
+    cap = {t: min(need, (next(d for d in devices if d.kind == t).memory_bytes - reserved)
+                  / cost.shard_memory_ratio(t)) if need > 0 else
+           (next(d for d in devices if d.kind == t).memory_bytes - reserved) / cost.shard_memory_ratio(t)
            for t in types}
     if any(whole[t] <= 0 for t in types) or not math.isfinite(perfect):
         return FleetBound(math.inf, perfect, need, fill, 0)

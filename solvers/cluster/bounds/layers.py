@@ -22,7 +22,10 @@ micro-batches, devices of kind ``t`` (a GPU type at a tensor-parallel degree) ``
 * memory: a holder keeps the layer's weights, gradients and optimizer state and at least one
   micro-batch of its activations, ``sum_l y[l, t] (w_t(l) + s_t(l)) <= n_t (C_t - reserved)``.
 
-``min T`` is a floor on the iteration, so ``K m b / T`` bounds samples/s. It leaves out the
+``min T`` is a floor on the iteration, so ``K m b / T`` bounds samples/s. At ``K = 1`` it bounds
+every ``K``: with ``y = K y'`` a plan of ``K`` workers is busy at least ``K`` times a feasible
+point of the one-worker LP (whose memory row is looser and whose all-reduce term is 0), so
+``K m b / T_K <= m b / T_1``. It leaves out the
 pipeline's fill and the sends between stages (the fleet bound has the fill); the planner takes
 the smaller of the two. An infeasible LP (the kinds cannot hold ``K`` copies of the model) is a
 bound of 0: no plan with ``K`` workers exists.
@@ -73,17 +76,30 @@ def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int
     comp = np.empty((n_layers, n_kinds))
     hold = np.empty((n_layers, n_kinds))
     mem = np.empty((n_layers, n_kinds))
-    versions = schedule.weight_versions
     for j, kind in enumerate(kinds):
-        t = split_kind(kind)[1]
-        shard = cost.at_degree(t)
-        comp[:, j] = shard.layer_compute_s(split_kind(kind)[0])
-        grads = np.diff(shard.param_prefix) / t  # one GPU's gradient bytes (the shards move side by side)
-        step = np.array([shard.update_s(split_kind(kind)[0], i, i + 1) for i in range(n_layers)]) * stepped
-        hold[:, j] = step + (2.0 * (k - 1) / k * grads / fastest if allreduce else 0.0)
-        # with memory levers, the least a layer takes in any plan (valid for the planner's larger space)
-        mem[:, j] = [shard.least_stage_bytes(i, i + 1, versions) for i in range(n_layers)]
+        c, step, grads, m_j = _layer_columns(cost, kind, schedule.weight_versions)
+        comp[:, j] = c
+        hold[:, j] = step * stepped + (2.0 * (k - 1) / k * grads / fastest if allreduce else 0.0)
+        mem[:, j] = m_j
     return _solve(comp, hold, mem, count, cap, k, m, cost.profile.micro_batch_size)
+
+
+def _layer_columns(cost: CostModel, kind: str, versions: int) -> tuple[np.ndarray, ...]:
+    """Per layer on ``kind``: forward + backward seconds, step seconds, one GPU's gradient bytes, and
+    its weights (``versions`` copies, gradients, optimizer state) plus one micro-batch's saved
+    activations (the cost model's prefix sums, differenced)."""
+    gpu_type, t = split_kind(kind)
+    shard = cost.at_degree(t)
+    comp = shard.layer_compute_s(gpu_type)
+    step = np.diff(shard.update_prefix(gpu_type))
+    grads = np.diff(shard.param_prefix) / t  # one GPU's gradient bytes (the shards move side by side)
+    # with memory levers, the least a layer takes in any plan (CostModel.least_stage_bytes: valid over
+    # the planner's larger space): ZeRO's state over every GPU, the activations a recompute mode keeps
+    holders = cost.cluster.num_gpus if cost.options.zero else 1
+    weights = np.diff(shard.param_count_prefix) * shard.options.sharded_bytes_per_parameter(versions, holders)
+    kept = shard.recomputing(shard.least_memory_mode)
+    saved = kept.saved_stop[1:] - kept.saved_start[:-1]  # activation_bytes(i, i + 1) for every i
+    return comp, step, grads, weights + saved
 
 
 def _solve(comp: np.ndarray, hold: np.ndarray, mem: np.ndarray, count: np.ndarray, cap: np.ndarray, k: int,

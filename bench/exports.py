@@ -1,0 +1,196 @@
+"""Every export of a plan against this project's runtime on the same plan (docs/export.md).
+
+    python bench/exports.py [--steps 30] [--deepspeed-python PY] [--megatron-python PY]
+
+GPT-2 tiny, the zoo's smallest GPT-2, on the text task (cross-entropy on the standard library's
+sources), the plan's optimizer as priced (Adam, lr 0.001), on gloo ranks of this CPU:
+
+* torch.distributed.pipelining: the export (`runtime.torch_pipelining.build_rank`, torch's own
+  schedule) and `partitioner train`'s runtime train the same plan, seeds and batches for ``--steps``
+  steps; their losses side by side. PP 2 x DP 2 in fp32 (the same arithmetic: equal to rtol 1e-4)
+  and PP 2 in bf16 (both under autocast with the same casts at the same cuts; the gradients are summed
+  in each schedule's own order, so a bf16 rounding may go the other way: the difference is printed).
+* DeepSpeed: the exported config of the PP 2 x DP 2 fp16 plan read by DeepSpeed's own config class
+  (``DeepSpeedConfig``, with the plan's data-parallel degree) where ``deepspeed`` imports with
+  ``--deepspeed-python`` (default: this Python); its training is not run here (below, what was).
+* Megatron-LM: the export of the same fp16 plan checked by Megatron-Core's own code and its
+  GPTModel built on gloo ranks (``tools/megatron_check.py --build``) where ``megatron.core`` imports
+  with ``--megatron-python``.
+
+Prints the tables and one line per framework; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._machine import machine_line  # noqa: E402
+from partitioner.export import export_plan  # noqa: E402
+from partitioner.plan import Plan, Stage, VirtualWorker  # noqa: E402
+from partitioner.pricing import CostOptions  # noqa: E402
+
+MODEL, SEED = "gpt2-tiny", 0
+
+
+def _worker(cuts: list[int], devices: list[str]) -> VirtualWorker:
+    return VirtualWorker(tuple(Stage((a, b), devices[k % len(devices)]) for k, (a, b) in enumerate(itertools.pairwise(cuts))))
+
+
+def plans() -> dict[str, Plan]:
+    return {
+        "PP 2 x DP 2, fp32": Plan(MODEL, (_worker([0, 2, 4], ["t0:0", "a0:0"]), _worker([0, 2, 4], ["t0:1", "a0:1"])),
+                                  micro_batch_size=2, micro_batches=4, pricing=CostOptions()),
+        "PP 2, bf16": Plan(MODEL, (_worker([0, 2, 4], ["t0:0", "a0:0"]),), micro_batch_size=2, micro_batches=4,
+                           pricing=CostOptions(precision="bf16")),
+    }
+
+
+def _torch_rank(rank: int, world: int, export: dict[str, Any], steps: int, out: str) -> None:
+    import torch
+
+    from runtime.data import make_data
+    from runtime.recipe import make_optimizer
+    from runtime.stage import zoo_chain
+    from runtime.torch_pipelining import build_rank
+
+    chain = zoo_chain(export["model"], export["micro_batch_size"])
+    data = make_data(chain, "auto", export["micro_batch_size"], export["n_microbatches"], len(export["pipelines"]), SEED)
+    me = build_rank(export, rank, seed=SEED, loss_fn=data.loss)
+    t = export["training"]
+    opt = me.wrap_optimizer(make_optimizer(me.parameters(), t["optimizer"], t["lr"]))
+    losses = []
+    for step in range(steps):
+        x, y = data.global_batch(step)
+        got = me.step(x, y)
+        me.sync_gradients()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if got is not None:
+            losses.append(sum(got) / len(got))
+    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump({"worker": me.worker, "losses": losses}, f)
+    del torch
+
+
+def torch_losses(plan: Plan, steps: int) -> list[float]:
+    from runtime.launch import spawn_local
+
+    export = export_plan(plan, "torch-pipelining")
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_local(_torch_rank, export["world_size"], (export, steps, tmp), threads=1, timeout_s=600)
+        per = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(export["world_size"])]
+    runs = [p["losses"] for p in per if p["losses"]]
+    return [sum(r[k] for r in runs) / len(runs) for k in range(steps)]
+
+
+def runtime_losses(plan: Plan, steps: int) -> tuple[list[float], dict[str, Any]]:
+    from runtime.launch import TrainConfig, train_local
+
+    m = train_local(plan, TrainConfig(MODEL, steps=steps, warmup=0, lr=0.001, seed=SEED, threads=1, timeout_s=600,
+                                      data="text", progress=False))
+    return m["loss"], m
+
+
+def _has(python: str, module: str) -> str:
+    """'' when ``module`` imports with ``python``, else why not."""
+    r = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+    return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["failed"])[-1]
+
+
+_DS_CHECK = """
+import json, sys
+cfg, dp = json.loads(sys.argv[1]), int(sys.argv[2])
+import deepspeed, deepspeed.comm as dcomm
+dcomm.get_rank = lambda *a, **k: 0   # no process group: DeepSpeedConfig asks the rank, the degree is the mpu's
+class MPU:
+    def get_data_parallel_world_size(self): return dp
+from deepspeed.runtime.config import DeepSpeedConfig
+c = DeepSpeedConfig(cfg, mpu=MPU())
+print(json.dumps({"deepspeed": deepspeed.__version__, "world_size": c.world_size,
+                  "train_batch_size": c.train_batch_size, "micro_batch": c.train_micro_batch_size_per_gpu,
+                  "gradient_accumulation_steps": c.gradient_accumulation_steps,
+                  "fp16": c.float16_config.model_dump(), "bf16_enabled": c.bfloat16_config.enabled,
+                  "optimizer": c.optimizer_name, "optimizer_params": c.optimizer_params,
+                  "zero_stage": c.zero_optimization_stage}))
+"""
+
+
+def deepspeed_check(python: str, plan: Plan) -> str:
+    why = _has(python, "deepspeed")
+    if why:
+        return f"DeepSpeed: not run ({python}: {why}); its config was not validated"
+    e = export_plan(plan, "deepspeed")
+    r = subprocess.run([python, "-c", _DS_CHECK, json.dumps(e["config"]), str(e["data_parallel"])],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        return f"DeepSpeed: DeepSpeedConfig REFUSED the exported config: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    fp16 = got["fp16"]
+    return (f"DeepSpeed {got['deepspeed']}: DeepSpeedConfig read the exported config of the fp16 plan: data parallel "
+            f"{got['world_size']}, train_batch_size {got['train_batch_size']} = micro-batch {got['micro_batch']} x "
+            f"{got['gradient_accumulation_steps']} accumulation steps x {got['world_size']}, fp16 enabled "
+            f"{fp16['enabled']} (dynamic loss scale from 2**{fp16['initial_scale_power']}, window "
+            f"{fp16['loss_scale_window']}, hysteresis {fp16['hysteresis']}), optimizer {got['optimizer']} "
+            f"{got['optimizer_params']}, ZeRO stage {got['zero_stage']}; its training is not run here "
+            "(DeepSpeed's CPU build compiles a communication op at init_distributed; docs/export.md)")
+
+
+def megatron_check(python: str, plan: Plan) -> list[str]:
+    why = _has(python, "megatron.core")
+    if why:
+        return [f"Megatron-LM: not run ({python}: {why})"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "megatron.json"
+        path.write_text(json.dumps(export_plan(plan, "megatron")))
+        r = subprocess.run([python, str(ROOT / "tools" / "megatron_check.py"), str(path), "--build"],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if r.returncode:
+        return [f"Megatron-LM: Megatron-Core REFUSED the export: {(r.stderr.strip().splitlines() or ['?'])[-1]}"]
+    return ["Megatron-LM (Megatron-Core's own code, tools/megatron_check.py --build):",
+            *(f"  {ln}" for ln in r.stdout.strip().splitlines())]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--deepspeed-python", default=sys.executable, help="a Python where deepspeed imports")
+    ap.add_argument("--megatron-python", default=sys.executable, help="a Python where megatron.core imports")
+    args = ap.parse_args()
+    print(machine_line())
+    print(f"{MODEL}, text task (cross-entropy), the plan's optimizer as priced (adam, lr 0.001), seed {SEED}, "
+          f"{args.steps} steps, gloo ranks of this CPU, one thread each")
+    for name, plan in plans().items():
+        ours, metrics = runtime_losses(plan, args.steps)
+        theirs = torch_losses(plan, args.steps)
+        rel = [abs(a - b) / abs(b) for a, b in zip(theirs, ours)]
+        print(f"\n{name}: {metrics['world_size']} ranks; runtime: {metrics['optimizer']} in {metrics['precision']}")
+        print(f"{'step':>5}  {'runtime':>10}  {'torch export':>12}  {'rel. diff':>9}")
+        for k in sorted({0, 1, 2, *range(4, args.steps, 5), args.steps - 1}):
+            print(f"{k:>5}  {ours[k]:>10.5f}  {theirs[k]:>12.5f}  {rel[k]:>9.1e}")
+        same = max(rel) <= 1e-4
+        print(f"max relative difference {max(rel):.1e} over {args.steps} steps: "
+              + ("equal to rtol 1e-4" if same else "NOT equal to rtol 1e-4")
+              + ("" if "fp32" in name else " (bf16: the gradients are summed in each schedule's order)"))
+    fp16 = Plan(MODEL, plans()["PP 2 x DP 2, fp32"].virtual_workers, micro_batch_size=2, micro_batches=4,
+                pricing=CostOptions(precision="fp16"))
+    print()
+    print(deepspeed_check(args.deepspeed_python, fp16))
+    for line in megatron_check(args.megatron_python, fp16):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
