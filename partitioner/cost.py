@@ -53,13 +53,14 @@ import numpy as np
 from .cluster import GIB, Cluster, Device, gpu_family, resolve_gpu_type, split_kind
 from .errors import FormatError, PartitionerError
 from .flows import nic_sharers, shared_rate_gbps
-from .pricing import PRECISIONS, CostOptions
+from .pricing import PRECISIONS, RECOMPUTE_MODES, CostOptions
 from .profile import Profile
+from .recompute import recompute_extra_fwd_fraction, selective_bytes
 from .schedule import Schedule, spec
 from .tied import tied_parameters
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .plan import Plan, Stage
 
 __all__ = [
     "PRECISIONS",
@@ -139,7 +140,12 @@ class CostModel:
     """
 
     def __init__(self, profile: Profile, cluster: Cluster, options: CostOptions | None = None,
-                 nic_sharers: Mapping[tuple[str, int, str], int] | None = None):
+                 nic_sharers: Mapping[tuple[str, int, str], int] | None = None, recompute: str = "none"):
+        if recompute not in RECOMPUTE_MODES:
+            raise FormatError("recompute", recompute, f"must be one of {', '.join(RECOMPUTE_MODES)}")
+        # What every stage this model prices recomputes (partitioner.recompute); a plan's stages
+        # are priced by the view of their own mode (recomputing)
+        self.recompute = recompute
         self.profile = profile
         self.cluster = cluster
         self.options = options or CostOptions()
@@ -161,6 +167,9 @@ class CostModel:
         shared = np.concatenate([zero, np.cumsum(profile.array("shared_saved_bytes"))])
         self.saved_stop = saved - shared
         self.saved_start = saved - np.concatenate([shared[1:], shared[-1:]])
+        if recompute == "selective":  # the attention cores' bytes are not kept
+            dropped = np.concatenate([zero, np.cumsum(selective_bytes(profile))])
+            self.saved_stop, self.saved_start = self.saved_stop - dropped, self.saved_start - dropped
         self.output_bytes = profile.array("output_bytes")
         # boundary_bytes[s]: tensor crossing a cut before layer s (0 at both ends of the chain)
         self.boundary = np.concatenate([zero, self.output_bytes[:-1], zero])
@@ -175,8 +184,23 @@ class CostModel:
         found = self._degrees.get(tensor_parallel)
         if found is None:
             found = self._degrees[tensor_parallel] = CostModel(self.profile.shard(tensor_parallel), self.cluster,
-                                                               self.options)
+                                                               self.options, recompute=self.recompute)
         return found
+
+    def recomputing(self, mode: str) -> CostModel:
+        """The model of stages that recompute ``mode`` (:data:`partitioner.pricing.RECOMPUTE_MODES`):
+        their backward runs the recomputed forward again, their activations in flight are what the
+        mode keeps (:mod:`partitioner.recompute`); itself for its own mode."""
+        if mode == self.recompute:
+            return self
+        found = self._modes.get(mode)
+        if found is None:
+            found = self._modes[mode] = CostModel(self.profile, self.cluster, self.options, self.nic_sharers, mode)
+        return found
+
+    @functools.cached_property
+    def _modes(self) -> dict[str, CostModel]:
+        return {}
 
     @functools.cached_property
     def _degrees(self) -> dict[int, CostModel]:
@@ -241,9 +265,14 @@ class CostModel:
                 f"profile '{self.profile.model}' has no times for GPU type {gpu_type} (it has: {have}); "
                 f"measure it, merge a profile that has it, or project it from the catalog")
         fwd, bwd = self.profile.times_for(key)
+        # the recomputed forward runs inside the backward (a full recompute re-runs its collectives too)
+        extra = fwd * recompute_extra_fwd_fraction(self.profile, self.recompute) if self.recompute != "none" else 0.0
         if self.shards > 1:  # a shard's collectives its times leave out, on the group's node link
             comm = self.tensor_parallel_comm_s(gpu_type)
             fwd, bwd = fwd + comm, bwd + comm
+            if self.recompute == "full":
+                extra = extra + comm
+        bwd = bwd + extra
         zero = np.zeros(1)
         return np.concatenate([zero, np.cumsum(fwd)]), np.concatenate([zero, np.cumsum(bwd)])
 
@@ -281,6 +310,9 @@ class CostModel:
         """Prefix sums of the backward's input-gradient and weight-gradient parts
         (:meth:`partitioner.profile.Profile.backward_split_for`)."""
         b_in, b_w, _ = self.profile.backward_split_for(self.times_key(gpu_type))
+        if self.recompute != "none":  # the recomputed forward runs before the input gradient
+            fwd, _ = self.profile.times_for(self.times_key(gpu_type))
+            b_in = b_in + fwd * recompute_extra_fwd_fraction(self.profile, self.recompute)
         zero = np.zeros(1)
         return np.concatenate([zero, np.cumsum(b_in)]), np.concatenate([zero, np.cumsum(b_w)])
 
@@ -569,28 +601,62 @@ class CostModel:
         """Bytes of weights + gradients + master copy + optimizer state per parameter."""
         return self.options.bytes_per_parameter(schedule.weight_versions)
 
-    def _memory_prefix(self, in_flight: int, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
-        return self._memory_prefix_of(in_flight, schedule.weight_versions)
+    @property
+    def least_memory_mode(self) -> str:
+        """The recompute mode the options allow that keeps the fewest activations of one micro-batch
+        in flight (full recomputation holds one micro-batch's during its backward, so not less
+        than none): ``selective`` where allowed, else ``none``."""
+        return "selective" if "selective" in self.options.recompute_modes else "none"
+
+    def least_stage_bytes(self, start: int, stop: int, versions: int = 1, tensor_parallel: int = 1) -> float:
+        """The least memory layers ``[start, stop)`` take on a device of any plan with the levers the
+        options allow, with one micro-batch in flight and nothing reserved: weights with ZeRO's state
+        divided over every GPU of the cluster, and one micro-batch's activations less what selective
+        recomputation drops where it is allowed (full recomputation holds one micro-batch's
+        activations during its backward). For bounds."""
+        holders = self.cluster.num_gpus if self.options.zero else 1
+        kept = self.recomputing(self.least_memory_mode)
+        return self.weight_bytes(start, stop, versions, tensor_parallel, holders) + \
+            kept.activation_bytes(start, stop, tensor_parallel)
+
+    def least_memory_matrix(self, in_flight: int, schedule: Schedule, rows: slice = slice(None),
+                            tensor_parallel: int = 1) -> np.ndarray:
+        """The least :meth:`memory_matrix` any lever the options allow gives (every recompute mode
+        of ``CostOptions.recompute``; ZeRO's state divided over every GPU of the cluster): what a
+        bound may use, never above the memory of any plan a planner with levers makes."""
+        holders = self.cluster.num_gpus if self.options.zero else 1
+        return np.minimum.reduce([self.recomputing(mode).memory_matrix(in_flight, schedule, rows, tensor_parallel,
+                                                                       holders)
+                                  for mode in self.options.recompute_modes])
+
+    def _memory_prefix(self, in_flight: int, schedule: Schedule, holders: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        return self._memory_prefix_of(in_flight, schedule.weight_versions, holders if self.options.zero else 1)
 
     @functools.cache  # noqa: B019
-    def _memory_prefix_of(self, in_flight: int, weight_versions: int) -> tuple[np.ndarray, np.ndarray]:
-        """(at stop, at start): stage memory is ``q_stop[j] - q_start[i]`` + reserved."""
-        w = self.param_count_prefix * self.options.bytes_per_parameter(weight_versions)
-        q_stop, q_start = w + self.saved_stop * in_flight, w + self.saved_start * in_flight
+    def _memory_prefix_of(self, in_flight: int, weight_versions: int, holders: int) -> tuple[np.ndarray, np.ndarray]:
+        """(at stop, at start): stage memory is ``q_stop[j] - q_start[i]`` + reserved. Under full
+        recomputation a stage keeps its input per micro-batch in flight and, during one backward,
+        its activations of that micro-batch: ``w + saved(i, j) + (n - 1) input(i)``."""
+        w = self.param_count_prefix * self.options.sharded_bytes_per_parameter(weight_versions, holders)
+        if self.recompute == "full":
+            q_stop, q_start = w + self.saved_stop, w + self.saved_start - self.boundary * max(in_flight - 1, 0)
+        else:
+            q_stop, q_start = w + self.saved_stop * in_flight, w + self.saved_start * in_flight
         q_stop.flags.writeable = q_start.flags.writeable = False
         return q_stop, q_start
 
     def stage_memory_bytes(self, start: int, stop: int, in_flight: int, schedule: Schedule,
-                           tensor_parallel: int = 1) -> float:
+                           tensor_parallel: int = 1, holders: int = 1) -> float:
         """Peak memory of layers ``[start, stop)`` holding ``in_flight`` micro-batches' activations
-        (on each GPU of a group of ``tensor_parallel``)."""
+        (on each GPU of a group of ``tensor_parallel``; one of ``holders`` data-parallel holders of
+        these layers, which share their optimizer state under ``CostOptions.zero``)."""
         if tensor_parallel != 1:
-            return self.at_degree(tensor_parallel).stage_memory_bytes(start, stop, in_flight, schedule)
-        q_stop, q_start = self._memory_prefix(in_flight, schedule)
+            return self.at_degree(tensor_parallel).stage_memory_bytes(start, stop, in_flight, schedule, 1, holders)
+        q_stop, q_start = self._memory_prefix(in_flight, schedule, holders)
         return float((q_stop[stop] - q_start[start]) + self.options.reserved_bytes)
 
     def max_stop(self, in_flight: int, schedule: Schedule, capacity_bytes: float,
-                 rows: slice = slice(None), tensor_parallel: int = 1) -> np.ndarray:
+                 rows: slice = slice(None), tensor_parallel: int = 1, holders: int = 1) -> np.ndarray:
         """For each start ``i`` in ``rows``, the largest ``stop`` with
         ``stage_memory_bytes(i, stop) <= capacity_bytes`` (``i`` itself when not even one layer fits).
 
@@ -600,8 +666,8 @@ class CostModel:
         :meth:`stage_memory_bytes` to the bit. ``O(L log L)`` instead of an ``L x L`` matrix.
         """
         if tensor_parallel != 1:
-            return self.at_degree(tensor_parallel).max_stop(in_flight, schedule, capacity_bytes, rows)
-        q_stop, q_start = self._memory_prefix(in_flight, schedule)
+            return self.at_degree(tensor_parallel).max_stop(in_flight, schedule, capacity_bytes, rows, 1, holders)
+        q_stop, q_start = self._memory_prefix(in_flight, schedule, holders)
         reserved = self.options.reserved_bytes
         starts = np.arange(self.num_layers + 1)[rows]
         top = np.searchsorted(q_stop, capacity_bytes - reserved + q_start[starts], side="right") - 1
@@ -619,19 +685,33 @@ class CostModel:
         return top
 
     def activation_bytes(self, start: int, stop: int, tensor_parallel: int = 1) -> float:
-        """Bytes of activations layers ``[start, stop)`` keep for backward, per micro-batch (per GPU
-        of a group of ``tensor_parallel``)."""
+        """Bytes of activations layers ``[start, stop)`` keep for backward, per micro-batch in
+        flight (per GPU of a group of ``tensor_parallel``): under full recomputation the stage's
+        input only (:meth:`recompute_peak_bytes` is what one backward adds)."""
         if tensor_parallel != 1:
             return self.at_degree(tensor_parallel).activation_bytes(start, stop)
+        if self.recompute == "full":
+            return float(self.boundary[start])
         return float(self.saved_stop[stop] - self.saved_start[start])
 
-    def weight_bytes(self, start: int, stop: int, versions: int = 1, tensor_parallel: int = 1) -> float:
-        """Weights (``versions`` copies), gradients, master copy and optimizer state of ``[start, stop)``
-        (per GPU of a group of ``tensor_parallel``)."""
+    def recompute_peak_bytes(self, start: int, stop: int, tensor_parallel: int = 1) -> float:
+        """Bytes a backward of layers ``[start, stop)`` holds beyond :meth:`activation_bytes` while
+        it runs: under full recomputation the recomputed activations of its micro-batch less the
+        input kept; 0 otherwise."""
         if tensor_parallel != 1:
-            return self.at_degree(tensor_parallel).weight_bytes(start, stop, versions)
+            return self.at_degree(tensor_parallel).recompute_peak_bytes(start, stop)
+        if self.recompute != "full":
+            return 0.0
+        return float(self.saved_stop[stop] - self.saved_start[start]) - float(self.boundary[start])
+
+    def weight_bytes(self, start: int, stop: int, versions: int = 1, tensor_parallel: int = 1,
+                     holders: int = 1) -> float:
+        """Weights (``versions`` copies), gradients, master copy and optimizer state of ``[start, stop)``
+        (per GPU of a group of ``tensor_parallel``; on one of ``holders`` holders under ZeRO)."""
+        if tensor_parallel != 1:
+            return self.at_degree(tensor_parallel).weight_bytes(start, stop, versions, 1, holders)
         params = float(self.param_count_prefix[stop] - self.param_count_prefix[start])
-        return params * self.options.bytes_per_parameter(versions)
+        return params * self.options.sharded_bytes_per_parameter(versions, holders if self.options.zero else 1)
 
     def parameter_sync_s(self, start: int, stop: int) -> float:
         """Seconds to push (or pull) the parameters of layers ``[start, stop)`` to (from) a
@@ -699,15 +779,15 @@ class CostModel:
         return self.param_prefix / (self.cluster.inter_gbps * 1e9)
 
     def memory_matrix(self, in_flight: int, schedule: Schedule, rows: slice = slice(None),
-                      tensor_parallel: int = 1) -> np.ndarray:
+                      tensor_parallel: int = 1, holders: int = 1) -> np.ndarray:
         """``stage_memory_bytes(i, j, in_flight, schedule)`` for every ``i`` in ``rows`` and every ``j``.
 
         Computed with the same operations as the scalar method, so both agree to the bit and a
         plan the solvers accept is never refused by :meth:`check_plan_memory`.
         """
         if tensor_parallel != 1:
-            return self.at_degree(tensor_parallel).memory_matrix(in_flight, schedule, rows)
-        q_stop, q_start = self._memory_prefix(in_flight, schedule)
+            return self.at_degree(tensor_parallel).memory_matrix(in_flight, schedule, rows, 1, holders)
+        q_stop, q_start = self._memory_prefix(in_flight, schedule, holders)
         return (q_stop[None, :] - q_start[rows, None]) + self.options.reserved_bytes
 
     # -- plans -----------------------------------------------------------------------------------
@@ -733,13 +813,14 @@ class CostModel:
         for k, st in enumerate(stages):
             prev = stages[k - 1].device if k > 0 else None
             nxt = stages[k + 1].device if k + 1 < len(stages) else None
+            cs = self.recomputing(st.recompute)
             if st.replicas:
-                t = self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches,
-                                                 include_allreduce=not allreduce_apart)
+                t = cs.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches,
+                                               include_allreduce=not allreduce_apart)
                 if spec(plan.schedule).sync == "wave":
-                    t += self.wave_sync_s(st.start, st.stop, plan.micro_batches)
+                    t += cs.wave_sync_s(st.start, st.stop, plan.micro_batches)
             else:
-                t = self.pipeline_stage_time_s(st.start, st.stop, st.device, prev, nxt, plan.pipeline_schedule)
+                t = cs.pipeline_stage_time_s(st.start, st.stop, st.device, prev, nxt, plan.pipeline_schedule)
             out.append(t)
         return out
 
@@ -754,8 +835,9 @@ class CostModel:
         for k, st in enumerate(stages):
             prev = stages[k - 1].device if k > 0 else None
             nxt = stages[k + 1].device if k + 1 < len(stages) else None
-            base = (self.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches)
-                    if st.replicas else self.stage_time_s(st.start, st.stop, st.device, prev, nxt))
+            cs = self.recomputing(st.recompute)
+            base = (cs.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches)
+                    if st.replicas else cs.stage_time_s(st.start, st.stop, st.device, prev, nxt))
             out.append(self.wave_stage_s(base, max(ar[d] for d in st.devices), plan.micro_batches, plan.staleness))
         return out
 
@@ -796,11 +878,12 @@ class CostModel:
         for k, st in enumerate(vw.stages):
             prev = vw.stages[k - 1].device if k > 0 else None
             nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
-            best = min(st.devices, key=lambda d: self.compute_s(self.cluster.device(d).kind, st.start, st.stop))
-            f, b = self.fwd_bwd_s(self.cluster.device(best).kind, st.start, st.stop)
+            cs = self.recomputing(st.recompute)
+            best = min(st.devices, key=lambda d: cs.compute_s(self.cluster.device(d).kind, st.start, st.stop))
+            f, b = cs.fwd_bwd_s(self.cluster.device(best).kind, st.start, st.stop)
             a = self.boundary_s(st.stop, best, nxt)
             g = self.boundary_s(st.start, best, prev)
-            share = times[k] / self.stage_time_s(st.start, st.stop, best, prev, nxt) if st.replicas else 1.0
+            share = times[k] / cs.stage_time_s(st.start, st.stop, best, prev, nxt) if st.replicas else 1.0
             fill_f += (f + a) * share
             fill_b += (b + g) * share
             rounds.append((f + b) * share + (a + self.boundary_s(st.stop, nxt, best) if nxt is not None else 0.0))
@@ -820,7 +903,8 @@ class CostModel:
         if spec(plan.schedule).split_backward and not spec(plan.schedule).multi_chunk:  # the W fill the bubble (one-chunk ZB-H1 / ZB-H2)
             k = times.index(max(times))
             st = vw.stages[k]
-            b_in, w = self.backward_split_s(self.cluster.device(st.device).gpu_type, st.start, st.stop)
+            b_in, w = self.recomputing(st.recompute).backward_split_s(self.cluster.device(st.device).gpu_type,
+                                                                      st.start, st.stop)
             saving = (p - 1) * min(spec(plan.schedule).weight_fill * w, b_in + w)
         return fill_f + fill_b + (m - 1) * pace - saving
 
@@ -851,49 +935,96 @@ class CostModel:
                     finish[d] = max(finish.get(d, 0.0), done)
                 gpu = self.cluster.device(st.device).kind
                 nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
-                back += self.fwd_bwd_s(gpu, st.start, st.stop)[1] + self.boundary_s(st.stop, nxt, st.device)
+                back += self.recomputing(st.recompute).fwd_bwd_s(gpu, st.start, st.stop)[1] + \
+                    self.boundary_s(st.stop, nxt, st.device)
         for g in self.sync_groups(plan):
             end = max(finish[d] for d in g.devices) + self.sync_s(g)
             for d in g.devices:
                 finish[d] = end
         if spec(plan.schedule).sync == "wave":  # WSP applies its update inside PUSH (plain SGD): no step
             return max(finish.values())
-        return max(t + sum(self.update_s(self.cluster.device(d).kind, a, b) for a, b in layers_of[d])
+        holders = self.layer_holders(plan)
+        return max(t + sum(self.update_shard_s(self.cluster.device(d).kind, a, b, holders) for a, b in layers_of[d])
                    for d, t in finish.items())
+
+    def layer_holders(self, plan: Plan, at_least: int = 1) -> np.ndarray:
+        """How many devices hold each layer (over every virtual worker and replica): the
+        data-parallel holders that share the layer's optimizer state under ZeRO; ``at_least``
+        where a worker is priced before the others are known (each holds every layer)."""
+        out = np.full(self.num_layers, max(at_least - 1, 0), dtype=np.int64)
+        for vw in plan.virtual_workers:
+            for st in vw.stages:
+                out[st.start:min(st.stop, self.num_layers)] += len(st.devices)
+        return out
+
+    @staticmethod
+    def holder_runs(start: int, stop: int, holders: np.ndarray) -> list[tuple[int, int, int]]:
+        """``[start, stop)`` as runs ``(a, b, d)`` of layers with ``d`` holders each."""
+        out: list[tuple[int, int, int]] = []
+        a = start
+        for layer in range(start + 1, stop + 1):
+            if layer == stop or holders[layer] != holders[a]:
+                out.append((a, layer, max(int(holders[a]), 1)))
+                a = layer
+        return out
+
+    def update_shard_s(self, gpu_type: str, start: int, stop: int, holders: np.ndarray) -> float:
+        """The optimizer step one device runs for layers ``[start, stop)``: all of it, or under ZeRO
+        its shard of each layer (the step divided by the layer's ``holders``)."""
+        if not self.options.zero:
+            return self.update_s(gpu_type, start, stop)
+        return sum(self.update_s(gpu_type, a, b) / d for a, b, d in self.holder_runs(start, stop, holders))
+
+    def plan_stage_memory_bytes(self, st: Stage, device: str, in_flight: int, schedule: Schedule,
+                                holders: np.ndarray) -> float:
+        """Memory of stage ``st`` on ``device`` (one of its devices) in a plan whose layers have
+        ``holders`` (:meth:`layer_holders`): priced in the stage's recompute mode, its optimizer state
+        shared by each layer's holders under ZeRO (one prefix difference where they are the same
+        for all its layers, as the solvers price it)."""
+        cs = self.recomputing(st.recompute)
+        t = self.cluster.device(device).tensor_parallel
+        runs = self.holder_runs(st.start, st.stop, holders) if self.options.zero else [(st.start, st.stop, 1)]
+        total = cs.stage_memory_bytes(st.start, st.stop, in_flight, schedule, t, runs[0][2] if len(runs) == 1 else 1)
+        if len(runs) > 1:
+            versions = schedule.weight_versions
+            total += sum(cs.weight_bytes(a, b, versions, t, d) - cs.weight_bytes(a, b, versions, t) for a, b, d in runs)
+        return total
 
     def plan_memory_bytes(self, plan: Plan) -> dict[str, float]:
         """Peak memory per device under the plan's schedule (one-chunk schedules)."""
         self.check_order(plan)
         sched = plan.pipeline_schedule
+        holders = self.layer_holders(plan)
         used: dict[str, float] = {}
         for vw in plan.virtual_workers:
             p = len(vw.stages)
             for k, st in enumerate(vw.stages):
                 in_flight = sched.activations_in_flight(p - k)
                 for d in st.devices:
-                    t = self.cluster.device(d).tensor_parallel
-                    used[d] = used.get(d, 0.0) + self.stage_memory_bytes(st.start, st.stop, in_flight, sched, t)
+                    used[d] = used.get(d, 0.0) + self.plan_stage_memory_bytes(st, d, in_flight, sched, holders)
         return used
 
-    def check_plan_memory(self, plan: Plan) -> None:
-        """Raise :class:`FormatError` naming the first device whose stages do not fit."""
+    def check_plan_memory(self, plan: Plan, holders_at_least: int = 1) -> None:
+        """Raise :class:`FormatError` naming the first device whose stages do not fit (a plan of one
+        worker among ``holders_at_least`` under ZeRO: :meth:`layer_holders`)."""
         self.check_order(plan)
         sched = plan.pipeline_schedule
         if sched.spec.multi_chunk or sched.spec.split_backward:
             return  # multi-chunk and zero-bubble schedules: the simulator measures their peak
+        holders = self.layer_holders(plan, holders_at_least)
         for w, vw in enumerate(plan.virtual_workers):
             p = len(vw.stages)
             for k, st in enumerate(vw.stages):
                 in_flight = sched.activations_in_flight(p - k)
                 for d in st.devices:
-                    dev = self.cluster.device(d)
-                    need = self.stage_memory_bytes(st.start, st.stop, in_flight, sched, dev.tensor_parallel)
-                    cap = dev.memory_bytes
+                    need = self.plan_stage_memory_bytes(st, d, in_flight, sched, holders)
+                    cap = self.cluster.device(d).memory_bytes
                     if need > cap:
+                        how = f", recompute {st.recompute}" if st.recompute != "none" else ""
                         raise FormatError(
                             f"virtual_workers[{w}].stages[{k}]", f"{st.device} layers [{st.start}, {st.stop})",
                             f"needs {need / GIB:.2f} GiB ({in_flight} micro-batches in flight under "
-                            f"{plan.schedule}); device {d} has {cap / GIB:.2f} GiB")
+                            f"{plan.schedule}{how}); device {d} has {cap / GIB:.2f} GiB")
 
     def validate_plan(self, plan: Plan) -> None:
         """Raise :class:`FormatError` unless ``plan`` is executable on this model's cluster: its

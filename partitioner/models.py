@@ -183,7 +183,13 @@ class _Attention(nn.Module):
     whatever heads its ``qkv`` gives it (``runtime/tensor_parallel.py``). Built with
     ``tensor_parallel`` t, it is one GPU's shard from the start (``heads / t`` heads, the output
     projection's rows of those heads; its output that GPU's partial sum), what the profiler times
-    (``partitioner/shard_profiler.py``)."""
+    (``partitioner/shard_profiler.py``).
+
+    ``recompute_core`` (set by the runtime for a stage planned with selective recomputation):
+    the attention core (scores, mask, soft-max, weighted sum) keeps nothing for backward and is
+    run again there (``torch.utils.checkpoint``); the numbers are the same."""
+
+    recompute_core = False
 
     def __init__(self, hidden: int, heads: int, causal: bool, tensor_parallel: int = 1):
         super().__init__()
@@ -193,19 +199,28 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * local)
         self.proj = nn.Linear(local, hidden)
 
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = q.shape[-2]
+        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        if self.causal:
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            att = att.masked_fill(mask, float("-inf"))
+        att = torch.softmax(att, dim=-1)
+        return torch.matmul(att, v)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.qkv(x)
         b, s, width = fused.shape
         d = self.head_dim
         n = width // (3 * d)  # the heads here: all of them, or a tensor-parallel shard's
         q, k, v = fused.reshape(b, s, n, 3, d).permute(3, 0, 2, 1, 4).unbind(0)  # (b, n, s, d) each
-        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d)
-        if self.causal:
-            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-            att = att.masked_fill(mask, float("-inf"))
-        att = torch.softmax(att, dim=-1)
-        y = torch.matmul(att, v).transpose(1, 2).reshape(b, s, n * d)
-        return self.proj(y)
+        if self.recompute_core and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, n * d))
 
 
 class _Block(nn.Module):

@@ -153,8 +153,15 @@ def supports(plan: Plan, target: str) -> str | None:
     if plan.staleness != 0 and sp.sync != "wave":
         return (f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
                 f"a flushing schedule exactly synchronous; bounded staleness needs schedule wsp")
+    if plan.pricing is not None and plan.pricing.zero:
+        return (f"zero = {plan.pricing.zero}: the runtime does not shard optimizer state yet (it would need the "
+                "memory of every replica's full state); re-plan with `zero` 0")
     for w, vw in enumerate(plan.virtual_workers):
         for k, st in enumerate(vw.stages):
+            if st.recompute != "none":
+                return (f"virtual_workers[{w}].stages[{k}] recomputes ({st.recompute}): the runtime does not recompute "
+                        "activations yet (the stage would need the memory of all its activations); re-plan with "
+                        "`recompute` none")
             if st.replicas and plan.schedule not in REPLICATED_SCHEDULES:
                 return (f"virtual_workers[{w}].stages[{k}] has replicas {list(st.replicas)}: the runtime executes "
                         f"replicated stages with schedule {', '.join(REPLICATED_SCHEDULES[:-1])} or "

@@ -19,7 +19,7 @@ from ._io import (
     write_loadable,
 )
 from .errors import FormatError, check
-from .pricing import CostOptions
+from .pricing import RECOMPUTE_MODES, CostOptions
 from .profile import MAX_LAYERS, MAX_MICRO_BATCH_SIZE
 from .schedule import MULTI_CHUNK, SCHEDULE_NAMES, MicroBatching, Schedule, spec
 
@@ -49,12 +49,16 @@ def group_size(device: str) -> int:
 
 @dataclass(frozen=True)
 class Stage:
-    """Layers ``[start, stop)`` on ``device``; ``replicas`` run the same stage data-parallel."""
+    """Layers ``[start, stop)`` on ``device``; ``replicas`` run the same stage data-parallel.
+    ``recompute`` is what the stage recomputes in its backward instead of keeping it
+    (:data:`partitioner.pricing.RECOMPUTE_MODES`: ``none``, ``selective``: the attention core of
+    its transformer blocks, ``full``: everything but the stage's input)."""
 
     layers: tuple[int, int]
     device: str
     gpu_type: str = ""
     replicas: tuple[str, ...] = ()
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -69,6 +73,8 @@ class Stage:
         check(self.device not in self.replicas, "replicas", list(self.replicas), "must not repeat the stage's device")
         check(len(set(self.replicas)) == len(self.replicas), "replicas", list(self.replicas),
               "must not name a device twice")
+        check(self.recompute in RECOMPUTE_MODES, "recompute", self.recompute,
+              f"must be one of {', '.join(RECOMPUTE_MODES)}")
 
     @property
     def start(self) -> int:
@@ -93,6 +99,8 @@ class Stage:
         d: dict[str, Any] = {"layers": list(self.layers), "device": self.device, "gpu_type": self.gpu_type}
         if self.replicas:
             d["replicas"] = list(self.replicas)
+        if self.recompute != "none":
+            d["recompute"] = self.recompute
         return d
 
     @classmethod
@@ -105,6 +113,7 @@ class Stage:
                 device=req_field(d, "device", str, where),
                 gpu_type=opt_field(d, "gpu_type", str, "", where),
                 replicas=tuple(opt_field(d, "replicas", list, [], where)),
+                recompute=opt_field(d, "recompute", str, "none", where),
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None

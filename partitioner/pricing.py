@@ -16,10 +16,17 @@ from typing import Any
 from ._io import is_finite_number, opt_field, req_number
 from .errors import FormatError, check
 
-__all__ = ["DEFAULT_LR", "GIB", "OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "PRECISIONS", "CostOptions", "priced_optimizer"]
+__all__ = ["DEFAULT_LR", "GIB", "OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "PRECISIONS", "RECOMPUTE_MODES",
+           "RECOMPUTE_POLICIES", "ZERO_STAGES", "CostOptions", "priced_optimizer"]
 
 GIB = 2**30
 PRECISIONS = ("fp32", "fp16", "bf16")
+# What a stage recomputes in its backward (Stage.recompute): nothing, the attention core of its
+# transformer blocks (Megatron's selective recomputation), or everything but its input.
+RECOMPUTE_MODES = ("none", "selective", "full")
+# What a planner may choose per stage: one mode for every stage, or the cheapest that fits ("auto").
+RECOMPUTE_POLICIES = (*RECOMPUTE_MODES, "auto")
+ZERO_STAGES = (0, 1, 2)
 # The optimizers the runtime and the exports run, the optimizer state each keeps per parameter in
 # 4-byte words (CostOptions.optimizer_state_factor), and the learning rate used when none is given.
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -48,6 +55,8 @@ class CostOptions:
     precision: str = "fp32"
     sync: bool = True
     allreduce_precision: str = ""
+    zero: int = 0
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("optimizer_state_factor", "reserved_bytes"):
@@ -59,6 +68,15 @@ class CostOptions:
         if self.allreduce_precision not in ("", *PRECISIONS):
             raise FormatError("allreduce_precision", self.allreduce_precision,
                               f"must be one of {', '.join(PRECISIONS)} (or empty: the training precision)")
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise FormatError("zero", self.zero, "must be 0 (no sharding), 1 (optimizer state) or 2 (and gradients)")
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise FormatError("recompute", self.recompute, f"must be one of {', '.join(RECOMPUTE_POLICIES)}")
+
+    @property
+    def recompute_modes(self) -> tuple[str, ...]:
+        """The recompute modes a planner may give a stage, cheapest first."""
+        return RECOMPUTE_MODES if self.recompute == "auto" else (self.recompute,)
 
     @property
     def allreduce_element_bytes(self) -> int:
@@ -76,18 +94,34 @@ class CostOptions:
         master = 0 if self.precision == "fp32" else 4
         return weight_versions * e + e + master + 4.0 * self.optimizer_state_factor
 
+    def sharded_bytes_per_parameter(self, weight_versions: int = 1, holders: int = 1) -> float:
+        """:meth:`bytes_per_parameter` on one of ``holders`` data-parallel holders of a layer under
+        ``zero``: the master copy and optimizer state divided by the holders (ZeRO-1), the gradient
+        too (ZeRO-2). ``holders`` 1, or ``zero`` 0: every byte on every holder."""
+        if self.zero == 0 or holders <= 1:
+            return self.bytes_per_parameter(weight_versions)
+        e = self.element_bytes
+        master = 0 if self.precision == "fp32" else 4
+        grad = e / holders if self.zero >= 2 else e
+        return weight_versions * e + grad + (master + 4.0 * self.optimizer_state_factor) / holders
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"overlap_comm": self.overlap_comm, "optimizer_state_factor": self.optimizer_state_factor,
                              "reserved_GiB": self.reserved_bytes / GIB, "precision": self.precision, "sync": self.sync}
         if self.allreduce_precision:
             d["allreduce_precision"] = self.allreduce_precision
+        if self.zero:
+            d["zero"] = self.zero
+        if self.recompute != "none":
+            d["recompute"] = self.recompute
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "pricing.") -> CostOptions:
         if not isinstance(d, Mapping):
             raise FormatError(where.rstrip("."), d, "must be an object {precision, reserved_GiB, ...}")
-        known = {"overlap_comm", "optimizer_state_factor", "reserved_GiB", "precision", "sync", "allreduce_precision"}
+        known = {"overlap_comm", "optimizer_state_factor", "reserved_GiB", "precision", "sync", "allreduce_precision", "zero",
+                 "recompute"}
         for k in d:
             check(k in known, f"{where}{k}", d[k], f"unknown option; known: {', '.join(sorted(known))}")
         try:
@@ -96,7 +130,9 @@ class CostOptions:
                        reserved_bytes=req_number(d, "reserved_GiB", where, default=0.5) * GIB,
                        precision=opt_field(d, "precision", str, "fp32", where),
                        sync=opt_field(d, "sync", bool, True, where),
-                       allreduce_precision=opt_field(d, "allreduce_precision", str, "", where))
+                       allreduce_precision=opt_field(d, "allreduce_precision", str, "", where),
+                       zero=opt_field(d, "zero", int, 0, where),
+                       recompute=opt_field(d, "recompute", str, "none", where))
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
 

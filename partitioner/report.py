@@ -75,6 +75,8 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
         out.append(f"stages are convex sets of the graph: layer ranges count the plan's layer_order "
                    f"({moved} of {len(plan.layer_order)} layers placed differently from the profile's order)")
     one_chunk = not spec(plan.schedule).multi_chunk
+    holders = cost.layer_holders(plan)
+    levers = any(st.recompute != "none" for vw in plan.virtual_workers for st in vw.stages)
     for workers in _alike_workers(plan, cluster):
         w = workers[0]
         vw = plan.virtual_workers[w]
@@ -85,12 +87,12 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
         for k, st in enumerate(stages):
             dev = cluster.device(st.device)
             nxt = stages[k + 1].device if k + 1 < len(stages) else None
-            comp = cost.compute_s(dev.kind, st.start, st.stop)
+            comp = cost.recomputing(st.recompute).compute_s(dev.kind, st.start, st.stop)
             prev = stages[k - 1].device if k > 0 else None
             xfer = cost.boundary_s(st.stop, dev, nxt) + cost.boundary_s(st.start, dev, prev)
             if one_chunk:
                 in_flight = plan.pipeline_schedule.activations_in_flight(len(stages) - k)
-                mem = cost.stage_memory_bytes(st.start, st.stop, in_flight, plan.pipeline_schedule, dev.tensor_parallel)
+                mem = cost.plan_stage_memory_bytes(st, st.device, in_flight, plan.pipeline_schedule, holders)
                 mem_s = f"{mem / GIB:.2f} / {dev.memory_bytes / GIB:.1f} GiB ({100 * mem / dev.memory_bytes:.0f}%)"
             else:
                 mem_s = "see simulate"
@@ -98,7 +100,7 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
             devs = st.device + (f" +{len(st.replicas)}" if st.replicas else "")
             rows.append([str(k), devs, dev.gpu_type + (f" x{dev.tensor_parallel} TP" if dev.tensor_parallel > 1 else ""),
                          f"[{st.start}, {st.stop})", _fmt_s(comp), _fmt_s(xfer),
-                         mem_s, share])
+                         mem_s, share] + ([st.recompute] if levers else []))
         if len(workers) > 1:
             others = ", ".join("+".join(plan.virtual_workers[o].devices) for o in workers[1:])
             out.append(f"\nvirtual workers {', '.join(map(str, workers))} (the same layout; worker {w} shown; "
@@ -108,5 +110,5 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
         else:
             out.append("")
         out.append(_table(["stage", "device", "gpu type", "layers", "compute", "transfer out",
-                           "memory used / capacity", "share of bottleneck"], rows))
+                           "memory used / capacity", "share of bottleneck"] + (["recompute"] if levers else []), rows))
     return "\n".join(out)

@@ -142,7 +142,7 @@ class _Ranks:
     ops: list[list[Op]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     rank_worker: list[int] = field(default_factory=list)
-    act_bytes: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    act_bytes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     weights: list[list[tuple[int, int]]] = field(default_factory=list)
     coll_size: dict[int, int] = field(default_factory=dict)
     links: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -228,11 +228,14 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
     else:
         members = [(pipe.devices[r], r, cols[r]) for r in range(p)]
     rank_dev = [dev for dev, _, _ in members]  # rank within the worker -> device
+    modes = _stage_models(plan, cost, pipe)
     for dev, r, col in members:
         t = cluster.device(dev).tensor_parallel
-        # per stage: the activations a micro-batch keeps (M_B), and of them what its W needs (M_W)
-        saved = (np.array([cost.activation_bytes(a, b, t) for a, b in pipe.stages]),
-                 np.array([cost.weight_grad_bytes(a, b, t) for a, b in pipe.stages]))
+        # per stage: the activations a micro-batch keeps (M_B), of them what its W needs (M_W), and
+        # what its backward holds on top while it runs (full recomputation's recomputed activations)
+        saved = (np.array([cs.activation_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]),
+                 np.array([cs.weight_grad_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]),
+                 np.array([cs.recompute_peak_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]))
         col = _with_allreduce(col, sync.groups_of.get(dev, []), ALLREDUCE.code)
         held = pipe.held(r)
         d, lnk = _durations(ranks, plan, cost, cluster, pipe, dev, r, col, rank_dev)
@@ -248,6 +251,12 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
         ranks.weights.append(list(held))
 
 
+def _stage_models(plan: Plan, cost: CostModel, pipe: PipelinePlacement) -> list[CostModel]:
+    """The cost model of each stage of ``pipe``: the view of its recompute mode."""
+    stages = plan.virtual_workers[pipe.worker].stages
+    return [cost.recomputing(st.recompute) for st in stages]
+
+
 def _durations(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pipe: PipelinePlacement, dev: str,
                r: int, col: Columns, rank_dev: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Each action's own time on ``dev`` (position ``r`` of ``pipe``) and the link of each send
@@ -256,13 +265,15 @@ def _durations(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pip
     kind, mb, stage, peer, _ = col
     held = pipe.held(r)
     gpu = cluster.device(dev).kind
-    fb = np.array([cost.fwd_bwd_s(gpu, a, b) + cost.backward_split_s(gpu, a, b) for a, b in pipe.stages]
+    fb = np.array([cs.fwd_bwd_s(gpu, a, b) + cs.backward_split_s(gpu, a, b)
+                   for cs, (a, b) in zip(_stage_models(plan, cost, pipe), pipe.stages, strict=True)]
                   + [(0.0,) * 4])  # per stage: forward, backward, its input-gradient and weight-gradient parts
     d = np.zeros(len(kind))
     lnk = np.full(len(kind), -1, dtype=np.int64)
     for k, part in ((F, 0), (B, 1), (I, 2), (W, 3)):
         d = np.where(kind == k.code, fb[stage, part], d)
-    d = np.where(kind == STEP.code, sum(cost.update_s(gpu, a, b) for a, b in held), d)
+    holders = cost.layer_holders(plan)
+    d = np.where(kind == STEP.code, sum(cost.update_shard_s(gpu, a, b, holders) for a, b in held), d)
     if pipe.replicas and len(pipe.replicas[r]) > 1:  # PUSH first sums the replicas' parts (blocking)
         local = cost.allreduce_s(sum(cost.sync_bytes(a, b, pipe.replicas[r]) for a, b in held), pipe.replicas[r])
         d = np.where(kind == PUSH.code, local, d)
@@ -357,7 +368,7 @@ def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
 
 def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
                starts: list[list[float]], ends: list[list[float]], names: list[str],
-               rank_worker: list[int], act_bytes: list[tuple[np.ndarray, np.ndarray]], weights: list[list[tuple[int, int]]],
+               rank_worker: list[int], act_bytes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], weights: list[list[tuple[int, int]]],
                notes: list[str], wave_groups: WaveGroups | None = None) -> Timeline:
     sched, m = plan.schedule, plan.micro_batches
     batching = plan.micro_batching
@@ -389,6 +400,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
     samples = n_workers * m * plan.micro_batch_size
     samples_per_s = samples / iteration if iteration > 0 else math.inf
 
+    holders = cost.layer_holders(plan)
     bubble: dict[str, float] = {}
     peak_mem: dict[str, float] = {}
     peak_act: dict[str, int] = {}
@@ -407,10 +419,16 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         if plan.first_slices > 1:  # a slice of the first micro-batch holds its share of the activations
             saved = np.where(mb[comp] % batching.count < batching.first_slices, saved / batching.first_slices, saved)
         held = np.cumsum(saved)
+        # a backward (or its input-gradient part) that recomputes holds its recomputed activations
+        # while it runs: on top of what was held before it (held after it, plus what it freed)
+        extra = act_bytes[r][2][stage[comp]]
+        running = np.where((kc == B.code) | (kc == I.code), held - saved + extra, held)
         count = np.cumsum(np.where(kc == F.code, 1, np.where((kc == B.code) | (kc == W.code), -1, 0)))
         live = _live_versions(kind, mb, stage, version) if spec(sched).weight_versions > 1 else 1
-        w_bytes = sum(cost.weight_bytes(a, b, live, cost.cluster.device(name).tensor_parallel) for a, b in weights[r])
-        peak_mem[name] = w_bytes + (float(held.max()) if len(held) else 0.0) + cost.options.reserved_bytes
+        tp = cost.cluster.device(name).tensor_parallel
+        w_bytes = sum(cost.weight_bytes(a, b, live, tp, d) for a0, b0 in weights[r]
+                      for a, b, d in _zero_runs(cost, holders, a0, b0))
+        peak_mem[name] = w_bytes + (float(running.max()) if len(running) else 0.0) + cost.options.reserved_bytes
         peak_act[name] = int(count.max()) if len(count) else 0
         versions[name] = live
     gaps = _clock_gaps(columns, en_col, wave_groups) if wave else ()
@@ -424,6 +442,13 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         cat([c[2] for c in columns]).astype(np.int32), cat(st_col), cat(en_col),
         float(worker_end.max()), iteration, samples_per_s, bubble, peak_mem, peak_act, versions, gaps,
         tuple(notes))
+
+
+def _zero_runs(cost: CostModel, holders: np.ndarray, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """``[start, stop)`` as runs of layers with one holder count under ZeRO (one run otherwise)."""
+    if not cost.options.zero:
+        return [(start, stop, 1)]
+    return cost.holder_runs(start, stop, holders)
 
 
 def _live_versions(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, version: np.ndarray) -> int:

@@ -169,6 +169,7 @@ OPTION_FLAGS: dict[str, str] = {
     "checkpoint_dir": "--checkpoint-dir", "max_seconds": "--max-seconds", "steps": "--steps", "data": "--data",
     "device": "--device", "micro_batch_size": "--micro-batch-size", "precision": "--precision",
     "allreduce_precision": "--allreduce-precision", "optimizer": "--optimizer",
+    "recompute": "--recompute", "zero": "--zero",
 }
 _BACKQUOTED = re.compile(r"`(\w+)`")
 

@@ -120,6 +120,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "OPT-350M problems (global batch 1,024), both simulated here; planning time and certificate",
               _script("sailor_h2h", "--time-limit", "3"), _script("sailor_h2h", "--time-limit", "30"),
               needs=(str(SHARED / "sailor_opt350"), str(SHARED / "sailor_plans")), long=True),
+    Benchmark("memory_levers", "per-stage recomputation and ZeRO-1 against no levers and uniform full recomputation "
+              "(Sailor OPT-350M, memory-mixed A100 / V100 / RTX 2080 Ti clusters)",
+              _script("memory_levers", "--time-limit", "10"), _script("memory_levers", "--time-limit", "60"),
+              needs=(str(SHARED / "sailor_opt350"),)),
     Benchmark("cli_startup", "wall time of CLI commands that never need torch",
               _script("cli_startup", "--runs", "3"), _script("cli_startup", "--runs", "5", "--pyc")),
     Benchmark("scale", "cluster planner's solve time, gap and memory against layers x GPUs",

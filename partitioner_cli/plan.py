@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from partitioner._io import check_outputs, finite_json
 from partitioner.cluster import GIB, Cluster
@@ -12,6 +13,7 @@ from partitioner.cost import PRECISIONS, CostModel, CostOptions
 from partitioner.errors import FormatError
 from partitioner.placement import supports
 from partitioner.plan import SCHEDULES, Plan
+from partitioner.pricing import RECOMPUTE_POLICIES, ZERO_STAGES
 from partitioner.profile import MAX_MICRO_BATCH_SIZE, Profile
 from partitioner_cli._args import (
     Renamed,
@@ -21,6 +23,10 @@ from partitioner_cli._args import (
     count_or_auto,
     device_list,
 )
+
+if TYPE_CHECKING:
+    from solvers.planning import PlanRequest
+    from solvers.result import SolveResult
 
 __all__ = ["add_cost_arguments", "cost_options_from_args", "plan_cost_options", "register"]
 
@@ -43,6 +49,16 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                        help="GiB the framework itself uses on every GPU: context, buffers, workspace (default 0.5)")
     group.add_argument("--no-sync", action="store_true", default=None,
                        help="do not price the data-parallel gradient all-reduce and optimizer step")
+    group.add_argument("--zero", type=int, choices=ZERO_STAGES, default=None,
+                       help="shard optimizer state over each layer's data-parallel holders: 1 the fp32 master copy "
+                            "and moments (ZeRO-1), 2 the gradients too (ZeRO-2); 0 none (default)")
+    levers = group.add_mutually_exclusive_group()
+    levers.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default=None,
+                        help="activation recomputation: auto (plan: the default where the dp solver or the cluster "
+                             "planner plans) gives each stage the fastest mode that fits, none/selective/full one "
+                             "mode for every stage (selective: the attention core, full: all but the stage input)")
+    levers.add_argument("--no-recompute", dest="recompute", action="store_const", const="none",
+                        help="plan without activation recomputation (same as --recompute none)")
 
 
 def cost_options_from_args(args: argparse.Namespace, base: CostOptions | None = None) -> CostOptions:
@@ -61,6 +77,10 @@ def cost_options_from_args(args: argparse.Namespace, base: CostOptions | None = 
         changes["reserved_bytes"] = args.reserved_gb * GIB
     if args.no_sync is not None:
         changes["sync"] = False
+    if args.zero is not None:
+        changes["zero"] = args.zero
+    if args.recompute is not None:
+        changes["recompute"] = args.recompute
     return replace(base, **changes) if changes else base  # type: ignore[arg-type]
 
 
@@ -84,23 +104,16 @@ def plan_cost_options(args: argparse.Namespace, plan: Plan, profile: Profile, cl
 
 def _run(args: argparse.Namespace) -> int:
     from partitioner.report import format_plan
-    from solvers.planning import PlanRequest, plan, shown
+    from solvers.planning import plan, shown
 
     check_outputs({"-o": args.output}, (args.profile, args.cluster))
     profile = Profile.load(args.profile)
     cluster = Cluster.load(args.cluster)
     options = cost_options_from_args(args)
-    request = PlanRequest(
-        solver=args.solver, schedule=args.schedule, options=options,
-        devices=None if args.devices is None else tuple(device_list(args.devices) or ()),
-        allow_fewer=bool(args.allow_fewer), chunks=args.chunks,
-        micro_batches=count_or_auto(args.micro_batches),
-        global_batch=args.global_batch,
-        virtual_workers=count_or_auto(args.virtual_workers),
-        tensor_parallel=count_or_auto(args.tensor_parallel), pipeline_parallel=args.pipeline_parallel_size,
-        policy=args.policy, replication=bool(args.replication), objective=args.objective,
-        simulate_top=args.simulate_top, time_limit_s=args.time_limit, threads=args.threads, seed=args.seed,
-        chain_order=bool(args.chain_order), fixed_order=bool(args.fixed_order))
+    request = _request(args, options)
+    if args.recompute is None and request.levers_planned:  # recompute where memory binds, by default
+        request = replace(request, options=replace(options, recompute="auto"))
+    options = request.options
     with shown():  # a status line (incumbent, bound, gap) for solves past two seconds, on a terminal
         result = plan(profile, cluster, request)
     if not result.ok or result.plan is None:
@@ -117,6 +130,28 @@ def _run(args: argparse.Namespace) -> int:
     print(table)
     if args.output:
         print(f"\nwrote {args.output}")
+    return _after(args, result)
+
+
+def _request(args: argparse.Namespace, options: CostOptions) -> PlanRequest:
+    from solvers.planning import PlanRequest
+
+    return PlanRequest(
+        solver=args.solver, schedule=args.schedule, options=options,
+        devices=None if args.devices is None else tuple(device_list(args.devices) or ()),
+        allow_fewer=bool(args.allow_fewer), chunks=args.chunks,
+        micro_batches=count_or_auto(args.micro_batches),
+        global_batch=args.global_batch,
+        virtual_workers=count_or_auto(args.virtual_workers),
+        tensor_parallel=count_or_auto(args.tensor_parallel), pipeline_parallel=args.pipeline_parallel_size,
+        policy=args.policy, replication=bool(args.replication), objective=args.objective,
+        simulate_top=args.simulate_top, time_limit_s=args.time_limit, threads=args.threads, seed=args.seed,
+        chain_order=bool(args.chain_order), fixed_order=bool(args.fixed_order))
+
+
+def _after(args: argparse.Namespace, result: SolveResult) -> int:
+    """What the command says after the plan: what the runtime cannot run."""
+    assert result.plan is not None
     cannot = supports(result.plan, "runtime")
     if cannot:
         print(f"note: `partitioner train` cannot run this plan: {cannot}")

@@ -135,6 +135,10 @@ class PlanRequest:
         if self.fixed_order and self.planner not in SEARCHED:
             raise OptionError("fixed_order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
                               f"{self.planner} solver keeps the given order already or chooses it itself)")
+        if self.options.recompute != "none" and not self.levers_planned:
+            raise OptionError("recompute", self.options.recompute, f"the {self.planner} solver"
+                              f"{' with a multi-chunk schedule' if self.multi_chunk else ''} plans without activation "
+                              "recomputation (the dp solver and the cluster planner plan it); give none")
         if self.micro_batches == "auto" and self.global_batch is None:
             raise OptionError("micro_batches", "auto", "needs `global_batch` (samples per iteration, all virtual "
                               "workers together) to choose the micro-batch size, the workers and the count")
@@ -143,6 +147,12 @@ class PlanRequest:
     def multi_chunk(self) -> bool:
         """Model chunks per device: asked for, or implied by the schedule."""
         return self.chunks is not None or (self.schedule != "auto" and spec(self.schedule).multi_chunk)
+
+    @property
+    def levers_planned(self) -> bool:
+        """Whether the path that answers the request chooses recompute modes per stage (the chain DP,
+        one-chunk, alone or in the cluster planner)."""
+        return self.planner in ("dp", "hetero") and not self.multi_chunk
 
     @property
     def cluster_planner_asked(self) -> bool:

@@ -38,7 +38,7 @@ def test_nothing_is_offered_when_no_single_change_fits() -> None:
     result = solve(prof, flat_cluster(["A", "A"], memory_gb={"A": 16}), options=CostOptions(reserved_bytes=0))
     assert result.reason.startswith("layer 0 (l0) alone needs 20.00 GiB")
     assert result.reason.endswith("no single change among mixed precision, a smaller micro-batch, fewer "
-                                  "micro-batches, more pipeline stages makes it fit")
+                                  "micro-batches, more pipeline stages, activation recomputation makes it fit")
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -67,6 +67,8 @@ def test_every_lever_named_makes_it_fit_and_is_the_least_change(seed: int) -> No
         k = int(x.group(1))
         assert _fits(prof, cluster, schedule=schedule, micro_batches=k, options=opts), reason
         assert not _fits(prof, cluster, schedule=schedule, micro_batches=k + 1, options=opts), reason
+    if "`recompute` auto" in reason:
+        assert _fits(prof, cluster, schedule=schedule, micro_batches=m, options=replace(opts, recompute="auto"))
     if (x := re.search(r"more pipeline stages: (\d+) devices", reason)) is not None:
         k = int(x.group(1))
         more = flat_cluster(["A"] * k, memory_gb={"A": cluster.devices[0].memory_bytes / GIB})
@@ -80,8 +82,19 @@ def test_the_command_names_the_levers_by_their_flags(capsys: pytest.CaptureFixtu
     (tmp_path / "c.yaml").write_text("inter_node_GBps: 10\nnodes:\n  - {name: a, intra_node_GBps: 16, "
                                      "gpus: {V100-SXM2-16GB: 2}}\n")
     assert main(["plan", "examples/profiles/vgg16_v100.json", "--cluster", str(tmp_path / "c.yaml"),
-                 "--schedule", "gpipe", "--micro-batches", "8"]) == 1
+                 "--schedule", "gpipe", "--micro-batches", "8", "--no-recompute"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "it would fit with --schedule 1f1b instead of gpipe" in err and "--micro-batches 2 or fewer" in err
+    assert "--recompute auto (activation recomputation where memory binds: full on a:0, full on a:1)" in err
     assert "`" not in err
+    # by default the planner recomputes where memory binds: the same request fits
+    assert main(["plan", "examples/profiles/vgg16_v100.json", "--cluster", str(tmp_path / "c.yaml"),
+                 "--schedule", "gpipe", "--micro-batches", "8", "-o", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "recompute" in out.splitlines()[4] and out.count(" full") >= 2
+    from partitioner.plan import Plan
+
+    saved = Plan.load(tmp_path / "p.json")
+    assert [st.recompute for st in saved.virtual_workers[0].stages] == ["full", "full"]
+    assert saved.pricing is not None and saved.pricing.recompute == "auto"

@@ -22,6 +22,7 @@ from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan, group_size
 from partitioner.profile import Profile
 from partitioner.schedule import check_schedule, spec
+from solvers.analysis.levers import LeverCost, format_levers, lever_costs, zero_saved_bytes
 
 __all__ = ["AddedGpu", "Explanation", "StageCost", "add_gpu", "explain_plan", "format_explanation"]
 
@@ -121,6 +122,9 @@ class Explanation:
     added: tuple[AddedGpu, ...] = ()
     notes: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
+    levers: tuple[LeverCost, ...] = ()  # the stages that recompute: what each costs and saves
+    zero: int = 0
+    zero_saved_bytes: Mapping[str, float] = field(default_factory=dict)  # per device, under ZeRO
 
     def __post_init__(self) -> None:
         if set(self.peak_memory_bytes) != set(self.capacity_bytes):
@@ -146,6 +150,8 @@ class Explanation:
             "solver": dict(self.solver) if self.solver is not None else None,
             "add_one_gpu": [a.to_dict() for a in self.added],
             "notes": list(self.notes),
+            "levers": {"recompute": [lv.to_dict() for lv in self.levers], "zero": self.zero,
+                       "zero_saved_bytes": dict(self.zero_saved_bytes)},
         }
 
 
@@ -156,12 +162,13 @@ def _stage_costs(cost: CostModel, plan: Plan) -> list[StageCost]:
         for k, st in enumerate(vw.stages):
             prev = vw.stages[k - 1].device if k > 0 else None
             nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
-            speed = {d: cost.compute_s(cost.cluster.device(d).kind, st.start, st.stop) for d in st.devices}
+            cs = cost.recomputing(st.recompute)  # its compute includes what it recomputes
+            speed = {d: cs.compute_s(cost.cluster.device(d).kind, st.start, st.stop) for d in st.devices}
             best = min(st.devices, key=speed.__getitem__)
             c, a, g = speed[best], cost.boundary_s(st.stop, best, nxt), cost.boundary_s(st.start, best, prev)
             # replicas share the micro-batches: each part at the replicas' combined pace
-            single = cost.stage_time_s(st.start, st.stop, best, prev, nxt)
-            share = (cost.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches,
+            single = cs.stage_time_s(st.start, st.stop, best, prev, nxt)
+            share = (cs.replicated_stage_time_s(st.start, st.stop, st.devices, prev, nxt, plan.micro_batches,
                                                   include_allreduce=False) / single
                      if st.replicas and single > 0 else 1.0)
             rest = max(0.0, times[k] - share * cost.combine(c, g, a))
@@ -284,10 +291,12 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
                  for g in groups)
     update: dict[str, float] = {}
     if spec(plan.schedule).sync == "allreduce" and options.sync:
+        holders = cost.layer_holders(plan)  # under ZeRO each device steps its shard
         for vw in plan.virtual_workers:
             for st in vw.stages:
                 for d in st.devices:
-                    update[d] = update.get(d, 0.0) + cost.update_s(cluster.device(d).kind, st.start, st.stop)
+                    update[d] = update.get(d, 0.0) + cost.update_shard_s(cluster.device(d).kind, st.start, st.stop,
+                                                                         holders)
     peak = {d: float(tl.peak_memory_bytes[d]) for d in tl.devices}
     capacity = {d: float(cluster.device(d).memory_bytes) for d in tl.devices}
     bounds: dict[str, float] = {"bottleneck_s": bottleneck.time_s}
@@ -319,7 +328,8 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
     added = _what_if(plan, profile, cluster, options, cost, time_limit_s) if what_if else ()
     return Explanation(plan.model, plan.schedule, tuple(stages), bottleneck, tl.iteration_s, tl.samples_per_s,
                        dict(tl.bubble_fraction), sync, update, peak, capacity, bounds, solver, added, tuple(notes),
-                       {"overlap_comm": options.overlap_comm})
+                       {"overlap_comm": options.overlap_comm}, lever_costs(cost, plan), options.zero,
+                       zero_saved_bytes(cost, plan))
 
 
 def _ms(x: float) -> str:
@@ -358,6 +368,7 @@ def format_explanation(e: Explanation, max_untimed: int = 8) -> str:
     elif e.update_s:
         d_max = max(e.update_s, key=lambda d: e.update_s[d])
         lines.append(f"  optimizer step: up to {_ms(e.update_s[d_max])} ({d_max})")
+    lines.extend(format_levers(e.levers, e.zero, e.zero_saved_bytes))
     lines.append("memory (peak simulated / capacity, headroom):")
     for d, h in e.headroom_bytes.items():
         flag = "  DOES NOT FIT" if h < 0 else ""

@@ -82,8 +82,16 @@ class WorkerPlanner:
         self.evaluations = 0
         self.deadline: float | None = None  # time.perf_counter() value past which mappings stop early
         self.progress = Status("", show=False)  # plan_cluster's status line, while it runs
+        # The holders of every layer a worker may count on under ZeRO (K workers hold every layer
+        # once each: K when it is fixed; 1, no sharing, while K is searched)
+        self.holders = 1
 
     def key(self, devices: Sequence[Device]) -> Any:
+        if self.holders > 1:
+            return (self.holders, self._key(devices))
+        return self._key(devices)
+
+    def _key(self, devices: Sequence[Device]) -> Any:
         if any(d.name in self._pinned for d in devices):
             return tuple(sorted(d.name for d in devices))
         per_node: dict[str, Counter[str]] = {}
@@ -133,11 +141,11 @@ class WorkerPlanner:
         self.evaluations += 1
         cost, sched = self.cost, self.schedule
         res = map_worker(cost, devices, sched, exact_limit=self.exact_limit,
-                         max_evaluations=self.max_evaluations, deadline=self.deadline)
+                         max_evaluations=self.max_evaluations, deadline=self.deadline, holders=self.holders)
         options: list[tuple[Stage, ...]] = []
         if res.solution is not None:
             sol = res.solution
-            options.append(tuple(Stage(r, d.name, d.gpu_type) for r, d in zip(sol.ranges, sol.devices, strict=True)))
+            options.append(sol.stages())
         if self.replication and len(devices) > 1:
             order = list(res.solution.devices) if res.solution is not None else list(devices)
             rep = replicate_worker(cost, order, sched)
@@ -146,7 +154,7 @@ class WorkerPlanner:
                                      for r, ds in rep.stages))
         best = _Worker(None, -math.inf, res.exact)
         for stages in options:
-            thr = worker_throughput(cost, stages, sched)
+            thr = worker_throughput(cost, stages, sched, self.holders)
             if thr > best.throughput:
                 best = _Worker(stages, thr, res.exact)
         best = replace(best, ranges=tuple(st.layers for st in best.stages or ()))
@@ -203,12 +211,13 @@ def _relabel(stages: Sequence[Stage], cost: CostModel, devices: Sequence[Device]
                  for st in stages)
 
 
-def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: Schedule) -> float:
-    """Samples per second of one pipeline, priced by the cost model (-inf if it does not fit)."""
+def worker_throughput(cost: CostModel, stages: Sequence[Stage], schedule: Schedule, holders: int = 1) -> float:
+    """Samples per second of one pipeline, priced by the cost model (-inf if it does not fit, one of
+    ``holders`` holders of every layer under ZeRO)."""
     plan = Plan(cost.profile.model, (VirtualWorker(tuple(stages)),), schedule.name, cost.profile.micro_batch_size,
                 schedule.micro_batches)
     try:
-        cost.check_plan_memory(plan)
+        cost.check_plan_memory(plan, holders)
     except FormatError:
         return -math.inf
     it = cost.worker_iteration_s(plan, holders_known=False)  # the other workers are not known yet
@@ -309,6 +318,8 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     planner = WorkerPlanner(cost, sched, replication, exact_limit)
     planner.deadline = t0 + time_limit_s
     k = None if virtual_workers == "auto" else int(virtual_workers)
+    if k is not None and cost.options.zero:
+        planner.holders = k  # every layer has K holders to share its optimizer state with
     found: _Found | str
     with status(f"cluster planner ({n:,} GPUs)") as planner.progress:
         if policy == "opt":

@@ -29,7 +29,7 @@ from typing import Any
 
 from partitioner.cluster import Cluster
 from partitioner.cost import CostOptions
-from partitioner.errors import FormatError
+from partitioner.errors import FormatError, OptionError
 from partitioner.profile import Profile
 from solvers.exact.intervals import DEFAULT_MAX_ARCS, check_limits, prepare
 from solvers.exact.joint import HINT_SHARE, mapping_details, needs_mapping
@@ -72,6 +72,9 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     if backend not in BACKENDS:
         raise FormatError("backend", backend, f"must be one of {', '.join(BACKENDS)}")
     check_limits(time_limit_s, threads, seed)
+    if options is not None and options.recompute != "none":
+        raise OptionError("recompute", options.recompute, f"the {_METHOD[backend]} models plan without activation "
+                          "recomputation; give none, or plan the levers with the dp solver or the cluster planner")
     settings: dict[str, Any] = {"time_limit_s": time_limit_s, "threads": threads, "seed": seed,
                                 "tie_break": tie_break}
     if backend == "cpsat":

@@ -30,6 +30,7 @@ from partitioner.errors import FormatError
 from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import Profile
 from partitioner.schedule import Schedule
+from solvers.pipeline.levers import fitting_stops, stage_candidates, stage_mode
 from solvers.predictions import with_predictions
 from solvers.result import SolveResult, SolveStatus
 
@@ -46,43 +47,60 @@ class ChainSolution:
     bottleneck_s: float
     cuts: tuple[int, ...]
     devices: tuple[Device, ...]
+    recompute: tuple[str, ...] = ()  # each stage's recompute mode (empty: none anywhere)
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
         return list(zip(self.cuts[:-1], self.cuts[1:]))
 
+    def stages(self) -> tuple[Stage, ...]:
+        """The plan's stages of this split: each range on its device, in its recompute mode."""
+        modes = self.recompute or ("none",) * len(self.devices)
+        return tuple(Stage(r, d.name, d.gpu_type, recompute=mode)
+                     for r, d, mode in zip(self.ranges, self.devices, modes, strict=True))
 
-def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, refine: bool = True) -> ChainSolution | None:
+
+def chain_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, refine: bool = True,
+             holders: int = 1) -> ChainSolution | None:
     """The minimum-bottleneck split of the chain over exactly ``devices`` in order, or None.
 
     With ``refine`` (the default), a second pass picks, among the splits that reach the optimal
     bottleneck ``B*``, one with the least total stage time ``sum_k T_k``: a 1F1B or GPipe
     iteration takes about ``sum_k T_k + (m - 1) B*``, so this is the best of the tied optima
     (a fast device gets the layers a slow one need not hold).
+
+    Each stage takes the first recompute mode ``cost.options`` allows that fits its device
+    (:mod:`solvers.pipeline.levers`), its optimizer state shared by ``holders`` holders of every
+    layer under ZeRO (the virtual workers of a cluster plan: each holds every layer once).
     """
     p, n_layers = len(devices), cost.num_layers
     if p == 0 or p > n_layers:
         return None
-    best, back = _sweep(cost, devices, schedule)
-    return _solution(cost, devices, schedule, best, back, refine)
+    best, back = _sweep(cost, devices, schedule, holders=holders)
+    return _solution(cost, devices, schedule, best, back, refine, holders)
 
 
 def _solution(cost: CostModel, devices: Sequence[Device], schedule: Schedule, best: float,
-              back: list[np.ndarray], refine: bool) -> ChainSolution | None:
-    """The split a first pass found (``best``, ``back``), refined to the least total stage time."""
+              back: list[np.ndarray], refine: bool, holders: int = 1) -> ChainSolution | None:
+    """The split a first pass found (``best``, ``back``), refined to the least total stage time,
+    with each stage's recompute mode."""
     if not math.isfinite(best):
         return None
     if refine:
-        total, refined = _sweep(cost, devices, schedule, limit_s=best)
+        total, refined = _sweep(cost, devices, schedule, limit_s=best, holders=holders)
         if math.isfinite(total):  # always: the first pass's split is a candidate
             back = refined
     cuts = [0]
     for k in range(len(devices)):
         cuts.append(int(back[k][cuts[-1]]))
-    return ChainSolution(best, tuple(cuts), tuple(devices))
+    p = len(devices)
+    modes = tuple(stage_mode(cost, devices[k], schedule, schedule.activations_in_flight(p - k), cuts[k], cuts[k + 1],
+                             holders) for k in range(p))
+    return ChainSolution(best, tuple(cuts), tuple(devices), () if set(modes) == {"none"} else modes)
 
 
-def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, refine: bool = True) -> ChainSolution | None:
+def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, refine: bool = True,
+                   holders: int = 1) -> ChainSolution | None:
     """The best split over the first ``q`` devices, over every ``q``: the least bottleneck, the
     shortest pipeline among equals (refined as in :func:`chain_dp`), or None when no prefix fits.
 
@@ -95,7 +113,7 @@ def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedul
     if q_max == 0:
         return None
     devices = devices[:q_max]
-    bounds = _prefix_lower_bounds(cost, devices, schedule)
+    bounds = _prefix_lower_bounds(cost, devices, schedule, holders)
     best, best_q, best_back = math.inf, 0, None
     solved, tightened = 0, False
     while True:
@@ -106,11 +124,11 @@ def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedul
             break
         if solved and not tightened:
             # More than one prefix is needed: a second bound, exact in memory, usually settles it.
-            bounds = np.maximum(bounds, _distance_lower_bounds(cost, devices, schedule))
+            bounds = np.maximum(bounds, _distance_lower_bounds(cost, devices, schedule, holders))
             tightened = True
             continue
         q = min(open_q, key=lambda x: (bounds[x - 1], x))
-        value, back = _sweep(cost, devices[:q], schedule)
+        value, back = _sweep(cost, devices[:q], schedule, holders=holders)
         solved += 1
         bounds[q - 1] = value  # solved: its bound is its optimum
         if value < best or (value == best and q < best_q):
@@ -122,10 +140,10 @@ def best_prefix_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedul
     log.debug("allow_fewer: %d of %d prefixes solved exactly (second bound: %s)", solved, q_max, tightened)
     if best_back is None:
         return None
-    return _solution(cost, devices[:best_q], schedule, best, best_back, refine)
+    return _solution(cost, devices[:best_q], schedule, best, best_back, refine, holders)
 
 
-def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> np.ndarray:
+def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: Schedule, holders: int = 1) -> np.ndarray:
     """``bounds[q - 1] <= `` the optimal bottleneck over ``devices[:q]``, for every ``q``, in one pass.
 
     A forward pass, ``h_{k+1}(j) = min_{i < j} max(h_k(i), T_k(i, j))`` with ``h_0(0) = 0``, and
@@ -136,6 +154,7 @@ def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: S
     relaxes it to the fewest micro-batches any stage keeps, and to a capacity a hair larger
     (rounding can never make the relaxation stricter than the exact test). A relaxation can
     only lower the optimum, so every bound is valid; where memory does not bind, it is exact.
+    With memory levers a stage fits where any allowed mode fits it and is priced in the cheapest.
     """
     p, n_layers = len(devices), cost.num_layers
     cols = np.arange(n_layers + 1)
@@ -149,11 +168,13 @@ def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: S
         dev = devices[k]
         prev = devices[k - 1] if k > 0 else None
         nxt = devices[k + 1] if k + 1 < p else None
-        top = cost.max_stop(fewest, schedule, dev.memory_bytes * (1 + 1e-9), rows, dev.tensor_parallel)
+        top = np.max(fitting_stops(cost, fewest, schedule, dev.memory_bytes * (1 + 1e-9), rows, dev.tensor_parallel,
+                                   holders), axis=0)
         invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
-        cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
+        cheapest = cost.recomputing(cost.options.recompute_modes[0])
+        cand = cheapest.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
         if nxt is not None and cost.boundary_vector_s(dev, nxt)[n_layers] != 0.0:
-            last = cost.pipeline_stage_time_matrix(dev, prev, None, schedule, rows)
+            last = cheapest.pipeline_stage_time_matrix(dev, prev, None, schedule, rows)
             cand[:, n_layers] = last[:, n_layers]
         np.maximum(cand, h[rows, None], out=cand)
         cand[invalid] = np.inf
@@ -162,7 +183,8 @@ def _prefix_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: S
     return bounds
 
 
-def _distance_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> np.ndarray:
+def _distance_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule: Schedule, holders: int = 1
+                           ) -> np.ndarray:
     """``bounds[q - 1] <= `` the optimal bottleneck over ``devices[:q]``, for every ``q``, in one pass
     indexed by the distance from the pipeline's end, where memory is exact.
 
@@ -188,13 +210,15 @@ def _distance_lower_bounds(cost: CostModel, devices: Sequence[Device], schedule:
         kinds = {_pair_kind(cost, a, b): (a, b) for a, b in reversed(pairs)}
         if tuple(kinds) != pool_kinds:  # the pool shrinks as d grows: its kinds change a few times
             pool_kinds = tuple(kinds)
-            mats = [cost.pipeline_stage_time_matrix(a, None, b, schedule) for a, b in kinds.values()]
+            cheapest = cost.recomputing(cost.options.recompute_modes[0])
+            mats = [cheapest.pipeline_stage_time_matrix(a, None, b, schedule) for a, b in kinds.values()]
             fastest = mats[0] if len(mats) == 1 else np.minimum.reduce(mats)
         assert fastest is not None
         pool = devices[: q_max - d + 1]
         rows = slice(0, n_layers - d + 1)  # d - 1 stages after this one need >= d - 1 layers
-        top = np.max([cost.max_stop(schedule.activations_in_flight(d), schedule, mem * (1 + 1e-9), rows, t)
-                      for mem, t in {(dev.memory_bytes, dev.tensor_parallel) for dev in pool}], axis=0)
+        top = np.max([stop for mem, t in {(dev.memory_bytes, dev.tensor_parallel) for dev in pool}
+                      for stop in fitting_stops(cost, schedule.activations_in_flight(d), schedule, mem * (1 + 1e-9),
+                                                rows, t, holders)], axis=0)
         invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
         cand = np.maximum(fastest[rows], g[None, :])
         cand[invalid] = np.inf
@@ -212,7 +236,7 @@ def _pair_kind(cost: CostModel, a: Device, b: Device | None) -> tuple[str, float
 
 
 def _sweep(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
-           limit_s: float | None = None) -> tuple[float, list[np.ndarray]]:
+           limit_s: float | None = None, holders: int = 1) -> tuple[float, list[np.ndarray]]:
     """One backward pass over the stages: the optimum from layer 0 and the back-pointers.
 
     Without ``limit_s``: ``f_k(i) = min_j max(T_k(i, j), f_{k+1}(j))`` (the bottleneck).
@@ -232,10 +256,10 @@ def _sweep(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
         prev = devices[k - 1] if k > 0 else None
         nxt = devices[k + 1] if k + 1 < p else None
         in_flight = schedule.activations_in_flight(p - k)
-        # Feasible (i, j): i < j <= the largest stop whose stage fits in the device's memory.
-        top = cost.max_stop(in_flight, schedule, dev.memory_bytes, rows, dev.tensor_parallel)
+        # Feasible (i, j): i < j <= the largest stop whose stage fits in the device's memory (in
+        # some recompute mode the options allow; T_k(i, j) is the first that fits, a fresh array).
+        top, cand = stage_candidates(cost, dev, prev, nxt, schedule, in_flight, rows, holders)
         invalid = (cols[None, :] <= cols[rows, None]) | (cols[None, :] > top[:, None])
-        cand = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)  # T_k(i, j), fresh
         if limit_s is None:
             np.maximum(cand, f[None, :], out=cand)
         else:
@@ -260,7 +284,9 @@ def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: Sc
     largest = max(devices, key=lambda d: d.memory_bytes)
     fewest = schedule.activations_in_flight(1)
     names = [layer.name for layer in cost.profile.layers]
-    alone = np.array([cost.stage_memory_bytes(i, i + 1, fewest, schedule) for i in range(n_layers)])
+    # with recomputation allowed, each figure in the mode that needs least
+    modes = [cost.recomputing(mode) for mode in cost.options.recompute_modes]
+    alone = np.array([min(c.stage_memory_bytes(i, i + 1, fewest, schedule) for c in modes) for i in range(n_layers)])
     worst = int(alone.argmax())
     reserved = cost.options.reserved_bytes
     if alone[worst] > largest.memory_bytes:
@@ -273,7 +299,7 @@ def diagnose_infeasible(cost: CostModel, devices: Sequence[Device], schedule: Sc
             return f"layer {worst} needs {m.stage(worst, worst + 1, 1) / GIB:.2f} GiB"
 
         return reason + _memory_levers(cost, devices, schedule, figure)
-    need = cost.stage_memory_bytes(0, n_layers, fewest, schedule) + (p - 1) * reserved
+    need = min(c.stage_memory_bytes(0, n_layers, fewest, schedule) for c in modes) + (p - 1) * reserved
     have = sum(d.memory_bytes for d in devices)
     if need > have:
         reason = (f"the model needs at least {need / GIB:.2f} GiB across {p} stages even with "
@@ -395,9 +421,17 @@ def _memory_levers(cost: CostModel, devices: Sequence[Device], schedule: Schedul
                 lo, k = (lo, mid) if base.fits([largest] * mid) else (mid + 1, k)
             out.append(f"more pipeline stages: {k} devices of {largest.memory_bytes / GIB:.2f} GiB like "
                        f"{largest.name} instead of {p} (fewer virtual workers leave each pipeline more devices)")
+    recompute_checked = cost.options.recompute != "auto" and searches and p * n_layers * n_layers <= _LEVER_WORK
+    if recompute_checked:
+        levered = CostModel(cost.profile, cost.cluster, _replace(cost.options, recompute="auto"))
+        sol = chain_dp(levered, devices, schedule, refine=False)
+        if sol is not None and sol.recompute:  # (a split that fits without it is not this lever's)
+            used = ", ".join(f"{m} on {d.name}" for m, d in zip(sol.recompute, sol.devices, strict=True) if m != "none")
+            out.append(f"`recompute` auto (activation recomputation where memory binds: {used})")
     if not out:
         checked = "mixed precision, 1f1b" if not searches else \
-            "mixed precision, a smaller micro-batch, fewer micro-batches, more pipeline stages"
+            "mixed precision, a smaller micro-batch, fewer micro-batches, more pipeline stages" + \
+            (", activation recomputation" if recompute_checked else "")
         return f"; no single change among {checked} makes it fit"
     return "; it would fit with " + ", or ".join(out)
 
@@ -468,7 +502,7 @@ def plan_from_cuts(profile: Profile, cost: CostModel, sol: ChainSolution, schedu
     :meth:`partitioner.cost.CostModel.plan_iteration_s` (fill and drain around the bottleneck,
     then the optimizer step); ``meta["predicted_by"]`` says which.
     """
-    stages = tuple(Stage((a, b), d.name, d.gpu_type) for (a, b), d in zip(sol.ranges, sol.devices, strict=True))
+    stages = sol.stages()
     plan = Plan(profile.model, (VirtualWorker(stages),), schedule.name, profile.micro_batch_size, schedule.micro_batches,
                 layer_order=profile.layer_order)
     times = cost.plan_stage_times_s(plan)

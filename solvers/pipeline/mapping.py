@@ -102,11 +102,12 @@ def realise_order(order: Sequence[Label], pools: dict[Label, list[Device]]) -> l
 
 def map_worker(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
                *, exact_limit: int = 720, max_evaluations: int = 200,
-               deadline: float | None = None) -> MappingResult:
+               deadline: float | None = None, holders: int = 1) -> MappingResult:
     """Best pipeline order and split of ``devices`` (all of them are used, one stage each).
 
     ``deadline`` (a ``time.perf_counter()`` value): past it, the search stops after the orders
-    it has started with and keeps the best found (reported as not exact)."""
+    it has started with and keeps the best found (reported as not exact). ``holders``: of every
+    layer, under ZeRO (:func:`solvers.pipeline.dp.chain_dp`)."""
     devices = list(devices)
     labels = device_labels(cost, devices)
     pools: dict[Label, list[Device]] = {}
@@ -122,7 +123,7 @@ def map_worker(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
     def consider(order: Sequence[Label]) -> ChainSolution | None:
         nonlocal best, evaluated
         # orders compete on the bottleneck; the winner's split is refined once, at the end
-        sol = chain_dp(cost, realise_order(order, pools), schedule, refine=False)
+        sol = chain_dp(cost, realise_order(order, pools), schedule, refine=False, holders=holders)
         evaluated += 1
         if sol is not None and (best is None or sol.bottleneck_s < best.bottleneck_s):
             best = sol
@@ -146,7 +147,7 @@ def map_worker(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
                                lambda: evaluated, out_of_time)
     if result.solution is None:
         return result
-    refined = chain_dp(cost, result.solution.devices, schedule)  # same order, same bottleneck
+    refined = chain_dp(cost, result.solution.devices, schedule, holders=holders)  # same order, same bottleneck
     return MappingResult(refined, result.exact, result.orders_evaluated, result.lower_bound_s)
 
 

@@ -118,9 +118,10 @@ def largest_layer_s(cost: CostModel, types: Sequence[str]) -> float:
 
 
 def worker_memory_bytes(cost: CostModel, schedule: Schedule) -> float:
-    """``M``: the weights (with the schedule's versions) and one micro-batch's activations of the model."""
+    """``M``: the weights (with the schedule's versions) and one micro-batch's activations of the model
+    (the least any memory lever the options allow leaves: :meth:`CostModel.least_stage_bytes`)."""
 
-    return cost.weight_bytes(0, cost.num_layers, schedule.weight_versions) + cost.activation_bytes(0, cost.num_layers)
+    return cost.least_stage_bytes(0, cost.num_layers, schedule.weight_versions)
 
 
 def worker_time_bound_s(times_s: Sequence[float], micro_batches: int, fill: bool = True,

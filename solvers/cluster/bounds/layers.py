@@ -93,8 +93,12 @@ def _layer_columns(cost: CostModel, kind: str, versions: int) -> tuple[np.ndarra
     comp = shard.layer_compute_s(gpu_type)
     step = np.diff(shard.update_prefix(gpu_type))
     grads = np.diff(shard.param_prefix) / t  # one GPU's gradient bytes (the shards move side by side)
-    weights = np.diff(shard.param_count_prefix) * shard.options.bytes_per_parameter(versions)
-    saved = shard.saved_stop[1:] - shard.saved_start[:-1]  # activation_bytes(i, i + 1) for every i
+    # with memory levers, the least a layer takes in any plan (CostModel.least_stage_bytes: valid over
+    # the planner's larger space): ZeRO's state over every GPU, the activations a recompute mode keeps
+    holders = cost.cluster.num_gpus if cost.options.zero else 1
+    weights = np.diff(shard.param_count_prefix) * shard.options.sharded_bytes_per_parameter(versions, holders)
+    kept = shard.recomputing(shard.least_memory_mode)
+    saved = kept.saved_stop[1:] - kept.saved_start[:-1]  # activation_bytes(i, i + 1) for every i
     return comp, step, grads, weights + saved
 
 

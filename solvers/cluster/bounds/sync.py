@@ -275,8 +275,9 @@ def exact_pipeline_floor_s(cost: CostModel, devices: Sequence[Device], schedule:
         for k, d in enumerate(devs):
             prev = devs[k - 1] if k else None
             nxt = devs[k + 1] if k + 1 < q else None
-            ok = upper & (cost.memory_matrix(schedule.activations_in_flight(q - k), schedule, tensor_parallel=d.tensor_parallel)
-                          <= d.memory_bytes)
+            # the least memory any lever allows: a bound over the planner's larger space
+            ok = upper & (cost.least_memory_matrix(schedule.activations_in_flight(q - k), schedule,
+                                                   tensor_parallel=d.tensor_parallel) <= d.memory_bytes)
             t = cost.pipeline_stage_time_matrix(d, prev, nxt, schedule)
             f = (cost.compute_matrix(d.kind) + cost.boundary_vector_s(d, prev)[:, None]
                  + cost.boundary_vector_s(d, nxt)[None, :])

@@ -163,7 +163,8 @@ def _stage_parts(cost: CostModel, devs: Sequence[Device], schedule: Schedule,
         a = np.broadcast_to(cost.boundary_vector_s(d, nxt)[None, :], f.shape)  # activation sent on at stop
         g = np.broadcast_to(cost.boundary_vector_s(d, prev)[:, None], f.shape)  # gradient sent back at start
         received = np.broadcast_to(cost.boundary_vector_s(nxt, d)[None, :], f.shape)  # gradient from the next
-        mem = cost.memory_matrix(schedule.activations_in_flight(q - k), schedule, tensor_parallel=d.tensor_parallel)
+        # the least memory any lever allows (recomputation, ZeRO): valid over the planner's larger space
+        mem = cost.least_memory_matrix(schedule.activations_in_flight(q - k), schedule, tensor_parallel=d.tensor_parallel)
         out.append({"f": f, "b": b, "a": a, "g": g, "back": b + received, "round": f + b + a + received,
                     "t": cost.pipeline_stage_time_matrix(d, prev, nxt, schedule),
                     "fits": mem <= d.memory_bytes, "tail": tails[d.kind]})

@@ -1,0 +1,68 @@
+"""A stage's memory levers for the chain solvers: per candidate stage ``[i, j)`` the fastest
+recompute mode that fits its device (``CostOptions.recompute``: one mode for every stage, or
+``auto``: any of none, selective, full), its optimizer state shared by ``holders`` data-parallel
+holders of its layers under ``CostOptions.zero``.
+
+A recompute only adds time (its forward again, inside the backward), so a stage recomputes only
+where its memory forces it: the stage's time is the least over the modes that fit. The matrix
+form (:func:`stage_candidates`) and the scalar one (:func:`stage_mode`) compute the same numbers
+with the cost model's matrix and scalar methods, which agree to the bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from partitioner.cluster import Device
+from partitioner.cost import CostModel
+from partitioner.schedule import Schedule
+
+__all__ = ["fitting_stops", "stage_candidates", "stage_mode"]
+
+
+def fitting_stops(cost: CostModel, in_flight: int, schedule: Schedule, capacity_bytes: float, rows: slice,
+                  tensor_parallel: int, holders: int = 1) -> list[np.ndarray]:
+    """Per mode the options allow (cheapest first), the largest stop that fits from each start in
+    ``rows`` (:meth:`CostModel.max_stop` of that mode's model)."""
+    return [cost.recomputing(mode).max_stop(in_flight, schedule, capacity_bytes, rows, tensor_parallel, holders)
+            for mode in cost.options.recompute_modes]
+
+
+def stage_candidates(cost: CostModel, dev: Device, prev: Device | None, nxt: Device | None, schedule: Schedule,
+                     in_flight: int, rows: slice, holders: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``(top, times)``: for each start ``i`` in ``rows`` the largest stop any mode fits, and
+    ``times[i, j]``, the stage time in the first mode (cheapest first) whose stage ``[i, j)`` fits
+    ``dev`` (``inf`` where none does; ``j <= i`` is the caller's to mask). A mode that fits no
+    stage a cheaper one does not is never priced."""
+    modes = cost.options.recompute_modes
+    tops = fitting_stops(cost, in_flight, schedule, dev.memory_bytes, rows, dev.tensor_parallel, holders)
+    if len(modes) == 1:
+        return tops[0], cost.recomputing(modes[0]).pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
+    cols = np.arange(cost.num_layers + 1)
+    times: np.ndarray | None = None
+    covered = np.full(len(tops[0]), -1)
+    for mode, top in zip(modes, tops, strict=True):
+        if not np.any(top > covered):
+            continue  # it fits no stage a cheaper mode does not
+        t = cost.recomputing(mode).pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
+        if times is None:
+            times = t
+            times[cols[None, :] > top[:, None]] = np.inf
+        else:  # where no cheaper mode fits and this one does
+            new = (cols[None, :] > covered[:, None]) & (cols[None, :] <= top[:, None])
+            times[new] = t[new]
+        covered = np.maximum(covered, top)
+    assert times is not None
+    return covered, times
+
+
+def stage_mode(cost: CostModel, dev: Device, schedule: Schedule, in_flight: int, start: int, stop: int,
+               holders: int = 1) -> str:
+    """The recompute mode of stage ``[start, stop)`` on ``dev`` the solvers chose: the first mode
+    (cheapest first) that fits; the options' last mode when none fits."""
+    for mode in cost.options.recompute_modes:
+        need = cost.recomputing(mode).stage_memory_bytes(start, stop, in_flight, schedule, dev.tensor_parallel,
+                                                         holders)
+        if need <= dev.memory_bytes:
+            return mode
+    return cost.options.recompute_modes[-1]
