@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"partitioner plan: {result.status}: {as_flags(result.reason or '')}", file=sys.stderr)
         return 1
     for line in result.details.get("messages", ()):
-        print(line)
+        print(as_flags(line))
     cost = CostModel(result.plan.profile_view(profile.at_size(result.plan.micro_batch_size)), cluster, options)
     cost.validate_plan(result.plan)
     finite_json(result.plan.to_dict(), "the plan")  # e.g. a profile of zero times: an infinite rate

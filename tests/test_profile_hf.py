@@ -102,3 +102,11 @@ def test_cli_profiles_a_transformers_model_per_block(tmp_path, capsys):
     assert main(["profile", "model", "hf:gpt2?n_layerz=2", "--micro-batch-size", "2", "-o",
                  str(tmp_path / "q.json")]) == 2
     assert "GPT2Config has no field 'n_layerz'" in capsys.readouterr().err
+
+
+def test_train_refuses_a_transformers_model_by_config_in_one_line():
+    from runtime.model import load_model_spec
+
+    with pytest.raises(PartitionerError, match=r"is profiled .*not trained by this runtime") as err:
+        load_model_spec(GPT2)
+    assert "\n" not in str(err.value)

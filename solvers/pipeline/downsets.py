@@ -302,6 +302,10 @@ def solve_graph(profile: Profile, cost: CostModel, devices: Sequence[Device], sc
     """The convex-stage plan of a DAG profile over ``devices`` (their first ``q`` for every ``q``
     with ``allow_fewer``), or the chain DP's answer ``chain`` where it is as good; the result
     says which (``details["order"]``) and how many down-sets the graph has."""
+    missing = [a for a, _ in profile.edges if profile.layers[a].own_output_bytes is None]
+    if missing:  # an older import: the tensors crossing another order's cuts cannot be priced
+        return _chain_noted(chain, f"no own_output_bytes for layer {missing[0]} (import the graph again to plan "
+                                   f"convex stages of it)", profile)
     ideals = down_sets(profile.num_layers, profile.graph_edges)
     if ideals is None:
         return _chain_noted(chain, f"more than {MAX_DOWN_SETS:,} down-sets", profile)
