@@ -4,7 +4,7 @@
 PYTHON ?= python3
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install demo test test-slow lint bench
+.PHONY: install demo test test-slow lint bench check-docs
 
 # torch first: if any torch is importable (a GPU user's own build) it is kept; otherwise
 # the CPU build is installed, so the project's `torch>=2.1` is satisfied without pulling CUDA.
@@ -22,6 +22,9 @@ test: install
 
 test-slow: install
 	$(PYTHON) -m pytest -m slow
+
+check-docs: install
+	$(PYTHON) tools/check_docs.py
 
 lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m mypy partitioner partitioner_cli solvers runtime

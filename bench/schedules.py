@@ -100,7 +100,7 @@ def plans(profile: Profile, cluster: Cluster, devices: list[str], m: int, opts: 
     for sched in SCHEDULES:
         try:
             res = solve(profile, cluster, devices, schedule=sched, micro_batches=m, options=opts,
-                        chunks=2 if sched == "interleaved" else None)
+                        chunks=2 if sched == "interleaved" else None, dag=False)  # every schedule on the chain
         except Exception as err:  # a schedule rule (interleaved's multiple of p): say it and go on
             print(f"   {sched:11s} refused: {err}")
             continue

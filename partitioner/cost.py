@@ -417,15 +417,21 @@ class CostModel:
     def _boundary_vector(self, a: str, b: str) -> np.ndarray:
         if a == b:
             return self._no_transfer
-        link = self.cluster.link(a, b)
-        if self.cluster.has_nics and self.cluster.nic_route(a, b):
-            out = np.array([self.link_s(float(x), a, b) for x in self.boundary])
-        elif link.is_flat:
-            out = self.boundary / (link.gbps * 1e9)
-        else:  # each message timed at its own size
-            out = np.array([link.send_seconds(float(x)) for x in self.boundary])
+        out = self.messages_s(self.boundary, a, b)
         out.flags.writeable = False
         return out
+
+    def messages_s(self, nbytes: np.ndarray, a: str, b: str) -> np.ndarray:
+        """One pipeline send from ``a`` to ``b`` of each size in ``nbytes``, as a stage's
+        boundary is priced (:meth:`boundary_s`; the same operations, so the same bits)."""
+        if a == b:
+            return np.zeros(len(nbytes))
+        link = self.cluster.link(a, b)
+        if self.cluster.has_nics and self.cluster.nic_route(a, b):
+            return np.array([self.link_s(float(x), a, b) for x in nbytes])
+        if link.is_flat:
+            return np.asarray(nbytes, dtype=np.float64) / (link.gbps * 1e9)
+        return np.array([link.send_seconds(float(x)) for x in nbytes])  # each message at its own size
 
     # -- stage time ----------------------------------------------------------------------------
 

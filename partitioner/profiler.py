@@ -304,8 +304,8 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, name: str, timer: _Timer, war
                 grad_out = torch.randn(y.shape, generator=g, dtype=y.dtype).to(y.device)
             tb, _ = timer.time(torch.autograd.backward, y, grad_out)
             y = _out_tensor(layer(x), name)  # again, for the split: I, then W
-            ti, _ = timer.time(functools.partial(torch.autograd.grad, retain_graph=True, allow_unused=True),
-                               y, x, grad_out)
+            ti = (timer.time(functools.partial(torch.autograd.grad, retain_graph=True, allow_unused=True),
+                             y, x, grad_out)[0] if x.requires_grad else 0.0)  # integer input (token ids): no I
             tw = (timer.time(functools.partial(torch.autograd.backward, inputs=params), y, grad_out)[0]
                   if params else 0.0)
             b_in.append(ti)

@@ -30,7 +30,8 @@ def _pipedream(args: argparse.Namespace) -> int:
     profile = import_pipedream(args.graph, gpu_type=args.gpu_type, micro_batch_size=args.micro_batch_size,
                                model=args.model)
     profile.save(args.output)
-    kind = "DAG linearised to a chain" if profile.edges else "chain"
+    chain = all(b == a + 1 for a, b in profile.graph_edges) and len(profile.graph_edges) == profile.num_layers - 1
+    kind = "chain" if chain else f"a DAG of {len(profile.graph_edges)} edges, planned as convex stages of it"
     print(f"imported {profile.model}: {profile.num_layers} layers ({kind}), micro-batch "
           f"{profile.micro_batch_size}, timed on {args.gpu_type} -> {args.output}")
     return 0

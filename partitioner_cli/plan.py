@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"partitioner plan: {result.status}: {as_flags(result.reason or '')}", file=sys.stderr)
         return 1
     for line in result.details.get("messages", ()):
-        print(line)
+        print(as_flags(line))
     cost = CostModel(result.plan.profile_view(profile.at_size(result.plan.micro_batch_size)), cluster, options)
     cost.validate_plan(result.plan)
     finite_json(result.plan.to_dict(), "the plan")  # e.g. a profile of zero times: an infinite rate
@@ -209,8 +209,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="cpsat / milp: random seed; a fixed seed and --threads give the same plan "
                              "unless the time limit cuts the search (default 0)")
     parser.add_argument("--chain-order", action="store_true",
-                        help="cpsat / milp on a profile with edges: stages as ranges of its layer order, as the dp "
-                             "solver plans (default: convex stages of the graph)")
+                        help="on a profile with edges: stages as ranges of its layer order, any solver (default: "
+                             "dp, cpsat and milp plan convex stages of the graph; the others split the layer order "
+                             "with a note)")
     parser.add_argument("--fixed-order", action="store_true",
                         help="cpsat / milp: split over --devices in the given order (default: on GPUs of several "
                              "(node, type) groups the order is decided in the model with the split)")

@@ -175,21 +175,30 @@ def _profile_model_ref(args: argparse.Namespace) -> int:
     its function returns (as ``train --model`` takes it), measured per layer on its own batches."""
     from partitioner._io import check_outputs
     from partitioner.cluster import resolve_gpu_type
+    from runtime.hf import is_hf_ref
     from runtime.model import is_model_ref, load_model_spec
 
     check_outputs({"-o": args.output}, ())
-    if not is_model_ref(args.ref):
+    hf = is_hf_ref(args.ref)
+    if not (hf or is_model_ref(args.ref)):
         raise PartitionerError(f"model {args.ref!r}: give MODULE:FUNCTION, a function returning a "
-                               f"runtime.model.ModelSpec (the zoo's models are profiled by name)")
-    for flag, given in (("--analytic", args.analytic), ("--seq-len", args.seq_len),
+                               f"runtime.model.ModelSpec, or hf:TYPE?field=value&... for a transformers model "
+                               f"(the zoo's models are profiled by name)")
+    for flag, given in (("--analytic", args.analytic), ("--seq-len", args.seq_len and not hf),
                         ("--image-size", args.image_size), ("--vocab", args.vocab)):
         if given:
             raise PartitionerError(f"{flag}: applies to the zoo's models; your model's function sets its own "
-                                   f"shapes and its batches come from its make_batch")
+                                   f"shapes and its batches come from its make_batch (a transformers model "
+                                   f"takes --seq-len, its vocabulary as hf:TYPE?vocab_size=N)")
     targets = [resolve_gpu_type(g).name for g in args.gpu_type or []]
     t0 = time.perf_counter()
     _check_device(args)
-    spec = load_model_spec(args.ref)
+    if hf:
+        from runtime.hf import hf_spec
+
+        spec = hf_spec(args.ref, args.seq_len)
+    else:
+        spec = load_model_spec(args.ref)
     sample = spec.batch(0, args.batch_size)[0]
     profile = _measure(args, args.ref, spec.layers, sample, targets, {"model_ref": args.ref})
     _save(args, profile, t0)
@@ -327,8 +336,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     up = actions.add_parser("model", parents=[common],
                             help="profile your own model: MODULE:FUNCTION returning a runtime.model.ModelSpec "
-                                 "(as train --model takes it)")
-    up.add_argument("ref", metavar="MODULE:FUNCTION", help="e.g. mypkg.models:build (importable from here)")
+                                 "(as train --model takes it), or a transformers model hf:TYPE?field=value&...")
+    up.add_argument("ref", metavar="MODULE:FUNCTION|hf:TYPE",
+                    help="e.g. mypkg.models:build (importable from here), or hf:gpt2?n_layer=2&n_embd=64 (a "
+                         "transformers model type built from its config class, nothing downloaded; needs the "
+                         "transformers package)")
     up.set_defaults(func=_profile_model_ref)
 
     mp = actions.add_parser("merge", help="combine profiles of one model measured on different GPU types")

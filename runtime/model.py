@@ -141,6 +141,10 @@ def is_model_ref(name: str) -> bool:
 def load_model_spec(ref: str) -> ModelSpec:
     """Import ``module:function`` and call it; one line for every way this can fail."""
     module_name, _, func_name = ref.partition(":")
+    if module_name == "hf":  # runtime/hf.py's names: built for profiling, not re-initialised per layer
+        raise PartitionerError(f"model '{ref}': a transformers model by config is profiled (partitioner profile "
+                               f"model {ref}), not trained by this runtime; wrap it as module:function returning a "
+                               f"ModelSpec whose layers have reset_parameters")
     if not module_name or not func_name:
         raise PartitionerError(f"model '{ref}': a user's model is named module:function (e.g. mymodels:mlp)")
     if os.getcwd() not in sys.path:

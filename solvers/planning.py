@@ -36,10 +36,11 @@ from solvers.pipeline.chunked import parse_chunks
 from solvers.progress import shown
 from solvers.result import SolveResult
 
-__all__ = ["SEARCHED", "TIME_LIMITED", "PlanRequest", "plan", "shown"]
+__all__ = ["GRAPH_PLANNERS", "SEARCHED", "TIME_LIMITED", "PlanRequest", "plan", "shown"]
 
 TIME_LIMITED = ("cpsat", "milp", "hetero")  # solvers that take a time limit
 SEARCHED = ("cpsat", "milp")  # solvers with search workers and a random seed
+GRAPH_PLANNERS = ("dp", "cpsat", "milp")  # solvers that plan convex stages of a graph profile (unless chain_order)
 
 
 def _count(value: int | str | None, name: str, most: int) -> None:
@@ -60,8 +61,10 @@ class PlanRequest:
     profile holds tensor-parallel shards and 1 elsewhere. ``chunks``: model chunks per device for a multi-chunk schedule
     (an integer as text or ``"auto"``). ``virtual_workers`` (a count or ``"auto"``), ``policy``
     and ``replication`` ask for the cluster planner. ``threads`` and ``seed`` are the search
-    workers and random seed of cpsat / milp; ``chain_order`` has them split the profile's layer
-    order into ranges rather than plan convex stages of its graph (:mod:`solvers.exact.graph`);
+    workers and random seed of cpsat / milp; ``chain_order`` has dp, cpsat and milp split a graph
+    profile's layer order into ranges rather than plan convex stages of its graph
+    (:mod:`solvers.pipeline.downsets`, :mod:`solvers.exact.graph`; the other planners split the
+    layer order, with a note unless ``chain_order`` is given);
     ``fixed_order`` has them keep the devices' given order rather than decide the mapping in the
     model (:mod:`solvers.exact.joint`).
     """
@@ -84,7 +87,7 @@ class PlanRequest:
     time_limit_s: float | None = None
     threads: int | None = None
     seed: int | None = None
-    chain_order: bool = False  # cpsat / milp: ranges of the profile's order, not convex stages of its graph
+    chain_order: bool = False  # ranges of a graph profile's layer order, not convex stages of its graph
     fixed_order: bool = False  # cpsat / milp: split over the devices in the given order (no mapping in the model)
 
     def __post_init__(self) -> None:
@@ -129,9 +132,6 @@ class PlanRequest:
                 raise OptionError(flag, value, f"applies to the {', '.join(SEARCHED)} solvers, not {self.planner}")
             if value < least:
                 raise OptionError(flag, value, f"must be an integer >= {least}")
-        if self.chain_order and self.planner not in SEARCHED:
-            raise OptionError("chain_order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
-                              f"{self.planner} solver plans the chain order already)")
         if self.fixed_order and self.planner not in SEARCHED:
             raise OptionError("fixed_order", True, f"applies to the {', '.join(SEARCHED)} solvers (the "
                               f"{self.planner} solver keeps the given order already or chooses it itself)")
@@ -190,7 +190,7 @@ class PlanRequest:
             kw["threads"] = self.threads
         if self.seed is not None:
             kw["seed"] = self.seed
-        if self.chain_order:
+        if self.chain_order and self.planner in GRAPH_PLANNERS:
             kw["dag"] = False
         if self.fixed_order:
             kw["fixed_order"] = True
@@ -210,7 +210,8 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
 
             degrees = type_degrees(profile, cluster, request.tensor_parallel)
             cluster = cluster.with_tensor_parallel({t: d[0] for t, d in degrees.items()})
-        return solve(profile, cluster, solver=request.planner, **request.solver_options())
+        res = solve(profile, cluster, solver=request.planner, **request.solver_options())
+        return _chain_note(res, profile, request)
     from solvers.cluster.tensor import plan_tensor_parallel
 
     assert request.global_batch is not None  # checked by PlanRequest
@@ -243,7 +244,17 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
                         f"sizes {', '.join(map(str, measured))}")
     chosen = {"micro_batch_size": b, "micro_batches": m, "first_slices": slices, "virtual_workers": k,
               "tensor_parallel": tp_chosen, "global_batch": g, "samples_per_s": rate}
-    return replace(res, details={**res.details, "micro_batch_choice": chosen, "messages": messages})
+    return _chain_note(replace(res, details={**res.details, "micro_batch_choice": chosen, "messages": messages}),
+                       profile, request)
+
+
+def _chain_note(res: SolveResult, profile: Profile, request: PlanRequest) -> SolveResult:
+    """A planner that splits the layer order of a graph profile says so (unless asked to)."""
+    if not profile.edges or request.chain_order or request.planner in GRAPH_PLANNERS:
+        return res
+    note = (f"note: the {request.planner} solver splits the profile's layer order (its chain), not convex stages of "
+            f"its graph (one pipeline: the dp, cpsat and milp solvers); `chain_order` silences this note")
+    return replace(res, details={**res.details, "messages": [*res.details.get("messages", ()), note]})
 
 
 def _sliced(res: SolveResult, profile: Profile, cluster: Cluster, options: CostOptions

@@ -321,5 +321,13 @@ def test_cli_plans_the_graph_or_the_chain_order(tmp_path, capsys, pipedream_dir)
         assert main(["simulate", str(tmp_path / "g.json"), "--profile", str(prof), "--cluster", cluster]) == 0
         assert main(["export", str(tmp_path / "g.json"), "--to", "deepspeed", "-o", str(tmp_path / "x.json")]) == 2
         assert "layer_order" in capsys.readouterr().err
-    with pytest.raises(FormatError, match="chain_order = True: applies to the cpsat, milp solvers"):
-        PlanRequest(solver="dp", chain_order=True)
+    # the dp solver plans the graph too, and --chain-order asks every solver for the chain
+    assert main(["plan", str(prof), "--cluster", cluster, "--micro-batches", "8", "-o", str(tmp_path / "d.json")]) == 0
+    assert main(["plan", str(prof), "--cluster", cluster, "--micro-batches", "8", "--chain-order",
+                 "-o", str(tmp_path / "dc.json")]) == 0
+    default, dp_chain = Plan.load(tmp_path / "d.json"), Plan.load(tmp_path / "dc.json")
+    assert dp_chain.layer_order is None
+    assert default.solver.objective <= dp_chain.solver.objective * (1 + 1e-12)
+    assert default.solver.objective <= graph.solver.objective * (1 + 1e-9)
+    assert PlanRequest(solver="dp", chain_order=True).solver_options()["dag"] is False
+    assert "dag" not in PlanRequest(solver="uniform", chain_order=True).solver_options()
