@@ -50,6 +50,7 @@ from .recipe import (
     model_state_bytes,
     training_recipe,
 )
+from .recompute import recompute_stage
 from .run import RunSpec, TrainConfig
 from .stage import boundary_shapes, build_stage
 from .tensor_parallel import full_state, shard_rank
@@ -147,6 +148,10 @@ def rank_context(run: RunSpec, rank: int, device: torch.device) -> RankContext:
     me = layout.ranks[rank]
     stages_layers = layout.stage_layers[me.worker]
     modules = {s: build_stage(chain, *stages_layers[s], seed=config.seed, device=device) for s in me.stages}
+    for s, module in modules.items():  # the plan's recomputation (runtime.recompute): the same numbers
+        mode = plan.virtual_workers[me.worker].stages[s].recompute
+        if mode != "none":
+            recompute_stage(module, mode)
     shard_rank(run, rank, device, modules)  # a tensor-parallel group's shards (runtime.tensor_parallel)
     by_layer = {stages_layers[s][0] + k: layer for s, mod in modules.items() for k, layer in enumerate(mod)}
     shapes = boundary_shapes(chain, plan.micro_batch_size)

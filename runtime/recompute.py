@@ -11,8 +11,9 @@ each parameter once, on one rank, and broadcasts it.
   ``recompute_core`` attribute, :class:`partitioner.models` blocks) is recomputed; a stage without
   one runs as it is.
 
-The executors do not call this module yet: ``partitioner.placement.supports`` says that the
-runtime cannot run a plan that recomputes or shards optimizer state.
+``runtime.rank.rank_context`` sets every stage to its plan's mode (schedules gpipe, 1f1b,
+interleaved and bfs, stages of one GPU: ``partitioner.placement.supports`` refuses the rest in one
+line); ZeRO is not run yet (refused the same way).
 """
 
 from __future__ import annotations

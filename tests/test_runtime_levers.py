@@ -85,10 +85,50 @@ def test_zero1_steps_to_the_same_weights_as_the_plain_optimizer() -> None:
     assert torch.equal(sharded, other[1])
 
 
-def test_the_runtime_says_it_does_not_run_levers_yet() -> None:
+def test_the_runtime_says_which_levers_it_does_not_run_yet() -> None:
     stages = (Stage((0, 2), "n0:0", recompute="full"), Stage((2, 4), "n0:1"))
     plan = Plan("m", (VirtualWorker(stages),), "1f1b", 1, 4)
-    assert "recomputes (full)" in (supports(plan, "runtime") or "")
+    assert supports(plan, "runtime") is None  # recomputation runs under 1f1b on single GPUs
+    grouped = Plan("m", (VirtualWorker((Stage((0, 2), "n0:0-1", recompute="full"), Stage((2, 4), "n0:2"))),),
+                   "1f1b", 1, 4)
+    assert "recomputes (full)" in (supports(grouped, "runtime") or "")
     zero = Plan("m", (VirtualWorker((Stage((0, 4), "n0:0"),)),), "1f1b", 1, 4, pricing=CostOptions(zero=1))
     assert "zero = 1" in (supports(zero, "runtime") or "")
     assert supports(plan, "simulator") is None
+
+
+def test_a_plan_that_recomputes_trains_what_a_plain_plan_trains(tmp_path) -> None:
+    """The runtime runs the plan's recomputation (full on one stage, selective on the other):
+    losses and weights equal a run without it, bit for bit; refused where it does not run it."""
+    import dataclasses
+    import itertools
+
+    import torch
+
+    from partitioner.placement import supports
+    from partitioner.plan import Plan, Stage, VirtualWorker
+    from runtime.launch import TrainConfig, train_local
+
+    def plan(modes: tuple[str, str], schedule: str = "1f1b") -> Plan:
+        stages = tuple(Stage((a, b), f"n0:{k}", recompute=m)
+                       for k, ((a, b), m) in enumerate(zip(itertools.pairwise([0, 2, 4]), modes, strict=True)))
+        return Plan("gpt2-tiny", (VirtualWorker(stages),), schedule, 2, 2)
+
+    def weights(p: Plan, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        root = tmp_path / name
+        root.mkdir()
+        cfg = TrainConfig("gpt2-tiny", steps=3, warmup=1, lr=0.3, seed=1, threads=1, timeout_s=60,
+                          state_dir=str(root), progress=False)
+        metrics = train_local(p, cfg, start_method="fork")
+        out: dict[str, torch.Tensor] = {}
+        for r in range(metrics["world_size"]):
+            for state in torch.load(root / f"rank{r}.pt").values():
+                out.update({f"{r}.{k}": v for k, v in state.items()})
+        return metrics["loss"], out
+
+    plain_loss, plain = weights(plan(("none", "none")), "plain")
+    loss, got = weights(plan(("full", "selective")), "recomputed")
+    assert loss == plain_loss and set(got) == set(plain)
+    assert all(torch.equal(got[k], plain[k]) for k in plain)
+    assert supports(plan(("full", "none"), "zb-h1"), "runtime") is not None
+    assert supports(dataclasses.replace(plan(("full", "none")), schedule="2bw"), "runtime") is not None
