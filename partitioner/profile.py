@@ -190,7 +190,8 @@ def _times_of(raw: Mapping[str, Any], where: str) -> dict[str, LayerTime]:
 def _times_at_of(raw: Mapping[str, Any], where: str) -> dict[int, dict[str, LayerTime]]:
     out: dict[int, dict[str, LayerTime]] = {}
     for size, by_gpu in raw.items():
-        check(str(size).isdigit() and int(size) >= 1, where, size, "keys must be micro-batch sizes >= 1")
+        check(str(size).isdigit() and len(str(size)) < 19 and int(size) >= 1, where,
+              size if len(str(size)) < 40 else f"{str(size)[:20]}...", "keys must be micro-batch sizes >= 1")
         check(isinstance(by_gpu, Mapping), f"{where}.{size}", by_gpu, "must map GPU types to times")
         out[int(size)] = _times_of(by_gpu, f"{where}.{size}.")
     return out
@@ -289,8 +290,9 @@ class LayerProfile:
         shards_raw = opt_field(d, "tensor_parallel", Mapping, {}, where)
         shards: dict[int, LayerShard] = {}
         for t, raw in shards_raw.items():
-            ok = str(t).isdigit() and 2 <= int(t) <= MAX_TENSOR_PARALLEL
-            check(ok, f"{where}tensor_parallel", t, f"keys must be tensor-parallel degrees in [2, {MAX_TENSOR_PARALLEL}]")
+            ok = str(t).isdigit() and len(str(t)) <= 3 and 2 <= int(t) <= MAX_TENSOR_PARALLEL
+            check(ok, f"{where}tensor_parallel", t if len(str(t)) < 40 else f"{str(t)[:20]}...",
+                  f"keys must be tensor-parallel degrees in [2, {MAX_TENSOR_PARALLEL}]")
             shards[int(t)] = LayerShard.from_dict(raw, f"{where}tensor_parallel.{t}.")
         try:
             return cls(

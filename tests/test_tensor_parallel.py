@@ -391,3 +391,18 @@ def test_a_tensor_parallel_plan_trains_with_the_memory_it_was_priced_at(tmp_path
     assert len(rows) == 4 and all(r["device"].count("-") == 1 for r in rows)
     for r in rows:
         assert r["measured_bytes"] == pytest.approx(r["predicted_bytes"], rel=1e-6)
+
+
+def test_a_degree_or_size_key_of_thousands_of_digits_is_one_line_not_a_crash(tmp_path: Path) -> None:
+    """(Python refuses to read integers of over 4,300 digits: such keys are refused before.)"""
+    import json
+
+    from partitioner.importers.sailor import sailor_degrees
+
+    huge = "9" * 5000
+    for key in ("tensor_parallel", "times_at"):
+        with pytest.raises(FormatError, match=r"= '99999999999999999999\.\.\.'"):
+            Profile.from_dict({"model": "m", "micro_batch_size": 1,
+                               "layers": [{"name": "a", "times": {}, key: {huge: {}}}]})
+    (tmp_path / "X.json").write_text(json.dumps({"1": {huge: {"0": [1, 1, 0]}, "1": {"0": [1, 1, 0]}}}))
+    assert sailor_degrees(tmp_path, 1) == {1: ("X",)}

@@ -289,7 +289,8 @@ def sailor_degrees(directory: str | os.PathLike[str], micro_batch_size: int,
         by_tp = load_mapping(path).get(str(micro_batch_size))
         if isinstance(by_tp, dict):
             for t, rows in by_tp.items():
-                if str(t).isdigit() and 1 <= int(t) <= MAX_TENSOR_PARALLEL and isinstance(rows, dict) and rows:
+                if (str(t).isdigit() and len(str(t)) <= 3 and 1 <= int(t) <= MAX_TENSOR_PARALLEL
+                        and isinstance(rows, dict) and rows):
                     out.setdefault(int(t), []).append(path.stem)
     return {t: tuple(v) for t, v in sorted(out.items())}
 
@@ -303,7 +304,8 @@ def import_sailor_degrees(directory: str | os.PathLike[str], *, micro_batch_size
     degrees = sailor_degrees(directory, micro_batch_size, gpu_types)
     if 1 not in degrees:
         sizes = sorted({int(k) for p in Path(directory).glob("*.json") if not p.name.startswith(SAILOR_SKIP)
-                        for k, v in load_mapping(p).items() if str(k).isdigit() and isinstance(v, dict) and "1" in v})
+                        for k, v in load_mapping(p).items()
+                        if str(k).isdigit() and len(str(k)) < 19 and isinstance(v, dict) and "1" in v})
         raise FormatError("micro_batch_size", micro_batch_size, f"no times for micro-batch {micro_batch_size} at "
                           f"tensor-parallel degree 1 on any GPU type (degrees measured at this size: "
                           f"{', '.join(map(str, degrees)) or 'none'}); micro-batch sizes with that degree: "
