@@ -367,9 +367,9 @@ def _core_rows(lp: _WorkerLp, i: int, q: int, open_top: bool, mem: np.ndarray, n
     r[zj], r[lp.ki(i)] = -1.0, max(q, small_worker_gpus + 1)
     lp.rows_ub.append(r)
     lp.rhs_ub.append(0.0)
-    if need > 0:  # memory
+    if need > 0:  # memory, in units of the model's (rows of bytes beside rows of GPU counts scale badly)
         r = np.zeros(nv)
-        r[zj], r[lp.ki(i)] = -mem, need
+        r[zj], r[lp.ki(i)] = -mem / need, 1.0
         lp.rows_ub.append(r)
         lp.rhs_ub.append(0.0)
 
