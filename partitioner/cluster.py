@@ -473,17 +473,22 @@ class Cluster:
         return {frozenset((link.a, link.b)): link.gbps for link in self.links}
 
     @functools.cached_property
+    def _groups(self) -> dict[str, Device]:
+        """Groups named so far that the view's devices do not list (resolved on first use)."""
+        return {}
+
+    @functools.cached_property
     def _single(self) -> dict[str, Device]:
         return {d.name: d for d in self.gpus}
 
     def device(self, name: str) -> Device:
         """A device by name: one of :attr:`devices`, any single GPU ``NODE:INDEX``, or any
         tensor-parallel group ``NODE:FIRST-LAST`` of GPUs of one type on one node."""
-        found = self._by_name.get(name) or self._single.get(name)
+        found = self._by_name.get(name) or self._single.get(name) or self._groups.get(name)
         if found is None and isinstance(name, str):
             found = self._group(name)
             if found is not None:
-                self._by_name[name] = found
+                self._groups[name] = found
         if found is None:
             shown = list(self._by_name)
             listed = ", ".join(shown[:16]) + (f", ... ({len(shown)} in all)" if len(shown) > 16 else "")

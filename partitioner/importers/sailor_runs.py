@@ -323,26 +323,27 @@ class _Placement:
 
 
 def _place(layout: _Layout) -> _Placement:
-    """Tensor-parallel groups fill nodes of their GPU type in order: gpus_per_node // tp per node
-    (one device per group); with mixed degrees, the nodes are GPUs and each group is the device
-    ``NODE:FIRST-LAST`` of its GPUs."""
-    if layout.tp == MIXED:
-        return _place_groups(layout)
+    """Tensor-parallel groups fill nodes of their GPU type in order. One degree for the run: a node
+    holds ``gpus_per_node // tp`` groups, one device each (``NODE:SLOT``). Mixed degrees: the nodes
+    are GPUs, each group takes the next ``tp`` GPUs of a node of its type (a new node when the open
+    one has fewer left) and is the device ``NODE:FIRST-LAST`` of them."""
+    grouped = layout.tp == MIXED
     node_types: list[str] = []
     node_gpus: list[int] = []
     slots: list[int] = []
     open_node: dict[str, int] = {}
     device: dict[tuple[int, int], str] = {}
     for k, row in enumerate(layout.groups):
-        for i, (gpu, gpn, _) in enumerate(row):
+        for i, (gpu, gpn, tp) in enumerate(row):
+            size, room = (tp, gpn) if grouped else (1, max(1, gpn // layout.tp))
             n = open_node.get(gpu)
-            if n is None or slots[n] >= max(1, gpn // layout.tp):
+            if n is None or slots[n] + size > room:
                 n = open_node[gpu] = len(node_types)
                 node_types.append(gpu)
                 node_gpus.append(gpn)
                 slots.append(0)
-            device[(k, i)] = f"n{n}:{slots[n]}"
-            slots[n] += 1
+            device[(k, i)] = device_name(f"n{n}", slots[n], tp if grouped else 1)
+            slots[n] += size
     return _Placement(node_types, node_gpus, slots, device)
 
 
@@ -369,27 +370,6 @@ def sailor_cluster(network: str | os.PathLike[str], gpus: Mapping[str, int], gpu
         sailor_gpu_name(g): _EXTRA_TYPES[g] for g in gpus if g in _EXTRA_TYPES}
     made = _cluster_of(network, tuple(gpus), _Placement(node_types, node_gpus, slots, {}), 1, extra)
     return replace(made, name=name or "+".join(f"{c}x{g}" for g, c in gpus.items()))
-
-
-def _place_groups(layout: _Layout) -> _Placement:
-    """Mixed degrees: each group takes the next ``tp`` GPUs of a node of its type (a new node when
-    the open one has fewer left); nodes count GPUs."""
-    node_types: list[str] = []
-    node_gpus: list[int] = []
-    slots: list[int] = []
-    open_node: dict[str, int] = {}
-    device: dict[tuple[int, int], str] = {}
-    for k, row in enumerate(layout.groups):
-        for i, (gpu, gpn, tp) in enumerate(row):
-            n = open_node.get(gpu)
-            if n is None or slots[n] + tp > gpn:
-                n = open_node[gpu] = len(node_types)
-                node_types.append(gpu)
-                node_gpus.append(gpn)
-                slots.append(0)
-            device[(k, i)] = device_name(f"n{n}", slots[n], tp)
-            slots[n] += tp
-    return _Placement(node_types, node_gpus, slots, device)
 
 
 def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placement,

@@ -66,6 +66,19 @@ def candidate_view(cluster: Cluster, degrees: Sequence[tuple[str, int]]) -> tupl
     return view, [d for d in view.devices if d.gpu_type not in idle]
 
 
+_Costs = dict[tuple[int, tuple[tuple[str, int], ...]], CostModel]
+
+
+def _view_cost(costs: _Costs, profile: Profile, view: Cluster, size: int, degrees: tuple[tuple[str, int], ...],
+               options: CostOptions | None) -> CostModel:
+    """One cost model per (micro-batch size, degrees), shared by the bounds and the quick pass (its
+    matrices are computed once)."""
+    key = (size, degrees)
+    if key not in costs:
+        costs[key] = CostModel(profile, view, options)
+    return costs[key]
+
+
 def type_degrees(profile: Profile, cluster: Cluster, fixed: int | None = None) -> dict[str, tuple[int, ...]]:
     """Per GPU type of ``cluster``, the degrees it may take: profiled on that type, and dividing
     every run of the type's GPUs in a node (a group never spans nodes or types). ``fixed``: that
@@ -75,13 +88,14 @@ def type_degrees(profile: Profile, cluster: Cluster, fixed: int | None = None) -
         for gpu_type, _, count in cluster._runs(node):
             runs.setdefault(gpu_type, []).append(count)
     out: dict[str, tuple[int, ...]] = {}
+    cost = CostModel(profile, cluster)  # which kinds have times (a question of the profile alone)
     for gpu_type, counts in runs.items():
         ok = []
         for t in profile.tensor_parallel_degrees if fixed is None else (fixed,):
             if t not in profile.tensor_parallel_degrees:
                 raise OptionError("tensor_parallel", t, f"the profile was measured at tensor-parallel degrees "
                                   f"{', '.join(map(str, profile.tensor_parallel_degrees))}")
-            if all(c % t == 0 for c in counts) and CostModel(profile, cluster).has_times(device_kind(gpu_type, t)):
+            if all(c % t == 0 for c in counts) and cost.has_times(device_kind(gpu_type, t)):
                 ok.append(t)
         if not ok:
             raise OptionError("tensor_parallel", fixed, f"no degree fits the {gpu_type} GPUs (nodes of "
@@ -92,7 +106,8 @@ def type_degrees(profile: Profile, cluster: Cluster, fixed: int | None = None) -
 
 def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
                options: CostOptions | None = None, schedule: str = "1f1b", fixed: int | None = None,
-               virtual_workers: int | None = None, pipeline: int | None = None) -> list[Candidate]:
+               virtual_workers: int | None = None, pipeline: int | None = None,
+               costs: _Costs | None = None) -> list[Candidate]:
     """Every (size, view, K) whose pipelines split ``global_batch`` into whole micro-batches of a
     size of ``profiles`` (size -> the profile at that size), with its bound, best bound first."""
     out = []
@@ -107,7 +122,7 @@ def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: 
                 continue
             degrees = tuple(zip(types, combo, strict=True))
             view, devices = candidate_view(cluster, degrees)
-            cost = CostModel(profile, view, options)
+            cost = _view_cost({} if costs is None else costs, profile, view, b, degrees, options)
             n = len(devices)
             if pipeline is not None:  # K workers of `pipeline` stages each, one device a stage
                 if n % pipeline:
@@ -146,7 +161,7 @@ def uniform_grouping(devices: Sequence[Device], k: int) -> list[list[Device]] | 
 
 
 def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOptions | None,
-           schedule: str) -> tuple[float, SolveResult] | None:
+           schedule: str, costs: _Costs) -> tuple[float, SolveResult] | None:
     """The candidate's uniform grouping (:func:`uniform_grouping`), every worker mapped and split
     exactly, priced as the cluster planner prices plans: a plan in milliseconds that the full
     search only has to beat. None where the grouping does not exist or does not fit."""
@@ -154,7 +169,7 @@ def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpt
     groups = uniform_grouping(devices, cand.virtual_workers)
     if groups is None or len(groups[0]) > QUICK_WORKER_DEVICES:
         return None
-    cost = CostModel(profile, view, options)
+    cost = _view_cost(costs, profile, view, cand.micro_batch_size, cand.degrees, options)
     sched = Schedule.of(schedule, cand.micro_batches)
     planner = WorkerPlanner(cost, sched)
     try:
@@ -185,12 +200,14 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
     ``rel_tol`` stops once no candidate left can beat the best by more than that fraction. The plan is of ``profile.at_size(plan.micro_batch_size)``."""
     t0 = time.perf_counter()
     profiles = {b: profile.at_size(b) for b in (sizes or [profile.micro_batch_size])}
-    cands = candidates(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers, pipeline)
+    costs: _Costs = {}
+    cands = candidates(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers, pipeline,
+                       costs)
     if not cands:
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method="tensor",
                            reason=f"no micro-batch size of {', '.join(map(str, profiles))} and number of pipelines "
                                   f"splits the global batch {global_batch} in a way that fits this cluster's memory")
-    best = _quick_pass(profiles, cluster, cands, options, schedule, t0 + time_limit_s, rel_tol)
+    best = _quick_pass(profiles, cluster, cands, options, schedule, t0 + time_limit_s, rel_tol, costs)
     open_bound = 0.0  # the best rate any planned candidate may still reach (its own certificate)
     tried: list[dict[str, Any]] = []
     stop = len(cands)  # the candidates from here on were not planned in full
@@ -225,7 +242,7 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
 
 
 def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Sequence[Candidate],
-                options: CostOptions | None, schedule: str, deadline: float, rel_tol: float = 0.0
+                options: CostOptions | None, schedule: str, deadline: float, rel_tol: float, costs: _Costs
                 ) -> tuple[float, SolveResult, Candidate] | None:
     """The best uniform plan (:func:`_quick`) of the candidates, in bound order, until ``deadline``
     or until no candidate left can beat it."""
@@ -233,7 +250,7 @@ def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Sequen
     for cand in cands:
         if time.perf_counter() > deadline or (best is not None and best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
             break
-        quick = _quick(profiles[cand.micro_batch_size], cluster, cand, options, schedule)
+        quick = _quick(profiles[cand.micro_batch_size], cluster, cand, options, schedule, costs)
         if quick is not None and (best is None or quick[0] > best[0]):
             best = (quick[0], quick[1], cand)
     return best
