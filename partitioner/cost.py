@@ -308,11 +308,11 @@ class CostModel:
     @functools.cache  # noqa: B019
     def _split_prefix(self, gpu_type: str) -> tuple[np.ndarray, np.ndarray]:
         """Prefix sums of the backward's input-gradient and weight-gradient parts
-        (:meth:`partitioner.profile.Profile.backward_split_for`)."""
-        b_in, b_w, _ = self.profile.backward_split_for(self.times_key(gpu_type))
-        if self.recompute != "none":  # the recomputed forward runs before the input gradient
-            fwd, _ = self.profile.times_for(self.times_key(gpu_type))
-            b_in = b_in + fwd * recompute_extra_fwd_fraction(self.profile, self.recompute)
+        (:meth:`partitioner.profile.Profile.backward_split_for`): W as profiled, the input gradient the
+        rest of the backward as :meth:`_prefixes` prices it, so the two add up to it (a recomputed
+        forward and a tensor-parallel shard's collectives fall on the input gradient)."""
+        _, b_w, _ = self.profile.backward_split_for(self.times_key(gpu_type))
+        b_in = np.diff(self._prefixes(gpu_type)[1]) - b_w
         zero = np.zeros(1)
         return np.concatenate([zero, np.cumsum(b_in)]), np.concatenate([zero, np.cumsum(b_w)])
 

@@ -343,6 +343,8 @@ def test_a_measured_shard_holds_its_part_and_the_cost_model_adds_its_all_reduces
         f, b = cost.fwd_bwd_s(cl.device("n0:0-1").kind, 1, 2)
         assert f == pytest.approx(block.shards[2].times["cpu"].fwd_s + comm[1])
         assert b == pytest.approx(block.shards[2].times["cpu"].bwd_s + comm[1])
+        b_in, b_w = cost.backward_split_s(cl.device("n0:0-1").kind, 1, 2)  # the zero-bubble split adds up
+        assert b_in + b_w == pytest.approx(b) and b_in >= comm[1]
         plan = _plan(p, [("n0:0-1", 0, 2), ("n0:2-3", 2, 4)])
         tl = simulate_plan(plan, p, cl, CostOptions())
         # exact, or above by at most the later stage's round trip (1F1B's warm-up can hide it when the
