@@ -108,19 +108,22 @@ def _replicated_ranks(pipe: PipelinePlacement, cols: list[Columns], assign: list
 @dataclass(frozen=True)
 class _Sync:
     """A plan's data-parallel synchronisation as the simulator runs it: the gradient all-reduce
-    groups of flushing schedules (their times, and each device's groups) and WSP's holder sets
-    (each device's sets)."""
+    groups of flushing schedules (their times, and each device's groups), WSP's holder sets
+    (each device's sets), and how many devices hold each layer (ZeRO's step shares), said once
+    for every rank."""
 
     groups: tuple[SyncGroup, ...]
     group_s: tuple[float, ...]
     groups_of: dict[str, list[int]]
     wave: tuple[SyncGroup, ...]
     wave_of: dict[str, list[int]]
+    holders: np.ndarray
 
     @classmethod
     def of(cls, plan: Plan, cost: CostModel) -> _Sync:
         groups, wave = cost.sync_groups(plan), cost.wave_groups(plan)
-        return cls(groups, tuple(cost.sync_s(g) for g in groups), _members(groups), wave, _members(wave))
+        return cls(groups, tuple(cost.sync_s(g) for g in groups), _members(groups), wave, _members(wave),
+                   cost.layer_holders(plan))
 
 
 def _members(groups: tuple[SyncGroup, ...]) -> dict[str, list[int]]:
@@ -238,7 +241,7 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
                  np.array([cs.recompute_peak_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]))
         col = _with_allreduce(col, sync.groups_of.get(dev, []), ALLREDUCE.code)
         held = pipe.held(r)
-        d, lnk = _durations(ranks, plan, cost, cluster, pipe, dev, r, col, rank_dev)
+        d, lnk = _durations(ranks, plan, cost, cluster, pipe, dev, r, col, rank_dev, sync.holders)
         d, key = _keys(ranks.coll_size, col, d, pipe.worker, sync, n_iter)
         code = _OP_CODE[col[0]]
         if cluster.has_nics:  # sends over shared NICs are flows; their link field names the flow
@@ -258,8 +261,9 @@ def _stage_models(plan: Plan, cost: CostModel, pipe: PipelinePlacement) -> list[
 
 
 def _durations(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pipe: PipelinePlacement, dev: str,
-               r: int, col: Columns, rank_dev: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Each action's own time on ``dev`` (position ``r`` of ``pipe``) and the link of each send
+               r: int, col: Columns, rank_dev: list[str], holders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each action's own time on ``dev`` (position ``r`` of ``pipe``; ``holders``: the devices
+    holding each layer, :meth:`CostModel.layer_holders`) and the link of each send
     (-1 for none): compute, optimizer step, a replicated stage's blocking all-reduce at PUSH,
     transfers; a slice of the first micro-batch at its share."""
     kind, mb, stage, peer, _ = col
@@ -272,7 +276,6 @@ def _durations(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pip
     lnk = np.full(len(kind), -1, dtype=np.int64)
     for k, part in ((F, 0), (B, 1), (I, 2), (W, 3)):
         d = np.where(kind == k.code, fb[stage, part], d)
-    holders = cost.layer_holders(plan)
     d = np.where(kind == STEP.code, sum(cost.update_shard_s(gpu, a, b, holders) for a, b in held), d)
     if pipe.replicas and len(pipe.replicas[r]) > 1:  # PUSH first sums the replicas' parts (blocking)
         local = cost.allreduce_s(sum(cost.sync_bytes(a, b, pipe.replicas[r]) for a, b in held), pipe.replicas[r])
