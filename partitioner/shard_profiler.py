@@ -29,6 +29,7 @@ from .profile import LayerShard, LayerTime, Profile
 from .profiler import (
     _as_layer_list,
     _grad_input,
+    _input_in,
     _nbytes,
     _out_tensor,
     _time_layer,
@@ -55,8 +56,12 @@ def profile_shards(profile: Profile, layers: nn.Sequential | Iterable[Any], shar
     label = device_label(dev)
     key = next(iter(profile.meta.get("measured_on") or {}), label)  # the type the profile measured
     timer = _Timer(dev)
-    inputs = _inputs(whole, sample_input.to(dev))
-    elem = 2 if profile.dtype in ("float16", "bfloat16") else 4
+    half = profile.dtype in ("float16", "bfloat16")  # the whole layers ran in it: the shards do too
+    dtype = getattr(torch, profile.dtype) if half else None
+    for _, layer in whole:
+        layer.to(device=dev, dtype=dtype)
+    inputs = _inputs(whole, _input_in(sample_input.to(dev), dtype))
+    elem = 2 if half else 4
     out = [dict(layer.shards) for layer in profile.layers]
     for t, chain in shards.items():
         parts = _as_layer_list(chain)
@@ -66,7 +71,7 @@ def profile_shards(profile: Profile, layers: nn.Sequential | Iterable[Any], shar
             if name not in sharded:
                 out[i][t] = LayerShard(layer.param_bytes, layer.saved_bytes, dict(layer.times), layer.shared_saved_bytes)
                 continue
-            part.to(dev).train()
+            part.to(device=dev, dtype=dtype).train()
             x = _grad_input(inputs[i])
             y, storages = saved_storages(part, x, name)
             act = _out_tensor(y, name)

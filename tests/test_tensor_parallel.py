@@ -353,6 +353,24 @@ def test_a_measured_shard_holds_its_part_and_the_cost_model_adds_its_all_reduces
         assert tl.iteration_s * (1 - 1e-9) <= cost.plan_iteration_s(plan) <= tl.iteration_s + trip + 1e-9
 
 
+def test_a_half_precision_profile_measures_its_shards_in_half_precision() -> None:
+    torch = pytest.importorskip("torch")
+    from partitioner.models import build_model
+    from partitioner.profiler import profile_model
+    from partitioner.shard_profiler import profile_shards
+
+    m = build_model("gpt2-tiny", 1)
+    prof = profile_model(m.layers, m.sample_input("cpu"), model_name="gpt2-tiny", warmup=0, repeats=1,
+                         min_layer_time_s=0.0, progress=False, dtype=torch.bfloat16)
+    shards = {2: build_model("gpt2-tiny", 1, tensor_parallel=2).layers}
+    p = profile_shards(prof, m.layers, shards, m.sample_input("cpu"), sharded=["block0"], warmup=0, repeats=1,
+                       min_layer_time_s=0.0)
+    block = p.layers[1]
+    assert p.dtype == "bfloat16"
+    assert block.param_bytes / 2 < block.shards[2].param_bytes < 1.05 * block.param_bytes / 2
+    assert block.shards[2].allreduce_bytes == 2 * 1 * 32 * 64 * 2  # 2 x b s h elements of 2 bytes
+
+
 def test_a_degree_that_does_not_divide_the_heads_is_refused_naming_it() -> None:
     pytest.importorskip("torch")
     from partitioner.errors import PartitionerError
