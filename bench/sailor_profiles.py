@@ -1,6 +1,6 @@
 """This profiler on a real GPU against Sailor's measured OPT-350M profiles, and projection from it.
 
-    python bench/sailor_profiles.py [--ours bench/results/h100] [--sailor DIR]
+    python bench/sailor_profiles.py [--ours bench/results/h100-2026-11-27] [--sailor DIR]
 
 ``--ours`` holds profiles of the OPT-350M shape (``gpt2-medium`` with 2,048 positions and a
 vocabulary of 50,272) measured in fp16 by ``partitioner profile ... --device cuda`` at
@@ -126,7 +126,7 @@ def shards(ours: dict[int, Profile], sailor: str, source: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ours", default=str(ROOT / "bench" / "results" / "h100"))
+    ap.add_argument("--ours", default=str(ROOT / "bench" / "results" / "h100-2026-11-27"))
     ap.add_argument("--sailor", default=str(ROOT.parent / "shared" / "data" / "sailor_opt350"))
     args = ap.parse_args()
     ours = load_ours(args.ours)

@@ -29,7 +29,9 @@ the profile's dtype) trained in ``CostOptions.precision``:
 (fp16/bf16 mixed precision, which also keeps a 4-byte fp32 master copy), and a stage's saved
 bytes counting a tensor kept by two adjacent layers of the stage once
 (``LayerProfile.shared_saved_bytes``). ``reserved_bytes`` is the framework's own memory per GPU
-(CUDA context, communication buffers, allocator slack).
+(CUDA context, communication buffers, allocator slack). The stage that ends the model adds the
+training loss: ``loss_saved_bytes * activations_in_flight + loss_work_bytes`` (the profile's
+last layer; partitioner/loss_memory.py).
 
 Data-parallel gradient synchronisation: every set of devices that hold the same layers (virtual
 workers, replicated stages) all-reduces those layers' gradients (``n * e`` bytes) once per
