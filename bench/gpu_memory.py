@@ -60,6 +60,30 @@ def with_loss(profile: Profile) -> tuple[Profile, bool]:
     return replace(profile, layers=(*profile.layers[:-1], last)), True
 
 
+def autocast_activations(model: str = "gpt2-tiny", batch: int = 4, seq_len: int = 128) -> None:
+    """What one micro-batch's forward keeps, on this CPU: fp32, autocast to bf16 with fp32 weights
+    (what ``train`` runs for a bf16 plan), and the model cast to bf16 (what a bf16 profile measures)."""
+    import torch
+
+    from partitioner.loss_memory import LiveBytes
+    from partitioner.models import build_model
+
+    m = build_model(model, batch, seq_len=seq_len)
+    chain = torch.nn.Sequential(*[layer for _, layer in m.layers])
+    x = m.sample_input("cpu")
+    kept = {}
+    for name, cast, auto in (("fp32", None, False), ("autocast bf16", None, True), ("bf16 weights", torch.bfloat16, False)):
+        net = chain.to(cast) if cast is not None else chain
+        meter = LiveBytes()
+        with meter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=auto):
+            y = net(x)
+        kept[name] = meter.live_bytes - y.untyped_storage().nbytes()  # the graph's, less the output
+        del y
+    print(f"\n{model}, micro-batch {batch}, {seq_len} positions, on this CPU: bytes one forward keeps for backward")
+    for name, v in kept.items():
+        print(f"  {name:<14} {v / 2**20:8.2f} MiB  ({v / kept['fp32']:.2f} of fp32)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "h100-2026-11-27"))
@@ -94,6 +118,7 @@ def main() -> int:
         print(f"{k}: predicted / measured median {statistics.median(v):.2f}, range {min(v):.2f}-{max(v):.2f}")
     if added:
         print(f"(loss memory measured on this CPU for the profiles of: {', '.join(added)})")
+    autocast_activations()
     return 0
 
 
