@@ -21,13 +21,14 @@ command shows them as its flags, ``micro_batches`` as ``--micro-batches``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from partitioner.cluster import MAX_GPUS, Cluster
 from partitioner.cost import CostOptions
-from partitioner.errors import OptionError
+from partitioner.errors import OptionError, PartitionerError
 from partitioner.plan import MAX_MICRO_BATCHES
 from partitioner.profile import MAX_MICRO_BATCH_SIZE, MAX_TENSOR_PARALLEL, Profile
 from partitioner.schedule import spec
@@ -35,6 +36,8 @@ from solvers import solve
 from solvers.pipeline.chunked import parse_chunks
 from solvers.progress import shown
 from solvers.result import SolveResult
+
+log = logging.getLogger(__name__)
 
 __all__ = ["GRAPH_PLANNERS", "SEARCHED", "TIME_LIMITED", "PlanRequest", "plan", "shown"]
 
@@ -211,7 +214,7 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
             degrees = type_degrees(profile, cluster, request.tensor_parallel)
             cluster = cluster.with_tensor_parallel({t: d[0] for t, d in degrees.items()})
         res = solve(profile, cluster, solver=request.planner, **request.solver_options())
-        return _chain_note(res, profile, request)
+        return _with_projected(_chain_note(res, profile, request), profile, cluster, request)
     from solvers.cluster.tensor import plan_tensor_parallel
 
     assert request.global_batch is not None  # checked by PlanRequest
@@ -244,8 +247,28 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
                         f"sizes {', '.join(map(str, measured))}")
     chosen = {"micro_batch_size": b, "micro_batches": m, "first_slices": slices, "virtual_workers": k,
               "tensor_parallel": tp_chosen, "global_batch": g, "samples_per_s": rate}
-    return _chain_note(replace(res, details={**res.details, "micro_batch_choice": chosen, "messages": messages}),
-                       profile, request)
+    return _with_projected(_chain_note(replace(res, details={**res.details, "micro_batch_choice": chosen,
+                                                             "messages": messages}), profile, request),
+                           profile, cluster, request)
+
+
+def _with_projected(res: SolveResult, profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResult:
+    """The plan with what of its prediction rests on projected times (``meta.projected_times``,
+    :mod:`partitioner.projected`) and the lines saying so, where any of its times are projected."""
+    from partitioner.projected import format_projected, projected_times
+
+    if not res.ok or res.plan is None:
+        return res
+    try:
+        p = projected_times(res.plan, profile.at_size(res.plan.micro_batch_size), cluster, request.options)
+    except PartitionerError as err:  # a plan the closed form cannot price alone: the simulator's job
+        log.info("projected times not summarised: %s", err)
+        return res
+    if not p.any:
+        return res
+    plan_ = replace(res.plan, meta={**res.plan.meta, "projected_times": p.to_dict()})
+    return replace(res, plan=plan_, details={**res.details,
+                                             "messages": [*res.details.get("messages", ()), *format_projected(p)]})
 
 
 def _chain_note(res: SolveResult, profile: Profile, request: PlanRequest) -> SolveResult:

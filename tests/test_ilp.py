@@ -161,12 +161,12 @@ def test_hint_is_at_least_as_good_as_dp():
     profile, cluster = _chain(40, ["gA", "gB", "gA", "gB"])
     ref = dp.solve(profile, cluster)
     for prune in (False, True):
-        r = solve_cpsat(profile, cluster, hint=True, prune=prune, time_limit_s=5.0, fixed_order=True)
+        r = solve_cpsat(profile, cluster, hint=True, prune=prune, time_limit_s=60.0, fixed_order=True)  # load-proof
         assert r.details["hint"] is True
         assert r.ok
         assert r.objective <= ref.objective + r.details["tick_s"]
         assert r.lower_bound <= ref.objective
-        w = solve_cbc(profile, cluster, hint=True, prune=prune, time_limit_s=5.0, fixed_order=True)
+        w = solve_cbc(profile, cluster, hint=True, prune=prune, time_limit_s=60.0, fixed_order=True)
         assert w.ok and w.objective <= ref.objective * (1 + 2e-6)
 
 

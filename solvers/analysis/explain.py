@@ -21,6 +21,7 @@ from partitioner.cost import CostModel, CostOptions
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.plan import Plan, group_size
 from partitioner.profile import Profile
+from partitioner.projected import ProjectedTimes, format_projected, projected_times
 from partitioner.schedule import check_schedule, spec
 from solvers.analysis.levers import LeverCost, format_levers, lever_costs, zero_saved_bytes
 
@@ -125,6 +126,7 @@ class Explanation:
     levers: tuple[LeverCost, ...] = ()  # the stages that recompute: what each costs and saves
     zero: int = 0
     zero_saved_bytes: Mapping[str, float] = field(default_factory=dict)  # per device, under ZeRO
+    projected: ProjectedTimes | None = None  # what of the prediction rests on projected times
 
     def __post_init__(self) -> None:
         if set(self.peak_memory_bytes) != set(self.capacity_bytes):
@@ -152,6 +154,7 @@ class Explanation:
             "notes": list(self.notes),
             "levers": {"recompute": [lv.to_dict() for lv in self.levers], "zero": self.zero,
                        "zero_saved_bytes": dict(self.zero_saved_bytes)},
+            "projected_times": self.projected.to_dict() if self.projected is not None else None,
         }
 
 
@@ -329,7 +332,7 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
     return Explanation(plan.model, plan.schedule, tuple(stages), bottleneck, tl.iteration_s, tl.samples_per_s,
                        dict(tl.bubble_fraction), sync, update, peak, capacity, bounds, solver, added, tuple(notes),
                        {"overlap_comm": options.overlap_comm}, lever_costs(cost, plan), options.zero,
-                       zero_saved_bytes(cost, plan))
+                       zero_saved_bytes(cost, plan), projected_times(plan, profile, cluster, options))
 
 
 def _ms(x: float) -> str:
@@ -417,5 +420,7 @@ def format_explanation(e: Explanation, max_untimed: int = 8) -> str:
             shown = ", ".join(untimed[:max_untimed]) + (f" and {len(untimed) - max_untimed} more"
                                                        if len(untimed) > max_untimed else "")
             lines.append(f"  not timed in the profile (no gain claimed): {shown}")
+    if e.projected is not None:
+        lines += format_projected(e.projected)
     lines += [f"note: {n}" for n in e.notes]
     return "\n".join(lines)
