@@ -149,3 +149,16 @@ def test_the_cluster_planners_certificate_is_in_the_units_plan_prints():
     upper = 1 / result.lower_bound
     assert f"objective {1 / result.objective:.1f} samples/s, upper bound {upper:.1f} samples/s" in line
     assert f"gap {100 * result.gap:.2f}%" in line
+
+
+def test_a_plan_at_another_micro_batch_size_is_explained_at_its_own_size():
+    from dataclasses import replace
+
+    profile, cluster = _inputs()
+    plan = replace(_one_worker_plan(profile, cluster), micro_batch_size=3 * profile.micro_batch_size)
+    at_size = profile.at_size(plan.micro_batch_size)
+    e = explain_plan(plan, profile, cluster, what_if=False)
+    tl = simulate_plan(plan, at_size, cluster, CostOptions())
+    assert e.iteration_s == pytest.approx(tl.iteration_s)
+    assert e.peak_memory_bytes == pytest.approx(dict(tl.peak_memory_bytes))
+    assert e.iteration_s != pytest.approx(simulate_plan(plan, profile, cluster, CostOptions()).iteration_s)

@@ -509,7 +509,9 @@ def _measured_source(profile: Profile, source: str | None) -> str:
     measured = [g for g in profile.gpu_types if not profile.is_projected(g)]
     if not measured:
         raise PartitionerError("profile has no measured times to project from (types: "
-                               f"{', '.join(profile.gpu_types) or 'none'})")
+                               f"{', '.join(profile.gpu_types) or 'none'}, all projected); measure one type, or "
+                               "for an analytic profile run `profile MODEL --analytic` again with every --gpu-type "
+                               "wanted")
     return measured[0]
 
 

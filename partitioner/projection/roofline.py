@@ -152,7 +152,9 @@ def _pick_source(profile: Profile, source: str | None) -> str:
         return source
     if not measured:
         raise PartitionerError("profile has no measured times to project from (types: "
-                               f"{', '.join(profile.gpu_types) or 'none'}); use the analytic mode")
+                               f"{', '.join(profile.gpu_types) or 'none'}, all projected); measure one type, or "
+                               "for an analytic profile run `profile MODEL --analytic` again with every --gpu-type "
+                               "wanted")
     return measured[0]
 
 

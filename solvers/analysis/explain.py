@@ -284,7 +284,9 @@ def explain_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostOp
         raise FormatError("time_limit_s", time_limit_s, "must be > 0 seconds")
     options = options or plan.cost_options() or CostOptions()
     plan.validate(profile, cluster)
-    profile = plan.profile_view(profile)  # a plan of convex stages of a graph: its own order
+    # in the plan's order (convex stages of a graph) and at its micro-batch size (a plan of
+    # micro-batches "auto" may have another than the profile's)
+    profile = plan.profile_view(profile).at_size(plan.micro_batch_size)
     cost = CostModel(profile, cluster, options)
     stages = _stage_costs(cost, plan)
     bottleneck = max(stages, key=lambda s: s.time_s)
@@ -384,7 +386,7 @@ def format_explanation(e: Explanation, max_untimed: int = 8) -> str:
         txt = f"solver {e.solver.get('name')} {e.solver.get('status')}"
         if isinstance(obj, (int, float)) and isinstance(lb, (int, float)):
             gap_pct = 100 * max(0.0, (obj - lb) / obj) if obj > 0 and math.isfinite(lb) else math.nan
-            if str(e.solver.get("name", "")).startswith("hetero") and obj > 0 and lb > 0:
+            if str(e.solver.get("name", "")).startswith(("hetero", "tensor")) and obj > 0 and lb > 0:
                 # in the units `partitioner plan` prints: samples/s, the bound an upper one
                 txt += f", objective {1 / obj:.1f} samples/s, upper bound {1 / lb:.1f} samples/s"
             else:
