@@ -510,8 +510,7 @@ def _measured_source(profile: Profile, source: str | None) -> str:
     if not measured:
         raise PartitionerError("profile has no measured times to project from (types: "
                                f"{', '.join(profile.gpu_types) or 'none'}, all projected); measure one type, or "
-                               "for an analytic profile run `profile MODEL --analytic` again with every --gpu-type "
-                               "wanted")
+                               "make an analytic profile again with every GPU type wanted")
     return measured[0]
 
 
