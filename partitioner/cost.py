@@ -861,7 +861,10 @@ class CostModel:
         * ZB-H1 / ZB-H2: the 1F1B form less ``(p - 1) min(k w, b_i + w)`` (``k`` 2 / 3, ``b_i`` and
           ``w`` the two parts of the bottleneck stage's backward): exact on equal stages without
           transfers (:meth:`partitioner.schedule.Schedule.uniform_bubble_s`); the simulator decides
-          elsewhere (``schedule="auto"`` ranks candidates by it);
+          elsewhere (``schedule="auto"`` ranks candidates by it); with overlapping iterations
+          (``CostOptions.overlap_iterations``) less ``(p - 1)(f + b_i + w - u)`` instead, ``u`` the
+          steady state's idle per rank of :meth:`~partitioner.schedule.Schedule.overlapped_bubble_s`
+          (exact on equal stages without transfers; ZB-H1 ``m >= p``, ZB-H2 ``m >= 2p - 1``);
         * 2BW (no flush): ``m max(t)``;
         * WSP: ``m max(t')`` with ``t'`` each stage's time with the plan's own push and pull
           (:meth:`wave_stage_s`: the holder sets' all-reduce and the staleness ``D``), not the
@@ -912,6 +915,13 @@ class CostModel:
             b_in, w = self.recomputing(st.recompute).backward_split_s(self.cluster.device(st.device).gpu_type,
                                                                       st.start, st.stop)
             saving = (p - 1) * min(spec(plan.schedule).weight_fill * w, b_in + w)
+            reach = p if plan.schedule == "zb-h1" else 2 * p - 1  # the micro-batches its closed form needs
+            if plan.overlaps_iterations and m >= reach:  # the steady state's idle in place of the flushing one
+                f = self.recomputing(st.recompute).fwd_bwd_s(self.cluster.device(st.device).gpu_type,
+                                                             st.start, st.stop)[0]
+                idle = Schedule(spec(plan.schedule), 3, True).overlapped_bubble_s(2, f, b_in, w)  # per rank: p = 2
+                if idle is not None:
+                    saving = (p - 1) * (f + b_in + w - idle)
         return fill_f + fill_b + (m - 1) * pace - saving
 
     def plan_iteration_s(self, plan: Plan) -> float:
