@@ -126,9 +126,9 @@ def test_overlap_option_is_validated_and_round_trips(tmp_path: Path) -> None:
     opts = CostOptions(overlap_iterations=True, precision="bf16")
     assert CostOptions.from_dict(json.loads(json.dumps(opts.to_dict()))) == opts
     assert "overlap_iterations" not in CostOptions().to_dict()
-    with pytest.raises(FormatError, match="overlap_iterations.*fp16 training agrees on its loss scale"):
+    with pytest.raises(FormatError, match=r"overlap_iterations.*fp16 training agrees on its loss scale"):
         CostOptions(overlap_iterations=True, precision="fp16")
-    with pytest.raises(FormatError, match="pricing.overlap_iterations"):
+    with pytest.raises(FormatError, match=r"pricing\.overlap_iterations"):
         CostOptions.from_dict({"overlap_iterations": "yes"})
     plan, _ = _plan("zb-h2", 4, 8)
     saved = dataclasses.replace(plan, pricing=opts)
