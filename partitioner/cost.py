@@ -916,13 +916,19 @@ class CostModel:
                                                                       st.start, st.stop)
             saving = (p - 1) * min(spec(plan.schedule).weight_fill * w, b_in + w)
             reach = p if plan.schedule == "zb-h1" else 2 * p - 1  # the micro-batches its closed form needs
-            if plan.overlaps_iterations and m >= reach:  # the steady state's idle in place of the flushing one
+            if self.overlaps(plan) and m >= reach:  # the steady state's idle in place of the flushing one
                 f = self.recomputing(st.recompute).fwd_bwd_s(self.cluster.device(st.device).gpu_type,
                                                              st.start, st.stop)[0]
                 idle = Schedule(spec(plan.schedule), 3, True).overlapped_bubble_s(2, f, b_in, w)  # per rank: p = 2
                 if idle is not None:
                     saving = (p - 1) * (f + b_in + w - idle)
         return fill_f + fill_b + (m - 1) * pace - saving
+
+    def overlaps(self, plan: Plan) -> bool:
+        """Whether ``plan``'s iterations overlap as priced here: a flushing schedule under these
+        options' ``overlap_iterations`` or the plan's own (``Plan.overlaps_iterations``: the runtime
+        runs a plan as its pricing says)."""
+        return spec(plan.schedule).flushes and (self.options.overlap_iterations or plan.overlaps_iterations)
 
     def plan_iteration_s(self, plan: Plan) -> float:
         """Closed-form iteration time of ``plan``: each pipeline's fill, steady state and drain

@@ -188,7 +188,7 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     the :class:`CostModel` of ``profile``, ``cluster`` and ``options`` when the caller has one."""
     cost = cost or CostModel(plan.profile_view(profile), cluster, options)
     sched = plan.schedule
-    overlap = cost.options.overlap_iterations and spec(sched).flushes
+    overlap = cost.overlaps(plan)
     n_iter = iterations if iterations is not None else default_iterations(sched, plan.staleness, overlap)
     pipes = place(plan)
     notes: list[str] = []
@@ -381,7 +381,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
                notes: list[str], wave_groups: WaveGroups | None = None) -> Timeline:
     sched, m = plan.schedule, plan.micro_batches
     batching = plan.micro_batching
-    overlap = cost.options.overlap_iterations and spec(sched).flushes
+    overlap = cost.overlaps(plan)
     n_workers = max(rank_worker) + 1
     wave = spec(sched).sync == "wave"
     boundary = PUSH.code if wave else STEP.code
