@@ -22,9 +22,9 @@ each action): each schedule planned by ``partitioner plan --schedule`` on the em
 4-stage plan), trained under the emulation (4 processes; a split backward's ``I`` and ``W`` each
 take their part of the stage's backward as the model splits it, ``EmulatedStage.bwd_weight_share``)
 and compared with ``predict_emulated``: whether zb-h1 is measured faster and within 10 % of its
-prediction. With ``--overlap`` too, ``zb-h2`` planned with ``--overlap-iterations`` (its iterations
-overlap: the runtime runs every step's list as one, without a barrier between steps; the prediction
-is the simulator's steady-state period) beside them. ``--no-plans`` skips the opt / uniform /
+prediction. With ``--overlap`` too, ``zb-h2`` flushed and planned with ``--overlap-iterations``
+(its iterations overlap: the runtime runs every step's list as one, without a barrier between
+steps; the prediction is the simulator's steady-state period) beside them. ``--no-plans`` skips the opt / uniform /
 pipedream comparison.
 
     python bench/emulation.py [--rounds 3] [--steps 8] [--rules profiled,scaled] [--reference H100-SXM5-80GB]
@@ -66,8 +66,9 @@ PLANS = (("opt (partitioner plan)", ()), ("uniform", ("--solver", "uniform")), (
 CLUSTER4 = ROOT / "examples" / "clusters" / "emulate4.yaml"
 ZB_SCHEDULES = ("1f1b", "zb-h1")
 ZB_PLANS = tuple((s, ("--schedule", s)) for s in ZB_SCHEDULES)
-# --overlap: zb-h2 with overlapping iterations (no flush between steps) beside them
-ZB_OVERLAP = ("zb-h2 overlapped", ("--schedule", "zb-h2", "--overlap-iterations"))
+# --overlap: zb-h2 flushed and with overlapping iterations (no barrier between steps) beside them
+ZB_OVERLAP = (("zb-h2", ("--schedule", "zb-h2")),
+              ("zb-h2 overlapped", ("--schedule", "zb-h2", "--overlap-iterations")))
 
 
 def make_plans(emu_profile: Path, micro_batches: int, tmp: Path, cluster: Path = CLUSTER,
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plans", action="store_true", help="skip the opt / uniform / pipedream comparison")
     ap.add_argument("--zero-bubble", action="store_true", help="also zb-h1 against 1f1b on a 4-stage plan")
     ap.add_argument("--overlap", action="store_true",
-                    help="zero-bubble part: also zb-h2 with overlapping iterations (--overlap-iterations)")
+                    help="zero-bubble part: also zb-h2, flushed and with overlapping iterations (--overlap-iterations)")
     ap.add_argument("--zb-micro-batches", type=int, default=4, help="zero-bubble part: micro-batches")
     ap.add_argument("--zb-batch", type=int, default=64,
                     help="zero-bubble part: micro-batch size (longer actions than --batch: a wake-up or a message "
@@ -210,7 +211,7 @@ def zero_bubble_against_1f1b(args: argparse.Namespace, profile: Profile) -> list
     profiled: measured against predicted, and which is faster."""
     cluster = Cluster.load(CLUSTER4)
     t_start, load_before = time.monotonic(), os.getloadavg()[0]
-    plans = planned(profile, CLUSTER4, args, args.zb_micro_batches, ZB_PLANS + ((ZB_OVERLAP,) if args.overlap else ()))
+    plans = planned(profile, CLUSTER4, args, args.zb_micro_batches, ZB_PLANS + (ZB_OVERLAP if args.overlap else ()))
     predicted = {s: predict_emulated(plan, profile, cluster, reference=args.reference).iteration_s
                  for s, plan in plans.items()}
     runs: dict[str, list[tuple[float, int, int]]] = {s: [] for s in plans}
