@@ -1,6 +1,6 @@
 """This profiler on a real GPU against Sailor's measured OPT-350M profiles, and projection from it.
 
-    python bench/sailor_profiles.py [--ours bench/results/h100] [--sailor DIR]
+    python bench/sailor_profiles.py [--ours bench/results/h100-2026-11-27] [--sailor DIR]
 
 ``--ours`` holds profiles of the OPT-350M shape (``gpt2-medium`` with 2,048 positions and a
 vocabulary of 50,272) measured in fp16 by ``partitioner profile ... --device cuda`` at
@@ -10,9 +10,17 @@ an NVIDIA H100 80GB HBM3, see docs/gpu.md). Two tables:
 1. Per micro-batch size: the forward and backward of a transformer block (median over the 24),
    of the embedding and of the head, ours against Sailor's on GH200 (GH-96, the same Hopper GPU
    with faster memory), as times and ratios.
-2. Projection: our measured profile projected (``partitioner.projection.roofline``) to every GPU type
-   Sailor measured, against Sailor's measured forward time of a block there. Forward only:
-   Sailor's backward includes what Megatron-DeepSpeed does in backward (see docs/gpu.md).
+2. Projection: our measured profile projected to every GPU type Sailor measured, per operator
+   (``partitioner.projection.operator_model``, the default of ``partitioner profile project``) and
+   by the per-layer roofline (``partitioner.projection.roofline``), against Sailor's measured
+   forward time of a block there. Forward only: Sailor's backward includes what
+   Megatron-DeepSpeed does in backward (see docs/gpu.md).
+3. Tensor parallelism, where our profiles hold shards (``--tensor-parallel``): one GPU's shard of
+   a block, forward, against Sailor's GH-96 block at the same degree. Ours is the shard's compute
+   alone (the cost model adds the group's all-reduces); Sailor's includes them, so the difference
+   is what the all-reduces and their synchronisation cost on a GH200 node.
+
+A size whose file is missing is left out (said in one line).
 
 Reads files only; writes nothing.
 """
@@ -29,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from partitioner.importers.sailor import import_sailor  # noqa: E402
 from partitioner.profile import Profile  # noqa: E402
+from partitioner.projection.operator_model import project_with_ops  # noqa: E402
 from partitioner.projection.roofline import is_catalog_type, project_profile  # noqa: E402
 
 SIZES = (1, 2, 4, 8)
@@ -50,40 +59,87 @@ def measured_at(sailor: str, b: int) -> tuple[str, ...]:
                  if f.stem[0].isupper() and "1" in json.loads(f.read_text()).get(str(b), {}))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ours", default=str(ROOT / "bench" / "results" / "h100"))
-    ap.add_argument("--sailor", default=str(ROOT.parent / "shared" / "data" / "sailor_opt350"))
-    args = ap.parse_args()
-    ours = {b: Profile.load(Path(args.ours) / f"opt350_fp16_b{b}.json") for b in SIZES}
-    measured_on = next(iter(ours[1].meta.get("measured_on", {}).values()), "?")
-    source = ours[1].gpu_types[0]
-    print(f"ours: {measured_on} ({source}), fp16, seq 2048; Sailor: OPT-350M, Megatron-DeepSpeed, fp16\n")
+def load_ours(directory: str) -> dict[int, Profile]:
+    """Our profiles by micro-batch size; a missing size is said and left out."""
+    ours = {}
+    for b in SIZES:
+        path = Path(directory) / f"opt350_fp16_b{b}.json"
+        if path.exists():
+            ours[b] = Profile.load(path)
+        else:
+            print(f"(no {path.name}: micro-batch {b} left out)")
+    return ours
+
+
+def per_layer(ours: dict[int, Profile], sailor: str, source: str) -> None:
     print("1. per layer, ms (ours / Sailor GH-96)")
     print(f"{'mbs':>4} {'layer':>10} {'fwd ours':>9} {'fwd GH-96':>10} {'ratio':>6} "
           f"{'bwd ours':>9} {'bwd GH-96':>10} {'ratio':>6}")
-    for b in SIZES:
-        theirs = import_sailor(args.sailor, micro_batch_size=b, gpu_types=("GH-96",))
-        gh = theirs.gpu_types[0]
-        a, s = parts(ours[b], source), parts(theirs, gh)
+    for b, prof in ours.items():
+        theirs = import_sailor(sailor, micro_batch_size=b, gpu_types=("GH-96",))
+        a, s = parts(prof, source), parts(theirs, theirs.gpu_types[0])
         for name in ("embedding", "block", "head"):
             (fo, bo), (fs, bs) = a[name], s[name]
             print(f"{b:>4} {name:>10} {fo:9.2f} {fs:10.2f} {fo / fs:6.2f} {bo:9.2f} {bs:10.2f} {bo / bs:6.2f}")
 
-    print("\n2. block forward, ms: our profile projected from "
-          f"{source} against Sailor's measured (median over the 24 blocks)")
-    print(f"{'mbs':>4} {'GPU type':>16} {'projected':>10} {'measured':>9} {'error':>7}")
-    errors: list[float] = []
-    for b in SIZES:
-        theirs = import_sailor(args.sailor, micro_batch_size=b, gpu_types=measured_at(args.sailor, b))
+
+def projection(ours: dict[int, Profile], sailor: str, source: str) -> None:
+    print(f"\n2. block forward, ms: our profile projected from {source} against Sailor's measured "
+          "(median over the 24 blocks)")
+    print(f"{'mbs':>4} {'GPU type':>16} {'measured':>9} {'per-op':>8} {'error':>7} {'roofline':>9} {'error':>7}")
+    errors: dict[str, list[float]] = {"per-op": [], "roofline": []}
+    for b, prof in ours.items():
+        theirs = import_sailor(sailor, micro_batch_size=b, gpu_types=measured_at(sailor, b))
         targets = [t for t in theirs.gpu_types if is_catalog_type(t) and t != source]
-        projected = project_profile(ours[b], targets, source=source)
+        ops = project_with_ops(prof, targets, source=source)
+        roof = project_profile(prof, targets, source=source)
         for t in targets:
-            fp, fm = parts(projected, t)["block"][0], parts(theirs, t)["block"][0]
-            errors.append(abs(fp / fm - 1))
-            print(f"{b:>4} {t:>16} {fp:10.2f} {fm:9.2f} {100 * (fp / fm - 1):+6.1f}%")
-    print(f"\nprojection error of a block's forward: median {100 * statistics.median(errors):.1f}%, "
-          f"worst {100 * max(errors):.1f}% over {len(errors)} (size, type) pairs")
+            fm = parts(theirs, t)["block"][0]
+            fo, fr = parts(ops, t)["block"][0], parts(roof, t)["block"][0]
+            errors["per-op"].append(abs(fo / fm - 1))
+            errors["roofline"].append(abs(fr / fm - 1))
+            print(f"{b:>4} {t:>16} {fm:9.2f} {fo:8.2f} {100 * (fo / fm - 1):+6.1f}% {fr:9.2f} {100 * (fr / fm - 1):+6.1f}%")
+    for method, e in errors.items():
+        print(f"{method}: median error of a block's forward {100 * statistics.median(e):.1f}%, "
+              f"worst {100 * max(e):.1f}% over {len(e)} (size, type) pairs")
+
+
+def shards(ours: dict[int, Profile], sailor: str, source: str) -> None:
+    rows = [(b, t) for b, p in ours.items() for t in p.tensor_parallel_degrees if t > 1]
+    if not rows:
+        return
+    print("\n3. tensor parallelism: a block's forward, ms, one GPU's shard (ours: compute alone) against "
+          "Sailor's GH-96 (with its all-reduces)")
+    print(f"{'mbs':>4} {'tp':>3} {'ours':>7} {'GH-96':>7} {'GH-96 - ours':>13} {'ours tp1/tp':>12} {'GH-96 tp1/tp':>13}")
+    for b, t in rows:
+        mine = statistics.median(la.shards[t].times[source].fwd_s * 1e3 for la in ours[b].layers[1:-1])
+        mine1 = parts(ours[b], source)["block"][0]
+        try:
+            theirs = import_sailor(sailor, micro_batch_size=b, tensor_parallel=t, gpu_types=("GH-96",))
+            base = import_sailor(sailor, micro_batch_size=b, gpu_types=("GH-96",))
+        except Exception as e:  # a degree Sailor did not measure
+            print(f"{b:>4} {t:>3} {mine:7.2f}   (Sailor: {str(e).splitlines()[0][:60]})")
+            continue
+        gh, gh1 = parts(theirs, theirs.gpu_types[0])["block"][0], parts(base, base.gpu_types[0])["block"][0]
+        print(f"{b:>4} {t:>3} {mine:7.2f} {gh:7.2f} {gh - mine:13.2f} {mine1 / mine:12.2f} {gh1 / gh:13.2f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ours", default=str(ROOT / "bench" / "results" / "h100-2026-11-27"))
+    ap.add_argument("--sailor", default=str(ROOT.parent / "shared" / "data" / "sailor_opt350"))
+    args = ap.parse_args()
+    ours = load_ours(args.ours)
+    if not ours:
+        print(f"{args.ours}: no opt350_fp16_b*.json profile")
+        return 1
+    first = next(iter(ours.values()))
+    measured_on = next(iter(first.meta.get("measured_on", {}).values()), "?")
+    source = first.gpu_types[0]
+    print(f"ours: {measured_on} ({source}), fp16, seq 2048; Sailor: OPT-350M, Megatron-DeepSpeed, fp16\n")
+    per_layer(ours, args.sailor, source)
+    projection(ours, args.sailor, source)
+    shards(ours, args.sailor, source)
     return 0
 
 

@@ -29,7 +29,9 @@ the profile's dtype) trained in ``CostOptions.precision``:
 (fp16/bf16 mixed precision, which also keeps a 4-byte fp32 master copy), and a stage's saved
 bytes counting a tensor kept by two adjacent layers of the stage once
 (``LayerProfile.shared_saved_bytes``). ``reserved_bytes`` is the framework's own memory per GPU
-(CUDA context, communication buffers, allocator slack).
+(CUDA context, communication buffers, allocator slack). The stage that ends the model adds the
+training loss: ``loss_saved_bytes * activations_in_flight + loss_work_bytes`` (the profile's
+last layer; partitioner/loss_memory.py).
 
 Data-parallel gradient synchronisation: every set of devices that hold the same layers (virtual
 workers, replicated stages) all-reduces those layers' gradients (``n * e`` bytes) once per
@@ -171,6 +173,10 @@ class CostModel:
             dropped = np.concatenate([zero, np.cumsum(selective_bytes(profile))])
             self.saved_stop, self.saved_start = self.saved_stop - dropped, self.saved_start - dropped
         self.output_bytes = profile.array("output_bytes")
+        # the training loss on the last stage: kept per micro-batch in flight, and held on top by its
+        # backward while it runs (partitioner/loss_memory.py; 0 in profiles that do not measure it)
+        self.loss_saved_bytes = float(profile.layers[-1].loss_saved_bytes)
+        self.loss_work_bytes = float(profile.layers[-1].loss_work_bytes)
         # boundary_bytes[s]: tensor crossing a cut before layer s (0 at both ends of the chain)
         self.boundary = np.concatenate([zero, self.output_bytes[:-1], zero])
 
@@ -648,6 +654,8 @@ class CostModel:
             q_stop, q_start = w + self.saved_stop, w + self.saved_start - self.boundary * max(in_flight - 1, 0)
         else:
             q_stop, q_start = w + self.saved_stop * in_flight, w + self.saved_start * in_flight
+        # the stage that ends the model also holds the loss's tensors (outside any recomputation)
+        q_stop[-1] += self.loss_saved_bytes * in_flight + self.loss_work_bytes
         q_stop.flags.writeable = q_start.flags.writeable = False
         return q_stop, q_start
 
@@ -696,9 +704,10 @@ class CostModel:
         input only (:meth:`recompute_peak_bytes` is what one backward adds)."""
         if tensor_parallel != 1:
             return self.at_degree(tensor_parallel).activation_bytes(start, stop)
+        loss = self.loss_saved_bytes if stop == self.num_layers else 0.0
         if self.recompute == "full":
-            return float(self.boundary[start])
-        return float(self.saved_stop[stop] - self.saved_start[start])
+            return float(self.boundary[start]) + loss
+        return float(self.saved_stop[stop] - self.saved_start[start]) + loss
 
     def recompute_peak_bytes(self, start: int, stop: int, tensor_parallel: int = 1) -> float:
         """Bytes a backward of layers ``[start, stop)`` holds beyond :meth:`activation_bytes` while
@@ -706,9 +715,10 @@ class CostModel:
         input kept; 0 otherwise."""
         if tensor_parallel != 1:
             return self.at_degree(tensor_parallel).recompute_peak_bytes(start, stop)
+        loss = self.loss_work_bytes if stop == self.num_layers else 0.0
         if self.recompute != "full":
-            return 0.0
-        return float(self.saved_stop[stop] - self.saved_start[start]) - float(self.boundary[start])
+            return loss
+        return float(self.saved_stop[stop] - self.saved_start[start]) - float(self.boundary[start]) + loss
 
     def weight_bytes(self, start: int, stop: int, versions: int = 1, tensor_parallel: int = 1,
                      holders: int = 1) -> float:

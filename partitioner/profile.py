@@ -226,6 +226,10 @@ class LayerProfile:
     shards: Mapping[int, LayerShard] = field(default_factory=dict)
     # in the profile of one shard (Profile.shard): LayerShard.allreduce_bytes
     allreduce_bytes: float = 0.0
+    # the model's last layer only: what the training loss on its output keeps per micro-batch,
+    # and what the loss's backward holds on top while it runs (partitioner/loss_memory.py)
+    loss_saved_bytes: float = 0.0
+    loss_work_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "name", self.name, "must be a non-empty string")
@@ -238,7 +242,8 @@ class LayerProfile:
             v = self.own_output_bytes
             check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
                   "own_output_bytes", v, "must be a finite number >= 0")
-        for name in ("flops", "param_bytes", "saved_bytes", "output_bytes", "shared_saved_bytes", "allreduce_bytes"):
+        for name in ("flops", "param_bytes", "saved_bytes", "output_bytes", "shared_saved_bytes", "allreduce_bytes",
+                     "loss_saved_bytes", "loss_work_bytes"):
             v = getattr(self, name)
             check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
                   name, v, "must be a finite number >= 0")
@@ -263,7 +268,8 @@ class LayerProfile:
         """The activation byte fields multiplied by ``f`` (for ``dataclasses.replace``)."""
         return {"saved_bytes": self.saved_bytes * f, "output_bytes": self.output_bytes * f,
                 "shared_saved_bytes": self.shared_saved_bytes * f, "allreduce_bytes": self.allreduce_bytes * f,
-                "own_output_bytes": None if self.own_output_bytes is None else self.own_output_bytes * f}
+                "own_output_bytes": None if self.own_output_bytes is None else self.own_output_bytes * f,
+                "loss_saved_bytes": self.loss_saved_bytes * f, "loss_work_bytes": self.loss_work_bytes * f}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -279,6 +285,8 @@ class LayerProfile:
                if self.times_at else {}),
             **({"tensor_parallel": {str(t): sh.to_dict() for t, sh in self.shards.items()}} if self.shards else {}),
             **({"allreduce_bytes": self.allreduce_bytes} if self.allreduce_bytes else {}),
+            **({"loss_saved_bytes": self.loss_saved_bytes, "loss_work_bytes": self.loss_work_bytes}
+               if self.loss_saved_bytes or self.loss_work_bytes else {}),
         }
 
     @classmethod
@@ -308,6 +316,8 @@ class LayerProfile:
                                   else req_number(d, "own_output_bytes", where, maximum=MAX_BYTES)),
                 shards=shards,
                 allreduce_bytes=req_number(d, "allreduce_bytes", where, default=0.0, maximum=MAX_BYTES),
+                loss_saved_bytes=req_number(d, "loss_saved_bytes", where, default=0.0, maximum=MAX_BYTES),
+                loss_work_bytes=req_number(d, "loss_work_bytes", where, default=0.0, maximum=MAX_BYTES),
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
@@ -340,6 +350,10 @@ class Profile:
                 raise FormatError(f"layers[{i}].name", layer.name,
                                   f"duplicates layers[{seen[layer.name]}].name; layer names must be unique")
             seen[layer.name] = i
+            if i + 1 < len(self.layers) and (layer.loss_saved_bytes or layer.loss_work_bytes):
+                raise FormatError(f"layers[{i}].loss_saved_bytes", layer.loss_saved_bytes or layer.loss_work_bytes,
+                                  "the loss's memory belongs to the model's last layer (the one whose output "
+                                  "the loss takes)")
         n = len(self.layers)
         order = self.meta.get("layer_order")
         if order is not None:
