@@ -925,13 +925,12 @@ class CostModel:
             b_in, w = self.recomputing(st.recompute).backward_split_s(self.cluster.device(st.device).gpu_type,
                                                                       st.start, st.stop)
             saving = (p - 1) * min(spec(plan.schedule).weight_fill * w, b_in + w)
-            reach = p if plan.schedule == "zb-h1" else 2 * p - 1  # the micro-batches its closed form needs
-            if self.overlaps(plan) and m >= reach:  # the steady state's idle in place of the flushing one
+            if self.overlaps(plan):  # the steady state's idle in place of the flushing one
                 f = self.recomputing(st.recompute).fwd_bwd_s(self.cluster.device(st.device).gpu_type,
                                                              st.start, st.stop)[0]
-                idle = Schedule(spec(plan.schedule), 3, True).overlapped_bubble_s(2, f, b_in, w)  # per rank: p = 2
-                if idle is not None:
-                    saving = (p - 1) * (f + b_in + w - idle)
+                idle = Schedule(spec(plan.schedule), m, True).overlapped_bubble_s(p, f, b_in, w)
+                if idle is not None:  # (None: fewer micro-batches than its closed form needs)
+                    saving = (p - 1) * (f + b_in + w) - idle
         return fill_f + fill_b + (m - 1) * pace - saving
 
     def overlaps(self, plan: Plan) -> bool:

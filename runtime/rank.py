@@ -486,12 +486,12 @@ def _check_overlap(run: RunSpec) -> None:
             else "`eval_global`" if config.eval_global else "")
     if what:
         raise PartitionerError(f"{what}: the plan's iterations overlap (pricing.overlap_iterations), so its ranks "
-                               "never stand at one step together before the end; run without it or re-plan "
-                               "without --overlap-iterations")
+                               "never stand at one step together before the end; run without it, or with a plan "
+                               "whose pricing does not overlap iterations")
     if training_recipe(run.plan, config.optimizer, config.precision).scales_loss:
         raise PartitionerError("`precision` fp16: its loss scaling agrees on inf/NaN over every rank before each "
                                "step, which would flush the overlapping iterations (pricing.overlap_iterations); "
-                               "train in bf16 or fp32, or re-plan without --overlap-iterations")
+                               "train in bf16 or fp32, or with a plan whose pricing does not overlap iterations")
 
 
 # -- one rank, step by step -----------------------------------------------------------------
