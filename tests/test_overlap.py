@@ -191,3 +191,38 @@ def test_overlapped_run_equals_the_flushing_run(case: str, tmp_path: Path) -> No
     assert m1["loss"] == m2["loss"] and len(m1["loss"]) == 3  # type: ignore[arg-type]
     assert set(w1) == set(w2) and all(torch.equal(w1[k], w2[k]) for k in w1)
     assert len(m2["step_s"]) == 3 and all(s > 0 for s in m2["step_s"])  # type: ignore[union-attr]
+
+
+def test_cli_plans_and_simulates_overlapping_iterations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --overlap-iterations`` records it in the plan's pricing; ``simulate`` then reports the
+    period and the first iteration apart, faster than the same plan flushed (zb-h2, HetPipe node)."""
+    from partitioner_cli.main import main
+
+    out = tmp_path / "plan.json"
+    args = ["examples/profiles/vgg19_hetpipe.json", "--cluster", "examples/clusters/hetpipe.yaml", "--devices",
+            "n0:0,n0:1,n0:2,n0:3", "--micro-batches", "8", "--schedule", "zb-h2", "--no-recompute"]
+    assert main(["plan", *args, "--overlap-iterations", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.pricing is not None and plan.pricing.overlap_iterations and plan.overlaps_iterations
+    capsys.readouterr()
+    sim = ["simulate", str(out), "--profile", "examples/profiles/vgg19_hetpipe.json", "--cluster",
+           "examples/clusters/hetpipe.yaml"]
+    assert main(sim) == 0
+    text = capsys.readouterr().out
+    assert "iterations overlap: steady-state period" in text
+    flushed = dataclasses.replace(plan, pricing=dataclasses.replace(plan.pricing, overlap_iterations=False))
+    flushed.save(tmp_path / "flushed.json")
+    assert main([*sim[:1], str(tmp_path / "flushed.json"), *sim[2:]]) == 0
+    period = float(text.split("\niteration ")[1].split(" s")[0])
+    flushed_s = float(capsys.readouterr().out.split("\niteration ")[1].split(" s")[0])
+    assert period < flushed_s
+
+
+def test_export_refuses_overlapping_iterations() -> None:
+    from partitioner.export import TARGETS, ExportError, export_plan
+
+    plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), schedule="zb-h1", micro_batch_size=2,
+                micro_batches=4, pricing=CostOptions(overlap_iterations=True))
+    for target in TARGETS:
+        with pytest.raises(ExportError, match=r"pricing\.overlap_iterations: .* ends every step with a flush"):
+            export_plan(plan, target)
