@@ -871,7 +871,10 @@ class CostModel:
         * ZB-H1 / ZB-H2: the 1F1B form less ``(p - 1) min(k w, b_i + w)`` (``k`` 2 / 3, ``b_i`` and
           ``w`` the two parts of the bottleneck stage's backward): exact on equal stages without
           transfers (:meth:`partitioner.schedule.Schedule.uniform_bubble_s`); the simulator decides
-          elsewhere (``schedule="auto"`` ranks candidates by it);
+          elsewhere (``schedule="auto"`` ranks candidates by it); with overlapping iterations
+          (``CostOptions.overlap_iterations``) less ``(p - 1)(f + b_i + w - u)`` instead, ``u`` the
+          steady state's idle per rank of :meth:`~partitioner.schedule.Schedule.overlapped_bubble_s`
+          (exact on equal stages without transfers; ZB-H1 ``m >= p``, ZB-H2 ``m >= 2p - 1``);
         * 2BW (no flush): ``m max(t)``;
         * WSP: ``m max(t')`` with ``t'`` each stage's time with the plan's own push and pull
           (:meth:`wave_stage_s`: the holder sets' all-reduce and the staleness ``D``), not the
@@ -922,7 +925,19 @@ class CostModel:
             b_in, w = self.recomputing(st.recompute).backward_split_s(self.cluster.device(st.device).gpu_type,
                                                                       st.start, st.stop)
             saving = (p - 1) * min(spec(plan.schedule).weight_fill * w, b_in + w)
+            if self.overlaps(plan):  # the steady state's idle in place of the flushing one
+                f = self.recomputing(st.recompute).fwd_bwd_s(self.cluster.device(st.device).gpu_type,
+                                                             st.start, st.stop)[0]
+                idle = Schedule(spec(plan.schedule), m, True).overlapped_bubble_s(p, f, b_in, w)
+                if idle is not None:  # (None: fewer micro-batches than its closed form needs)
+                    saving = (p - 1) * (f + b_in + w) - idle
         return fill_f + fill_b + (m - 1) * pace - saving
+
+    def overlaps(self, plan: Plan) -> bool:
+        """Whether ``plan``'s iterations overlap as priced here: a flushing schedule under these
+        options' ``overlap_iterations`` or the plan's own (``Plan.overlaps_iterations``: the runtime
+        runs a plan as its pricing says)."""
+        return spec(plan.schedule).flushes and (self.options.overlap_iterations or plan.overlaps_iterations)
 
     def plan_iteration_s(self, plan: Plan) -> float:
         """Closed-form iteration time of ``plan``: each pipeline's fill, steady state and drain

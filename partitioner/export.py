@@ -97,6 +97,10 @@ def _check_plan(plan: Plan, target: str) -> int:
                 else "double-buffered weights (PipeDream-2BW)")
         raise ExportError(target, f"schedule {plan.schedule} needs {what}, which {target} does not implement; "
                                   f"re-plan with gpipe, 1f1b, interleaved or bfs")
+    if plan.overlaps_iterations:
+        raise ExportError(target, f"pricing.overlap_iterations: {target} ends every step with a flush, so it would "
+                                  "not run the overlapping iterations this plan is priced with; re-plan without "
+                                  "overlapping iterations")
     if plan.first_slices != 1:
         raise ExportError(target, f"first_slices = {plan.first_slices}: {target} runs micro-batches of one size; "
                                   f"re-plan without slicing the first micro-batch")

@@ -250,7 +250,13 @@ class Plan:
     @property
     def pipeline_schedule(self) -> Schedule:
         """The plan's schedule with its micro-batch count, as pricing takes them."""
-        return Schedule(spec(self.schedule), self.micro_batches)
+        return Schedule(spec(self.schedule), self.micro_batches, self.overlaps_iterations)
+
+    @property
+    def overlaps_iterations(self) -> bool:
+        """Whether the plan's iterations overlap (``pricing.overlap_iterations`` under a flushing
+        schedule; 2bw and wsp never flush, so this stays False for them)."""
+        return bool(self.pricing is not None and self.pricing.overlap_iterations and spec(self.schedule).flushes)
 
     @property
     def micro_batching(self) -> MicroBatching:

@@ -47,6 +47,11 @@ class CostOptions:
     ``allreduce_precision`` is the precision gradients are all-reduced in when it differs from
     the training precision (DeepSpeed's ``fp32_allreduce`` under fp16 training: ``"fp32"``, 4
     bytes per parameter on the wire); empty: the training precision.
+    ``overlap_iterations``: a flushing schedule's iterations overlap: each device steps on its own
+    stages' gradients (after their data-parallel all-reduce) and starts its next iteration's work at
+    once, without waiting for the other stages (no flush; docs/schedules.md). Valid where nothing
+    needs every stage's gradients before a step: no global gradient-norm clipping and no fp16 loss
+    scale agreed over every rank (refused with ``precision`` fp16); 2BW and WSP overlap anyway.
     """
 
     overlap_comm: bool = False
@@ -57,6 +62,7 @@ class CostOptions:
     allreduce_precision: str = ""
     zero: int = 0
     recompute: str = "none"
+    overlap_iterations: bool = False
 
     def __post_init__(self) -> None:
         for name in ("optimizer_state_factor", "reserved_bytes"):
@@ -72,6 +78,12 @@ class CostOptions:
             raise FormatError("zero", self.zero, "must be 0 (no sharding), 1 (optimizer state) or 2 (and gradients)")
         if self.recompute not in RECOMPUTE_POLICIES:
             raise FormatError("recompute", self.recompute, f"must be one of {', '.join(RECOMPUTE_POLICIES)}")
+        if not isinstance(self.overlap_iterations, bool):
+            raise FormatError("overlap_iterations", self.overlap_iterations, "must be true or false")
+        if self.overlap_iterations and self.precision == "fp16":
+            raise FormatError("overlap_iterations", True, "fp16 training agrees on its loss scale (an inf/NaN check "
+                              "over every rank) before each step, which flushes the pipeline; train in bf16 or "
+                              "fp32 to overlap iterations, or leave overlap_iterations off")
 
     @property
     def recompute_modes(self) -> tuple[str, ...]:
@@ -114,6 +126,8 @@ class CostOptions:
             d["zero"] = self.zero
         if self.recompute != "none":
             d["recompute"] = self.recompute
+        if self.overlap_iterations:
+            d["overlap_iterations"] = True
         return d
 
     @classmethod
@@ -121,7 +135,7 @@ class CostOptions:
         if not isinstance(d, Mapping):
             raise FormatError(where.rstrip("."), d, "must be an object {precision, reserved_GiB, ...}")
         known = {"overlap_comm", "optimizer_state_factor", "reserved_GiB", "precision", "sync", "allreduce_precision", "zero",
-                 "recompute"}
+                 "recompute", "overlap_iterations"}
         for k in d:
             check(k in known, f"{where}{k}", d[k], f"unknown option; known: {', '.join(sorted(known))}")
         try:
@@ -132,7 +146,8 @@ class CostOptions:
                        sync=opt_field(d, "sync", bool, True, where),
                        allreduce_precision=opt_field(d, "allreduce_precision", str, "", where),
                        zero=opt_field(d, "zero", int, 0, where),
-                       recompute=opt_field(d, "recompute", str, "none", where))
+                       recompute=opt_field(d, "recompute", str, "none", where),
+                       overlap_iterations=opt_field(d, "overlap_iterations", bool, False, where))
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
 

@@ -60,7 +60,7 @@ import functools
 import itertools
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -264,20 +264,27 @@ class Schedule:
     runs per iteration. What pricing a pipeline asks of the pair is said here, once; the solvers,
     the cost model and the bounds pass this object down instead of a name and a count.
 
+    ``overlap``: a flushing schedule's iterations overlap (``CostOptions.overlap_iterations``:
+    each rank starts its next iteration right after its own step), so an iteration costs the
+    steady state's period (:meth:`overlapped_bubble_s`) rather than a fill and a drain.
+
     ``Schedule.of("1f1b", 8)`` (an unknown name is a one-line error).
     """
 
     spec: ScheduleSpec
     micro_batches: int
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         m = self.micro_batches
         if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
             raise FormatError("micro_batches", m, "must be an integer >= 1")
+        if not isinstance(self.overlap, bool):
+            raise FormatError("overlap", self.overlap, "must be true or false")
 
     @classmethod
-    def of(cls, name: str, micro_batches: int) -> Schedule:
-        return cls(spec(name), micro_batches)
+    def of(cls, name: str, micro_batches: int, overlap: bool = False) -> Schedule:
+        return cls(spec(name), micro_batches, overlap)
 
     @property
     def name(self) -> str:
@@ -316,13 +323,15 @@ class Schedule:
         return float(sum(stage_times_s) + (self.micro_batches - 1) * bottleneck)
 
     def with_micro_batches(self, micro_batches: int) -> Schedule:
-        return Schedule(self.spec, micro_batches)
+        return Schedule(self.spec, micro_batches, self.overlap)
 
     def uniform_bubble_s(self, ranks: int, fwd_s: float, input_s: float, weight_s: float,
                          chunks: int = 1) -> float | None:
         """Idle seconds of every rank in one iteration of ``ranks`` equal stages (per device, no
         transfers; ``input_s + weight_s`` is the backward, ``chunks`` the stages per device, each
-        taking its share), where a closed form is exact; None where the simulator decides.
+        taking its share), where a closed form is exact; None where the simulator decides. With
+        :attr:`overlap` (iterations overlap, :meth:`overlapped_bubble_s`) the idle time of one period
+        of the steady state.
 
         With ``p`` ranks and ``F, B, W`` a device's forward, input-gradient and weight-gradient
         seconds (``m >= p``; interleaved: ``m`` a multiple of ``p``): GPipe and 1F1B ``(p - 1)(F + B
@@ -339,6 +348,8 @@ class Schedule:
         ratio, the same for every ``m >= 2p - 1``), not derived; below ``m = 2p - 1`` (the order is
         built for ``2p - 1`` micro-batches and cut) the simulator decides. tests/test_zero_bubble.py
         checks each against the simulator (ZB-V at random ratios, ``p`` and ``m``)."""
+        if self.overlap and self.spec.flushes:
+            return self.overlapped_bubble_s(ranks, fwd_s, input_s, weight_s, chunks)
         p, f, b, w = ranks, fwd_s, input_s, weight_s
         name = self.name
         if name in ("gpipe", "1f1b"):
@@ -349,6 +360,46 @@ class Schedule:
             return (p - 1) * max(f + b + w - self.spec.weight_fill * w, f)
         if name == "zbv":
             return self._zbv_bubble_s(p, f, b, w)
+        return None
+
+    def overlapped_bubble_s(self, ranks: int, fwd_s: float, input_s: float, weight_s: float,
+                            chunks: int = 1) -> float | None:
+        """Idle seconds of every rank per period when iterations overlap (``CostOptions.
+        overlap_iterations``: each rank starts its next iteration's forwards right after its own
+        step), on ``ranks`` equal stages as :meth:`uniform_bubble_s`; the period is ``m (F + B + W)``
+        plus this. None where the simulator decides.
+
+        GPipe, 1F1B and interleaved: their flushing idle time (the first rank ends each iteration
+        with the last backward, which the next iteration's forwards wait for: overlap gains
+        nothing). ZB-H1 (``m >= p``): ``(p - 1) max(F + B - W, B)``, Qi et al.'s ``(p - 1)(F + B - W)``
+        where ``W <= F``. ZB-H2 (``m >= 2p - 1``): ``(p - 1) max(F + B - 2W, B - F, 0)``, the paper's
+        ``(p - 1)(F + B - 2W)``, zero bubble at ``F = B = W``. ZB-V (``m >= 2p - 1``; 0 for ``p = 1``):
+        the largest of 0, ``(p - 1)(B - W)``, ``(p - 1)(B - F) / 2``, ``(p - 2)(W - F) / 2``, ``(p -
+        2)(F - B) / 2``, ``((p - 2) W + B - (p - 1) F) / 2``, ``((2p - 3) F + B) / 2 - (p - 1) W``,
+        ``(p - 1)(2F - B - W) / 2`` and ``(p - 1) F - (2p - 1) W / 2``: zero at ``F = B = W``. The
+        period of a fixed order is the largest cycle mean of its dependency graph, so it is the
+        largest of linear forms in ``F, B, W``; for ZB-H1, ZB-H2 and ZB-V these forms are the
+        gradients the simulator showed on random ratios for ``p`` = 2 to 6, not derived, then
+        checked on 300 random ratios (0.05 to 5), ``p`` 1 to 7 and ``m`` from the bound to twice
+        it each (tests/test_zero_bubble.py checks them with hypothesis). ZB-H1 and ZB-H2 run
+        their order built for ``T_F = T_B = T_W``; the ``B - F`` and ``B`` terms are what that fixed
+        order loses elsewhere, where the paper's solver would reorder."""
+        p, f, b, w, m = ranks, fwd_s, input_s, weight_s, self.micro_batches
+        name = self.name
+        if name in ("gpipe", "1f1b", "interleaved"):
+            return replace(self, overlap=False).uniform_bubble_s(p, f, b, w, chunks)
+        if name == "zb-h1":
+            return (p - 1) * max(f + b - w, b) if m >= p else None
+        if name == "zb-h2":
+            return (p - 1) * max(f + b - 2 * w, b - f, 0.0) if m >= 2 * p - 1 else None
+        if name == "zbv":
+            if p == 1:
+                return 0.0
+            if m < 2 * p - 1:
+                return None
+            return max(0.0, (p - 1) * (b - w), (p - 1) * (b - f) / 2, (p - 2) * (w - f) / 2, (p - 2) * (f - b) / 2,
+                       ((p - 2) * w + b - (p - 1) * f) / 2, ((2 * p - 3) * f + b) / 2 - (p - 1) * w,
+                       (p - 1) * (2 * f - b - w) / 2, (p - 1) * f - (2 * p - 1) * w / 2)
         return None
 
     def _zbv_bubble_s(self, p: int, f: float, b: float, w: float) -> float | None:

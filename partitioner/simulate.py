@@ -68,13 +68,18 @@ log = logging.getLogger(__name__)
 # -- plans -------------------------------------------------------------------------------------
 
 
-def default_iterations(schedule: str, staleness: int = 0) -> int:
+def default_iterations(schedule: str, staleness: int = 0, overlap: bool = False) -> int:
     """Iterations simulated by default: one for flushing schedules; enough for a steady state
-    for ``2bw``, and for ``wsp`` a measured window of ``D + 1`` waves after the first ``D + 1``
-    (where the all-reduce binds, the pulls' waits repeat every ``D + 1`` waves)."""
+    for ``2bw`` and for overlapping iterations (``overlap``: a flushing schedule under
+    ``CostOptions.overlap_iterations``; its period is measured from the end of the second
+    iteration to the end of the fourth), and for ``wsp`` a measured window of ``D + 1`` waves
+    after the first ``D + 1`` (where the all-reduce binds, the pulls' waits repeat every ``D + 1``
+    waves)."""
     sp = spec(schedule)
     if sp.sync == "wave":
         return 2 * staleness + 4
+    if sp.flushes and overlap:
+        return 5
     return 1 if sp.flushes else 4
 
 
@@ -183,7 +188,8 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     the :class:`CostModel` of ``profile``, ``cluster`` and ``options`` when the caller has one."""
     cost = cost or CostModel(plan.profile_view(profile), cluster, options)
     sched = plan.schedule
-    n_iter = iterations if iterations is not None else default_iterations(sched, plan.staleness)
+    overlap = cost.overlaps(plan)
+    n_iter = iterations if iterations is not None else default_iterations(sched, plan.staleness, overlap)
     pipes = place(plan)
     notes: list[str] = []
     sync = _Sync.of(plan, cost)
@@ -375,6 +381,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
                notes: list[str], wave_groups: WaveGroups | None = None) -> Timeline:
     sched, m = plan.schedule, plan.micro_batches
     batching = plan.micro_batching
+    overlap = cost.overlaps(plan)
     n_workers = max(rank_worker) + 1
     wave = spec(sched).sync == "wave"
     boundary = PUSH.code if wave else STEP.code
@@ -398,8 +405,11 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
             # under WSP the first D + 1 waves run ahead of the slowest worker unchecked: skip them
             last = n_iter - 2 if n_iter >= 3 else n_iter - 1
             first = min(plan.staleness + 1, last - 1) if wave and last >= 2 else 0
+            if overlap and last >= 2:  # overlapping iterations: the steady state after the first
+                first = 1
             windows.append((float(t_end[w, first]), float(t_end[w, last]), last - first))
     iteration = max((hi - lo) / k if n_iter > 1 else hi for lo, hi, k in windows)
+    first_iteration = float(t_end[:, 0].max()) if overlap and n_iter > 1 else 0.0
     samples = n_workers * m * plan.micro_batch_size
     samples_per_s = samples / iteration if iteration > 0 else math.inf
 
@@ -444,7 +454,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         cat([c[0] for c in columns]).astype(np.int8), cat([c[1] for c in columns]),
         cat([c[2] for c in columns]).astype(np.int32), cat(st_col), cat(en_col),
         float(worker_end.max()), iteration, samples_per_s, bubble, peak_mem, peak_act, versions, gaps,
-        tuple(notes))
+        tuple(notes), first_iteration)
 
 
 def _zero_runs(cost: CostModel, holders: np.ndarray, start: int, stop: int) -> list[tuple[int, int, int]]:

@@ -30,7 +30,11 @@ class Timeline:
     with several virtual workers it is the slowest one's. Bubble fractions are measured over
     the same window. ``clock_gaps`` (WSP) is, at every ``PULL`` that lets a rank go on, its
     clock (waves it has pushed) minus the least clock of the holders of its layers in every
-    virtual worker (the ranks its all-reduces wait for).
+    virtual worker (the ranks its all-reduces wait for). Under ``overlap_iterations`` (a flushing
+    schedule's iterations overlapping, ``CostOptions.overlap_iterations``) ``iteration_s`` is the
+    steady state's period and ``first_iteration_s`` the end of the first iteration (its fill
+    included: ``first_iteration_s - iteration_s`` is what the first iteration costs more); 0 where
+    not measured apart.
     """
 
     schedule: str
@@ -54,6 +58,7 @@ class Timeline:
     weight_versions: Mapping[str, int] = field(default_factory=dict)
     clock_gaps: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    first_iteration_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.event_rank)
@@ -62,7 +67,7 @@ class Timeline:
                 raise FormatError(name, len(getattr(self, name)), f"must have one entry per event ({n})")
         if len(self.rank_worker) != len(self.devices):
             raise FormatError("rank_worker", list(self.rank_worker), "must name a virtual worker per device")
-        if self.iteration_s < 0 or self.makespan_s < 0:
+        if self.iteration_s < 0 or self.makespan_s < 0 or self.first_iteration_s < 0:
             raise FormatError("iteration_s", self.iteration_s, "times must be >= 0")
 
     @property
@@ -93,6 +98,7 @@ class Timeline:
             "peak_activations": dict(self.peak_activations),
             "weight_versions": dict(self.weight_versions),
             "clock_gaps": list(self.clock_gaps), "notes": list(self.notes),
+            **({"first_iteration_s": self.first_iteration_s} if self.first_iteration_s else {}),
             "kinds": [k.value for k in ACTION_KINDS],
             "events": {"rank": self.event_rank.tolist(), "kind": self.event_kind.tolist(),
                        "micro_batch": self.event_micro_batch.tolist(), "stage": self.event_stage.tolist(),
@@ -117,5 +123,5 @@ class Timeline:
             dict(d["bubble_fraction"]), dict(d["peak_memory_bytes"]),
             {k: int(v) for k, v in d["peak_activations"].items()},
             {k: int(v) for k, v in d["weight_versions"].items()},
-            tuple(d["clock_gaps"]), tuple(d["notes"]),
+            tuple(d["clock_gaps"]), tuple(d["notes"]), float(d.get("first_iteration_s", 0.0)),
         )

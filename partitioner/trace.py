@@ -167,7 +167,9 @@ def summary_text(tl: Timeline) -> str:
     lines = [
         f"schedule {tl.schedule}, {tl.micro_batches} micro-batches of {tl.micro_batch_size}, "
         f"{len(set(tl.rank_worker))} virtual worker(s), {tl.iterations} iteration(s) simulated",
-        f"iteration {tl.iteration_s:.6g} s, {tl.samples_per_s:.6g} samples/s, {tl.num_events} actions",
+        f"iteration {tl.iteration_s:.6g} s, {tl.samples_per_s:.6g} samples/s, {tl.num_events} actions"
+        + (f" (iterations overlap: steady-state period; the first iteration ends at {tl.first_iteration_s:.6g} s, "
+           f"{tl.first_iteration_s - tl.iteration_s:.6g} s of fill more)" if tl.first_iteration_s else ""),
         f"{'device':<14} {'vw':>3} {'bubble':>7} {'in flight':>9} {'versions':>8} {'peak memory':>12}",
     ]
     for r, dev in enumerate(tl.devices):

@@ -98,8 +98,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               needs=(str(SHARED / "sailor_validation"), str(SHARED / "sailor_opt350"))),
     Benchmark("closed_form", "the solvers' closed form against the simulator, plan by plan",
               _script("closed_form"), _script("closed_form")),
-    Benchmark("schedules", "zero-bubble schedules (ZB-H1, ZB-H2, ZB-V) against 1F1B and interleaved: closed forms "
-              "on equal stages, simulated on the HetPipe and PipeDream profiles",
+    Benchmark("schedules", "zero-bubble schedules (ZB-H1, ZB-H2, ZB-V) against 1F1B and interleaved, flushed and "
+              "with overlapping iterations: closed forms on equal stages, simulated on the HetPipe and PipeDream "
+              "profiles",
               _script("schedules", "--quick"), _script("schedules")),
     Benchmark("hetero", "opt against HetPipe's policies and the baselines, and planning time",
               _script("hetero", "--quick", "--runs", "1"), _script("hetero", "--runs", "3"),
@@ -150,9 +151,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                          "(GPT-2 tiny, 30 steps), DeepSpeed's config class, Megatron-Core's layout and model build",
               _script("exports", "--steps", "10"), _script("exports"), needs=("torch",), long=True),
     Benchmark("emulation", "emulated heterogeneous cluster (A100 + 2 T4 on CPU processes): measured against "
-                           "predicted iteration of opt, uniform and pipedream plans; zb-h1 against 1f1b on 4 GPUs",
-              _script("emulation", "--rounds", "2", "--zero-bubble"),
-              _script("emulation", "--rounds", "5", "--zero-bubble", "--wsp", "--png", "{img}/emulation_wsp.png"),
+                           "predicted iteration of opt, uniform and pipedream plans; zb-h1 and zb-h2 (flushed, "
+                           "overlapped) against 1f1b on 4 GPUs",
+              _script("emulation", "--rounds", "2", "--zero-bubble", "--overlap"),
+              _script("emulation", "--rounds", "5", "--zero-bubble", "--overlap", "--wsp", "--png", "{img}/emulation_wsp.png"),
               figures=("emulation_wsp.png",), needs=("torch",), long=True, seeds={"weights_and_data": 0}),
     Benchmark("wsp", "WSP against sync data parallelism on an emulated 3-type cluster (links emulated): time to "
                      "a held-out loss, speed-up, predicted against measured",

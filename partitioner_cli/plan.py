@@ -37,6 +37,10 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cost model")
     group.add_argument("--overlap-comm", action="store_true", default=None,
                        help="price a stage as max(compute, transfer in, transfer out) instead of compute + transfer out")
+    group.add_argument("--overlap-iterations", action="store_true", default=None,
+                       help="let a flushing schedule's iterations overlap: each device steps on its own stages' "
+                            "gradients and starts the next iteration at once (no flush; zero bubble for zb-h2 and "
+                            "zbv); needs no global gradient clipping and no fp16 loss scaling")
     group.add_argument("--precision", choices=PRECISIONS, default=None,
                        help="training precision: fp32, or fp16/bf16 mixed precision with fp32 master weights "
                             "(default fp32)")
@@ -67,6 +71,8 @@ def cost_options_from_args(args: argparse.Namespace, base: CostOptions | None = 
     changes: dict[str, object] = {}
     if args.overlap_comm is not None:
         changes["overlap_comm"] = True
+    if args.overlap_iterations is not None:
+        changes["overlap_iterations"] = True
     if args.precision is not None:
         changes["precision"] = args.precision
     if args.allreduce_precision is not None:

@@ -128,6 +128,7 @@ class PipelineExecutor:
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}  # receives posted ahead, by tag
         self.stretch: Stretch | None = None
         self._split_stages: set[int] = set()  # stages with I actions in the list being run
+        self.step_ends: list[float] | None = None  # when set: perf_counter() at the end of every STEP
         self._cursors: dict[int, ChannelCursor] | None = None  # order_channels
         self._acts_ahead: dict[int, int] = {}  # peer -> activation receives posted and not yet taken
         self._reset()
@@ -422,6 +423,10 @@ class PipelineExecutor:
         if any(s == self.num_stages - 1 for s in self.stages):
             self.losses.append(float(self._loss_sum))
         self._reset()
+        if self.step_ends is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.step_ends.append(time.perf_counter())
 
 
 class StashingExecutor(PipelineExecutor):

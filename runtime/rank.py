@@ -199,9 +199,11 @@ class RankRun:
 
 
 class PipelineRun(RankRun):
-    """The flushing schedules (gpipe, 1f1b, interleaved, bfs): one action list per step, the
-    gradients averaged over the virtual workers and replicas before every optimizer step;
-    resumes from and writes checkpoints."""
+    """The flushing schedules (gpipe, 1f1b, interleaved, bfs and the zero-bubble ones): one action
+    list per step between barriers, the gradients averaged over the virtual workers and replicas
+    before every optimizer step; resumes from and writes checkpoints. A plan whose iterations
+    overlap (``pricing.overlap_iterations``) runs every step's list as one, without the barriers
+    (:meth:`_overlapped`)."""
 
     kind = "pipeline"
 
@@ -223,8 +225,12 @@ class PipelineRun(RankRun):
         executor.send_to = ctx.layout.send_to(ctx.rank)
         _emulate(executor, ctx)
         actions = ctx.layout.actions(ctx.rank)
-        executor.order_channels(ctx.layout.channels(ctx.rank))
         self.figures["micro_batches"] = sorted({a.micro_batch for a in actions if a.kind == F})
+        if ctx.run.plan.overlaps_iterations:
+            self._overlapped(executor)
+            self.figures["link_slept_s"] = averager.delay.slept_s if averager.delay is not None else 0.0
+            return executor
+        executor.order_channels(ctx.layout.channels(ctx.rank))
         versions: list[dict[int, dict[str, torch.Tensor]]] | None = [] if config.eval_global else None
         self.figures["end_s"] = self._steps(executor, averager, actions, optimizer, versions)
         self.figures["link_slept_s"] = averager.delay.slept_s if averager.delay is not None else 0.0
@@ -236,8 +242,27 @@ class PipelineRun(RankRun):
         return executor
 
     def timed_steps(self) -> int:
+        if "wave_end_s" in self.figures:  # overlapping iterations: seconds summed over the whole run
+            return max(len(self.figures["wave_end_s"]), 1)
         ran, warmup = len(self.step_s), self.ctx.config.warmup
         return ran - warmup if ran > warmup else max(ran, 1)
+
+    def _overlapped(self, executor: PipelineExecutor) -> None:
+        """Overlapping iterations (``pricing.overlap_iterations``): every step's list run as one,
+        each rank stepping on its own stages' gradients and going on to its next iteration at once,
+        without a barrier between steps (the lists are those the simulator times over several
+        iterations). Records when each of this rank's steps ended (``wave_end_s``, from the start)."""
+        ctx, steps = self.ctx, self.ctx.config.steps
+        actions = ctx.layout.actions(ctx.rank, iterations=steps)
+        executor.order_channels(ctx.layout.channels(ctx.rank, iterations=steps))
+        ctx.feed.load(0)
+        executor.step_ends = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        executor.run(actions)
+        _synchronize(ctx.device)
+        dist.barrier()
+        self.figures["wave_end_s"] = [t - t0 for t in executor.step_ends]
 
     def _resume(self, optimizer: torch.optim.Optimizer | None) -> int:
         """The step this run starts at, agreed by every rank (rank 0's last complete checkpoint
@@ -444,10 +469,29 @@ def check_time_bound(run: RunSpec) -> None:
                                "must hold every layer (one device, not replicated)")
     if config.eval_global and not kind.records_global:
         raise PartitionerError(f"eval_global: not recorded for {kind.kind}; use a flushing schedule or wsp")
+    if plan.overlaps_iterations:
+        _check_overlap(run)
     emulation = config.emulation
     if emulation is not None and emulation.links and not kind.emulates_links:
         raise PartitionerError(f"`emulate_links`: the {kind.kind} all-reduce is not emulated; use a flushing "
                                "schedule or wsp")
+
+
+def _check_overlap(run: RunSpec) -> None:
+    """Refuse, in one line, what overlapping iterations cannot do: stop by time, checkpoint or
+    record the global model (no point where every rank has stepped the same number of times but
+    the end), or scale an fp16 loss (every rank agrees on inf/NaN before each step: a flush)."""
+    config = run.config
+    what = ("`max_seconds`" if config.max_seconds else "`checkpoint_dir`" if config.checkpoint_dir
+            else "`eval_global`" if config.eval_global else "")
+    if what:
+        raise PartitionerError(f"{what}: the plan's iterations overlap (pricing.overlap_iterations), so its ranks "
+                               "never stand at one step together before the end; run without it, or with a plan "
+                               "whose pricing does not overlap iterations")
+    if training_recipe(run.plan, config.optimizer, config.precision).scales_loss:
+        raise PartitionerError("`precision` fp16: its loss scaling agrees on inf/NaN over every rank before each "
+                               "step, which would flush the overlapping iterations (pricing.overlap_iterations); "
+                               "train in bf16 or fp32, or with a plan whose pricing does not overlap iterations")
 
 
 # -- one rank, step by step -----------------------------------------------------------------
