@@ -306,11 +306,13 @@ def _exception_line(trace: str) -> str:
 
 
 class RankFailed(PartitionerError):
-    """A local process died (killed, exited) or raised: its ``rank``, and one line that names it."""
+    """A local process died (killed, exited) or raised: its ``rank``, one line that names it, and
+    ``died``: the process is gone (a signal or an exit code), not an exception it raised."""
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int, message: str, died: bool = True):
         super().__init__(message)
         self.rank = rank
+        self.died = died
 
 
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, backend: str = "gloo",
@@ -345,7 +347,7 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),
                                  f"the other processes were stopped") from None
             except mp.ProcessRaisedException as err:
                 raise RankFailed(err.error_index, f"rank {err.error_index}{names(err.error_index)} failed: "
-                                 f"{_exception_line(str(err))}") from None
+                                 f"{_exception_line(str(err))}", died=False) from None
             if time.monotonic() > deadline:
                 for proc in ctx.processes:
                     if proc.is_alive():

@@ -272,7 +272,7 @@ class PipelineRun(RankRun):
         for step in range(self.first, config.steps):
             if step > self.first and config.max_seconds and not _before(deadline, ctx.device):
                 break
-            _fault(ctx.rank, step)
+            _fault(ctx.rank, step, config.attempt)
             if step - self.first == config.warmup:
                 executor.seconds = dict.fromkeys(executor.seconds, 0.0)
                 averager.seconds = 0.0
@@ -547,11 +547,13 @@ def _before(deadline: float, device: torch.device) -> bool:
     return bool(go.item())
 
 
-def _fault(rank: int, step: int) -> None:
-    """A test hook: the failure of a rank in the middle of a run (see :data:`FAULT_ENV`); under
-    torchrun only in the first attempt, so that a restarted group can go on."""
+def _fault(rank: int, step: int, attempt: int) -> None:
+    """A test hook: the failure of a rank in the middle of a run (see :data:`FAULT_ENV`); only in
+    the first attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``, ``train --elastic``'s
+    ``TrainConfig.attempt``), so that a restarted group can go on."""
     fault = os.environ.get(FAULT_ENV, "")
-    if fault and fault == f"{rank}:{step}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    first = attempt == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if fault and fault == f"{rank}:{step}" and first:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

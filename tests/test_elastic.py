@@ -1,0 +1,99 @@
+"""``train --elastic`` (partitioner_cli/elastic.py): a killed rank re-planned around and the run
+resumed on the new plan, to the steps asked for, its losses those of the new plan run from the
+same checkpoint without a kill."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from partitioner.plan import Plan
+from partitioner.profile import LayerProfile, LayerTime, Profile
+from partitioner_cli import main as cli
+from partitioner_cli.elastic import Restart
+from runtime.checkpoint import latest_complete, load_state, step_dir
+from runtime.launch import FAULT_ENV, TrainConfig, train_local
+from tests.test_checkpoint import CPU_CLUSTER, worker
+
+# three stages on three devices: losing one leaves a pipeline of two
+PLAN3 = Plan("gpt2-tiny", (worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"]),), micro_batch_size=2, micro_batches=2)
+
+
+@pytest.fixture
+def forked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.launch as launch
+
+    real = launch.train_local
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+
+
+def _args(tmp_path: Path, plan: Plan) -> list[str]:
+    plan.save(tmp_path / "plan.json")
+    layers = tuple(LayerProfile(f"l{i}", 1.0, 4.0, 4.0, 4.0, {"cpu": LayerTime(1e-3, 2e-3)}) for i in range(4))
+    Profile("gpt2-tiny", 2, layers).save(tmp_path / "profile.json")
+    return ["train", str(tmp_path / "plan.json"), "--profile", str(tmp_path / "profile.json"), "--cluster",
+            str(CPU_CLUSTER), "--model", "gpt2-tiny", "--local", "--threads", "1", "--warmup", "0", "--lr", "0.3",
+            "--steps", "5", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+
+
+def test_a_killed_rank_is_replanned_around_and_the_run_finishes_as_the_new_plan_would(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, forked: None) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "metrics.json"
+    monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 (n0:1) dies as step 3 begins, after the checkpoint of step 2
+    assert cli.main([*_args(tmp_path, PLAN3), "--elastic", "-o", str(out)]) == 0
+    said = capsys.readouterr().out.splitlines()
+    restarts = [ln for ln in said if ln.startswith("elastic restart")]
+    assert len(restarts) == 1, said
+    assert restarts[0].startswith("elastic restart 1 of at most 3: rank 1 (device n0:1) was killed by signal "
+                                  "SIGKILL; the other processes were stopped; re-planned without n0:1 in ")
+    assert restarts[0].endswith("; resuming at step 2")
+    metrics = json.loads(out.read_text())
+    new_file = tmp_path / "plan-without-n0_1.json"
+    new = Plan.load(new_file)
+    assert set(new.devices) == {"n0:0", "n0:2"}
+    assert new.micro_batch_size * new.micro_batches * len(new.virtual_workers) == 4  # the global batch kept
+    (restart,) = [Restart.from_dict(r) for r in metrics["restarts"]]
+    assert (restart.attempt, restart.rank, restart.device, restart.resumed_at_step, restart.devices) == (1, 1, "n0:1", 2, 2)
+    assert restart.plan_file == str(new_file) and Restart.from_dict(json.loads(json.dumps(restart.to_dict()))) == restart
+    # the requested step count: steps 2, 3, 4 on the new plan; its last checkpoint is of step 5
+    assert metrics["first_step"] == 2 and len(metrics["loss"]) == 3 and metrics["world_size"] == 2
+    assert metrics["config"]["attempt"] == 1
+    assert latest_complete(str(ckpt)).plan == new  # type: ignore[union-attr]
+
+    # the reference: the new plan started from the same checkpoint (step 2, which the restart loaded), no kill
+    monkeypatch.delenv(FAULT_ENV)
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    shutil.copytree(step_dir(str(ckpt), 2), step_dir(str(ref), 2))
+    reference = train_local(new, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120,
+                                             checkpoint_dir=str(ref), resume=True, checkpoint_every=2),
+                            start_method="fork")
+    assert reference["first_step"] == 2 and metrics["loss"] == reference["loss"]  # to the bit
+    ended, expected = load_state(str(ckpt), 5), load_state(str(ref), 5)
+    assert set(ended) == set(expected)
+    assert all(torch.equal(ended[k], expected[k]) for k in ended)
+
+
+def test_restarts_are_bounded_and_an_elastic_run_needs_local_and_checkpoints(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, forked: None) -> None:
+    args = _args(tmp_path, PLAN3)
+    monkeypatch.setenv(FAULT_ENV, "2:1")
+    assert cli.main([*args, "--elastic", "--max-restarts", "0"]) != 0
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith(
+        "rank 2 (device n0:2) was killed by signal SIGKILL; the other processes were stopped "
+        "(not restarted: --max-restarts 0 reached)"), err
+    assert "partitioner replan" in captured.out and "--without n0:2" in captured.out
+    assert not (tmp_path / "plan-without-n0_2.json").exists()
+    monkeypatch.delenv(FAULT_ENV)
+    no_ckpt = [a for a in args if a not in ("--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2")]
+    for argv, message in (([*no_ckpt, "--elastic"], "--elastic: needs --checkpoint-dir"),
+                          ([a for a in args if a != "--local"] + ["--elastic"], "--elastic: only with --local"),
+                          ([*args, "--max-restarts", "2"], "--max-restarts: only with --elastic")):
+        assert cli.main(argv) != 0
+        assert message in capsys.readouterr().err
