@@ -19,20 +19,44 @@ end with the one-line error and the commands that continue the run by hand.
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from partitioner._io import check_outputs
 from partitioner.cluster import Cluster
 from partitioner.errors import PartitionerError
+from partitioner.plan import Plan
 from partitioner.profile import Profile
 from partitioner_cli._args import as_flags
-from partitioner_cli.train import Prepared, continue_lines, plan_without, prepare_plan
 
-__all__ = ["DEFAULT_MAX_RESTARTS", "Restart", "train_elastic"]
+__all__ = ["DEFAULT_MAX_RESTARTS", "Restart", "plan_without", "train_elastic"]
 
 DEFAULT_MAX_RESTARTS = 3
+
+
+class Ready(Protocol):
+    """A plan made ready to train (``partitioner_cli.train.Prepared``)."""
+
+    @property
+    def plan(self) -> Plan: ...
+    @property
+    def plan_file(self) -> str: ...
+    @property
+    def config(self) -> Any: ...
+    @property
+    def run(self) -> Any: ...
+
+
+R = TypeVar("R", bound=Ready)
+
+
+def plan_without(plan_file: str, device: str) -> str:
+    """The file of the plan made from ``plan_file``'s without ``device``: ``plan-without-n0_1.json``."""
+    root, ext = os.path.splitext(plan_file)
+    return f"{root}-without-{device.replace(':', '_')}{ext or '.json'}"
 
 
 @dataclass(frozen=True)
@@ -75,10 +99,13 @@ class Restart:
                 f"{self.plan_file}; resuming {where}")
 
 
-def train_elastic(args: argparse.Namespace, ready: Prepared, profile: Profile, cluster: Cluster
-                  ) -> tuple[dict[str, Any], Prepared]:
+def train_elastic(args: argparse.Namespace, ready: R, profile: Profile, cluster: Cluster,
+                  prepare: Callable[[Plan, str, int], R], give_up: Callable[[str, str], list[str]]
+                  ) -> tuple[dict[str, Any], R]:
     """Train ``ready`` with local processes, restarting on a new plan when a rank dies (the module
-    docstring); returns the last attempt's metrics, with ``restarts``, and the plan it ran."""
+    docstring); returns the last attempt's metrics, with ``restarts``, and the plan it ran.
+    ``prepare(plan, plan_file, attempt)`` makes a new plan ready to resume; ``give_up(device,
+    plan_file)``: the lines that continue the run by hand when it is not restarted."""
     from runtime.launch import RankFailed, train_local
 
     most = DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
@@ -95,7 +122,7 @@ def train_elastic(args: argparse.Namespace, ready: Prepared, profile: Profile, c
                 why = "not restarted: it raised, and would on any plan"
             else:
                 try:
-                    restart, ready = _restart(args, ready, profile, cluster, err, len(restarts) + 1,
+                    restart, ready = _restart(args, ready, profile, cluster, prepare, err, len(restarts) + 1,
                                               time.perf_counter() - t0)
                 except PartitionerError as failed:
                     why = f"not restarted: {failed}"
@@ -103,14 +130,15 @@ def train_elastic(args: argparse.Namespace, ready: Prepared, profile: Profile, c
                     restarts.append(restart)
                     print(restart.line(most), flush=True)
                     continue
-            print("\n".join(continue_lines(args, device, ready.plan_file)), flush=True)
+            print("\n".join(give_up(device, ready.plan_file)), flush=True)
             raise PartitionerError(f"{err} ({why})") from None
         metrics["restarts"] = [r.to_dict() for r in restarts]
         return metrics, ready
 
 
-def _restart(args: argparse.Namespace, ready: Prepared, profile: Profile, cluster: Cluster, err: Any, attempt: int,
-             failed_after_s: float) -> tuple[Restart, Prepared]:
+def _restart(args: argparse.Namespace, ready: R, profile: Profile, cluster: Cluster,
+             prepare: Callable[[Plan, str, int], R], err: Any, attempt: int, failed_after_s: float
+             ) -> tuple[Restart, R]:
     """Re-plan ``ready``'s plan without the device of the rank that died, write the new plan,
     and prepare it to resume (refused in one line when no plan is found)."""
     from partitioner_cli.replan import new_devices
@@ -129,4 +157,4 @@ def _restart(args: argparse.Namespace, ready: Prepared, profile: Profile, cluste
     manifest = latest_complete(args.checkpoint_dir)
     restart = Restart(attempt, err.rank, device, str(err), failed_after_s, done.time_s, done.how, new_file,
                       len(done.plan.devices), manifest.step if manifest is not None else 0)
-    return restart, prepare_plan(args, done.plan, new_file, profile, cluster, attempt)
+    return restart, prepare(done.plan, new_file, attempt)

@@ -33,7 +33,7 @@ from partitioner_cli.simulate import profile_for_plan
 if TYPE_CHECKING:
     from runtime.layout import Layout
 
-__all__ = ["Prepared", "continue_lines", "launch_lines", "plan_without", "prepare_plan", "register"]
+__all__ = ["Prepared", "continue_lines", "launch_lines", "prepare_plan", "register"]
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,10 @@ def _train(args: argparse.Namespace, ready: Prepared, profile: Profile, cluster:
     if args.elastic:
         from partitioner_cli.elastic import train_elastic
 
-        return train_elastic(args, ready, profile, cluster)
+        return train_elastic(args, ready, profile, cluster,
+                             lambda plan, plan_file, attempt: prepare_plan(args, plan, plan_file, profile, cluster,
+                                                                           attempt),
+                             lambda device, plan_file: continue_lines(args, device, plan_file))
     try:
         return train_local(ready.plan, ready.config, run=ready.run), ready
     except RankFailed as err:
@@ -235,16 +238,12 @@ def _train(args: argparse.Namespace, ready: Prepared, profile: Profile, cluster:
         raise
 
 
-def plan_without(plan_file: str, device: str) -> str:
-    """The file of the plan made from ``plan_file``'s without ``device``: ``plan-without-n0_1.json``."""
-    root, ext = os.path.splitext(plan_file)
-    return f"{root}-without-{device.replace(':', '_')}{ext or '.json'}"
-
-
 def continue_lines(args: argparse.Namespace, device: str, plan_file: str = "") -> list[str]:
     """What to run to continue without ``device``: ``partitioner replan`` of the plan (``plan_file``,
     default this command's) without it, then this training on the new plan with ``--resume``
     (from the last complete checkpoint)."""
+    from partitioner_cli.elastic import plan_without
+
     plan_file = plan_file or args.plan
     new_plan = plan_without(plan_file, device)
     replan = ["partitioner", "replan", plan_file, "--profile", args.profile, "--cluster", args.cluster,
