@@ -33,7 +33,7 @@ from partitioner_cli.simulate import profile_for_plan
 if TYPE_CHECKING:
     from runtime.layout import Layout
 
-__all__ = ["Prepared", "continue_lines", "launch_lines", "prepare_plan", "register"]
+__all__ = ["Prepared", "continue_lines", "launch_lines", "prepare_plan", "register", "torchrun_continue_lines"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  loss {metrics['loss'][0]:.5g} -> {metrics['loss'][-1]:.5g}  ({what})")
     if config.checkpoint_dir:
         print(f"  checkpoints in {config.checkpoint_dir}")
+    if metrics.get("torchrun_restarts"):
+        print(f"  torchrun restarted the job {metrics['torchrun_restarts']} time(s) (TORCHELASTIC_RESTART_COUNT); "
+              f"this attempt ran on the same plan")
     if metrics.get("restarts"):
         print(f"  elastic: {len(metrics['restarts'])} restart(s); the run ended on {ready.plan_file} "
               f"({len(plan.devices)} devices)")
@@ -213,7 +216,7 @@ def _train(args: argparse.Namespace, ready: Prepared, profile: Profile, cluster:
     or None (the other ranks under torchrun). A lost rank under ``--local`` also prints (on
     stdout) the commands that continue the run without its device, before the one-line error;
     with ``--elastic`` those steps are taken here (:mod:`partitioner_cli.elastic`)."""
-    from runtime.launch import RankFailed, train_distributed, train_local
+    from runtime.launch import GroupLost, RankFailed, train_distributed, train_local
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.local and under_torchrun:
@@ -222,7 +225,11 @@ def _train(args: argparse.Namespace, ready: Prepared, profile: Profile, cluster:
         raise PartitionerError("run under torchrun (RANK and WORLD_SIZE set) or pass --local to start one "
                                "process per plan device on this machine")
     if not args.local:
-        metrics = train_distributed(ready.plan, ready.config, run=ready.run)
+        try:
+            metrics = train_distributed(ready.plan, ready.config, run=ready.run)
+        except GroupLost:
+            print("\n".join(torchrun_continue_lines(args)), flush=True)
+            raise
         return None if metrics is None else (metrics, ready)
     if args.elastic:
         from partitioner_cli.elastic import train_elastic
@@ -252,6 +259,27 @@ def continue_lines(args: argparse.Namespace, device: str, plan_file: str = "") -
     where = (f"from the last complete checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else
              "from step 0: this run wrote no checkpoints (no --checkpoint-dir)")
     return [f"device {device} is lost; to continue without it, re-plan and resume {where}:",
+            f"  {shlex.join(replan)}", f"  {shlex.join(train)}"]
+
+
+def torchrun_continue_lines(args: argparse.Namespace) -> list[str]:
+    """Under torchrun, when the process group failed: what continues the run. torchrun's
+    ``--max-restarts`` starts every process again with the same world size, so on the same plan
+    (resuming with ``--resume``); a device gone for good needs a plan without it, whose torchrun
+    lines ``--launch-lines`` prints (``DEVICE``: the one torchrun's report names)."""
+    from partitioner_cli.elastic import plan_without
+
+    device = "DEVICE"
+    new_plan = plan_without(args.plan, device)
+    replan = ["partitioner", "replan", args.plan, "--profile", args.profile, "--cluster", args.cluster,
+              "--without", device, "-o", new_plan]
+    train = ["partitioner", "train", *_train_args(args, new_plan, bool(args.checkpoint_dir)), "--launch-lines",
+             "--rdzv-endpoint", args.rdzv_endpoint]
+    where = (f"from the last complete checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else
+             "from step 0: this run wrote no checkpoints (no --checkpoint-dir)")
+    return [f"a process of this job is lost: torchrun --max-restarts starts every process again on this plan (the "
+            f"same world size; with --resume, {where}); to continue without a device gone for good (DEVICE: "
+            f"the one torchrun's report names), re-plan and start the new plan's torchrun lines:",
             f"  {shlex.join(replan)}", f"  {shlex.join(train)}"]
 
 

@@ -230,6 +230,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path
     assert "exitcode: -9" in proc.stderr  # rank 1 was killed once, then the group was restarted
     m = json.loads(out.read_text())
     assert m["first_step"] == 2 and len(m["loss"]) == 3  # lost the steps after the last checkpoint only
+    assert m["torchrun_restarts"] == 1  # the attempt that finished is torchrun's first restart
     straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120),
                            start_method="fork")
     assert m["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)

@@ -97,3 +97,81 @@ def test_restarts_are_bounded_and_an_elastic_run_needs_local_and_checkpoints(
                           ([*args, "--max-restarts", "2"], "--max-restarts: only with --elastic")):
         assert cli.main(argv) != 0
         assert message in capsys.readouterr().err
+
+
+# -- under torchrun: a lost process group is one line, with what continues the run ----------------
+
+
+def test_a_failed_collective_is_told_from_a_bug() -> None:
+    import torch.distributed as dist
+
+    from partitioner.errors import PartitionerError
+    from runtime.launch import lost_group
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:46469: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging")
+    assert lost_group(gloo) and lost_group(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not lost_group(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+    assert not lost_group(PartitionerError("gloo: refused in one line"))
+    assert not lost_group(ValueError("connection reset"))
+
+
+def test_a_lost_group_names_the_devices_of_this_nodes_local_ranks() -> None:
+    from runtime.launch import _group_lost_line, prepare
+
+    plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:1", "n1:0"]), worker([0, 2, 4], ["n0:0", "n1:1"])),
+                micro_batch_size=2, micro_batches=1)
+    run = prepare(plan, TrainConfig("gpt2-tiny"))
+    line = _group_lost_line(run, 0, RuntimeError("gloo: Connection closed by peer\nmore"))
+    assert "\n" not in line
+    assert line.startswith("rank 0 (device n0:1) lost its process group (RuntimeError: gloo: Connection closed by "
+                           "peer more): another process of this job died or cannot be reached")
+    # torchrun seats local rank k on the k-th device (by index) the plan uses on the node (runtime/nodes.py)
+    assert line.endswith("; on node n0, torchrun's local_rank 0 is n0:0, 1 is n0:1")
+    assert _group_lost_line(run, 1, RuntimeError("x")).endswith("on node n1, torchrun's local_rank 0 is n1:0, 1 is n1:1")
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_killed_rank_ends_the_job_with_one_line_and_the_commands_to_go_on(tmp_path: Path) -> None:
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from runtime.launch import free_port
+    from tests.test_checkpoint import ROOT
+
+    args = [a for a in _args(tmp_path, PLAN3) if a != "--local"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "0",
+           "--master-port", str(free_port()), "-m", "partitioner_cli", *args, "--resume"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, FAULT_ENV: "1:3"})
+    assert proc.returncode != 0 and "exitcode: -9" in proc.stderr
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("partitioner train:")]
+    assert ours and all(" lost its process group (" in ln for ln in ours), proc.stderr[-3000:]
+    assert all(ln.endswith("on node n0, torchrun's local_rank 0 is n0:0, 1 is n0:1, 2 is n0:2") for ln in ours)
+    said = proc.stdout.splitlines()
+    k = next(i for i, ln in enumerate(said) if ln.startswith("a process of this job is lost: torchrun --max-restarts"))
+    replan_cmd, train_cmd = shlex.split(said[k + 1]), shlex.split(said[k + 2])
+    # the device torchrun's report names (local_rank 1 of node n0 is n0:1) in place of DEVICE, run as printed
+    replan_cmd = [a.replace("DEVICE", "n0_1" if "without-" in a else "n0:1") for a in replan_cmd]
+    train_cmd = [a.replace("DEVICE", "n0_1") for a in train_cmd]
+    assert cli.main(replan_cmd[1:]) == 0
+    assert set(Plan.load(tmp_path / "plan-without-n0_1.json").devices) == {"n0:0", "n0:2"}
+    assert "--resume" in train_cmd and "--launch-lines" in train_cmd
+
+
+def test_torchrun_continue_lines_name_the_plan_and_the_checkpoints(tmp_path: Path) -> None:
+    import argparse
+
+    from partitioner_cli.train import register, torchrun_continue_lines
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args([a for a in _args(tmp_path, PLAN3) if a != "--local"])
+    head, replan_line, train_line = torchrun_continue_lines(args)
+    assert f"with --resume, from the last complete checkpoint in {tmp_path / 'ckpt'}" in head
+    assert replan_line.split()[:3] == ["partitioner", "replan", str(tmp_path / "plan.json")]
+    assert "--without DEVICE -o " + str(tmp_path / "plan-without-DEVICE.json") in replan_line
+    assert train_line.split()[:3] == ["partitioner", "train", str(tmp_path / "plan-without-DEVICE.json")]
+    assert train_line.split()[-4:] == ["--resume", "--launch-lines", "--rdzv-endpoint", "HOST0:29500"]
