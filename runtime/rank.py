@@ -65,7 +65,9 @@ log = logging.getLogger(__name__)
 Shape = tuple[torch.Size, torch.dtype]
 E = TypeVar("E", bound=StashingExecutor)
 
-FAULT_ENV = "PARTITIONER_FAULT_KILL"  # "RANK:STEP": rank RANK kills itself (SIGKILL) as step STEP begins
+# "RANK:STEP[@ATTEMPT][,...]": rank RANK kills itself (SIGKILL) as step STEP begins, in attempt ATTEMPT
+# (default 0, the first start; torchrun's restart count, or train --elastic's restart)
+FAULT_ENV = "PARTITIONER_FAULT_KILL"
 
 
 class Feed:
@@ -548,13 +550,14 @@ def _before(deadline: float, device: torch.device) -> bool:
 
 
 def _fault(rank: int, step: int, attempt: int) -> None:
-    """A test hook: the failure of a rank in the middle of a run (see :data:`FAULT_ENV`); only in
-    the first attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``, ``train --elastic``'s
-    ``TrainConfig.attempt``), so that a restarted group can go on."""
-    fault = os.environ.get(FAULT_ENV, "")
-    first = attempt == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if fault and fault == f"{rank}:{step}" and first:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """A test hook: the failure of a rank in the middle of a run (see :data:`FAULT_ENV`), in the
+    attempt it names (``attempt``: ``train --elastic``'s restart; under torchrun its restart
+    count), so that a restarted group can go on or lose another rank."""
+    attempt = attempt or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    for entry in os.environ.get(FAULT_ENV, "").split(","):
+        where, _, when = entry.strip().partition("@")
+        if where == f"{rank}:{step}" and int(when or 0) == attempt:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _emulate(executor: PipelineExecutor, ctx: RankContext) -> None:

@@ -66,16 +66,41 @@ def test_a_killed_rank_is_replanned_around_and_the_run_finishes_as_the_new_plan_
 
     # the reference: the new plan started from the same checkpoint (step 2, which the restart loaded), no kill
     monkeypatch.delenv(FAULT_ENV)
-    ref = tmp_path / "reference"
+    _assert_the_new_plan_from_step_2_runs_the_same(new, ckpt, metrics["loss"], tmp_path / "reference")
+
+
+def _assert_the_new_plan_from_step_2_runs_the_same(new: Plan, ckpt: Path, losses: list[float], ref: Path) -> None:
+    """``new`` run without a kill from a copy of ``ckpt``'s step-2 checkpoint to step 5: the same
+    losses and the same last checkpoint, by name, bit for bit."""
     ref.mkdir()
     shutil.copytree(step_dir(str(ckpt), 2), step_dir(str(ref), 2))
     reference = train_local(new, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120,
                                              checkpoint_dir=str(ref), resume=True, checkpoint_every=2),
                             start_method="fork")
-    assert reference["first_step"] == 2 and metrics["loss"] == reference["loss"]  # to the bit
+    assert reference["first_step"] == 2 and losses == reference["loss"]  # to the bit
     ended, expected = load_state(str(ckpt), 5), load_state(str(ref), 5)
     assert set(ended) == set(expected)
     assert all(torch.equal(ended[k], expected[k]) for k in ended)
+
+
+def test_a_second_loss_is_replanned_around_too(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch, forked: None) -> None:
+    out = tmp_path / "metrics.json"
+    # rank 1 dies as step 3 begins; on the new plan (2 devices), its rank 0 dies as step 3 begins again
+    monkeypatch.setenv(FAULT_ENV, "1:3,0:3@1")
+    assert cli.main([*_args(tmp_path, PLAN3), "--elastic", "-o", str(out)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("elastic restart")]
+    assert [ln[:33] for ln in lines] == ["elastic restart 1 of at most 3: r", "elastic restart 2 of at most 3: r"]
+    metrics = json.loads(out.read_text())
+    first, second = (Restart.from_dict(r) for r in metrics["restarts"])
+    assert (first.device, first.devices, second.attempt, second.rank, second.devices) == ("n0:1", 2, 2, 0, 1)
+    assert second.device in ("n0:0", "n0:2") and second.resumed_at_step == 2
+    last = Plan.load(second.plan_file)
+    assert second.plan_file == str(tmp_path / f"plan-without-n0_1-without-{second.device.replace(':', '_')}.json")
+    assert len(last.devices) == 1 and last.devices[0] not in ("n0:1", second.device)
+    assert metrics["first_step"] == 2 and len(metrics["loss"]) == 3 and metrics["config"]["attempt"] == 2
+    monkeypatch.delenv(FAULT_ENV)
+    _assert_the_new_plan_from_step_2_runs_the_same(last, tmp_path / "ckpt", metrics["loss"], tmp_path / "reference")
 
 
 def test_restarts_are_bounded_and_an_elastic_run_needs_local_and_checkpoints(
