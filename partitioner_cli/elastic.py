@@ -6,9 +6,9 @@ the devices left and resuming on the new plan, instead of ending the run.
 
 When a process of the run dies (a signal or an exit code: the device is taken to be lost), the
 steps ``partitioner train`` would otherwise print are taken here: the plan is re-planned without
-the rank's device, as ``partitioner replan PLAN --without DEVICE`` does
-(:func:`partitioner_cli.replan.new_devices`, :func:`solvers.analysis.replan.replan`: the global
-batch kept), the new plan is written beside the old one (``PLAN-without-DEVICE.json``), and the
+the rank's GPU (the other GPUs of a tensor-parallel group are planned over again), as
+``partitioner replan PLAN --without GPU`` does (:func:`partitioner_cli.replan.new_devices`,
+:func:`solvers.analysis.replan.replan`: the global batch kept), the new plan is written beside the old one (``PLAN-without-DEVICE.json``), and the
 run resumes on it from the last complete checkpoint (a fresh start when none was written yet),
 to the step count asked for. At most ``--max-restarts`` restarts; one line says each, and the
 metrics record them (``restarts``, :class:`Restart`). A rank that raised an exception is not
@@ -115,7 +115,7 @@ def train_elastic(args: argparse.Namespace, ready: R, profile: Profile, cluster:
         try:
             metrics = train_local(ready.plan, ready.config, run=ready.run)
         except RankFailed as err:
-            device = ready.run.layout.ranks[err.rank].device
+            device = ready.run.layout.ranks[err.rank].gpu
             if len(restarts) >= most:
                 why = f"not restarted: --max-restarts {most} reached"
             elif not err.died:
@@ -145,7 +145,7 @@ def _restart(args: argparse.Namespace, ready: R, profile: Profile, cluster: Clus
     from runtime.checkpoint import latest_complete
     from solvers.analysis.replan import replan
 
-    device = ready.run.layout.ranks[err.rank].device
+    device = ready.run.layout.ranks[err.rank].gpu
     devices = new_devices(ready.plan, cluster, [device], None)
     done = replan(ready.plan, profile, cluster, devices)
     if not done.result.ok:

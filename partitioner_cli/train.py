@@ -241,7 +241,7 @@ def _train(args: argparse.Namespace, ready: Prepared, profile: Profile, cluster:
     try:
         return train_local(ready.plan, ready.config, run=ready.run), ready
     except RankFailed as err:
-        print("\n".join(continue_lines(args, ready.run.layout.ranks[err.rank].device)), flush=True)
+        print("\n".join(continue_lines(args, ready.run.layout.ranks[err.rank].gpu)), flush=True)
         raise
 
 

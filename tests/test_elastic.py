@@ -103,6 +103,24 @@ def test_a_second_loss_is_replanned_around_too(tmp_path: Path, capsys: pytest.Ca
     _assert_the_new_plan_from_step_2_runs_the_same(last, tmp_path / "ckpt", metrics["loss"], tmp_path / "reference")
 
 
+def test_a_lost_gpu_of_a_tensor_parallel_group_leaves_its_other_gpu_to_plan_over(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, forked: None) -> None:
+    out = tmp_path / "metrics.json"
+    tp = Plan("gpt2-tiny", (worker([0, 3, 4], ["n0:0-1", "n0:2"]),), micro_batch_size=2, micro_batches=2)
+    monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1: the second GPU (n0:1) of group n0:0-1
+    assert cli.main([*_args(tmp_path, tp), "--elastic", "-o", str(out)]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("elastic restart")]
+    assert line.startswith("elastic restart 1 of at most 3: rank 1 (device n0:0-1) was killed by signal SIGKILL")
+    assert "re-planned without n0:1 in " in line and line.endswith("; resuming at step 2")
+    metrics = json.loads(out.read_text())
+    new = Plan.load(tmp_path / "plan-without-n0_1.json")
+    assert set(new.devices) == {"n0:0", "n0:2"}  # the group's other GPU planned over again
+    assert metrics["first_step"] == 2 and len(metrics["loss"]) == 3
+    monkeypatch.delenv(FAULT_ENV)
+    # the shards of the tensor-parallel checkpoint, loaded whole: the same run as the new plan from it
+    _assert_the_new_plan_from_step_2_runs_the_same(new, tmp_path / "ckpt", metrics["loss"], tmp_path / "reference")
+
+
 def test_restarts_are_bounded_and_an_elastic_run_needs_local_and_checkpoints(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, forked: None) -> None:
     args = _args(tmp_path, PLAN3)
