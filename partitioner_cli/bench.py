@@ -165,7 +165,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               _script("kill_resume", "--runs", "5"), _script("kill_resume", "--runs", "20"), needs=("torch",),
               long=True, seeds={"kill": 0}),
     Benchmark("elastic", "a random rank killed, the plan re-planned without its device, the run resumed on it: "
-              "resume step, state bit for bit, losses, re-plan time on 16 and 256 GPUs",
+              "resume step, state bit for bit, losses against the new plan run from the same checkpoint, re-plan "
+              "time on 16 and 256 GPUs",
               _script("elastic", "--runs", "3", "--replan-rounds", "2"), _script("elastic", "--runs", "20"),
               needs=("torch",), long=True, seeds={"kill": 0}),
     Benchmark("gpu_breakdown", "one GPU's training step against its per-layer profile: time and memory",

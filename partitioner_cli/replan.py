@@ -13,27 +13,39 @@ import sys
 from partitioner._io import check_outputs
 from partitioner.cluster import Cluster
 from partitioner.errors import FormatError, PartitionerError
-from partitioner.plan import Plan
+from partitioner.plan import Plan, group_size
 from partitioner.profile import Profile
 from partitioner_cli._args import add_plan_inputs, as_flags, device_list
 
 __all__ = ["new_devices", "register"]
 
 
+def _gpus(device: str, known: set[str]) -> list[str]:
+    """``device`` as names the cluster knows: itself, or a tensor-parallel group ``NODE:FIRST-LAST``
+    the cluster does not list as one device as its GPUs ``NODE:FIRST`` .. ``NODE:LAST``."""
+    if device in known or group_size(device) == 1:
+        return [device]
+    node, _, span = device.rpartition(":")
+    first = int(span.partition("-")[0])
+    return [f"{node}:{first + k}" for k in range(group_size(device))]
+
+
 def new_devices(plan: Plan, cluster: Cluster, without: list[str] | None, add: str | None) -> list[str]:
     """The devices to plan over: the old plan's that ``cluster`` still has, less ``without``,
-    plus ``add`` (names, or ``all``: every device of the cluster)."""
+    plus ``add`` (names, or ``all``: every device of the cluster). A tensor-parallel group of the
+    plan counts as its GPUs, so that losing one GPU of it leaves the others to plan over."""
     known = {d.name for d in cluster.devices}
     for flag, names in (("--without", without or []), ("--add", [] if add == "all" else device_list(add) or [])):
-        unknown = [d for d in names if d not in known]
+        unknown = [d for d in names if not set(_gpus(d, known)) <= known]
         if unknown:
             raise FormatError(flag, ",".join(unknown), f"not a device of cluster {cluster.name} (its devices: "
                               f"{', '.join(sorted(known)[:8])}{', ...' if len(known) > 8 else ''})")
-    gone = set(without or [])
-    if gone and not gone & set(plan.devices):
-        raise FormatError("--without", ",".join(sorted(gone)), f"the plan uses none of them (it uses "
+    used = [g for d in plan.devices for g in _gpus(d, known)]
+    gone = {g for d in without or [] for g in _gpus(d, known)}
+    if gone and not gone & set(used):
+        raise FormatError("--without", ",".join(without or []), f"the plan uses none of them (it uses "
                           f"{', '.join(plan.devices)})")
-    chosen = {d for d in plan.devices if d in known} - gone
+    chosen = {d for d in used if d in known} - gone
     chosen |= known - gone if add == "all" else set(device_list(add) or [])
     if not chosen:
         raise PartitionerError("replan: no device left to plan over; name the devices with --add")

@@ -13,6 +13,7 @@ import math
 import os
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from partitioner._io import check_outputs
@@ -32,32 +33,40 @@ from partitioner_cli.simulate import profile_for_plan
 if TYPE_CHECKING:
     from runtime.layout import Layout
 
-__all__ = ["continue_lines", "launch_lines", "register"]
+__all__ = ["Prepared", "continue_lines", "launch_lines", "prepare_plan", "register", "torchrun_continue_lines"]
 
 
-def _run(args: argparse.Namespace) -> int:
-    from partitioner.emulation import predict_emulated
-    from partitioner.simulate import simulate_plan
+@dataclass(frozen=True)
+class Prepared:
+    """A plan made ready to train: its file, the profile at its micro-batch size, the training
+    config, the run every rank receives (``runtime.launch.prepare``) and the optimizer recipe."""
+
+    plan: Plan
+    plan_file: str
+    profile: Profile
+    config: Any  # runtime.run.TrainConfig
+    run: Any  # runtime.run.RunSpec
+    recipe: Any  # runtime.recipe.Recipe
+
+
+def prepare_plan(args: argparse.Namespace, plan: Plan, plan_file: str, profile: Profile, cluster: Cluster,
+                 attempt: int = 0) -> Prepared:
+    """``plan`` (read from ``plan_file``) checked against the profile, the cluster and the model,
+    and prepared to train with this command's options; everything refused in one line before any
+    process starts. ``attempt`` > 0: a restart of ``--elastic``, which resumes."""
     from runtime.launch import TrainConfig, prepare
     from runtime.model import is_model_ref
+    from runtime.recipe import DEFAULT_LR, training_recipe
     from runtime.run import chain_for
 
-    check_outputs({"-o": args.output}, (args.plan, args.profile, args.cluster))
-    plan = Plan.load(args.plan)
-    if plan.model != args.model and not is_model_ref(args.model):
-        raise PartitionerError(f"{args.plan}: the plan is for model '{plan.model}', not '{args.model}'")
-    profile = Profile.load(args.profile)
-    cluster = Cluster.load(args.cluster)
-    check_simulation_size(plan, None, args.plan)
+    check_simulation_size(plan, None, plan_file)
     profile = profile_for_plan(plan, profile, args.profile)
     try:
         plan.validate(profile, cluster)
     except FormatError as err:
-        raise err.in_file(args.plan) from None
+        raise err.in_file(plan_file) from None
     emulation = _emulation(args, plan, profile, cluster)
     options = {} if is_model_ref(args.model) else zoo_options(profile)
-    from runtime.recipe import DEFAULT_LR, training_recipe
-
     recipe = training_recipe(plan, args.optimizer or "")  # refused here (one line) when the executor cannot run it
     lr = args.lr if args.lr is not None else DEFAULT_LR[recipe.optimizer]
     config = TrainConfig(args.model, steps=args.steps, warmup=args.warmup, lr=lr, optimizer=args.optimizer or "",
@@ -65,8 +74,9 @@ def _run(args: argparse.Namespace) -> int:
                          device=args.device, threads=args.threads, timeout_s=args.timeout, data=args.data,
                          model_options=options, node=args.plan_node or "",
                          checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
-                         resume=args.resume, emulation=emulation, max_seconds=args.max_seconds or 0.0,
-                         replica_assignment=_replica_assignment(plan, profile, cluster))
+                         resume=args.resume or attempt > 0, emulation=emulation,
+                         max_seconds=args.max_seconds or 0.0,
+                         replica_assignment=_replica_assignment(plan, profile, cluster), attempt=attempt)
     chain = chain_for(plan, config)
     n_layers = chain.num_layers
     if n_layers != profile.num_layers:  # the plan was validated against the profile: name where it differs
@@ -81,19 +91,44 @@ def _run(args: argparse.Namespace) -> int:
     try:
         run = prepare(plan, config, chain)  # the one run every rank receives; refusals before any process starts
     except FormatError as err:
-        raise err.in_file(args.plan) from None
-    if args.launch_lines:
-        return _print_launch_lines(args, run.layout, config)
+        raise err.in_file(plan_file) from None
+    return Prepared(plan, plan_file, profile, config, run, recipe)
 
+
+def _predicted(args: argparse.Namespace, ready: Prepared, cluster: Cluster) -> float:
+    """The simulator's iteration time of the plan trained (emulated: on the emulation's terms)."""
+    from partitioner.emulation import predict_emulated
+    from partitioner.simulate import simulate_plan
+
+    emulation = ready.config.emulation
     if emulation is None:
-        predicted = simulate_plan(plan, profile, cluster).iteration_s
-    else:
-        predicted = predict_emulated(plan, profile, cluster, local=emulation.local, reference=args.emulate_reference,
-                                     link_gbps=emulation.link_gbps, links=emulation.links).iteration_s
-        _print_emulation(emulation, plan)
-    metrics = _train(args, plan, config, run)
-    if metrics is None:  # a rank other than 0 under torchrun
+        return simulate_plan(ready.plan, ready.profile, cluster).iteration_s
+    return predict_emulated(ready.plan, ready.profile, cluster, local=emulation.local,
+                            reference=args.emulate_reference, link_gbps=emulation.link_gbps,
+                            links=emulation.links).iteration_s
+
+
+def _run(args: argparse.Namespace) -> int:
+    from runtime.model import is_model_ref
+
+    check_outputs({"-o": args.output}, (args.plan, args.profile, args.cluster))
+    plan = Plan.load(args.plan)
+    if plan.model != args.model and not is_model_ref(args.model):
+        raise PartitionerError(f"{args.plan}: the plan is for model '{plan.model}', not '{args.model}'")
+    _check_elastic(args)
+    full_profile = Profile.load(args.profile)
+    cluster = Cluster.load(args.cluster)
+    ready = prepare_plan(args, plan, args.plan, full_profile, cluster)
+    if args.launch_lines:
+        return _print_launch_lines(args, ready.run.layout, ready.config)
+    if ready.config.emulation is not None:
+        _print_emulation(ready.config.emulation, plan)
+    trained = _train(args, ready, full_profile, cluster)
+    if trained is None:  # a rank other than 0 under torchrun
         return 0
+    metrics, ready = trained  # after --elastic restarts, the plan the run ended on
+    plan, config, profile, recipe, emulation = ready.plan, ready.config, ready.profile, ready.recipe, ready.config.emulation
+    predicted = _predicted(args, ready, cluster)
     metrics["predicted_iteration_s"] = predicted
     metrics["measured_over_predicted"] = metrics["measured_iteration_s"] / predicted if predicted > 0 else None
     ran = len(metrics["step_s"])
@@ -117,6 +152,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  loss {metrics['loss'][0]:.5g} -> {metrics['loss'][-1]:.5g}  ({what})")
     if config.checkpoint_dir:
         print(f"  checkpoints in {config.checkpoint_dir}")
+    if metrics.get("torchrun_restarts"):
+        print(f"  torchrun restarted the job {metrics['torchrun_restarts']} time(s) (TORCHELASTIC_RESTART_COUNT); "
+              f"this attempt ran on the same plan")
+    if metrics.get("restarts"):
+        print(f"  elastic: {len(metrics['restarts'])} restart(s); the run ended on {ready.plan_file} "
+              f"({len(plan.devices)} devices)")
     if args.output:
         from partitioner._io import write_json
 
@@ -155,10 +196,27 @@ def _print_launch_lines(args: argparse.Namespace, layout: Layout, config: Any) -
     return 0
 
 
-def _train(args: argparse.Namespace, plan: Plan, config: Any, run: Any) -> dict[str, Any] | None:
-    """Train locally or under torchrun; a lost rank under ``--local`` also prints (on stdout) the
-    commands that continue the run without its device, before the one-line error."""
-    from runtime.launch import RankFailed, train_distributed, train_local
+def _check_elastic(args: argparse.Namespace) -> None:
+    """``--elastic`` and ``--max-restarts``: refused in one line where they cannot work."""
+    if not args.elastic:
+        if args.max_restarts is not None:
+            raise PartitionerError("--max-restarts: only with --elastic")
+        return
+    if not args.local:
+        raise PartitionerError("--elastic: only with --local (under torchrun, a lost rank ends the job with the "
+                               "commands that continue it on a new plan; docs/runtime.md)")
+    if not args.checkpoint_dir:
+        raise PartitionerError("--elastic: needs --checkpoint-dir (a restart resumes from the last complete "
+                               "checkpoint there)")
+
+
+def _train(args: argparse.Namespace, ready: Prepared, profile: Profile, cluster: Cluster
+           ) -> tuple[dict[str, Any], Prepared] | None:
+    """Train locally or under torchrun; returns the metrics and the plan the run ended on (rank 0),
+    or None (the other ranks under torchrun). A lost rank under ``--local`` also prints (on
+    stdout) the commands that continue the run without its device, before the one-line error;
+    with ``--elastic`` those steps are taken here (:mod:`partitioner_cli.elastic`)."""
+    from runtime.launch import GroupLost, RankFailed, train_distributed, train_local
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.local and under_torchrun:
@@ -167,25 +225,61 @@ def _train(args: argparse.Namespace, plan: Plan, config: Any, run: Any) -> dict[
         raise PartitionerError("run under torchrun (RANK and WORLD_SIZE set) or pass --local to start one "
                                "process per plan device on this machine")
     if not args.local:
-        return train_distributed(plan, config, run=run)
+        try:
+            metrics = train_distributed(ready.plan, ready.config, run=ready.run)
+        except GroupLost:
+            print("\n".join(torchrun_continue_lines(args)), flush=True)
+            raise
+        return None if metrics is None else (metrics, ready)
+    if args.elastic:
+        from partitioner_cli.elastic import train_elastic
+
+        return train_elastic(args, ready, profile, cluster,
+                             lambda plan, plan_file, attempt: prepare_plan(args, plan, plan_file, profile, cluster,
+                                                                           attempt),
+                             lambda device, plan_file: continue_lines(args, device, plan_file))
     try:
-        return train_local(plan, config, run=run)
+        return train_local(ready.plan, ready.config, run=ready.run), ready
     except RankFailed as err:
-        print("\n".join(continue_lines(args, run.layout.ranks[err.rank].device)), flush=True)
+        print("\n".join(continue_lines(args, ready.run.layout.ranks[err.rank].gpu)), flush=True)
         raise
 
 
-def continue_lines(args: argparse.Namespace, device: str) -> list[str]:
-    """What to run to continue without ``device``: ``partitioner replan`` of the plan without it,
-    then this training on the new plan with ``--resume`` (from the last complete checkpoint)."""
-    root, ext = os.path.splitext(args.plan)
-    new_plan = f"{root}-without-{device.replace(':', '_')}{ext or '.json'}"
-    replan = ["partitioner", "replan", args.plan, "--profile", args.profile, "--cluster", args.cluster,
+def continue_lines(args: argparse.Namespace, device: str, plan_file: str = "") -> list[str]:
+    """What to run to continue without ``device``: ``partitioner replan`` of the plan (``plan_file``,
+    default this command's) without it, then this training on the new plan with ``--resume``
+    (from the last complete checkpoint)."""
+    from partitioner_cli.elastic import plan_without
+
+    plan_file = plan_file or args.plan
+    new_plan = plan_without(plan_file, device)
+    replan = ["partitioner", "replan", plan_file, "--profile", args.profile, "--cluster", args.cluster,
               "--without", device, "-o", new_plan]
     train = ["partitioner", "train", *_train_args(args, new_plan, bool(args.checkpoint_dir)), "--local"]
     where = (f"from the last complete checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else
              "from step 0: this run wrote no checkpoints (no --checkpoint-dir)")
     return [f"device {device} is lost; to continue without it, re-plan and resume {where}:",
+            f"  {shlex.join(replan)}", f"  {shlex.join(train)}"]
+
+
+def torchrun_continue_lines(args: argparse.Namespace) -> list[str]:
+    """Under torchrun, when the process group failed: what continues the run. torchrun's
+    ``--max-restarts`` starts every process again with the same world size, so on the same plan
+    (resuming with ``--resume``); a device gone for good needs a plan without it, whose torchrun
+    lines ``--launch-lines`` prints (``DEVICE``: the one torchrun's report names)."""
+    from partitioner_cli.elastic import plan_without
+
+    device = "DEVICE"
+    new_plan = plan_without(args.plan, device)
+    replan = ["partitioner", "replan", args.plan, "--profile", args.profile, "--cluster", args.cluster,
+              "--without", device, "-o", new_plan]
+    train = ["partitioner", "train", *_train_args(args, new_plan, bool(args.checkpoint_dir)), "--launch-lines",
+             "--rdzv-endpoint", args.rdzv_endpoint]
+    where = (f"from the last complete checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else
+             "from step 0: this run wrote no checkpoints (no --checkpoint-dir)")
+    return [f"a process of this job is lost: torchrun --max-restarts starts every process again on this plan (the "
+            f"same world size; with --resume, {where}); to continue without a device gone for good (DEVICE: "
+            f"the one torchrun's report names), re-plan and start the new plan's torchrun lines:",
             f"  {shlex.join(replan)}", f"  {shlex.join(train)}"]
 
 
@@ -376,6 +470,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint every N steps (default 0: only at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the last complete checkpoint in --checkpoint-dir (a fresh start if none)")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --local and --checkpoint-dir: when a rank dies, re-plan over the devices left (as "
+                        "`partitioner replan --without DEVICE`, the new plan written beside the plan as "
+                        "PLAN-without-DEVICE.json) and resume from the last complete checkpoint, up to "
+                        "--max-restarts times; each restart is one line and is recorded in the metrics (restarts)")
+    p.add_argument("--max-restarts", type=bounded_int(0, 1000), default=None, metavar="N",
+                   help="with --elastic: at most N restarts (default 3); the next lost rank ends the run with the "
+                        "commands that continue it")
     emu = p.add_argument_group("heterogeneity emulation (docs/runtime.md)")
     emu.add_argument("--emulate", action="store_true",
                      help="every rank plays the GPU type the plan gives its device: its forward and backward are "

@@ -47,8 +47,8 @@ from .stage import LayerChain
 from .tensor_parallel import check_tensor_parallel
 
 # (TrainConfig, RunSpec, the checks and run_rank are defined in runtime.run and runtime.rank, and named here too)
-__all__ = ["FAULT_ENV", "RankFailed", "RunSpec", "TrainConfig", "check_checkpoints", "check_world_size", "free_port", "gather_json",
-           "prepare", "run_rank", "spawn_local", "train_distributed", "train_local"]
+__all__ = ["FAULT_ENV", "GroupLost", "RankFailed", "RunSpec", "TrainConfig", "check_checkpoints", "check_world_size", "free_port", "gather_json",
+           "lost_group", "prepare", "run_rank", "spawn_local", "train_distributed", "train_local"]
 
 def prepare(plan: Plan, config: TrainConfig, chain: LayerChain | None = None) -> RunSpec:
     """The run every rank receives, computed once: the model's chain (``chain`` when the caller
@@ -183,9 +183,58 @@ def train_distributed(plan: Plan, config: TrainConfig, *, run: RunSpec | None = 
     try:
         mine = run_rank(run, rank, me.gpu_index)
         gathered = gather_json(mine, world, _collective_device(config, me.gpu_index))
+    except Exception as err:
+        if world > 1 and lost_group(err):
+            raise GroupLost(rank, _group_lost_line(run, rank, err)) from None
+        raise
     finally:
         dist.destroy_process_group()
-    return _summary(plan, config, gathered, backend) if rank == 0 else None
+    if rank == 0:
+        summary = _summary(plan, config, gathered, backend)
+        summary["torchrun_restarts"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        return summary
+    return None
+
+
+# what a collective of gloo or NCCL says when a peer process is gone (its connection reset or closed)
+_PEER_GONE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|closed by peer|broken pipe|socket timeout",
+                        re.IGNORECASE)
+
+
+def lost_group(err: BaseException) -> bool:
+    """Whether ``err``, raised by a rank's training, is its process group failing (a peer gone):
+    torch.distributed's own errors, or a RuntimeError of gloo or NCCL about a connection."""
+    if isinstance(err, PartitionerError):
+        return False
+    if isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and _PEER_GONE.search(str(err)) is not None
+
+
+class GroupLost(PartitionerError):
+    """Under torchrun: this rank's process group failed (another process died or cannot be
+    reached); its ``rank`` and one line that says so and how torchrun's report names the others."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+def _group_lost_line(run: RunSpec, rank: int, err: BaseException) -> str:
+    """The one line of :class:`GroupLost`: this rank and device, the collective's own first line,
+    and which device each torchrun ``local_rank`` of this node plays (torchrun's report names a
+    dead process by its node and local rank)."""
+    from .nodes import layout_nodes
+
+    me = run.layout.ranks[rank]
+    detail = " ".join(str(err).split())[:160]
+    node = me.gpu.rpartition(":")[0]
+    seats = next((n for n in layout_nodes(run.layout) if n.node == node), None)
+    where = (f"; on node {node}, torchrun's local_rank " + ", ".join(
+        f"{k} is {run.layout.ranks[r].gpu}" for k, r in enumerate(seats.ranks)) if seats is not None else "")
+    return (f"rank {rank} (device {me.device}) lost its process group ({type(err).__name__}: {detail}): another "
+            f"process of this job died or cannot be reached, which torchrun's report names by node and "
+            f"local_rank{where}")
 
 
 def attempt_store(env: Mapping[str, str], timeout: datetime.timedelta) -> dist.Store:
@@ -306,11 +355,13 @@ def _exception_line(trace: str) -> str:
 
 
 class RankFailed(PartitionerError):
-    """A local process died (killed, exited) or raised: its ``rank``, and one line that names it."""
+    """A local process died (killed, exited) or raised: its ``rank``, one line that names it, and
+    ``died``: the process is gone (a signal or an exit code), not an exception it raised."""
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int, message: str, died: bool = True):
         super().__init__(message)
         self.rank = rank
+        self.died = died
 
 
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, backend: str = "gloo",
@@ -345,7 +396,7 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),
                                  f"the other processes were stopped") from None
             except mp.ProcessRaisedException as err:
                 raise RankFailed(err.error_index, f"rank {err.error_index}{names(err.error_index)} failed: "
-                                 f"{_exception_line(str(err))}") from None
+                                 f"{_exception_line(str(err))}", died=False) from None
             if time.monotonic() > deadline:
                 for proc in ctx.processes:
                     if proc.is_alive():

@@ -65,7 +65,9 @@ log = logging.getLogger(__name__)
 Shape = tuple[torch.Size, torch.dtype]
 E = TypeVar("E", bound=StashingExecutor)
 
-FAULT_ENV = "PARTITIONER_FAULT_KILL"  # "RANK:STEP": rank RANK kills itself (SIGKILL) as step STEP begins
+# "RANK:STEP[@ATTEMPT][,...]": rank RANK kills itself (SIGKILL) as step STEP begins, in attempt ATTEMPT
+# (default 0, the first start; torchrun's restart count, or train --elastic's restart)
+FAULT_ENV = "PARTITIONER_FAULT_KILL"
 
 
 class Feed:
@@ -297,7 +299,7 @@ class PipelineRun(RankRun):
         for step in range(self.first, config.steps):
             if step > self.first and config.max_seconds and not _before(deadline, ctx.device):
                 break
-            _fault(ctx.rank, step)
+            _fault(ctx.rank, step, config.attempt)
             if step - self.first == config.warmup:
                 executor.seconds = dict.fromkeys(executor.seconds, 0.0)
                 averager.seconds = 0.0
@@ -591,12 +593,15 @@ def _before(deadline: float, device: torch.device) -> bool:
     return bool(go.item())
 
 
-def _fault(rank: int, step: int) -> None:
-    """A test hook: the failure of a rank in the middle of a run (see :data:`FAULT_ENV`); under
-    torchrun only in the first attempt, so that a restarted group can go on."""
-    fault = os.environ.get(FAULT_ENV, "")
-    if fault and fault == f"{rank}:{step}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
+def _fault(rank: int, step: int, attempt: int) -> None:
+    """A test hook: the failure of a rank in the middle of a run (see :data:`FAULT_ENV`), in the
+    attempt it names (``attempt``: ``train --elastic``'s restart; under torchrun its restart
+    count), so that a restarted group can go on or lose another rank."""
+    attempt = attempt or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    for entry in os.environ.get(FAULT_ENV, "").split(","):
+        where, _, when = entry.strip().partition("@")
+        if where == f"{rank}:{step}" and int(when or 0) == attempt:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _emulate(executor: PipelineExecutor, ctx: RankContext) -> None:

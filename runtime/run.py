@@ -72,6 +72,8 @@ class TrainConfig:
     # record the global weights after every step (wsp: pull) and report their held-out loss
     # (runtime.evaluate); needs virtual worker 0 on one device
     eval_global: bool = False
+    # which start of the run this is: 0 the first, n the n-th restart (``train --elastic``, on a new plan)
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps >= 1):
@@ -100,6 +102,8 @@ class TrainConfig:
         if self.max_seconds and self.checkpoint_dir:
             raise PartitionerError("`max_seconds`: a run that ends by time is not checkpointed; leave out "
                                    "`checkpoint_dir` or `max_seconds`")
+        if not (isinstance(self.attempt, int) and self.attempt >= 0):
+            raise PartitionerError(f"attempt = {self.attempt!r}: must be an integer >= 0 (0: the first start)")
         if self.emulation is not None and not isinstance(self.emulation, Emulation):
             raise PartitionerError(f"emulation = {self.emulation!r}: must be a partitioner.emulation.Emulation")
 

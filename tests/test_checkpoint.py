@@ -19,6 +19,7 @@ from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner_cli import main as cli
 from runtime.checkpoint import latest_complete, load_state, plan_sha256, step_dir
 from runtime.launch import FAULT_ENV, TrainConfig, train_local
+from runtime.layout import plan_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CLUSTER = ROOT / "examples" / "clusters" / "cpu4.yaml"
@@ -123,10 +124,13 @@ THREE_STAGES = Plan("gpt2-tiny", (worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"])
                     micro_batches=2)
 TWO_WORKERS = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]), worker([0, 3, 4], ["n0:2", "n0:3"])),
                    micro_batch_size=2, micro_batches=1)
+# another tensor-parallel degree: every stage sharded over a group of 2 ranks (a checkpoint of whole
+# tensors loads as shards; bit for bit by name across degrees: tests/test_runtime_tensor_parallel.py)
+TENSOR_PARALLEL = Plan("gpt2-tiny", (worker([0, 3, 4], ["n0:0-1", "n0:2-3"]),), micro_batch_size=2, micro_batches=2)
 
 
-@pytest.mark.parametrize("new_plan", [OTHER_CUTS, THREE_STAGES, TWO_WORKERS],
-                         ids=["other-cuts", "three-stages", "two-workers"])
+@pytest.mark.parametrize("new_plan", [OTHER_CUTS, THREE_STAGES, TWO_WORKERS, TENSOR_PARALLEL],
+                         ids=["other-cuts", "three-stages", "two-workers", "tensor-parallel"])
 def test_resume_on_another_plan_continues_the_run(new_plan: Plan, tmp_path: Path) -> None:
     cfg = dict(warmup=0, lr=0.3, threads=1, timeout_s=120, progress=False)
     ckpt = str(tmp_path / "ckpt")
@@ -139,7 +143,7 @@ def test_resume_on_another_plan_continues_the_run(new_plan: Plan, tmp_path: Path
     assert resumed["first_step"] == 2 and len(resumed["loss"]) == 2
     # the same data, the same weights: the losses go on as the run on the first plan did (up to the order of sums)
     assert resumed["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
-    assert resumed["world_size"] == len(new_plan.devices)
+    assert resumed["world_size"] == plan_layout(new_plan, 4).world_size  # a tensor-parallel device: its group's ranks
     # the new plan's checkpoint holds every layer once, by the same names
     again = load_state(ckpt, 3)
     assert {k for k in again if k.startswith("model.")} == {k for k in saved if k.startswith("model.")}
@@ -226,6 +230,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path
     assert "exitcode: -9" in proc.stderr  # rank 1 was killed once, then the group was restarted
     m = json.loads(out.read_text())
     assert m["first_step"] == 2 and len(m["loss"]) == 3  # lost the steps after the last checkpoint only
+    assert m["torchrun_restarts"] == 1  # the attempt that finished is torchrun's first restart
     straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120),
                            start_method="fork")
     assert m["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)

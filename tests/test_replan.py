@@ -121,3 +121,20 @@ def test_the_devices_to_plan_over_follow_the_new_cluster_and_the_flags() -> None
     assert ("n0:0" in done.lost) == ("n0:0" in old.devices)
     assert all(st.gpu_type == swapped.device(st.device).gpu_type for vw in done.plan.virtual_workers
                for st in vw.stages)
+
+
+def test_a_tensor_parallel_group_counts_as_its_gpus() -> None:
+    from partitioner.errors import FormatError
+    from partitioner.plan import Stage, VirtualWorker
+    from partitioner_cli.replan import new_devices
+
+    tp = Plan("m", (VirtualWorker((Stage((0, 4), "n0:0-1"), Stage((4, 8), "n1:0"))),), micro_batch_size=2,
+              micro_batches=2)
+    # one GPU of the group lost: the other is planned over again; the whole group named: both gone
+    assert new_devices(tp, CLUSTER, ["n0:1"], None) == ["n0:0", "n1:0"]
+    assert new_devices(tp, CLUSTER, ["n0:0-1"], None) == ["n1:0"]
+    assert new_devices(tp, CLUSTER, None, None) == ["n0:0", "n0:1", "n1:0"]
+    with pytest.raises(FormatError, match="the plan uses none of them"):
+        new_devices(tp, CLUSTER, ["n2:0"], None)
+    with pytest.raises(FormatError, match="not a device of cluster"):
+        new_devices(tp, CLUSTER, ["n0:1-2"], None)

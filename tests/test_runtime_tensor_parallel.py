@@ -231,7 +231,9 @@ def _adam_shards(rank: int, world: int, plan: Plan, root: str, mode: str) -> Non
 def test_a_checkpoint_of_shards_loads_into_plans_of_other_degrees_bit_for_bit(writer: str, tmp_path: Path) -> None:
     plans = {"tp2-pp2": Plan("gpt2-tiny", (pipeline((0, 2, "n0:0-1"), (2, 4, "n0:2-3")),), "1f1b", 2, 2),
              "tp1": Plan("gpt2-tiny", (pipeline((0, 1, "n0:0"), (1, 4, "n0:1")),), "1f1b", 2, 2),
-             "tp4": Plan("gpt2-tiny", (pipeline((0, 3, "n0:0-3"), (3, 4, "n0:4")),), "1f1b", 2, 2)}
+             "tp4": Plan("gpt2-tiny", (pipeline((0, 3, "n0:0-3"), (3, 4, "n0:4")),), "1f1b", 2, 2),
+             # two virtual workers of one group each: every layer held by two groups of 2
+             "tp2-dp2": Plan("gpt2-tiny", (pipeline((0, 4, "n0:0-1")), pipeline((0, 4, "n1:0-1"))), "1f1b", 2, 1)}
     root = str(tmp_path)
     spawn_local(_adam_shards, plan_layout(plans[writer], 4).world_size, (plans[writer], root, "save"), timeout_s=60,
                 start_method="fork")
