@@ -156,9 +156,11 @@ def supports(plan: Plan, target: str) -> str | None:
     if plan.staleness != 0 and sp.sync != "wave":
         return (f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
                 f"a flushing schedule exactly synchronous; bounded staleness needs schedule wsp")
-    if plan.pricing is not None and plan.pricing.zero:
-        return (f"zero = {plan.pricing.zero}: the runtime does not shard optimizer state yet (it would need the "
-                "memory of every replica's full state); re-plan with `zero` 0")
+    if plan.pricing is not None and plan.pricing.zero and sp.executor != "pipeline":
+        return (f"zero = {plan.pricing.zero} with schedule '{plan.schedule}': the runtime shards optimizer state under "
+                "the flushing schedules (gpipe, 1f1b, interleaved, bfs, zb-h1, zb-h2, zbv); the "
+                f"{plan.schedule} executor keeps its own weight versions and steps them with plain SGD; re-plan "
+                "with `zero` 0 or a flushing schedule")
     for w, vw in enumerate(plan.virtual_workers):
         for k, st in enumerate(vw.stages):
             if st.recompute != "none" and (sp.name not in RECOMPUTED_SCHEDULES or any(

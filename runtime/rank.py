@@ -56,6 +56,7 @@ from .stage import boundary_shapes, build_stage
 from .tensor_parallel import full_state, shard_rank
 from .twobw import TwoBwExecutor
 from .wsp import WspExecutor
+from .zero import ShardedStep
 
 __all__ = ["EXECUTORS", "FAULT_ENV", "Feed", "PipelineRun", "RankContext", "RankRun", "TwoBwRun", "WspRun",
            "check_time_bound", "executor_run", "rank_context", "rank_metrics", "run_rank"]
@@ -185,8 +186,8 @@ class RankRun:
         self.ctx = ctx
         self.first = 0  # the first step run (after resuming)
         self.step_s: list[float] = []
-        self.averager: GradientAverager | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.averager: GradientAverager | ShardedStep | None = None
+        self.optimizer: torch.optim.Optimizer | ShardedStep | None = None
         self.figures: dict[str, Any] = {"replica": ctx.me.replica, "optimizer": "sgd", "precision": "fp32"}
 
     def train(self) -> PipelineExecutor:
@@ -209,10 +210,17 @@ class PipelineRun(RankRun):
         ctx, config = self.ctx, self.ctx.config
         params = [q for mod in ctx.modules.values() for q in mod.parameters()]
         recipe = training_recipe(ctx.run.plan, config.optimizer, config.precision)
-        optimizer = make_optimizer(params, recipe.optimizer, config.lr) if params else None
+        zero = ctx.run.plan.pricing.zero if ctx.run.plan.pricing is not None else 0
+        averager: GradientAverager | ShardedStep
+        optimizer: Any
+        if zero:  # ZeRO-1/2 (runtime.zero): the sync reduce-scatters, the step steps this rank's shards
+            averager = optimizer = ShardedStep(ctx.layout, ctx.rank, ctx.by_layer, zero, recipe.optimizer, config.lr)
+            self.figures["zero"] = zero
+        else:
+            averager = GradientAverager(ctx.layout, ctx.rank, ctx.by_layer)
+            optimizer = make_optimizer(params, recipe.optimizer, config.lr) if params else None
         self.optimizer = optimizer
         self.first = self._resume(optimizer)
-        averager = GradientAverager(ctx.layout, ctx.rank, ctx.by_layer)
         averager.delay = _link_delay(config, ctx.layout)
         self.averager = averager
         stages, loss_fn, stepper, input_shapes, slice_shapes = _with_precision(ctx, recipe, optimizer)
@@ -239,7 +247,7 @@ class PipelineRun(RankRun):
         ran, warmup = len(self.step_s), self.ctx.config.warmup
         return ran - warmup if ran > warmup else max(ran, 1)
 
-    def _resume(self, optimizer: torch.optim.Optimizer | None) -> int:
+    def _resume(self, optimizer: Any) -> int:
         """The step this run starts at, agreed by every rank (rank 0's last complete checkpoint
         with ``resume``, checked before any process started), with this rank's layers and
         optimizer state loaded from it by name, whatever plan wrote it (its generator state too
@@ -258,7 +266,7 @@ class PipelineRun(RankRun):
             log.info("rank %d resumes from step %d", ctx.rank, first)
         return first
 
-    def _steps(self, executor: PipelineExecutor, averager: GradientAverager, actions: list[Action],
+    def _steps(self, executor: PipelineExecutor, averager: GradientAverager | ShardedStep, actions: list[Action],
                optimizer: torch.optim.Optimizer | None,
                versions: list[dict[int, dict[str, torch.Tensor]]] | None) -> list[float]:
         """The step loop: every step timed between two barriers, its weights recorded when asked,
