@@ -58,8 +58,8 @@ def profile_shards(profile: Profile, layers: nn.Sequential | Iterable[Any], shar
     timer = _Timer(dev)
     half = profile.dtype in ("float16", "bfloat16")  # the whole layers ran in it: the shards do too
     dtype = getattr(torch, profile.dtype) if half else None
-    for _, layer in whole:
-        layer.to(device=dev, dtype=dtype)
+    for _, module in whole:
+        module.to(device=dev, dtype=dtype)
     inputs = _inputs(whole, _input_in(sample_input.to(dev), dtype))
     elem = 2 if half else 4
     out = [dict(layer.shards) for layer in profile.layers]
