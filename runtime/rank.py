@@ -40,6 +40,7 @@ from .emulation import LinkDelay, Stretch
 from .evaluate import evaluate_versions
 from .executor import PipelineExecutor, StashingExecutor
 from .layout import Layout, RankInfo
+from .memory import ActivationMeter
 from .recipe import (
     AutocastStage,
     LossScaler,
@@ -149,10 +150,9 @@ def rank_context(run: RunSpec, rank: int, device: torch.device) -> RankContext:
     me = layout.ranks[rank]
     stages_layers = layout.stage_layers[me.worker]
     modules = {s: build_stage(chain, *stages_layers[s], seed=config.seed, device=device) for s in me.stages}
-    for s, module in modules.items():  # the plan's recomputation (runtime.recompute): the same numbers
-        mode = plan.virtual_workers[me.worker].stages[s].recompute
-        if mode != "none":
-            recompute_stage(module, mode)
+    for s, module in modules.items():  # selective recomputation (runtime.recompute); full: the executor's
+        if plan.virtual_workers[me.worker].stages[s].recompute == "selective":
+            recompute_stage(module, "selective")
     shard_rank(run, rank, device, modules)  # a tensor-parallel group's shards (runtime.tensor_parallel)
     by_layer = {stages_layers[s][0] + k: layer for s, mod in modules.items() for k, layer in enumerate(mod)}
     shapes = boundary_shapes(chain, plan.micro_batch_size)
@@ -291,6 +291,8 @@ class PipelineRun(RankRun):
             _synchronize(ctx.device)
             dist.barrier()
             self.step_s.append(time.perf_counter() - t0)
+            if executor.meter is not None:  # the activations are measured in the run's first step
+                executor.meter.enabled = False
             end_s.append(time.time() - run_start)
             if versions is not None:
                 versions.append({s: {n: q.detach().clone() for n, q in mod.named_parameters()}
@@ -484,15 +486,17 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
                    os.path.join(config.state_dir, f"rank{ctx.rank}.pt"))
     # CUDA: the most memory the caching allocator handed out over the run (tensors alive at
     # once: weights, gradients, optimizer state, activations in flight, buffers); the CUDA
-    # context and the allocator's cached-but-free blocks are not in it. CPU: no peak is measured;
+    # context and the allocator's cached-but-free blocks are not in it. Any device:
     # model_state_bytes is the bytes of the stages' parameters, their gradients and the optimizer
-    # state after the run (runtime.recipe.model_state_bytes; activations not counted).
+    # state after the run (runtime.recipe.model_state_bytes), activation_peak_bytes the most
+    # activations held at once in the run's first step (every step under 2bw and wsp; runtime.memory).
     peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else None
     state = model_state_bytes(ctx.modules.values(), runner.optimizer)
     stages_layers = ctx.layout.stage_layers[me.worker]
     return {"rank": ctx.rank, "device": me.device, "gpu": me.gpu, "tp_rank": me.tp_rank, "tp_size": me.tp_size,
             "worker": me.worker, "pipe_rank": me.pipe_rank,
             "peak_memory_bytes": peak, "model_state_bytes": state, "stages": list(me.stages),
+            "activation_peak_bytes": executor.meter.peak_bytes if executor.meter is not None else None,
             "layers": [list(stages_layers[s]) for s in me.stages],
             "step_s": runner.step_s, "losses": executor.losses if me.tp_rank == 0 else [],  # (one per group)
             "threads": torch.get_num_threads(),
@@ -564,7 +568,11 @@ def _fault(rank: int, step: int) -> None:
 
 
 def _emulate(executor: PipelineExecutor, ctx: RankContext) -> None:
-    """Hook the emulation's stretch of this rank's stages into its executor (``emulate``)."""
+    """Set the executor's full recomputation (the plan's stages of mode ``full``), its activation
+    meter (:mod:`runtime.memory`) and, under ``emulate``, the emulation's stretch of its stages."""
+    stages = ctx.run.plan.virtual_workers[ctx.me.worker].stages
+    executor.recompute_full = {s for s in ctx.me.stages if stages[s].recompute == "full"}
+    executor.meter = ActivationMeter()
     emulation = ctx.config.emulation
     if emulation is None:
         return

@@ -88,12 +88,13 @@ def test_zero1_steps_to_the_same_weights_as_the_plain_optimizer() -> None:
 def test_the_runtime_says_which_levers_it_does_not_run_yet() -> None:
     stages = (Stage((0, 2), "n0:0", recompute="full"), Stage((2, 4), "n0:1"))
     plan = Plan("m", (VirtualWorker(stages),), "1f1b", 1, 4)
-    assert supports(plan, "runtime") is None  # recomputation runs under 1f1b on single GPUs
+    assert supports(plan, "runtime") is None  # recomputation runs under 1f1b
     grouped = Plan("m", (VirtualWorker((Stage((0, 2), "n0:0-1", recompute="full"), Stage((2, 4), "n0:2"))),),
                    "1f1b", 1, 4)
-    assert "recomputes (full)" in (supports(grouped, "runtime") or "")
-    zero = Plan("m", (VirtualWorker((Stage((0, 4), "n0:0"),)),), "1f1b", 1, 4, pricing=CostOptions(zero=1))
-    assert "zero = 1" in (supports(zero, "runtime") or "")
+    assert supports(grouped, "runtime") is None  # and on a tensor-parallel group
+    zero = Plan("m", (VirtualWorker((Stage((0, 4), "n0:0", recompute="full"),)),), "wsp", 1, 4,
+                pricing=CostOptions(zero=1))
+    assert "zero = 1 with schedule 'wsp'" in (supports(zero, "runtime") or "")
     assert supports(plan, "simulator") is None
 
 
@@ -130,5 +131,5 @@ def test_a_plan_that_recomputes_trains_what_a_plain_plan_trains(tmp_path) -> Non
     loss, got = weights(plan(("full", "selective")), "recomputed")
     assert loss == plain_loss and set(got) == set(plain)
     assert all(torch.equal(got[k], plain[k]) for k in plain)
-    assert supports(plan(("full", "none"), "zb-h1"), "runtime") is not None
-    assert supports(dataclasses.replace(plan(("full", "none")), schedule="2bw"), "runtime") is not None
+    assert supports(plan(("full", "none"), "zb-h1"), "runtime") is None
+    assert supports(dataclasses.replace(plan(("full", "none")), schedule="2bw"), "runtime") is None
