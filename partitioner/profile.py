@@ -210,6 +210,9 @@ class LayerProfile:
     ``shared_saved_bytes`` is the part of ``saved_bytes`` that the previous layer keeps too
     (typically this layer's input, which a ReLU before it saved as its output): one tensor,
     counted once when both layers are in the same stage, twice when a cut separates them.
+    ``selective_saved_bytes`` is what the layer keeps for backward with its attention core
+    recomputed (selective recomputation), as the profiler measures it for a transformer block;
+    None: estimated from the model's transformer shape (:mod:`partitioner.recompute`).
     """
 
     name: str
@@ -226,9 +229,15 @@ class LayerProfile:
     shards: Mapping[int, LayerShard] = field(default_factory=dict)
     # in the profile of one shard (Profile.shard): LayerShard.allreduce_bytes
     allreduce_bytes: float = 0.0
+    selective_saved_bytes: float | None = None
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "name", self.name, "must be a non-empty string")
+        if self.selective_saved_bytes is not None:
+            v = self.selective_saved_bytes
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v
+                  <= self.saved_bytes, "selective_saved_bytes", v,
+                  f"must be a finite number >= 0 and not above saved_bytes ({self.saved_bytes:g})")
         for degree, sh in self.shards.items():
             check(isinstance(degree, int) and not isinstance(degree, bool) and 2 <= degree <= MAX_TENSOR_PARALLEL,
                   "tensor_parallel", degree, f"keys must be tensor-parallel degrees in [2, {MAX_TENSOR_PARALLEL}]")
@@ -263,7 +272,8 @@ class LayerProfile:
         """The activation byte fields multiplied by ``f`` (for ``dataclasses.replace``)."""
         return {"saved_bytes": self.saved_bytes * f, "output_bytes": self.output_bytes * f,
                 "shared_saved_bytes": self.shared_saved_bytes * f, "allreduce_bytes": self.allreduce_bytes * f,
-                "own_output_bytes": None if self.own_output_bytes is None else self.own_output_bytes * f}
+                "own_output_bytes": None if self.own_output_bytes is None else self.own_output_bytes * f,
+                "selective_saved_bytes": None if self.selective_saved_bytes is None else self.selective_saved_bytes * f}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -279,6 +289,7 @@ class LayerProfile:
                if self.times_at else {}),
             **({"tensor_parallel": {str(t): sh.to_dict() for t, sh in self.shards.items()}} if self.shards else {}),
             **({"allreduce_bytes": self.allreduce_bytes} if self.allreduce_bytes else {}),
+            **({"selective_saved_bytes": self.selective_saved_bytes} if self.selective_saved_bytes is not None else {}),
         }
 
     @classmethod
@@ -308,6 +319,8 @@ class LayerProfile:
                                   else req_number(d, "own_output_bytes", where, maximum=MAX_BYTES)),
                 shards=shards,
                 allreduce_bytes=req_number(d, "allreduce_bytes", where, default=0.0, maximum=MAX_BYTES),
+                selective_saved_bytes=(None if d.get("selective_saved_bytes") is None
+                                       else req_number(d, "selective_saved_bytes", where, maximum=MAX_BYTES)),
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
@@ -467,7 +480,7 @@ class Profile:
         layers = tuple(replace(layer, param_bytes=layer.shards[t].param_bytes, saved_bytes=layer.shards[t].saved_bytes,
                                shared_saved_bytes=layer.shards[t].shared_saved_bytes, times=layer.shards[t].times,
                                times_at=layer.shards[t].times_at, allreduce_bytes=layer.shards[t].allreduce_bytes,
-                               shards={}) for layer in self.layers)
+                               shards={}, selective_saved_bytes=None) for layer in self.layers)
         out = Profile(self.model, self.micro_batch_size, layers, self.dtype, self.source, self.edges,
                       {**self.meta, "tensor_parallel": t})
         self._shards[t] = out

@@ -42,20 +42,27 @@ Key = tuple[int, str]
 class _Held:
     """A saved tensor as autograd keeps it (the pack hook's object): releasing it tells the meter."""
 
-    __slots__ = ("key", "meter", "tensor")
+    __slots__ = ("keys", "meter", "tensor")
 
-    def __init__(self, meter: ActivationMeter, key: Key, tensor: torch.Tensor):
-        self.meter, self.key, self.tensor = meter, key, tensor
+    def __init__(self, meter: ActivationMeter, keys: list[Key], tensor: torch.Tensor):
+        self.meter, self.keys, self.tensor = meter, keys, tensor
 
     def __del__(self) -> None:
-        self.meter.release(self.key)
+        for key in self.keys:
+            self.meter.release(key)
 
 
-def _key(t: torch.Tensor) -> tuple[Key, int]:
-    if hasattr(t, "to_local"):  # a tensor-parallel shard (DTensor): this rank's part
-        t = t.to_local()
+def _storages(t: torch.Tensor) -> list[tuple[Key, int]]:
+    """The storages ``t`` holds (``(key, bytes)``): its own, or a wrapper's inner tensors' (a
+    tensor-parallel shard, a collective's result)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        inner = [getattr(t, a) for a in attrs]
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
     storage = t.untyped_storage()
-    return (storage.data_ptr(), str(t.device)), storage.nbytes()
+    return [((storage.data_ptr(), str(t.device)), storage.nbytes())]
 
 
 class ActivationMeter:
@@ -80,18 +87,20 @@ class ActivationMeter:
     def pack(self, t: torch.Tensor) -> Any:
         if not self.enabled or t.device.type == "meta":
             return t
-        key, nbytes = _key(t)
-        if key in self._weights:
-            return t
-        entry = self._saved.get(key)
-        if entry is None:
-            self._saved[key] = [nbytes, 1]
-            self.saved_bytes += nbytes
-            self.extra_bytes -= self._extra.pop(key, 0)  # held and now saved: one storage
-            self._sample()
-        else:
-            entry[1] += 1
-        return _Held(self, key, t)
+        keys = []
+        for key, nbytes in _storages(t):
+            if key in self._weights:
+                continue
+            keys.append(key)
+            entry = self._saved.get(key)
+            if entry is None:
+                self._saved[key] = [nbytes, 1]
+                self.saved_bytes += nbytes
+                self.extra_bytes -= self._extra.pop(key, 0)  # held and now saved: one storage
+            else:
+                entry[1] += 1
+        self._sample()
+        return _Held(self, keys, t.detach()) if keys else t  # (detached: the same storage, no reference to the graph)
 
     @staticmethod
     def unpack(held: Any) -> torch.Tensor:
@@ -110,12 +119,12 @@ class ActivationMeter:
     def tracking(self, held: Iterable[torch.Tensor], weights: Iterable[torch.Tensor]) -> Iterator[None]:
         """Count while the block runs: ``held``, the tensors the executor holds now, and every
         tensor saved for backward but ``weights`` (the weights the block may save)."""
-        self._weights = {_key(w)[0] for w in weights}
+        self._weights = {key for w in weights for key, _ in _storages(w)}
         self._extra = {}
         for t in held:
-            key, nbytes = _key(t)
-            if key not in self._saved and key not in self._weights:
-                self._extra[key] = nbytes
+            for key, nbytes in _storages(t):
+                if key not in self._saved and key not in self._weights:
+                    self._extra[key] = nbytes
         self.extra_bytes = sum(self._extra.values())
         self._sample()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
