@@ -11,7 +11,8 @@ and full recomputation on both stages, ZeRO-1, ZeRO-2. Per rank, the measured pe
 model state (parameters, gradients, optimizer state) plus the most activations it held at once
 (runtime/memory.py), against the simulator's peak of the device priced as the run trains (nothing
 reserved); the iteration is the median over the steps after the warm-up, against
-``predict_emulated``. Runs are interleaved (each round runs every lever once); medians over rounds.
+``predict_emulated`` (overruns: actions this machine computed for longer than their emulated
+time). Runs are interleaved (each round runs every lever once); medians over rounds.
 Targets: memory within 15 %, time within 10 %.
 
 Writes nothing.
@@ -80,14 +81,18 @@ def predicted(plan: Plan, profile: Profile, cluster: Cluster) -> tuple[float, di
     return it, dict(simulate_plan(plan, profile, cluster, options).peak_memory_bytes)
 
 
-def run(plan: Plan, profile: Profile, cluster: Cluster, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
-    """One emulated run: (median iteration s, measured peak bytes per device)."""
+def run(plan: Plan, profile: Profile, cluster: Cluster, args: argparse.Namespace
+        ) -> tuple[float, dict[str, float], int, int]:
+    """One emulated run: (median iteration s, measured peak bytes per device, actions that ran
+    past their emulated time, stretched actions)."""
     emulation = emulation_for(plan, profile, cluster, reference=REFERENCE)
     m = train_local(plan, TrainConfig(MODEL, steps=args.steps, warmup=args.warmup, threads=1, optimizer="adam",
                                       data="synthetic", progress=False, emulation=emulation),
                     start_method="fork")
     peaks = {r["device"]: r["model_state_bytes"] + r["activation_peak_bytes"] for r in m["ranks"]}
-    return float(m["measured_iteration_s"]), peaks
+    emulated = m["emulated"]["ranks"]
+    return (float(m["measured_iteration_s"]), peaks, sum(r["overruns"] for r in emulated),
+            sum(r["actions"] for r in emulated))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--levers", default=",".join(LEVERS), help="comma-separated, of " + ", ".join(LEVERS))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -106,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     levers = [x for x in args.levers.split(",") if x]
     plans = {x: lever_plan(x, args.batch, args.micro_batches) for x in levers}
     want = {x: predicted(p, profile, cluster) for x, p in plans.items()}
-    got: dict[str, list[tuple[float, dict[str, float]]]] = {x: [] for x in levers}
+    got: dict[str, list[tuple[float, dict[str, float], int, int]]] = {x: [] for x in levers}
     for rnd in range(args.rounds):
         for x, p in plans.items():
             got[x].append(run(p, profile, cluster, args))
-            print(f"round {rnd} {x:9s} measured {got[x][-1][0] * 1e3:8.2f} ms  predicted {want[x][0] * 1e3:8.2f} ms",
-                  flush=True)
+            it, _, over, total = got[x][-1]
+            print(f"round {rnd} {x:9s} measured {it * 1e3:8.2f} ms  predicted {want[x][0] * 1e3:8.2f} ms  "
+                  f"overruns {over}/{total}", flush=True)
     rows, lines = [], [
         f"Machine: {machine_line()}. {MODEL}, micro-batch {args.batch}, {args.micro_batches} micro-batches, 1f1b, "
         f"Adam fp32; 2 virtual workers x 2 stages on {CLUSTER.name} (2 P100 + 2 T4) emulated on this CPU, reference "
@@ -120,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         f"average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}. Wall time {time.monotonic() - t0:.0f} s.",
         "",
         "| lever | device | measured peak MiB | predicted MiB | measured/predicted - 1 | measured ms | predicted ms "
-        "| measured/predicted - 1 |",
-        "|---|---|---|---|---|---|---|---|"]
+        "| measured/predicted - 1 | overruns |",
+        "|---|---|---|---|---|---|---|---|---|"]
     for x in levers:
         it = statistics.median(r[0] for r in got[x])
         t_err = it / want[x][0] - 1
+        overruns = f"{sum(r[2] for r in got[x])}/{sum(r[3] for r in got[x])}"
         for k, device in enumerate(sorted(want[x][1])):
             mem = statistics.median(r[1][device] for r in got[x])
             pred = want[x][1][device]
@@ -132,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"lever": x, "device": device, "measured_bytes": mem, "predicted_bytes": pred,
                          "memory_error": m_err, "measured_ms": it * 1e3, "predicted_ms": want[x][0] * 1e3,
                          "time_error": t_err})
-            time_cols = f"{it * 1e3:.1f} | {want[x][0] * 1e3:.1f} | {t_err * 100:+.1f}%" if k == 0 else " | | "
+            time_cols = (f"{it * 1e3:.1f} | {want[x][0] * 1e3:.1f} | {t_err * 100:+.1f}% | {overruns}" if k == 0
+                         else " | | | ")
             lines.append(f"| {x} | {device} | {mem / 2**20:.2f} | {pred / 2**20:.2f} | {m_err * 100:+.1f}% | {time_cols} |")
     print("\n".join(lines))
     worst_m = max(abs(r["memory_error"]) for r in rows)

@@ -127,7 +127,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("levers_runtime", "memory levers run under the emulation (gpt2-tiny, 2 P100 + 2 T4 on CPU processes): "
               "measured peak memory per rank and iteration against predicted, none / selective / full / ZeRO-1 / ZeRO-2",
               _script("levers_runtime", "--rounds", "1", "--steps", "5", "--warmup", "2"),
-              _script("levers_runtime", "--rounds", "3"), needs=("torch",), long=True, seeds={"weights_and_data": 0}),
+              _script("levers_runtime", "--rounds", "5"), needs=("torch",), long=True, seeds={"weights_and_data": 0}),
     Benchmark("cli_startup", "wall time of CLI commands that never need torch",
               _script("cli_startup", "--runs", "3"), _script("cli_startup", "--runs", "5", "--pyc")),
     Benchmark("scale", "cluster planner's solve time, gap and memory against layers x GPUs",

@@ -1,10 +1,7 @@
-"""The memory levers at run time (runtime/recompute.py): recomputation and ZeRO-1 leave the
-numbers exactly as they are, and recomputation keeps fewer tensors for backward."""
+"""The memory levers at run time (runtime/recompute.py): recomputation leaves the numbers exactly
+as they are and keeps fewer tensors for backward (ZeRO: tests/test_runtime_zero.py)."""
 
 from __future__ import annotations
-
-import os
-import tempfile
 
 import pytest
 
@@ -14,7 +11,7 @@ from partitioner.errors import FormatError  # noqa: E402
 from partitioner.placement import supports  # noqa: E402
 from partitioner.plan import Plan, Stage, VirtualWorker  # noqa: E402
 from partitioner.pricing import CostOptions  # noqa: E402
-from runtime.recompute import recompute_stage, zero_optimizer  # noqa: E402
+from runtime.recompute import recompute_stage  # noqa: E402
 from runtime.stage import build_stage, zoo_chain  # noqa: E402
 
 
@@ -47,42 +44,6 @@ def test_recomputation_changes_no_number_and_keeps_fewer_tensors() -> None:
     assert _run("full")[2] < _run("selective")[2]
     with pytest.raises(FormatError, match="recompute"):
         recompute_stage(torch.nn.Linear(2, 2), "half")
-
-
-def _zero_worker(rank: int, path: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
-    results = []
-    for sharded in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-        opt = (zero_optimizer(model.parameters(), torch.optim.Adam, lr=0.01) if sharded
-               else torch.optim.Adam(model.parameters(), lr=0.01))
-        gen = torch.Generator().manual_seed(100 + rank)
-        for _ in range(4):
-            opt.zero_grad()
-            loss = model(torch.randn(5, 8, generator=gen)).pow(2).mean()
-            loss.backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= 2
-            opt.step()
-        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    torch.save(results, f"{out}.{rank}")
-    dist.destroy_process_group()
-
-
-def test_zero1_steps_to_the_same_weights_as_the_plain_optimizer() -> None:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "w")
-        mp.spawn(_zero_worker, args=(os.path.join(tmp, "store"), out), nprocs=2, join=True)
-        plain, sharded = torch.load(f"{out}.0")
-        other = torch.load(f"{out}.1")
-    assert torch.equal(plain, sharded)
-    assert torch.equal(sharded, other[1])
 
 
 def test_the_runtime_says_which_levers_it_does_not_run_yet() -> None:
