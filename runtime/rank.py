@@ -100,8 +100,9 @@ class Feed:
         return x[start:stop], (y[start:stop] if y is not None else None)
 
     def micro_batch(self, j: int) -> torch.Tensor:
-        """Micro-batch ``j``'s inputs on the rank's device (the executors' ``data``)."""
-        return self.rows(j)[0].to(self.device)
+        """Micro-batch ``j``'s inputs on the rank's device (the executors' ``data``): a tensor of its
+        own, on the CPU too (a view would keep the whole global batch alive in its graph)."""
+        return self.rows(j)[0].to(self.device, copy=True)
 
     def loss(self, y: torch.Tensor, j: int) -> torch.Tensor:
         """The loss of the last stage's output ``y`` for micro-batch ``j`` (the executors' ``loss_fn``)."""
