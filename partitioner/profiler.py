@@ -160,10 +160,10 @@ def saved_storages(layer: nn.Module, x: torch.Tensor, name: str = "layer") -> tu
     return y, seen
 
 
-def _selective_saved(layer: nn.Module, x: torch.Tensor, name: str) -> int | None:
+def _selective_saved(layer: nn.Module, x: torch.Tensor, name: str, saved: int) -> float | None:
     """What ``layer`` saves for backward with its attention core recomputed (its modules with a
     ``recompute_core`` switch set for one forward, as the runtime sets them for selective
-    recomputation), or None for a layer without one."""
+    recomputation; at most ``saved``, what it saves without), or None for a layer without one."""
     cores = [m for m in layer.modules() if hasattr(m, "recompute_core")]
     if not cores:
         return None
@@ -176,7 +176,7 @@ def _selective_saved(layer: nn.Module, x: torch.Tensor, name: str) -> int | None
     finally:
         for m, b in zip(cores, before, strict=True):
             setattr(m, "recompute_core", b)  # noqa: B010
-    return sum(storages.values())
+    return float(min(sum(storages.values()), saved))
 
 
 def _grad_input(x: torch.Tensor) -> torch.Tensor:
@@ -404,7 +404,6 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
                 xi = _grad_input(x)
                 y, storages = saved_storages(layer, xi, name)
                 saved, shared_bytes = sum(storages.values()), shared.step(xi, y, storages)
-                selective = _selective_saved(layer, xi, name)
                 out_bytes = _nbytes(y)
                 nxt = y.detach()  # the next layer's input
                 del y
@@ -416,7 +415,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
                     param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
                     saved_bytes=float(saved), output_bytes=float(out_bytes), shared_saved_bytes=float(shared_bytes),
                     times={key: LayerTime(f_s, b_s, projected=False, measured_on=label, bwd_weight_share=w_share)},
-                    selective_saved_bytes=None if selective is None else float(min(selective, saved))))
+                    selective_saved_bytes=_selective_saved(layer, xi, name, saved)))
                 x = nxt
                 for p in layer.parameters():
                     p.grad = None

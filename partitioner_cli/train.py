@@ -232,7 +232,6 @@ def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluste
     counted."""
     from dataclasses import replace
 
-    from partitioner.cost import CostModel
 
     how = "as the plan was priced" if plan.pricing is not None and not recipe.notes else "see the note"
     print(f"  optimizer {recipe.optimizer} (lr {lr:g}), precision {recipe.precision}  ({how})")
@@ -244,6 +243,7 @@ def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluste
     options = replace(recipe.pricing(plan.pricing), reserved_bytes=0.0)
     cuda = all(r.get("peak_memory_bytes") for r in ranks)
     counted = all(r.get("activation_peak_bytes") is not None for r in ranks)
+    state = _model_state_predicted(plan, profile, cluster, options, ranks)
     if cuda or counted:
         from partitioner.simulate import simulate_plan
 
@@ -257,11 +257,7 @@ def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluste
                 "(tensors saved for backward and held between actions, runtime.memory) against the simulator's peak")
         measured = {r["device"]: r["model_state_bytes"] + r["activation_peak_bytes"] for r in ranks}
     else:
-        cost = CostModel(plan.profile_view(profile), cluster, options)
-        predicted = {}  # per GPU: one rank of a tensor-parallel group holds its shard
-        for r in ranks:
-            t = cluster.device(r["device"]).tensor_parallel
-            predicted[r["device"]] = sum(cost.weight_bytes(a, b, tensor_parallel=t) for a, b in r["layers"])
+        predicted = state
         what = ("model state: bytes of the parameters, gradients and optimizer state held (no activations "
                 "measured) against the cost model's for the rank's layers")
         measured = {r["device"]: r.get("model_state_bytes") for r in ranks}
@@ -270,13 +266,32 @@ def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluste
     metrics["memory"] = {"measured": kind, "what": what,
                          "priced_as": options.to_dict(),
                          "ranks": [{"rank": r["rank"], "device": r["device"], "measured_bytes": measured[r["device"]],
-                                    "predicted_bytes": predicted.get(r["device"])} for r in ranks]}
+                                    "predicted_bytes": predicted.get(r["device"]),
+                                    "model_state_bytes": r.get("model_state_bytes"),
+                                    "predicted_model_state_bytes": state.get(r["device"])} for r in ranks]}
     metrics["predicted_peak_memory_bytes"] = {d: predicted.get(d) for d in measured}
     print(f"  memory per rank ({what}; priced for {recipe.optimizer} in {recipe.precision}, nothing reserved)")
     for row in metrics["memory"]["ranks"]:
         got, want = row["measured_bytes"], row["predicted_bytes"]
         ratio = f"  ({got / want:.2f}x)" if got and want else ""
         print(f"    rank {row['rank']}  {row['device']:<8} measured {_size(got):>10}  predicted {_size(want):>10}{ratio}")
+
+
+def _model_state_predicted(plan: Plan, profile: Profile, cluster: Cluster, options: Any,
+                           ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """The cost model's model state (weights, gradients, optimizer state) of each rank's layers:
+    per GPU of a tensor-parallel group its shard's, under ZeRO each layer's state shared by its holders."""
+    from partitioner.cost import CostModel
+
+    cost = CostModel(plan.profile_view(profile), cluster, options)
+    holders = cost.layer_holders(plan)
+    out = {}
+    for r in ranks:
+        t = cluster.device(r["device"]).tensor_parallel
+        runs = [run for a, b in r["layers"] for run in
+                (cost.holder_runs(a, b, holders) if options.zero else [(a, b, 1)])]
+        out[r["device"]] = sum(cost.weight_bytes(a, b, tensor_parallel=t, holders=d) for a, b, d in runs)
+    return out
 
 
 def _size(n: float | None) -> str:

@@ -69,3 +69,33 @@ def test_what_zero_does_not_run_is_refused_in_one_line() -> None:
     cfg = TrainConfig("gpt2-tiny", steps=2, checkpoint_dir="/tmp/nowhere-ckpt")
     with pytest.raises(PartitionerError, match="checkpoints with zero = 2"):
         check_checkpoints(_plan(2), cfg, 4)
+
+
+def test_train_reports_the_sharded_model_state_the_cost_model_prices(tmp_path, monkeypatch, capsys) -> None:
+    """`train` on a ZeRO-1 plan: each rank's model state (its half of the Adam state) equals the
+    cost model's for its layers with their optimizer state divided by their two holders."""
+    import json
+    from pathlib import Path
+
+    import runtime.launch as launch
+    from partitioner.profile import LayerProfile, LayerTime, Profile
+    from partitioner_cli.main import main
+    from runtime.stage import build_stage, zoo_chain
+
+    real = launch.train_local
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+    chain = zoo_chain("gpt2-tiny", 2)
+    layers = tuple(LayerProfile(name, 1.0, float(sum(p.numel() * 4 for p in build_stage(chain, i, i + 1).parameters())),
+                                4096.0, 4096.0, {"cpu": LayerTime(1e-3, 2e-3)})
+                   for i, (name, _) in enumerate(chain.layers))
+    Profile("gpt2-tiny", 2, layers).save(tmp_path / "profile.json")
+    _plan(1).save(tmp_path / "plan.json")
+    cluster = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "cpu4.yaml"
+    out = tmp_path / "m.json"
+    assert main(["train", str(tmp_path / "plan.json"), "--profile", str(tmp_path / "profile.json"), "--cluster",
+                 str(cluster), "--model", "gpt2-tiny", "--local", "--steps", "2", "--warmup", "0", "--threads", "1",
+                 "-o", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert m["zero"] == 1 and m["memory"]["priced_as"]["zero"] == 1
+    for r in m["memory"]["ranks"]:
+        assert r["model_state_bytes"] == pytest.approx(r["predicted_model_state_bytes"], rel=1e-3)
