@@ -99,3 +99,21 @@ def test_train_reports_the_sharded_model_state_the_cost_model_prices(tmp_path, m
     assert m["zero"] == 1 and m["memory"]["priced_as"]["zero"] == 1
     for r in m["memory"]["ranks"]:
         assert r["model_state_bytes"] == pytest.approx(r["predicted_model_state_bytes"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_zero_on_tensor_parallel_groups_trains_the_plain_weights(tmp_path) -> None:
+    """Two virtual workers whose first stage is a tensor-parallel group of 2 (6 ranks): each shard's
+    state is divided between the two holders of that shard; the weights equal the plain run's."""
+
+    def plan(zero: int) -> Plan:
+        return Plan("gpt2-tiny", tuple(VirtualWorker((Stage((0, 2), f"n{w}:0-1"), Stage((2, 4), f"n{w}:2")))
+                                       for w in range(2)), "1f1b", 2, 2, pricing=CostOptions(zero=zero))
+
+    loss, plain, base = _train(plan(0), tmp_path / "plain")
+    for zero in (1, 2):
+        got_loss, got, metrics = _train(plan(zero), tmp_path / f"zero{zero}")
+        assert got_loss == pytest.approx(loss, rel=1e-6, abs=1e-7)
+        assert max(float((got[k] - plain[k]).abs().max()) for k in plain) < 1e-6
+        for a, b in zip(base["ranks"], metrics["ranks"], strict=True):  # Adam's 8 of 16 bytes halved
+            assert b["model_state_bytes"] == pytest.approx(0.75 * a["model_state_bytes"], rel=1e-3)
