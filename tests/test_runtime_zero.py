@@ -117,3 +117,15 @@ def test_zero_on_tensor_parallel_groups_trains_the_plain_weights(tmp_path) -> No
         assert max(float((got[k] - plain[k]).abs().max()) for k in plain) < 1e-6
         for a, b in zip(base["ranks"], metrics["ranks"], strict=True):  # Adam's 8 of 16 bytes halved
             assert b["model_state_bytes"] == pytest.approx(0.75 * a["model_state_bytes"], rel=1e-3)
+
+
+def test_zero_under_fp16_loss_scaling_trains_the_plain_weights(tmp_path) -> None:
+    """fp16 (autocast, the loss scaled, a step skipped on every rank alike): the sharded step
+    unscales and checks its shards' gradients and gives the plain run's weights."""
+    def plan(zero: int) -> Plan:
+        return dataclasses.replace(_plan(zero), pricing=CostOptions(zero=zero, precision="fp16"))
+
+    loss, plain, _ = _train(plan(0), tmp_path / "plain")
+    got_loss, got, _ = _train(plan(2), tmp_path / "zero2")
+    assert got_loss == pytest.approx(loss, rel=1e-6, abs=1e-7)
+    assert max(float((got[k] - plain[k]).abs().max()) for k in plain) < 1e-6
