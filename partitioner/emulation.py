@@ -32,6 +32,11 @@ profile's time of the stage), an action that computed for ``w`` seconds ends, by
   factor with it: on a 2-core machine a T4 played 8x slower than the reference ran 60 % over
   the prediction where ``profiled`` ran 4 % over (docs/runtime.md).
 
+A stage that recomputes (``Stage.recompute``) runs its recomputed forward inside its backward:
+its backward's target and local time both add that forward as the cost model prices it (the
+whole forward under ``full``, the attention core's share under ``selective``:
+``partitioner.recompute.recompute_extra_fwd_fraction``), and under a split backward it belongs to ``I``.
+
 A zero-bubble schedule splits a backward into ``I`` (input gradient) and ``W`` (weight gradient):
 each takes its part of the backward's target, ``1 - share`` and ``share`` with ``share`` the
 stage's ``W`` over its backward as the simulator prices it (``EmulatedStage.bwd_weight_share``:
@@ -71,6 +76,7 @@ from .errors import FormatError, OptionError, check
 from .plan import Plan
 from .pricing import CostOptions
 from .profile import LayerTime, Profile
+from .recompute import recompute_extra_fwd_fraction
 from .schedule import spec
 from .simulate import simulate_plan
 from .timeline import Timeline
@@ -306,12 +312,12 @@ def emulated_profile(profile: Profile, cluster: Cluster, *, local: str = LOCAL_D
     return replace(profile, layers=layers, meta={**profile.meta, "emulated": {"local": local, "reference": ref_name}})
 
 
-def _weight_share(emu: Profile, gpu: str, start: int, stop: int) -> float:
+def _weight_share(emu: Profile, gpu: str, start: int, stop: int, redo_s: float = 0.0) -> float:
     """W's share of the backward of layers ``[start, stop)`` on ``gpu`` in the emulated profile,
     as the simulator prices a split backward (``Profile.backward_split_for``; 0.5 for a stage
-    whose backward takes no time)."""
+    whose backward takes no time); ``redo_s``, a recomputed forward in it, belongs to ``I``."""
     b_in, b_w, _ = emu.backward_split_for(gpu)
-    total = float(np.sum(b_in[start:stop]) + np.sum(b_w[start:stop]))
+    total = float(np.sum(b_in[start:stop]) + np.sum(b_w[start:stop])) + redo_s
     return min(max(float(np.sum(b_w[start:stop])) / total, 0.0), 1.0) if total > 0 else 0.5
 
 
@@ -341,13 +347,18 @@ def emulation_for(plan: Plan, profile: Profile, cluster: Cluster, *, local: str 
     stages = []
     for w, vw in enumerate(plan.virtual_workers):
         for k, st in enumerate(vw.stages):
+            # a recomputing stage's backward runs its recomputed forward too, as the cost model prices it
+            again = recompute_extra_fwd_fraction(emu, st.recompute)[st.start:st.stop]
+            redo_local = float(np.sum(np.asarray(local_f)[st.start:st.stop] * again))
             for d in st.devices:
                 gpu = cluster.device(d).gpu_type
                 ef, eb = emu.times_for(gpu)
+                redo = float(np.sum(np.asarray(ef)[st.start:st.stop] * again))
                 factors, targets = [], []
-                for emu_t, pre, what in ((ef, lf, "forward"), (eb, lb, "backward")):
-                    base = float(pre[st.stop] - pre[st.start])
-                    target = float(np.sum(emu_t[st.start:st.stop]))
+                for emu_t, pre, what, extra, extra_local in ((ef, lf, "forward", 0.0, 0.0),
+                                                             (eb, lb, "backward", redo, redo_local)):
+                    base = float(pre[st.stop] - pre[st.start]) + extra_local
+                    target = float(np.sum(emu_t[st.start:st.stop])) + extra
                     targets.append(target)
                     x = target / base if base > 0 else 1.0
                     if x < 1.0 - 1e-9:
@@ -358,7 +369,7 @@ def emulation_for(plan: Plan, profile: Profile, cluster: Cluster, *, local: str 
                                           "leave `emulate_reference` out (the fastest type per layer)")
                     factors.append(max(x, 1.0))
                 stages.append(EmulatedStage(w, k, d, gpu, st.start, st.stop, factors[0], factors[1], targets[0], targets[1],
-                                            bwd_weight_share=_weight_share(emu, gpu, st.start, st.stop)))
+                                            bwd_weight_share=_weight_share(emu, gpu, st.start, st.stop, redo)))
     if not links:
         return Emulation(local, ref_name, float(link_gbps), tuple(stages), rule)
     executor = spec(plan.schedule).executor  # (the runtime's executor: 2bw's all-reduce has no delay)

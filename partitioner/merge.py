@@ -78,7 +78,8 @@ def merge_profiles(profiles: Sequence[Profile], *, saved_rtol: float = 0.05) -> 
             for gpu, t in layer.times.items():
                 times[gpu] = _pick(gpu, layer.name, times[gpu], t) if gpu in times else t
         layers.append(replace(first, saved_bytes=widest.saved_bytes,
-                              shared_saved_bytes=widest.shared_saved_bytes, times=times))
+                              shared_saved_bytes=widest.shared_saved_bytes,
+                              selective_saved_bytes=widest.selective_saved_bytes, times=times))
     measured_on: dict[str, str] = {}
     projections: dict[str, object] = {}
     for p in profiles:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import FormatError
-from .plan import Plan, group_size
+from .plan import Plan
 from .schedule import spec, stage_rank
 
 __all__ = ["RECOMPUTED_SCHEDULES", "REPLICATED_SCHEDULES", "TARGETS", "PipelinePlacement", "place", "replica_assignment", "replica_shares",
@@ -134,9 +134,9 @@ def replica_assignment(plan: Plan, time_s: Callable[[str, int, int], float] | No
 # (runtime/layout.py).
 TARGETS = ("simulator", "runtime")
 REPLICATED_SCHEDULES = ("gpipe", "1f1b", "2bw", "wsp")  # the schedules whose replicated stages the runtime executes
-# the schedules whose executors run a recomputing stage (one backward per micro-batch, the weights in
-# the modules): not the split backward of the zero-bubble schedules, nor 2bw's and wsp's stashes
-RECOMPUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs")
+# the schedules whose executors run a recomputing stage (every schedule: runtime/executor.py recomputes a
+# full stage's forward inside its backward, the I of a split one; on tensor-parallel groups too)
+RECOMPUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs", "zb-h1", "zb-h2", "zbv", "2bw", "wsp")
 
 
 def supports(plan: Plan, target: str) -> str | None:
@@ -156,17 +156,17 @@ def supports(plan: Plan, target: str) -> str | None:
     if plan.staleness != 0 and sp.sync != "wave":
         return (f"staleness = {plan.staleness} with schedule '{plan.schedule}': the runtime keeps virtual workers of "
                 f"a flushing schedule exactly synchronous; bounded staleness needs schedule wsp")
-    if plan.pricing is not None and plan.pricing.zero:
-        return (f"zero = {plan.pricing.zero}: the runtime does not shard optimizer state yet (it would need the "
-                "memory of every replica's full state); re-plan with `zero` 0")
+    if plan.pricing is not None and plan.pricing.zero and sp.executor != "pipeline":
+        return (f"zero = {plan.pricing.zero} with schedule '{plan.schedule}': the runtime shards optimizer state under "
+                "the flushing schedules (gpipe, 1f1b, interleaved, bfs, zb-h1, zb-h2, zbv); the "
+                f"{plan.schedule} executor keeps its own weight versions and steps them with plain SGD; re-plan "
+                "with `zero` 0 or a flushing schedule")
     for w, vw in enumerate(plan.virtual_workers):
         for k, st in enumerate(vw.stages):
-            if st.recompute != "none" and (sp.name not in RECOMPUTED_SCHEDULES or any(
-                    group_size(d) > 1 for d in st.devices)):
+            if st.recompute != "none" and sp.name not in RECOMPUTED_SCHEDULES:
                 return (f"virtual_workers[{w}].stages[{k}] recomputes ({st.recompute}): the runtime recomputes "
-                        f"stages of one GPU under {', '.join(RECOMPUTED_SCHEDULES)}, not under '{plan.schedule}'"
-                        + (" or on a tensor-parallel group" if any(group_size(d) > 1 for d in st.devices) else "")
-                        + "; re-plan with `recompute` none or one of those schedules")
+                        f"stages under {', '.join(RECOMPUTED_SCHEDULES)}, not under '{plan.schedule}'; re-plan "
+                        "with `recompute` none or one of those schedules")
             if st.replicas and plan.schedule not in REPLICATED_SCHEDULES:
                 return (f"virtual_workers[{w}].stages[{k}] has replicas {list(st.replicas)}: the runtime executes "
                         f"replicated stages with schedule {', '.join(REPLICATED_SCHEDULES[:-1])} or "

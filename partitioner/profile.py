@@ -210,6 +210,9 @@ class LayerProfile:
     ``shared_saved_bytes`` is the part of ``saved_bytes`` that the previous layer keeps too
     (typically this layer's input, which a ReLU before it saved as its output): one tensor,
     counted once when both layers are in the same stage, twice when a cut separates them.
+    ``selective_saved_bytes`` is what the layer keeps for backward with its attention core
+    recomputed (selective recomputation), as the profiler measures it for a transformer block;
+    None: estimated from the model's transformer shape (:mod:`partitioner.recompute`).
     """
 
     name: str
@@ -230,9 +233,15 @@ class LayerProfile:
     # and what the loss's backward holds on top while it runs (partitioner/loss_memory.py)
     loss_saved_bytes: float = 0.0
     loss_work_bytes: float = 0.0
+    selective_saved_bytes: float | None = None
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "name", self.name, "must be a non-empty string")
+        if self.selective_saved_bytes is not None:
+            v = self.selective_saved_bytes
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v
+                  <= self.saved_bytes, "selective_saved_bytes", v,
+                  f"must be a finite number >= 0 and not above saved_bytes ({self.saved_bytes:g})")
         for degree, sh in self.shards.items():
             check(isinstance(degree, int) and not isinstance(degree, bool) and 2 <= degree <= MAX_TENSOR_PARALLEL,
                   "tensor_parallel", degree, f"keys must be tensor-parallel degrees in [2, {MAX_TENSOR_PARALLEL}]")
@@ -269,7 +278,8 @@ class LayerProfile:
         return {"saved_bytes": self.saved_bytes * f, "output_bytes": self.output_bytes * f,
                 "shared_saved_bytes": self.shared_saved_bytes * f, "allreduce_bytes": self.allreduce_bytes * f,
                 "own_output_bytes": None if self.own_output_bytes is None else self.own_output_bytes * f,
-                "loss_saved_bytes": self.loss_saved_bytes * f, "loss_work_bytes": self.loss_work_bytes * f}
+                "loss_saved_bytes": self.loss_saved_bytes * f, "loss_work_bytes": self.loss_work_bytes * f,
+                "selective_saved_bytes": None if self.selective_saved_bytes is None else self.selective_saved_bytes * f}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -287,6 +297,7 @@ class LayerProfile:
             **({"allreduce_bytes": self.allreduce_bytes} if self.allreduce_bytes else {}),
             **({"loss_saved_bytes": self.loss_saved_bytes, "loss_work_bytes": self.loss_work_bytes}
                if self.loss_saved_bytes or self.loss_work_bytes else {}),
+            **({"selective_saved_bytes": self.selective_saved_bytes} if self.selective_saved_bytes is not None else {}),
         }
 
     @classmethod
@@ -318,6 +329,8 @@ class LayerProfile:
                 allreduce_bytes=req_number(d, "allreduce_bytes", where, default=0.0, maximum=MAX_BYTES),
                 loss_saved_bytes=req_number(d, "loss_saved_bytes", where, default=0.0, maximum=MAX_BYTES),
                 loss_work_bytes=req_number(d, "loss_work_bytes", where, default=0.0, maximum=MAX_BYTES),
+                selective_saved_bytes=(None if d.get("selective_saved_bytes") is None
+                                       else req_number(d, "selective_saved_bytes", where, maximum=MAX_BYTES)),
             )
         except FormatError as err:
             raise err if err.field.startswith(where) else err.under(where) from None
@@ -481,7 +494,7 @@ class Profile:
         layers = tuple(replace(layer, param_bytes=layer.shards[t].param_bytes, saved_bytes=layer.shards[t].saved_bytes,
                                shared_saved_bytes=layer.shards[t].shared_saved_bytes, times=layer.shards[t].times,
                                times_at=layer.shards[t].times_at, allreduce_bytes=layer.shards[t].allreduce_bytes,
-                               shards={}) for layer in self.layers)
+                               shards={}, selective_saved_bytes=None) for layer in self.layers)
         out = Profile(self.model, self.micro_batch_size, layers, self.dtype, self.source, self.edges,
                       {**self.meta, "tensor_parallel": t})
         self._shards[t] = out

@@ -160,6 +160,25 @@ def saved_storages(layer: nn.Module, x: torch.Tensor, name: str = "layer") -> tu
     return y, seen
 
 
+def _selective_saved(layer: nn.Module, x: torch.Tensor, name: str, saved: int) -> float | None:
+    """What ``layer`` saves for backward with its attention core recomputed (its modules with a
+    ``recompute_core`` switch set for one forward, as the runtime sets them for selective
+    recomputation; at most ``saved``, what it saves without), or None for a layer without one."""
+    cores = [m for m in layer.modules() if hasattr(m, "recompute_core")]
+    if not cores:
+        return None
+    before = [m.recompute_core for m in cores]
+    try:
+        for m in cores:
+            setattr(m, "recompute_core", True)  # noqa: B010 - any module with the switch
+        y, storages = saved_storages(layer, x, name)
+        del y
+    finally:
+        for m, b in zip(cores, before, strict=True):
+            setattr(m, "recompute_core", b)  # noqa: B010
+    return float(min(sum(storages.values()), saved))
+
+
 def _grad_input(x: torch.Tensor) -> torch.Tensor:
     x = x.detach()
     if x.is_floating_point():
@@ -395,7 +414,8 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
                     name=name, flops=flops[name],
                     param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
                     saved_bytes=float(saved), output_bytes=float(out_bytes), shared_saved_bytes=float(shared_bytes),
-                    times={key: LayerTime(f_s, b_s, projected=False, measured_on=label, bwd_weight_share=w_share)}))
+                    times={key: LayerTime(f_s, b_s, projected=False, measured_on=label, bwd_weight_share=w_share)},
+                    selective_saved_bytes=_selective_saved(layer, xi, name, saved)))
                 x = nxt
                 for p in layer.parameters():
                     p.grad = None

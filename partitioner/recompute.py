@@ -13,7 +13,10 @@ A stage's backward can recompute activations its forward did not keep
   ``h`` divide by a tensor-parallel degree, so the fraction is the same on a shard). Recomputing
   it costs the attention core's share of the block's forward, priced by FLOPs:
   ``4 b s^2 h / (24 b s h^2 + 4 b s^2 h) = s / (6 h + s)`` of the block's forward time
-  (:func:`selective_time_fraction`; its soft-max is memory-bound, so this is a floor).
+  (:func:`selective_time_fraction`; its soft-max is memory-bound, so this is a floor). Where the
+  profiler measured what a block keeps with its core recomputed (``LayerProfile.selective_saved_bytes``:
+  a model without dropout in fp32 drops the soft-max's output alone, the core's inputs ``q, k, v``
+  staying saved for its recomputation, much less than the fraction), that measurement is used.
   Layers that are not transformer blocks (embedding, head, any layer of a profile without a
   transformer shape in ``meta``) save nothing and cost nothing;
 * ``full``: the stage keeps only its input for each micro-batch in flight and recomputes its
@@ -62,10 +65,14 @@ def selective_time_fraction(profile: Profile) -> float:
 
 def selective_bytes(profile: Profile) -> np.ndarray:
     """Per layer, the saved bytes selective recomputation drops (at most what the layer keeps
-    apart from the tensor it shares with the layer before it)."""
+    apart from the tensor it shares with the layer before it): measured where the profile has
+    it (``LayerProfile.selective_saved_bytes``), else Megatron's fraction of a block's bytes."""
     saved = profile.array("saved_bytes")
     own = saved - profile.array("shared_saved_bytes")
-    return np.where(_blocks(profile), np.minimum(saved * selective_saved_fraction(profile), own), 0.0)
+    estimate = np.where(_blocks(profile), saved * selective_saved_fraction(profile), 0.0)
+    measured = np.array([np.nan if layer.selective_saved_bytes is None else layer.saved_bytes - layer.selective_saved_bytes
+                         for layer in profile.layers], dtype=float)
+    return np.minimum(np.where(np.isnan(measured), estimate, measured), own)
 
 
 def recompute_extra_fwd_fraction(profile: Profile, mode: str) -> np.ndarray:

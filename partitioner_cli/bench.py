@@ -125,6 +125,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "(Sailor OPT-350M, memory-mixed A100 / V100 / RTX 2080 Ti clusters)",
               _script("memory_levers", "--time-limit", "10"), _script("memory_levers", "--time-limit", "60"),
               needs=(str(SHARED / "sailor_opt350"),)),
+    Benchmark("levers_runtime", "memory levers run under the emulation (gpt2-tiny, 2 P100 + 2 T4 on CPU processes): "
+              "measured peak memory per rank and iteration against predicted, none / selective / full / ZeRO-1 / ZeRO-2",
+              _script("levers_runtime", "--rounds", "1", "--steps", "5", "--warmup", "2"),
+              _script("levers_runtime", "--rounds", "5"), needs=("torch",), long=True, seeds={"weights_and_data": 0}),
     Benchmark("cli_startup", "wall time of CLI commands that never need torch",
               _script("cli_startup", "--runs", "3"), _script("cli_startup", "--runs", "5", "--pyc")),
     Benchmark("scale", "cluster planner's solve time, gap and memory against layers x GPUs",

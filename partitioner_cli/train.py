@@ -320,11 +320,12 @@ def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluste
     """The run's optimizer and precision (and what differs from the plan's pricing), then each rank's measured memory beside the cost model's, priced as the run trained (its
     precision and optimizer, no reserved memory: neither measure counts the framework's own), into
     ``metrics`` (``memory``) and printed. CUDA: the peak of torch.cuda.max_memory_allocated
-    against the simulator's peak. CPU, where no peak is measured: the bytes of each rank's
-    parameters, gradients and optimizer state against the cost model's for its layers."""
+    against the simulator's peak. CPU: each rank's model state (parameters, gradients, optimizer
+    state) plus the most activations it held at once (:mod:`runtime.memory`) against the
+    simulator's peak; the model state alone against the cost model's where no activations were
+    counted."""
     from dataclasses import replace
 
-    from partitioner.cost import CostModel
 
     how = "as the plan was priced" if plan.pricing is not None and not recipe.notes else "see the note"
     print(f"  optimizer {recipe.optimizer} (lr {lr:g}), precision {recipe.precision}  ({how})")
@@ -335,32 +336,56 @@ def _report_memory(metrics: dict[str, Any], plan: Plan, profile: Profile, cluste
         return
     options = replace(recipe.pricing(plan.pricing), reserved_bytes=0.0)
     cuda = all(r.get("peak_memory_bytes") for r in ranks)
-    if cuda:
+    counted = all(r.get("activation_peak_bytes") is not None for r in ranks)
+    state = _model_state_predicted(plan, profile, cluster, options, ranks)
+    if cuda or counted:
         from partitioner.simulate import simulate_plan
 
         predicted = dict(simulate_plan(plan, profile, cluster, options).peak_memory_bytes)
+    if cuda:
         what = ("peak: torch.cuda.max_memory_allocated (weights, gradients, optimizer state, activations; no "
                 "CUDA context) against the simulator's peak")
         measured = {r["device"]: r["peak_memory_bytes"] for r in ranks}
+    elif counted:
+        what = ("peak: model state (parameters, gradients, optimizer state) + the most activations held at once "
+                "(tensors saved for backward and held between actions, runtime.memory) against the simulator's peak")
+        measured = {r["device"]: r["model_state_bytes"] + r["activation_peak_bytes"] for r in ranks}
     else:
-        cost = CostModel(plan.profile_view(profile), cluster, options)
-        predicted = {}  # per GPU: one rank of a tensor-parallel group holds its shard
-        for r in ranks:
-            t = cluster.device(r["device"]).tensor_parallel
-            predicted[r["device"]] = sum(cost.weight_bytes(a, b, tensor_parallel=t) for a, b in r["layers"])
-        what = ("model state: bytes of the parameters, gradients and optimizer state held (activations are not "
-                "measured on CPU) against the cost model's for the rank's layers")
+        predicted = state
+        what = ("model state: bytes of the parameters, gradients and optimizer state held (no activations "
+                "measured) against the cost model's for the rank's layers")
         measured = {r["device"]: r.get("model_state_bytes") for r in ranks}
-    metrics["memory"] = {"measured": "peak_memory_bytes" if cuda else "model_state_bytes", "what": what,
+    kind = "peak_memory_bytes" if cuda else "model_state_bytes + activation_peak_bytes" if counted else \
+        "model_state_bytes"
+    metrics["memory"] = {"measured": kind, "what": what,
                          "priced_as": options.to_dict(),
                          "ranks": [{"rank": r["rank"], "device": r["device"], "measured_bytes": measured[r["device"]],
-                                    "predicted_bytes": predicted.get(r["device"])} for r in ranks]}
+                                    "predicted_bytes": predicted.get(r["device"]),
+                                    "model_state_bytes": r.get("model_state_bytes"),
+                                    "predicted_model_state_bytes": state.get(r["device"])} for r in ranks]}
     metrics["predicted_peak_memory_bytes"] = {d: predicted.get(d) for d in measured}
     print(f"  memory per rank ({what}; priced for {recipe.optimizer} in {recipe.precision}, nothing reserved)")
     for row in metrics["memory"]["ranks"]:
         got, want = row["measured_bytes"], row["predicted_bytes"]
         ratio = f"  ({got / want:.2f}x)" if got and want else ""
         print(f"    rank {row['rank']}  {row['device']:<8} measured {_size(got):>10}  predicted {_size(want):>10}{ratio}")
+
+
+def _model_state_predicted(plan: Plan, profile: Profile, cluster: Cluster, options: Any,
+                           ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """The cost model's model state (weights, gradients, optimizer state) of each rank's layers:
+    per GPU of a tensor-parallel group its shard's, under ZeRO each layer's state shared by its holders."""
+    from partitioner.cost import CostModel
+
+    cost = CostModel(plan.profile_view(profile), cluster, options)
+    holders = cost.layer_holders(plan)
+    out = {}
+    for r in ranks:
+        t = cluster.device(r["device"]).tensor_parallel
+        runs = [run for a, b in r["layers"] for run in
+                (cost.holder_runs(a, b, holders) if options.zero else [(a, b, 1)])]
+        out[r["device"]] = sum(cost.weight_bytes(a, b, tensor_parallel=t, holders=d) for a, b, d in runs)
+    return out
 
 
 def _size(n: float | None) -> str:

@@ -134,15 +134,17 @@ class LinkDelay:
         self.sleep = sleep
         self.slept_s = 0.0
 
-    def start(self, buf: torch.Tensor, group: Any, ranks: tuple[int, ...]) -> PendingCollective:
-        """Start the sum all-reduce of ``buf`` over ``group`` (``ranks``), and beside it the
-        maximum of the members' start times when it is emulated."""
+    def start(self, buf: torch.Tensor, group: Any, ranks: tuple[int, ...],
+              op: Callable[[], Any] | None = None) -> PendingCollective:
+        """Start the sum all-reduce of ``buf`` over ``group`` (``ranks``), or the collective ``op``
+        starts (asynchronous, returning its work; ZeRO's reduce-scatter), and beside it the maximum
+        of the members' start times when it is emulated (the all-reduce's seconds either way)."""
         seconds = self.seconds_of(ranks)
         stamp = stamp_work = None
         if seconds is not None:
             stamp = torch.tensor([self.clock()], dtype=torch.float64, device=buf.device)
             stamp_work = dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        work = dist.all_reduce(buf, group=group, async_op=True)
+        work = dist.all_reduce(buf, group=group, async_op=True) if op is None else op()
         return PendingCollective(work, stamp_work, stamp, seconds)
 
     def wait(self, pending: PendingCollective) -> float:

@@ -43,14 +43,16 @@ every schedule, ``zbv``'s crossing chunks included.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.func import functional_call
 
 from partitioner.channels import ChannelCursor, Key, Message, own_order
 from partitioner.schedule import (
@@ -72,6 +74,7 @@ from partitioner.schedule import (
 
 from .emulation import Stretch
 from .layout import Layout
+from .memory import ActivationMeter, rng_restored, rng_state
 
 __all__ = ["PipelineExecutor", "StashingExecutor", "message_tag"]
 
@@ -131,6 +134,10 @@ class PipelineExecutor:
         self.step_ends: list[float] | None = None  # when set: perf_counter() at the end of every STEP
         self._cursors: dict[int, ChannelCursor] | None = None  # order_channels
         self._acts_ahead: dict[int, int] = {}  # peer -> activation receives posted and not yet taken
+        # stages recomputed in full (Stage.recompute "full"): their forward keeps only its input,
+        # their backward (I of a split one) runs it again first (:meth:`_recomputed`)
+        self.recompute_full: set[int] = set()
+        self.meter: ActivationMeter | None = None  # the activation memory held (runtime.memory)
         self._reset()
 
     def emulate(self, stretch: Stretch) -> None:
@@ -151,6 +158,7 @@ class PipelineExecutor:
         # parameters (a split backward's stage run layer by layer, see _forward)
         self._layer_outputs: dict[tuple[int, int], list[tuple[torch.Tensor, int, list[Any]]]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._rng: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) recomputed in full -> its forward's RNG state
         self._loss_sum: torch.Tensor | float = 0.0  # a device tensor: read back once per iteration
 
     # -- communication -------------------------------------------------------------------
@@ -200,14 +208,24 @@ class PipelineExecutor:
         return x
 
     def _forward(self, j: int, s: int) -> None:
-        """Forward of micro-batch ``j`` through stage ``s``. A stage whose backward is split (it
+        """Forward of micro-batch ``j`` through stage ``s`` (:meth:`_stage_forward`); a stage
+        recomputed in full runs it without keeping anything for backward (:meth:`_recomputed`)."""
+        x = self._input(j, s)
+        if s in self.recompute_full:
+            self._rng[(j, s)] = rng_state(self.device)
+            with torch.no_grad():
+                self._keep_output((j, s), self.stages[s](x))
+            return
+        self._keep_output((j, s), self._stage_forward(j, s, x))
+
+    def _stage_forward(self, j: int, s: int, x: torch.Tensor) -> torch.Tensor:
+        """Stage ``s``'s output on ``x`` (micro-batch ``j``). A stage whose backward is split (it
         has ``I`` actions) and is an ``nn.Sequential`` runs layer by layer, keeping each layer
         with parameters' output, so that its ``W`` can start from those outputs' gradients
         (:meth:`_backward_weight`); the same operations, the same result."""
-        mod, x = self.stages[s], self._input(j, s)
+        mod = self.stages[s]
         if s not in self._split_stages or not isinstance(mod, nn.Sequential):
-            self._keep_output((j, s), mod(x))
-            return
+            return mod(x)
         kept = []
         for layer in mod:
             x = layer(x)
@@ -215,7 +233,18 @@ class PipelineExecutor:
             if params and isinstance(x, torch.Tensor) and x.requires_grad:
                 kept.append((x, x._version, params))
         self._layer_outputs[(j, s)] = kept
-        self._keep_output((j, s), x)
+        return x
+
+    def _recomputed(self, j: int, s: int, call: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Full recomputation: the output of micro-batch ``j`` on stage ``s`` computed again from
+        its kept input, with its graph (``call``, default :meth:`_stage_forward`), under the
+        random-number state its forward had; the last stage's loss share (not tallied again)."""
+        x = self._input(j, s)
+        with rng_restored(self._rng.pop((j, s)), self.device), torch.enable_grad():
+            y = call(x) if call is not None else self._stage_forward(j, s, x)
+            if s == self.num_stages - 1:
+                y = self.loss_fn(y, j) / self.batching.loss_divisor(j)
+        return y
 
     def _keep_output(self, key: tuple[int, int], y: torch.Tensor) -> None:
         """Keep stage output ``y`` of (micro-batch, stage) ``key`` for its backward; the last
@@ -242,6 +271,8 @@ class PipelineExecutor:
     def _backward(self, j: int, s: int) -> None:
         key = (j, s)
         out = self._outputs.pop(key)
+        if s in self.recompute_full:
+            out = self._recomputed(j, s)
         torch.autograd.backward(out, self._output_grad(j, s, out))
         x = self._inputs.pop(key, None)
         if s > 0:
@@ -253,6 +284,8 @@ class PipelineExecutor:
         stage's layer outputs kept (:meth:`_forward`), their gradients too, in the same pass."""
         key = (j, s)
         out = self._outputs.pop(key)
+        if s in self.recompute_full:  # the recomputed forward belongs to I (W finds the graph I kept)
+            out = self._recomputed(j, s)
         grad = self._output_grad(j, s, out)
         x = self._inputs.pop(key, None)
         want_x = s > 0 and x is not None and x.requires_grad
@@ -388,14 +421,17 @@ class PipelineExecutor:
     def _compute(self, a: Action, t0: float) -> None:
         """F, B, I or W of ``a``; under emulation, held until its target (:mod:`runtime.emulation`)."""
         k, j, s = a.kind, a.micro_batch, a.stage
-        if k == F:
-            self._forward(j, s)
-        elif k == B:
-            self._backward(j, s)
-        elif k == I:
-            self._backward_input(j, s)
-        else:
-            self._backward_weight(j, s)
+        meter = self.meter
+        with (meter.tracking(self._held(), self._weights()) if meter is not None and meter.enabled
+              else contextlib.nullcontext()):
+            if k == F:
+                self._forward(j, s)
+            elif k == B:
+                self._backward(j, s)
+            elif k == I:
+                self._backward_input(j, s)
+            else:
+                self._backward_weight(j, s)
         if self.stretch is None:
             self.seconds["compute"] += time.perf_counter() - t0
             return
@@ -406,6 +442,24 @@ class PipelineExecutor:
         compute, slept = self.stretch.hold(s, k != F, t0, share)
         self.seconds["compute"] += compute
         self.seconds["emulation"] += slept
+
+    def _held(self) -> Iterator[torch.Tensor]:
+        """The activations and gradients this rank holds between its actions (for the meter)."""
+        for store in (self._inputs, self._outputs, self._out_grads, self._in_grads):
+            yield from (t for t in store.values() if isinstance(t, torch.Tensor))
+        yield from (buf for _, buf in self._posted.values())
+        for kept in self._layer_outputs.values():
+            yield from (y for y, _, _ in kept)
+        for work in self._weight_work.values():
+            for y, g, _ in work:
+                yield y
+                if g is not None:
+                    yield g
+
+    def _weights(self) -> Iterator[torch.Tensor]:
+        """The weights this rank's forwards use (model state, not activations, for the meter)."""
+        for mod in self.stages.values():
+            yield from mod.parameters()
 
     def push(self, wave: int) -> None:
         raise ValueError("PUSH needs the WSP executor (runtime.wsp.WspExecutor)")
@@ -476,6 +530,9 @@ class StashingExecutor(PipelineExecutor):
         stage before."""
         key = (j, s)
         out = self._outputs.pop(key)
+        used = self._stashed(key, s)
+        if s in self.recompute_full:
+            out = self._recomputed(j, s, lambda x: functional_call(self.stages[s], used, (x,)))
         grad: torch.Tensor | None = None
         if s != self.num_stages - 1:
             grad = self._out_grads.pop(key, None)
@@ -483,7 +540,6 @@ class StashingExecutor(PipelineExecutor):
                 grad = self._in_grads.pop((j, s + 1), None)
                 if grad is None:
                     grad = torch.zeros_like(out)
-        used = self._stashed(key, s)
         x = self._inputs.pop(key, None)
         wants_x = s > 0 and x is not None and x.requires_grad
         inputs: list[torch.Tensor] = list(used.values())
@@ -499,6 +555,17 @@ class StashingExecutor(PipelineExecutor):
                 acc[k] = acc[k] + g if k in acc else g.detach().clone()
         if s > 0:
             self._in_grads[key] = grads[-1] if wants_x else None
+
+    def _stashed_forward(self, j: int, s: int, weights: dict[str, torch.Tensor]) -> None:
+        """Micro-batch ``j``'s forward on stage ``s`` with ``weights`` (a version kept for its
+        backward); a stage recomputed in full keeps nothing for backward."""
+        x = self._input(j, s)
+        if s in self.recompute_full:
+            self._rng[(j, s)] = rng_state(self.device)
+            with torch.no_grad():
+                self._keep_output((j, s), functional_call(self.stages[s], weights, (x,)))
+            return
+        self._keep_output((j, s), functional_call(self.stages[s], weights, (x,)))
 
     def _leaf_copies(self) -> dict[int, dict[str, torch.Tensor]]:
         """Stage -> parameter name -> a copy of the module's parameter as a leaf that takes gradients."""

@@ -102,6 +102,7 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "micro_batches": plan.micro_batches, "virtual_workers": workers, "world_size": len(per_rank),
         "backend": backend,
         "optimizer": per_rank[0].get("optimizer"), "precision": per_rank[0].get("precision"),
+        "zero": per_rank[0].get("zero", 0),
         "config": {k: v for k, v in asdict(config).items() if k not in ("state_dir", "emulation")},
         "data": per_rank[0]["data"], "first_step": per_rank[0]["first_step"],
         "measured_iteration_s": iteration,
@@ -113,7 +114,7 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         **_global_eval(config, per_rank),
         "ranks": [{k: r[k] for k in ("rank", "device", "gpu", "tp_rank", "tp_size", "worker", "pipe_rank", "stages",
                                           "layers", "threads", "seconds_per_step", "peak_memory_bytes",
-                                          "model_state_bytes", "loss_scale", "replica", "micro_batches",
+                                          "model_state_bytes", "activation_peak_bytes", "loss_scale", "replica", "micro_batches",
                                           "start_time", "wave_end_s", "empty_wave_s", "pull_end_s")
                    if k in r}
                   for r in per_rank],

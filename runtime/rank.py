@@ -40,6 +40,7 @@ from .emulation import LinkDelay, Stretch
 from .evaluate import evaluate_versions
 from .executor import PipelineExecutor, StashingExecutor
 from .layout import Layout, RankInfo
+from .memory import ActivationMeter
 from .recipe import (
     AutocastStage,
     LossScaler,
@@ -56,6 +57,7 @@ from .stage import boundary_shapes, build_stage
 from .tensor_parallel import full_state, shard_rank
 from .twobw import TwoBwExecutor
 from .wsp import WspExecutor
+from .zero import ShardedStep
 
 __all__ = ["EXECUTORS", "FAULT_ENV", "Feed", "PipelineRun", "RankContext", "RankRun", "TwoBwRun", "WspRun",
            "check_time_bound", "executor_run", "rank_context", "rank_metrics", "run_rank"]
@@ -100,8 +102,9 @@ class Feed:
         return x[start:stop], (y[start:stop] if y is not None else None)
 
     def micro_batch(self, j: int) -> torch.Tensor:
-        """Micro-batch ``j``'s inputs on the rank's device (the executors' ``data``)."""
-        return self.rows(j)[0].to(self.device)
+        """Micro-batch ``j``'s inputs on the rank's device (the executors' ``data``): a tensor of its
+        own, on the CPU too (a view would keep the whole global batch alive in its graph)."""
+        return self.rows(j)[0].to(self.device, copy=True)
 
     def loss(self, y: torch.Tensor, j: int) -> torch.Tensor:
         """The loss of the last stage's output ``y`` for micro-batch ``j`` (the executors' ``loss_fn``)."""
@@ -150,10 +153,9 @@ def rank_context(run: RunSpec, rank: int, device: torch.device) -> RankContext:
     me = layout.ranks[rank]
     stages_layers = layout.stage_layers[me.worker]
     modules = {s: build_stage(chain, *stages_layers[s], seed=config.seed, device=device) for s in me.stages}
-    for s, module in modules.items():  # the plan's recomputation (runtime.recompute): the same numbers
-        mode = plan.virtual_workers[me.worker].stages[s].recompute
-        if mode != "none":
-            recompute_stage(module, mode)
+    for s, module in modules.items():  # selective recomputation (runtime.recompute); full: the executor's
+        if plan.virtual_workers[me.worker].stages[s].recompute == "selective":
+            recompute_stage(module, "selective")
     shard_rank(run, rank, device, modules)  # a tensor-parallel group's shards (runtime.tensor_parallel)
     by_layer = {stages_layers[s][0] + k: layer for s, mod in modules.items() for k, layer in enumerate(mod)}
     shapes = boundary_shapes(chain, plan.micro_batch_size)
@@ -187,8 +189,8 @@ class RankRun:
         self.ctx = ctx
         self.first = 0  # the first step run (after resuming)
         self.step_s: list[float] = []
-        self.averager: GradientAverager | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.averager: GradientAverager | ShardedStep | None = None
+        self.optimizer: torch.optim.Optimizer | ShardedStep | None = None
         self.figures: dict[str, Any] = {"replica": ctx.me.replica, "optimizer": "sgd", "precision": "fp32"}
 
     def train(self) -> PipelineExecutor:
@@ -213,10 +215,17 @@ class PipelineRun(RankRun):
         ctx, config = self.ctx, self.ctx.config
         params = [q for mod in ctx.modules.values() for q in mod.parameters()]
         recipe = training_recipe(ctx.run.plan, config.optimizer, config.precision)
-        optimizer = make_optimizer(params, recipe.optimizer, config.lr) if params else None
+        zero = ctx.run.plan.pricing.zero if ctx.run.plan.pricing is not None else 0
+        averager: GradientAverager | ShardedStep
+        optimizer: Any
+        if zero:  # ZeRO-1/2 (runtime.zero): the sync reduce-scatters, the step steps this rank's shards
+            averager = optimizer = ShardedStep(ctx.layout, ctx.rank, ctx.by_layer, zero, recipe.optimizer, config.lr)
+            self.figures["zero"] = zero
+        else:
+            averager = GradientAverager(ctx.layout, ctx.rank, ctx.by_layer)
+            optimizer = make_optimizer(params, recipe.optimizer, config.lr) if params else None
         self.optimizer = optimizer
         self.first = self._resume(optimizer)
-        averager = GradientAverager(ctx.layout, ctx.rank, ctx.by_layer)
         averager.delay = _link_delay(config, ctx.layout)
         self.averager = averager
         stages, loss_fn, stepper, input_shapes, slice_shapes = _with_precision(ctx, recipe, optimizer)
@@ -266,7 +275,7 @@ class PipelineRun(RankRun):
         dist.barrier()
         self.figures["wave_end_s"] = [t - t0 for t in executor.step_ends]
 
-    def _resume(self, optimizer: torch.optim.Optimizer | None) -> int:
+    def _resume(self, optimizer: Any) -> int:
         """The step this run starts at, agreed by every rank (rank 0's last complete checkpoint
         with ``resume``, checked before any process started), with this rank's layers and
         optimizer state loaded from it by name, whatever plan wrote it (its generator state too
@@ -285,7 +294,7 @@ class PipelineRun(RankRun):
             log.info("rank %d resumes from step %d", ctx.rank, first)
         return first
 
-    def _steps(self, executor: PipelineExecutor, averager: GradientAverager, actions: list[Action],
+    def _steps(self, executor: PipelineExecutor, averager: GradientAverager | ShardedStep, actions: list[Action],
                optimizer: torch.optim.Optimizer | None,
                versions: list[dict[int, dict[str, torch.Tensor]]] | None) -> list[float]:
         """The step loop: every step timed between two barriers, its weights recorded when asked,
@@ -310,6 +319,8 @@ class PipelineRun(RankRun):
             _synchronize(ctx.device)
             dist.barrier()
             self.step_s.append(time.perf_counter() - t0)
+            if executor.meter is not None:  # the activations are measured in the run's first step
+                executor.meter.enabled = False
             end_s.append(time.time() - run_start)
             if versions is not None:
                 versions.append({s: {n: q.detach().clone() for n, q in mod.named_parameters()}
@@ -522,15 +533,17 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
                    os.path.join(config.state_dir, f"rank{ctx.rank}.pt"))
     # CUDA: the most memory the caching allocator handed out over the run (tensors alive at
     # once: weights, gradients, optimizer state, activations in flight, buffers); the CUDA
-    # context and the allocator's cached-but-free blocks are not in it. CPU: no peak is measured;
+    # context and the allocator's cached-but-free blocks are not in it. Any device:
     # model_state_bytes is the bytes of the stages' parameters, their gradients and the optimizer
-    # state after the run (runtime.recipe.model_state_bytes; activations not counted).
+    # state after the run (runtime.recipe.model_state_bytes), activation_peak_bytes the most
+    # activations held at once in the run's first step (every step under 2bw and wsp; runtime.memory).
     peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else None
     state = model_state_bytes(ctx.modules.values(), runner.optimizer)
     stages_layers = ctx.layout.stage_layers[me.worker]
     return {"rank": ctx.rank, "device": me.device, "gpu": me.gpu, "tp_rank": me.tp_rank, "tp_size": me.tp_size,
             "worker": me.worker, "pipe_rank": me.pipe_rank,
             "peak_memory_bytes": peak, "model_state_bytes": state, "stages": list(me.stages),
+            "activation_peak_bytes": executor.meter.peak_bytes if executor.meter is not None else None,
             "layers": [list(stages_layers[s]) for s in me.stages],
             "step_s": runner.step_s, "losses": executor.losses if me.tp_rank == 0 else [],  # (one per group)
             "threads": torch.get_num_threads(),
@@ -605,7 +618,11 @@ def _fault(rank: int, step: int, attempt: int) -> None:
 
 
 def _emulate(executor: PipelineExecutor, ctx: RankContext) -> None:
-    """Hook the emulation's stretch of this rank's stages into its executor (``emulate``)."""
+    """Set the executor's full recomputation (the plan's stages of mode ``full``), its activation
+    meter (:mod:`runtime.memory`) and, under ``emulate``, the emulation's stretch of its stages."""
+    stages = ctx.run.plan.virtual_workers[ctx.me.worker].stages
+    executor.recompute_full = {s for s in ctx.me.stages if stages[s].recompute == "full"}
+    executor.meter = ActivationMeter()
     emulation = ctx.config.emulation
     if emulation is None:
         return

@@ -234,7 +234,7 @@ class ScaledStep:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def model_state_bytes(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None) -> float:
+def model_state_bytes(modules: Iterable[nn.Module], optimizer: Any) -> float:
     """Bytes of a rank's model state as it stands: its parameters, their gradients (counted at
     the parameters' size whether or not they are held now: they are between a backward and the
     step) and the optimizer's state tensors; of a tensor-parallel shard (a DTensor) what this rank

@@ -1,25 +1,23 @@
-"""The memory levers of a plan at run time: a stage's activation recomputation
-(``Stage.recompute``) with ``torch.utils.checkpoint``, and ZeRO-1 (``CostOptions.zero``) with
-``torch.distributed.optim.ZeroRedundancyOptimizer``. Both leave the numbers as they are: the
-recomputed forward runs the same operations on the same inputs, and the sharded optimizer steps
-each parameter once, on one rank, and broadcasts it.
+"""Selective recomputation at run time: a stage's attention cores recomputed in its backward.
 
-* ``full``: the stage's forward keeps only its input; its backward runs the forward again
-  (:func:`recompute_stage` replaces the module's ``forward`` on the instance, so its parameters and
-  state-dict names do not change).
-* ``selective``: the attention core of each transformer block of the stage (a module with a
-  ``recompute_core`` attribute, :class:`partitioner.models` blocks) is recomputed; a stage without
-  one runs as it is.
+``selective`` (``Stage.recompute``): the attention core of each transformer block of the stage (a
+module with a ``recompute_core`` attribute, :class:`partitioner.models` blocks) runs under
+``torch.utils.checkpoint``, keeping its inputs ``q, k, v`` and recomputing the scores, mask and
+soft-max in the backward; a stage without one runs as it is. The numbers do not change: the
+recomputed core runs the same operations on the same inputs.
 
-``runtime.rank.rank_context`` sets every stage to its plan's mode (schedules gpipe, 1f1b,
-interleaved and bfs, stages of one GPU: ``partitioner.placement.supports`` refuses the rest in one
-line); ZeRO is not run yet (refused the same way).
+``full`` is run by the executors themselves (:mod:`runtime.executor`: the forward under
+``no_grad``, recomputed with its graph at the start of the backward, or of ``I``, under the
+forward's random-number state), so that a split backward's ``I`` owns the recomputation and 2bw's
+and wsp's stashed weights are the ones recomputed with; :func:`recompute_stage` also wraps a whole
+module's forward in ``torch.utils.checkpoint`` for ``full``, for a module used outside the
+executors. ``runtime.rank.rank_context`` sets the selective stages.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +26,7 @@ from torch import nn
 from partitioner.errors import FormatError
 from partitioner.pricing import RECOMPUTE_MODES
 
-__all__ = ["recompute_stage", "zero_optimizer"]
+__all__ = ["recompute_stage"]
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any) -> Any:
@@ -50,14 +48,3 @@ def recompute_stage(stage: nn.Module, mode: str) -> nn.Module:
             if hasattr(module, "recompute_core"):
                 setattr(module, "recompute_core", True)  # noqa: B010 - any module with the switch
     return stage
-
-
-def zero_optimizer(params: Iterable[torch.nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
-                   process_group: Any = None, **defaults: Any) -> torch.optim.Optimizer:
-    """ZeRO-1: ``optimizer_class`` over ``params`` with its state sharded over ``process_group``
-    (the ranks holding the same parameters: torch's ``ZeroRedundancyOptimizer``). Gradients must be
-    averaged over the group first, as for the plain optimizer."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer(list(params), optimizer_class=optimizer_class, process_group=process_group,
-                                   **defaults)

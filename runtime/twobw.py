@@ -27,11 +27,11 @@ use at a time, plus the newest. At the end every outstanding version is made and
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.func import functional_call
 
 from .executor import StashingExecutor
 from .layout import Layout
@@ -79,7 +79,12 @@ class TwoBwExecutor(StashingExecutor):
         v = max(j // self.m - 1, 0)
         weights = self.version(v)[s]
         self._used[key] = v
-        self._keep_output(key, functional_call(self.stages[s], weights, (self._input(j, s),)))
+        self._stashed_forward(j, s, weights)
+
+    def _weights(self) -> Iterator[torch.Tensor]:
+        for version in self.versions.values():
+            for ws in version.values():
+                yield from ws.values()
 
     def _stashed(self, key: tuple[int, int], s: int) -> dict[str, torch.Tensor]:
         """The weights micro-batch ``key``'s forward on stage ``s`` used (no longer kept here)."""

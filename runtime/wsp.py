@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.func import functional_call
 
 from partitioner.schedule import Action, F
 
@@ -97,11 +96,13 @@ class WspExecutor(StashingExecutor):
     # -- compute with stashed weights ------------------------------------------------------
 
     def _forward(self, j: int, s: int) -> None:
-        key = (j, s)
-        x = self._input(j, s)
-        used = self.leaves[s]
-        self._used[key] = used
-        self._keep_output(key, functional_call(self.stages[s], used, (x,)))
+        used = dict(self.leaves[s])  # the tensors of now: an update replaces the entries of leaves[s]
+        self._used[(j, s)] = used
+        self._stashed_forward(j, s, used)
+
+    def _weights(self) -> Iterator[torch.Tensor]:
+        for ws in (*self.leaves.values(), *self._used.values()):
+            yield from ws.values()
 
     def _stashed(self, key: tuple[int, int], s: int) -> dict[str, torch.Tensor]:
         """The weights micro-batch ``key``'s forward on stage ``s`` used (no longer kept here)."""

@@ -1,10 +1,7 @@
-"""The memory levers at run time (runtime/recompute.py): recomputation and ZeRO-1 leave the
-numbers exactly as they are, and recomputation keeps fewer tensors for backward."""
+"""The memory levers at run time (runtime/recompute.py): recomputation leaves the numbers exactly
+as they are and keeps fewer tensors for backward (ZeRO: tests/test_runtime_zero.py)."""
 
 from __future__ import annotations
-
-import os
-import tempfile
 
 import pytest
 
@@ -14,7 +11,7 @@ from partitioner.errors import FormatError  # noqa: E402
 from partitioner.placement import supports  # noqa: E402
 from partitioner.plan import Plan, Stage, VirtualWorker  # noqa: E402
 from partitioner.pricing import CostOptions  # noqa: E402
-from runtime.recompute import recompute_stage, zero_optimizer  # noqa: E402
+from runtime.recompute import recompute_stage  # noqa: E402
 from runtime.stage import build_stage, zoo_chain  # noqa: E402
 
 
@@ -49,51 +46,16 @@ def test_recomputation_changes_no_number_and_keeps_fewer_tensors() -> None:
         recompute_stage(torch.nn.Linear(2, 2), "half")
 
 
-def _zero_worker(rank: int, path: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
-    results = []
-    for sharded in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-        opt = (zero_optimizer(model.parameters(), torch.optim.Adam, lr=0.01) if sharded
-               else torch.optim.Adam(model.parameters(), lr=0.01))
-        gen = torch.Generator().manual_seed(100 + rank)
-        for _ in range(4):
-            opt.zero_grad()
-            loss = model(torch.randn(5, 8, generator=gen)).pow(2).mean()
-            loss.backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= 2
-            opt.step()
-        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    torch.save(results, f"{out}.{rank}")
-    dist.destroy_process_group()
-
-
-def test_zero1_steps_to_the_same_weights_as_the_plain_optimizer() -> None:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "w")
-        mp.spawn(_zero_worker, args=(os.path.join(tmp, "store"), out), nprocs=2, join=True)
-        plain, sharded = torch.load(f"{out}.0")
-        other = torch.load(f"{out}.1")
-    assert torch.equal(plain, sharded)
-    assert torch.equal(sharded, other[1])
-
-
 def test_the_runtime_says_which_levers_it_does_not_run_yet() -> None:
     stages = (Stage((0, 2), "n0:0", recompute="full"), Stage((2, 4), "n0:1"))
     plan = Plan("m", (VirtualWorker(stages),), "1f1b", 1, 4)
-    assert supports(plan, "runtime") is None  # recomputation runs under 1f1b on single GPUs
+    assert supports(plan, "runtime") is None  # recomputation runs under 1f1b
     grouped = Plan("m", (VirtualWorker((Stage((0, 2), "n0:0-1", recompute="full"), Stage((2, 4), "n0:2"))),),
                    "1f1b", 1, 4)
-    assert "recomputes (full)" in (supports(grouped, "runtime") or "")
-    zero = Plan("m", (VirtualWorker((Stage((0, 4), "n0:0"),)),), "1f1b", 1, 4, pricing=CostOptions(zero=1))
-    assert "zero = 1" in (supports(zero, "runtime") or "")
+    assert supports(grouped, "runtime") is None  # and on a tensor-parallel group
+    zero = Plan("m", (VirtualWorker((Stage((0, 4), "n0:0", recompute="full"),)),), "wsp", 1, 4,
+                pricing=CostOptions(zero=1))
+    assert "zero = 1 with schedule 'wsp'" in (supports(zero, "runtime") or "")
     assert supports(plan, "simulator") is None
 
 
@@ -130,5 +92,5 @@ def test_a_plan_that_recomputes_trains_what_a_plain_plan_trains(tmp_path) -> Non
     loss, got = weights(plan(("full", "selective")), "recomputed")
     assert loss == plain_loss and set(got) == set(plain)
     assert all(torch.equal(got[k], plain[k]) for k in plain)
-    assert supports(plan(("full", "none"), "zb-h1"), "runtime") is not None
-    assert supports(dataclasses.replace(plan(("full", "none")), schedule="2bw"), "runtime") is not None
+    assert supports(plan(("full", "none"), "zb-h1"), "runtime") is None
+    assert supports(dataclasses.replace(plan(("full", "none")), schedule="2bw"), "runtime") is None

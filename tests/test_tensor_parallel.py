@@ -410,7 +410,8 @@ def test_a_tensor_parallel_plan_trains_with_the_memory_it_was_priced_at(tmp_path
     rows = json.loads(metrics.read_text())["memory"]["ranks"]
     assert len(rows) == 4 and all(r["device"].count("-") == 1 for r in rows)
     for r in rows:
-        assert r["measured_bytes"] == pytest.approx(r["predicted_bytes"], rel=1e-6)
+        assert r["model_state_bytes"] == pytest.approx(r["predicted_model_state_bytes"], rel=1e-6)
+        assert r["measured_bytes"] > r["model_state_bytes"]
 
 
 def test_a_degree_or_size_key_of_thousands_of_digits_is_one_line_not_a_crash(tmp_path: Path) -> None:
