@@ -33,8 +33,8 @@ model) is a bound of 0: no plan with ``K`` workers exists.
 
 With ``K`` fixed (not ``every_k``) three more terms hold:
 
-* *pace*: a device computes each of its layers ``m`` times, so ``T >= m l`` with ``l`` the
-  largest layer's least time on any kind;
+* *pace* (no replication): a device computes each of its layers ``m`` times, so ``T >= m l``
+  with ``l`` the largest layer's least time on any kind;
 * *all-reduce between nodes*: where ``K`` exceeds the devices of any node, a layer's ``K``
   holders span two nodes or more, so a ring has a hop between nodes and the hierarchical
   algorithm an inter-node phase of at least the whole message: at least ``bytes / R`` with
@@ -116,9 +116,9 @@ def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int
         hold[:, j] = step * stepped + (per_byte_s * grads if allreduce else 0.0)
         mem[:, j] = m_j
     floor_s, fill = 0.0, math.inf
-    if not every_k:
+    if not every_k and not replication:  # a replica runs a share of its worker's micro-batches
         floor_s = m * float(comp.min(axis=1).max())
-        if schedule.name in FILL_SCHEDULES and not replication:
+        if schedule.name in FILL_SCHEDULES:
             fill = k * fill_capacity(m, len(devices) / k, least_backward_share(cost, kinds))
     return _solve(comp, hold, mem, count, cap, k, m, cost.profile.micro_batch_size, floor_s, fill)
 
