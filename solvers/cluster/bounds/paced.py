@@ -230,13 +230,14 @@ def _most_workers(inp: PacedInputs, m: int, fill: bool, edges: np.ndarray, itera
 def paced_bound(cost: CostModel, devices: Sequence[Device], schedule: Schedule, *,
                 virtual_workers: int | None = None, replication: bool = False, rel_tol: float = 2e-2) -> float:
     """An upper bound on the samples/s of any plan over ``devices`` (the module docstring): ``inf``
-    where it does not apply (replicated stages, interleaved chunks) or the LP solver gives no
-    answer; 0 where no worker fits."""
+    where it does not apply (replicated stages, interleaved chunks), where it adds nothing (every
+    device holds a stage of the whole model) or the LP solver gives no answer; 0 where no worker
+    fits."""
     if replication or schedule.spec.multi_chunk or not devices:
         return math.inf
     inp = paced_inputs(cost, devices, schedule)
-    if any(t <= 0 for t in inp.whole_s):
-        return math.inf
+    if any(t <= 0 for t in inp.whole_s) or min(inp.share_cap) >= 1.0:
+        return math.inf  # where every device holds the model, memory caps no share: the fleet bound's fill is stronger
     m, b = schedule.micro_batches, cost.profile.micro_batch_size
     fill = schedule.name in FILL_SCHEDULES
     edges = _grid(inp)
