@@ -634,7 +634,8 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     predicted = price_plan(cost, plan, objective)
     bound = fleet_bound(cost, devs, schedule, replication=replication,
                         virtual_workers=k)
-    upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s, _layer_bound(cost, devs, schedule, k))
+    upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s, _layer_bound(cost, devs, schedule, k, replication),
+                _paced_bound(cost, devs, schedule, k, replication))
     with_sync = found.details.get("sync_bound", {})
     if with_sync.get("complete"):  # the bound with the all-reduce in it (solvers.cluster.bounds.sync)
         upper = min(upper, with_sync["samples_per_s"])
@@ -670,13 +671,21 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     return replace(result, plan=plan)
 
 
-def _layer_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None) -> float:
+def _layer_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None, replication: bool) -> float:
     """:func:`solvers.cluster.bounds.layers.layer_bound` at ``k`` workers; with ``k`` free, at one
     worker, which bounds every K alike (``K`` workers hold ``K`` copies and run ``K m`` micro-batches:
     their busy time is at least ``K`` times one worker's, all-reduces and memory aside)."""
     from solvers.cluster.bounds.layers import layer_bound
 
-    return layer_bound(cost, devs, 1 if k is None else k, schedule)
+    return layer_bound(cost, devs, 1 if k is None else k, schedule, every_k=k is None, replication=replication)
+
+
+def _paced_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None, replication: bool) -> float:
+    """:func:`solvers.cluster.bounds.paced.paced_bound` (memory caps each stage's share) at ``k``
+    workers, or over every K."""
+    from solvers.cluster.bounds.paced import paced_bound
+
+    return paced_bound(cost, devs, schedule, virtual_workers=k, replication=replication)
 
 
 def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: str, micro_batches: int) -> float:

@@ -245,10 +245,10 @@ def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Sequen
                 options: CostOptions | None, schedule: str, deadline: float, rel_tol: float, costs: _Costs
                 ) -> tuple[float, SolveResult, Candidate] | None:
     """The best uniform plan (:func:`_quick`) of the candidates, in bound order, until ``deadline``
-    or until no candidate left can beat it."""
+    (past it, until a first plan is found: milliseconds each) or until no candidate left can beat it."""
     best: tuple[float, SolveResult, Candidate] | None = None
     for cand in cands:
-        if time.perf_counter() > deadline or (best is not None and best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
+        if best is not None and (time.perf_counter() > deadline or best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
             break
         quick = _quick(profiles[cand.micro_batch_size], cluster, cand, options, schedule, costs)
         if quick is not None and (best is None or quick[0] > best[0]):
