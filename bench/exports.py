@@ -13,8 +13,9 @@ sources), the plan's optimizer as priced (Adam, lr 0.001), on gloo ranks of this
 * DeepSpeed: the exported config of the PP 2 x DP 2 fp16 plan read by DeepSpeed's own config class
   (``DeepSpeedConfig``, with the plan's data-parallel degree) where ``deepspeed`` imports with
   ``--deepspeed-python`` (default: this Python); its training is not run here (below, what was).
-* Megatron-LM: the export of the same fp16 plan checked by Megatron-Core's own code and its
-  GPTModel built on gloo ranks (``tools/megatron_check.py --build``) where ``megatron.core`` imports
+* Megatron-LM: the exports of the same fp16 plan and of the TP 2 x PP 2 plan in fp16 (with
+  ``--tensor-model-parallel-size 2``) checked by Megatron-Core's own code and its GPTModel built on
+  gloo ranks (``tools/megatron_check.py --build``) where ``megatron.core`` imports
   with ``--megatron-python``.
 
 Prints the tables and one line per framework; writes nothing.
@@ -194,8 +195,12 @@ def main() -> int:
         export_plan(plans()["TP 2 x PP 2, fp32"], "deepspeed")
     except ExportError as err:
         print(f"DeepSpeed, TP 2 x PP 2: the export is refused: {err}")
-    for line in megatron_check(args.megatron_python, fp16):
-        print(line)
+    tp_fp16 = Plan(MODEL, plans()["TP 2 x PP 2, fp32"].virtual_workers, micro_batch_size=2, micro_batches=4,
+                   pricing=CostOptions(precision="fp16"))
+    for what, plan in (("PP 2 x DP 2, fp16", fp16), ("TP 2 x PP 2, fp16", tp_fp16)):
+        print(f"{what}: " + " ".join(export_plan(plan, "megatron")["layout_args"]))
+        for line in megatron_check(args.megatron_python, plan):
+            print(line)
     return 0
 
 
