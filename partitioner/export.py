@@ -30,6 +30,17 @@ rate, ZeRO stage 0; in DeepSpeed's config and Megatron-LM's arguments too) and a
 torchrun line with ``--node-rank``; DeepSpeed's hostfile), so that the plan's stage -> GPU mapping
 holds (:mod:`partitioner.launch`; :func:`check_export_launch` checks a hostfile or rank order).
 
+Tensor parallelism (a plan device ``NODE:FIRST-LAST``, a group of ``t`` GPUs): every rank of an
+export is one GPU (``ranks[r]['gpu']``; ``device`` the plan's group), the launch order puts each on
+its GPU. torch-pipelining numbers a group's GPUs as ``t`` consecutive ranks (the project runtime's
+order), lists each device's group (``tp_groups``: a ``DeviceMesh`` sub-mesh that
+``runtime.torch_pipelining`` shards the stage's blocks over with the runtime's own plans) and one
+pipeline group per tensor-parallel index (``pipe_groups``); Megatron-LM gets
+``--tensor-model-parallel-size t`` and its rank order with the index fastest. One degree per
+plan: torch's ``PipelineStage`` sends to one rank of one group, and Megatron-LM has one size per
+job, so mixed degrees are refused; DeepSpeed's pipeline engine has no tensor parallelism of its
+own and refuses any group.
+
 A plan a target cannot run raises :class:`ExportError`, one line naming what the target lacks.
 """
 

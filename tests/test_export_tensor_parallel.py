@@ -6,6 +6,7 @@ degrees are refused in one line; a launch order that moves a group's rank is ref
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,26 @@ def test_a_launch_order_that_moves_a_groups_rank_is_refused() -> None:
         with pytest.raises(PartitionerError, match="launch order starts a0 as node 0, where the plan runs rank 0 on "
                                                    "t0:2; start the nodes in the order t0, a0"):
             check_export_launch(e, "a0,t0")
+
+
+def test_the_cli_exports_a_tensor_parallel_plan_and_checks_its_launch_order(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from partitioner_cli import main as cli
+
+    path, out = tmp_path / "plan.json", tmp_path / "torch.json"
+    TP2_PP2.save(path)
+    assert cli.main(["export", str(path), "--to", "torch-pipelining", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "4 ranks, Schedule1F1B, n_microbatches 3, 1 stage(s) per rank, tensor parallel 2" in text
+    assert "stage 0 layers [0, 2) on ranks 0-1 (n0:0-1), stage 1 layers [2, 4) on ranks 2-3 (n0:2-3)" in text
+    assert json.loads(out.read_text())["pipelines"][0]["pipe_groups"] == [[0, 2], [1, 3]]
+    assert cli.main(["export", str(path), "--to", "megatron", "--check", "n0:1,n0:0,n0:2,n0:3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith(
+        "launch order puts rank 0 (tensor-parallel index 0 of n0:0-1) on n0:1; the plan runs it on n0:0")
+    assert cli.main(["export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "ds.json")]) == 2
+    assert "deepspeed cannot run this plan: its stages run on tensor-parallel groups" in capsys.readouterr().err
+    assert not (tmp_path / "ds.json").exists()
 
 
 # -- refused, in one line -------------------------------------------------------------------------
