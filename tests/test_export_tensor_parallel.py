@@ -190,7 +190,14 @@ def _tp_rank(rank: int, world: int, export: dict[str, Any], steps: int, lr: floa
     dist.barrier()
 
 
-@pytest.mark.parametrize("plan", [TP2_PP2, TP2_PP2_DP2], ids=["tp2-pp2", "tp2-pp2-dp2"])
+@pytest.mark.parametrize("plan", [
+    TP2_PP2, TP2_PP2_DP2,
+    # two stages per group (torch's ScheduleInterleaved1F1B over each index's pipeline group)
+    Plan("gpt2-tiny", (pipeline((0, 1, "n0:0-1"), (1, 2, "n0:2-3"), (2, 3, "n0:0-1"), (3, 4, "n0:2-3")),),
+         "interleaved", 2, 2, chunks=2),
+    # the backward split into input and weight gradients (torch's ZB1P) through the shards
+    Plan("gpt2-tiny", (pipeline((0, 2, "n0:0-1"), (2, 4, "n0:2-3")),), "zb-h1", 2, 3),
+], ids=["tp2-pp2", "tp2-pp2-dp2", "interleaved", "zb-h1"])
 def test_the_tensor_parallel_torch_export_trains_like_one_process(plan: Plan, tmp_path: Path) -> None:
     from runtime.launch import spawn_local
 
