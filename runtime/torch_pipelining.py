@@ -166,6 +166,8 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
     scaler = LossScaler() if precision == "fp16" else None
     if scaler is not None:
         loss_fn = scaler.wrap_loss(loss_fn)
+    m = export["n_microbatches"]
+    loss_fn = _gradient_over(loss_fn, m)  # (torch's own division of the gradients off: scale_grads=False)
     modules: dict[int, nn.Sequential] = {}
     stages = []
     for s in me["stages"]:
@@ -178,11 +180,10 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
         run: nn.Module = modules[s] if half is None else AutocastStage(modules[s], device.type, half, s != n_stages - 1)
         stages.append(pipelining.PipelineStage(run, s, n_stages, device, group=group))
     cls = getattr(pipelining, export["schedule_class"])
-    m = export["n_microbatches"]
     if export["schedule_class"] in MULTI_STAGE_CLASSES:
-        schedule = cls(stages, m, loss_fn=loss_fn)
+        schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
     else:
-        schedule = cls(stages[0], m, loss_fn=loss_fn)
+        schedule = cls(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     # gradient averaging between virtual workers: the layers this rank holds, per rank set
     by_layer: dict[int, nn.Module] = {pipe["stages"][s]["layers"][0] + k: layer for s, mod in modules.items()
                 for k, layer in enumerate(mod)}
@@ -199,6 +200,32 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
                              is_first=0 in me["stages"], is_last=n_stages - 1 in me["stages"],
                              grad_groups=grad_groups, group_sizes=sizes, precision=precision, scaler=scaler,
                              device=device, tp_rank=me.get("tp_rank", 0), tp_mesh=mesh)
+
+
+class _DivideGradient(torch.autograd.Function):
+    """Identity forward; the backward divides the gradient by ``m``, as ``loss / m`` does."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, m: int) -> torch.Tensor:
+        ctx.m = m
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.m, None
+
+
+def _gradient_over(loss_fn: Callable[..., torch.Tensor], m: int) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` whose value is unchanged (the reported loss) and whose gradient is divided by the
+    ``m`` micro-batches before the backward, as the project's runtime divides each micro-batch's
+    loss: the gradients that cross the pipeline are those of the mean, not ``m`` times larger (torch's
+    ``scale_grads`` divides only the accumulated weight gradients, at the end), so that in fp16 they
+    overflow, and the loss scale backs off, on the same steps as in the runtime."""
+
+    def divided(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return _DivideGradient.apply(loss_fn(*args, **kwargs), m)
+
+    return divided
 
 
 def _process_groups(export: Mapping[str, Any], rank: int, device: torch.device) -> tuple[Any, Any]:

@@ -227,3 +227,44 @@ def test_the_tensor_parallel_torch_export_trains_like_one_process(plan: Plan, tm
             torch.testing.assert_close(w[k], v, rtol=1e-4, atol=1e-6, msg=k)
     # the last stage's group: both ranks report the loss of every step, the same values
     assert len(last_losses) == 2 * len(plan.virtual_workers) and all(len(x) == steps for x in last_losses)
+
+
+def _fp16_rank(rank: int, world: int, export: dict[str, Any], steps: int, out: str) -> None:
+    from runtime.data import make_data
+    from runtime.recipe import make_optimizer
+    from runtime.stage import zoo_chain
+    from runtime.torch_pipelining import build_rank
+
+    chain = zoo_chain(export["model"], export["micro_batch_size"])
+    data = make_data(chain, "auto", export["micro_batch_size"], export["n_microbatches"], 1, 0)
+    me = build_rank(export, rank, seed=0, loss_fn=data.loss)
+    opt = me.wrap_optimizer(make_optimizer(me.parameters(), "adam", 0.001))
+    losses = []
+    for step in range(steps):
+        x, y = data.global_batch(step)
+        got = me.step(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if got is not None:
+            losses.append(sum(got) / len(got))
+    assert me.scaler is not None
+    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump({"losses": losses, "scale": me.scaler.scale, "skipped": me.scaler.skipped}, f)
+
+
+def test_an_fp16_tensor_parallel_plan_trains_like_the_runtime(tmp_path: Path) -> None:
+    # fp16 with loss scaling through DTensor shards (each rank unscales its own part); the gradients
+    # that cross the pipeline are the mean's, as in the runtime, so both take the same steps
+    from runtime.launch import TrainConfig, spawn_local, train_local
+
+    plan = Plan("gpt2-tiny", TP2_PP2.virtual_workers, "1f1b", 2, 4, pricing=CostOptions(precision="fp16"))
+    steps = 5
+    export = export_plan(plan, "torch-pipelining")
+    spawn_local(_fp16_rank, 4, (export, steps, str(tmp_path)), threads=1, timeout_s=120, start_method="fork")
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    ours = train_local(plan, TrainConfig("gpt2-tiny", steps=steps, warmup=0, lr=0.001, seed=0, threads=1,
+                                         timeout_s=120, data="text", progress=False), start_method="fork")
+    assert ours["precision"] == "fp16" and ours["optimizer"] == "adam"
+    assert got[2]["losses"] == got[3]["losses"] == pytest.approx(ours["loss"], rel=1e-5)
+    assert {(g["scale"], g["skipped"]) for g in got} == {(r["loss_scale"]["final"], r["loss_scale"]["skipped_steps"])
+                                                         for r in ours["ranks"]}
