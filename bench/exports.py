@@ -8,7 +8,7 @@ sources), the plan's optimizer as priced (Adam, lr 0.001), on gloo ranks of this
 * torch.distributed.pipelining: the export (`runtime.torch_pipelining.build_rank`, torch's own
   schedule) and `partitioner train`'s runtime train the same plan, seeds and batches for ``--steps``
   steps; their losses side by side. PP 2 x DP 2 and TP 2 x PP 2 (two tensor-parallel groups of two
-  ranks: DTensor shards on gloo) in fp32 (the same arithmetic: equal to rtol 1e-4) and PP 2 in bf16 (both under autocast with the same casts at the same cuts; the gradients are summed
+  ranks: DTensor shards on gloo) in fp32 and in fp16 (the same arithmetic: equal to rtol 1e-4) and PP 2 in bf16 (both under autocast with the same casts at the same cuts; the gradients are summed
   in each schedule's own order, so a bf16 rounding may go the other way: the difference is printed).
 * DeepSpeed: the exported config of the PP 2 x DP 2 fp16 plan read by DeepSpeed's own config class
   (``DeepSpeedConfig``, with the plan's data-parallel degree) where ``deepspeed`` imports with
@@ -57,6 +57,9 @@ def plans() -> dict[str, Plan]:
         # two tensor-parallel groups of two: the torch export's DTensor sub-meshes, one pipeline per index
         "TP 2 x PP 2, fp32": Plan(MODEL, (_worker([0, 2, 4], ["n0:0-1", "n0:2-3"]),), micro_batch_size=2,
                                   micro_batches=4, pricing=CostOptions()),
+        # the same in fp16: loss scaling through the shards (each rank unscales its part)
+        "TP 2 x PP 2, fp16": Plan(MODEL, (_worker([0, 2, 4], ["n0:0-1", "n0:2-3"]),), micro_batch_size=2,
+                                  micro_batches=4, pricing=CostOptions(precision="fp16")),
     }
 
 
@@ -186,7 +189,7 @@ def main() -> int:
         same = max(rel) <= 1e-4
         print(f"max relative difference {max(rel):.1e} over {args.steps} steps: "
               + ("equal to rtol 1e-4" if same else "NOT equal to rtol 1e-4")
-              + ("" if "fp32" in name else " (bf16: the gradients are summed in each schedule's order)"))
+              + (" (bf16: the gradients are summed in each schedule's order)" if "bf16" in name else ""))
     fp16 = Plan(MODEL, plans()["PP 2 x DP 2, fp32"].virtual_workers, micro_batch_size=2, micro_batches=4,
                 pricing=CostOptions(precision="fp16"))
     print()
