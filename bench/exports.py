@@ -7,14 +7,15 @@ sources), the plan's optimizer as priced (Adam, lr 0.001), on gloo ranks of this
 
 * torch.distributed.pipelining: the export (`runtime.torch_pipelining.build_rank`, torch's own
   schedule) and `partitioner train`'s runtime train the same plan, seeds and batches for ``--steps``
-  steps; their losses side by side. PP 2 x DP 2 in fp32 (the same arithmetic: equal to rtol 1e-4)
-  and PP 2 in bf16 (both under autocast with the same casts at the same cuts; the gradients are summed
+  steps; their losses side by side. PP 2 x DP 2 and TP 2 x PP 2 (two tensor-parallel groups of two
+  ranks: DTensor shards on gloo) in fp32 and in fp16 (the same arithmetic: equal to rtol 1e-4) and PP 2 in bf16 (both under autocast with the same casts at the same cuts; the gradients are summed
   in each schedule's own order, so a bf16 rounding may go the other way: the difference is printed).
 * DeepSpeed: the exported config of the PP 2 x DP 2 fp16 plan read by DeepSpeed's own config class
   (``DeepSpeedConfig``, with the plan's data-parallel degree) where ``deepspeed`` imports with
   ``--deepspeed-python`` (default: this Python); its training is not run here (below, what was).
-* Megatron-LM: the export of the same fp16 plan checked by Megatron-Core's own code and its
-  GPTModel built on gloo ranks (``tools/megatron_check.py --build``) where ``megatron.core`` imports
+* Megatron-LM: the exports of the same fp16 plan and of the TP 2 x PP 2 plan in fp16 (with
+  ``--tensor-model-parallel-size 2``) checked by Megatron-Core's own code and its GPTModel built on
+  gloo ranks (``tools/megatron_check.py --build``) where ``megatron.core`` imports
   with ``--megatron-python``.
 
 Prints the tables and one line per framework; writes nothing.
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._machine import machine_line  # noqa: E402
-from partitioner.export import export_plan  # noqa: E402
+from partitioner.export import ExportError, export_plan  # noqa: E402
 from partitioner.plan import Plan, Stage, VirtualWorker  # noqa: E402
 from partitioner.pricing import CostOptions  # noqa: E402
 
@@ -53,6 +54,12 @@ def plans() -> dict[str, Plan]:
                                   micro_batch_size=2, micro_batches=4, pricing=CostOptions()),
         "PP 2, bf16": Plan(MODEL, (_worker([0, 2, 4], ["t0:0", "a0:0"]),), micro_batch_size=2, micro_batches=4,
                            pricing=CostOptions(precision="bf16")),
+        # two tensor-parallel groups of two: the torch export's DTensor sub-meshes, one pipeline per index
+        "TP 2 x PP 2, fp32": Plan(MODEL, (_worker([0, 2, 4], ["n0:0-1", "n0:2-3"]),), micro_batch_size=2,
+                                  micro_batches=4, pricing=CostOptions()),
+        # the same in fp16: loss scaling through the shards (each rank unscales its part)
+        "TP 2 x PP 2, fp16": Plan(MODEL, (_worker([0, 2, 4], ["n0:0-1", "n0:2-3"]),), micro_batch_size=2,
+                                  micro_batches=4, pricing=CostOptions(precision="fp16")),
     }
 
 
@@ -79,7 +86,7 @@ def _torch_rank(rank: int, world: int, export: dict[str, Any], steps: int, out: 
         if got is not None:
             losses.append(sum(got) / len(got))
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-        json.dump({"worker": me.worker, "losses": losses}, f)
+        json.dump({"worker": me.worker, "tp_rank": me.tp_rank, "losses": losses}, f)
     del torch
 
 
@@ -90,7 +97,7 @@ def torch_losses(plan: Plan, steps: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         spawn_local(_torch_rank, export["world_size"], (export, steps, tmp), threads=1, timeout_s=600)
         per = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(export["world_size"])]
-    runs = [p["losses"] for p in per if p["losses"]]
+    runs = [p["losses"] for p in per if p["losses"] and p["tp_rank"] == 0]  # (a group's ranks: the same losses)
     return [sum(r[k] for r in runs) / len(runs) for k in range(steps)]
 
 
@@ -182,13 +189,21 @@ def main() -> int:
         same = max(rel) <= 1e-4
         print(f"max relative difference {max(rel):.1e} over {args.steps} steps: "
               + ("equal to rtol 1e-4" if same else "NOT equal to rtol 1e-4")
-              + ("" if "fp32" in name else " (bf16: the gradients are summed in each schedule's order)"))
+              + (" (bf16: the gradients are summed in each schedule's order)" if "bf16" in name else ""))
     fp16 = Plan(MODEL, plans()["PP 2 x DP 2, fp32"].virtual_workers, micro_batch_size=2, micro_batches=4,
                 pricing=CostOptions(precision="fp16"))
     print()
     print(deepspeed_check(args.deepspeed_python, fp16))
-    for line in megatron_check(args.megatron_python, fp16):
-        print(line)
+    try:
+        export_plan(plans()["TP 2 x PP 2, fp32"], "deepspeed")
+    except ExportError as err:
+        print(f"DeepSpeed, TP 2 x PP 2: the export is refused: {err}")
+    tp_fp16 = Plan(MODEL, plans()["TP 2 x PP 2, fp32"].virtual_workers, micro_batch_size=2, micro_batches=4,
+                   pricing=CostOptions(precision="fp16"))
+    for what, plan in (("PP 2 x DP 2, fp16", fp16), ("TP 2 x PP 2, fp16", tp_fp16)):
+        print(f"{what}: " + " ".join(export_plan(plan, "megatron")["layout_args"]))
+        for line in megatron_check(args.megatron_python, plan):
+            print(line)
     return 0
 
 

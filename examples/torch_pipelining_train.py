@@ -65,7 +65,7 @@ def main() -> None:
             me.sync_gradients()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if losses is not None:
+            if losses is not None and me.tp_rank == 0:  # (a tensor-parallel group: the same losses)
                 print(f"rank {rank} (pipeline {me.worker}) step {step}: loss {sum(losses) / len(losses):.6g}",
                       flush=True)
     finally:

@@ -30,6 +30,17 @@ rate, ZeRO stage 0; in DeepSpeed's config and Megatron-LM's arguments too) and a
 torchrun line with ``--node-rank``; DeepSpeed's hostfile), so that the plan's stage -> GPU mapping
 holds (:mod:`partitioner.launch`; :func:`check_export_launch` checks a hostfile or rank order).
 
+Tensor parallelism (a plan device ``NODE:FIRST-LAST``, a group of ``t`` GPUs): every rank of an
+export is one GPU (``ranks[r]['gpu']``; ``device`` the plan's group), the launch order puts each on
+its GPU. torch-pipelining numbers a group's GPUs as ``t`` consecutive ranks (the project runtime's
+order), lists each device's group (``tp_groups``: a ``DeviceMesh`` sub-mesh that
+``runtime.torch_pipelining`` shards the stage's blocks over with the runtime's own plans) and one
+pipeline group per tensor-parallel index (``pipe_groups``); Megatron-LM gets
+``--tensor-model-parallel-size t`` and its rank order with the index fastest. One degree per
+plan: torch's ``PipelineStage`` sends to one rank of one group, and Megatron-LM has one size per
+job, so mixed degrees are refused; DeepSpeed's pipeline engine has no tensor parallelism of its
+own and refuses any group.
+
 A plan a target cannot run raises :class:`ExportError`, one line naming what the target lacks.
 """
 
@@ -46,11 +57,12 @@ from .launch import (
     check_launch,
     contiguity_problem,
     deepspeed_launcher_problem,
+    group_gpus,
     hostfile,
     node_launches,
     torchrun_command,
 )
-from .plan import Plan, VirtualWorker
+from .plan import Plan, VirtualWorker, group_size
 from .pricing import DEFAULT_LR, priced_optimizer
 from .schedule import spec, stage_rank
 
@@ -169,6 +181,27 @@ def _one_stage_per_rank(plan: Plan, target: str, schedules: str) -> None:
                                   f"rank; {target} holds one stage per rank ({schedules}); re-plan with 1f1b or gpipe")
 
 
+def _tp_degree(plan: Plan, target: str, lacks: str) -> int:
+    """The plan's one tensor-parallel degree (a device ``NODE:FIRST-LAST`` is a group of that many
+    GPUs; 1 without groups); a plan whose stages have several is refused naming two of them."""
+    seen: dict[int, str] = {}
+    for w, vw in enumerate(plan.virtual_workers):
+        for k, st in enumerate(vw.stages):
+            seen.setdefault(group_size(st.device), f"virtual_workers[{w}].stages[{k}] on {st.device}")
+    if len(seen) > 1:
+        (a, where_a), (b, where_b) = list(seen.items())[:2]
+        raise ExportError(target, f"its stages have tensor-parallel degrees {a} ({where_a}) and {b} ({where_b}); "
+                                  f"{lacks}")
+    return next(iter(seen))
+
+
+def _rank_roles(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What each rank of an export is, for a refused launch order: its place in its device's
+    tensor-parallel group (empty at degree 1)."""
+    return [f"tensor-parallel index {r['tp_rank']} of {r['device']}" if r.get("tp_size", 1) > 1 else ""
+            for r in ranks]
+
+
 def training_of(plan: Plan, lr: float | None = None) -> dict[str, Any]:
     """How the plan was priced to train, as every export writes it: ``precision`` (``fp32``, or
     ``fp16`` / ``bf16`` mixed precision with fp32 master weights), ``optimizer`` (``adam`` for 2
@@ -219,25 +252,29 @@ def check_export_launch(exported: Mapping[str, Any], given: str) -> str:
     from .launch import read_launch_order
 
     launch = exported["launch"]
-    devices = [r["device"] for r in sorted(exported["ranks"], key=lambda r: r["rank"])]
+    ranks = sorted(exported["ranks"], key=lambda r: r["rank"])
+    devices = [r.get("gpu", r["device"]) for r in ranks]  # a tensor-parallel rank: its one GPU
     nodes = [NodeLaunch(n["node"], tuple(n["ranks"]), tuple(int(x) for x in n["cuda_visible_devices"].split(",")))
              for n in launch["nodes"]]
     own = dict(read_launch_order(launch["hostfile"])[1]) if launch.get("hostfile") else {}
-    return check_launch(nodes, devices, given, slots=own)
+    return check_launch(nodes, devices, given, slots=own, roles=_rank_roles(ranks))
 
 
 # -- torch.distributed.pipelining -----------------------------------------------------------
 
 
-def _holder_sets(plan: Plan, pipelines: Sequence[Sequence[int]], n_layers: int) -> list[dict[str, Any]]:
-    """Every distinct set of ranks holding the same layers (one rank per virtual worker)."""
+def _holder_sets(plan: Plan, pipelines: Sequence[Sequence[int]], n_layers: int, tp: int = 1) -> list[dict[str, Any]]:
+    """Every distinct set of ranks holding the same layers (one rank per virtual worker;
+    ``pipelines``: worker -> pipeline rank -> its group's first rank): at tensor-parallel degree
+    ``tp`` one set per index ``i``, the ranks holding shard ``i``."""
     holders: dict[tuple[int, ...], list[int]] = {}
     for layer in range(n_layers):
         key = []
         for w, vw in enumerate(plan.virtual_workers):
             s = next(k for k, st in enumerate(vw.stages) if st.start <= layer < st.stop)
             key.append(pipelines[w][stage_rank(s, len(pipelines[w]), spec(plan.schedule).placement)])
-        holders.setdefault(tuple(sorted(key)), []).append(layer)
+        for i in range(tp):
+            holders.setdefault(tuple(sorted(r + i for r in key)), []).append(layer)
     return [{"ranks": list(ranks), "layers": layers} for ranks, layers in holders.items()]
 
 
@@ -267,37 +304,58 @@ def _torch_pipelining(plan: Plan, layer_names: Sequence[str] | None, lr: float |
         if len(layer_names) != n_layers:
             raise PartitionerError(f"{len(layer_names)} layer names for a plan of {n_layers} layers")
         names = [str(n).replace(".", "_") for n in layer_names]
-    ranks: list[dict[str, Any]] = []
-    pipelines: list[dict[str, Any]] = []
-    rank_lists: list[list[int]] = []
+    t = _tp_degree(plan, target, "torch's PipelineStage sends a stage's output to one rank of its pipeline group (the "
+                                 "ranks of one tensor-parallel index), so an exported pipeline runs at one degree; "
+                                 "re-plan with one degree, or train with `partitioner train`, whose runtime sends "
+                                 "between groups of different degrees")
+    ranks, pipelines, firsts = _torch_ranks(plan, sizes, t)
     for w, (vw, p) in enumerate(zip(plan.virtual_workers, sizes)):
-        base = len(ranks)
-        n = len(vw.stages)
-        for d in range(p):
-            st = vw.stages[d]
-            ranks.append({"rank": base + d, "device": st.device, "gpu_type": st.gpu_type, "virtual_worker": w,
-                          "pipe_rank": d, "stages": [s for s in range(n) if stage_rank(s, p, rule) == d]})
-        rank_lists.append(list(range(base, base + p)))
-        stages = [{"stage": s, "layers": list(st.layers), "rank": base + stage_rank(s, p, rule), "device": st.device,
-                   "gpu_type": st.gpu_type} for s, st in enumerate(vw.stages)]
-        pipe: dict[str, Any] = {"virtual_worker": w, "ranks": rank_lists[-1],
-                                "batch_rows": [w * m * b, (w + 1) * m * b], "stages": stages}
+        pipe = pipelines[w]
+        pipe["batch_rows"] = [w * m * b, (w + 1) * m * b]
+        pipe["stages"] = [{"stage": s, "layers": list(st.layers), "rank": firsts[w][stage_rank(s, p, rule)],
+                           "ranks": [firsts[w][stage_rank(s, p, rule)] + i for i in range(t)], "device": st.device,
+                           "gpu_type": st.gpu_type} for s, st in enumerate(vw.stages)]
         pipe["split_spec"] = (None if names is None
                               else {names[st.start]: "BEGINNING" for st in vw.stages[1:]})
-        pipelines.append(pipe)
     out: dict[str, Any] = {
         "format": EXPORT_FORMAT, "target": target, "model": plan.model, "num_layers": n_layers,
         "schedule": plan.schedule, "schedule_class": cls, "n_microbatches": m, "micro_batch_size": b,
-        "stages_per_rank": plan.chunks, "world_size": len(ranks),
+        "stages_per_rank": plan.chunks, "tensor_parallel": t, "world_size": len(ranks),
         "ranks": ranks, "pipelines": pipelines,
-        "grad_sync": _holder_sets(plan, rank_lists, n_layers) if len(pipelines) > 1 else [],
+        "grad_sync": _holder_sets(plan, firsts, n_layers, t) if len(pipelines) > 1 else [],
         "training": training_of(plan, lr),
     }
     # the script seats itself from its node (GROUP_RANK = --node-rank) and LOCAL_RANK, so any rank
     # order launches; node k is the k-th in the order of the ranks
-    _, out["launch"] = _launch([r["device"] for r in ranks], ["examples/torch_pipelining_train.py", "EXPORT.json"])
+    _, out["launch"] = _launch([r["gpu"] for r in ranks], ["examples/torch_pipelining_train.py", "EXPORT.json"])
     out["snippet"] = _torch_snippet(out)
     return out
+
+
+def _torch_ranks(plan: Plan, sizes: Sequence[int], t: int
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[int]]]:
+    """The ranks of a torch export in the project runtime's order (:mod:`runtime.layout`): worker
+    0's devices in pipeline order, then worker 1's, a device of tensor-parallel degree ``t`` as
+    ``t`` consecutive ranks in GPU order; each pipeline's process groups (``pipe_groups[i]``: the
+    ranks of tensor-parallel index ``i``, one per stage, torch's pipeline group; ``tp_groups``: each
+    device's ranks, a ``DeviceMesh`` sub-mesh); worker -> pipeline rank -> its group's first rank."""
+    rule = spec(plan.schedule).placement
+    ranks: list[dict[str, Any]] = []
+    pipelines: list[dict[str, Any]] = []
+    firsts: list[list[int]] = []
+    for w, (vw, p) in enumerate(zip(plan.virtual_workers, sizes)):
+        base = len(ranks)
+        for d in range(p):
+            st = vw.stages[d]
+            held = [s for s in range(len(vw.stages)) if stage_rank(s, p, rule) == d]
+            for i, gpu in enumerate(group_gpus(st.device)):
+                ranks.append({"rank": len(ranks), "device": st.device, "gpu": gpu, "gpu_type": st.gpu_type,
+                              "virtual_worker": w, "pipe_rank": d, "tp_rank": i, "tp_size": t, "stages": held})
+        firsts.append([base + d * t for d in range(p)])
+        pipelines.append({"virtual_worker": w, "ranks": list(range(base, len(ranks))), "tensor_parallel": t,
+                          "pipe_groups": [[f + i for f in firsts[-1]] for i in range(t)],
+                          "tp_groups": [[f + i for i in range(t)] for f in firsts[-1]] if t > 1 else []})
+    return ranks, pipelines, firsts
 
 
 def _torch_snippet(e: Mapping[str, Any]) -> str:
@@ -325,6 +383,16 @@ def _torch_snippet(e: Mapping[str, Any]) -> str:
         "    me.sync_gradients()                     # average over virtual workers (grad_sync)",
         "    opt.step(); opt.zero_grad()",
     ]
+    tp = e.get("tensor_parallel", 1)
+    if tp > 1:
+        lines += ["", f"# tensor parallel {tp}: build_rank makes every device's group (pipelines[w]['tp_groups']) a "
+                      "DeviceMesh.from_group sub-mesh",
+                  "# and shards the stage's blocks over it as the project's runtime does (runtime.tensor_parallel):",
+                  "#   parallelize_module(block, mesh, {'attn.qkv': ColwiseParallel(), 'attn.proj': RowwiseParallel(),",
+                  "#                                    'fc1': ColwiseParallel(), 'fc2': RowwiseParallel()})",
+                  "# torch's PipelineStage of tensor-parallel index i runs over pipelines[w]['pipe_groups'][i]: each "
+                  "index pipelines its",
+                  "# own copy of the stage's replicated output"]
     spec = e["pipelines"][0]["split_spec"]
     if spec is not None:
         # layer names come from the user's profile: embedded as Python literals (repr), never
@@ -352,6 +420,13 @@ def deepspeed_uniform_parts(num_layers: int, num_stages: int) -> list[int]:
 def _deepspeed(plan: Plan, lr: float | None = None) -> dict[str, Any]:
     target = "deepspeed"
     n_layers = _check_plan(plan, target)
+    t = _tp_degree(plan, target, "DeepSpeed's PipelineModule has no tensor parallelism of its own")
+    if t > 1:
+        st = plan.virtual_workers[0].stages[0]
+        raise ExportError(target, f"its stages run on tensor-parallel groups ({st.device}: degree {t}); DeepSpeed's "
+                                  "pipeline engine has no tensor parallelism of its own (its topology's model axis "
+                                  "takes layers the model shards itself, as Megatron-DeepSpeed's); export to "
+                                  "torch-pipelining or megatron, or re-plan without --tensor-parallel")
     _one_stage_per_rank(plan, target, "its TrainSchedule, a 1F1B order")
     _pipeline_shape(plan, target)
     parts = _identical_cuts(plan, target, "DeepSpeed's data-parallel replicas all run one partition (PipelineModule "
@@ -498,6 +573,8 @@ def _megatron(plan: Plan, lr: float | None = None) -> dict[str, Any]:
                                   "and has no breadth-first order; re-plan with interleaved")
     sizes = _pipeline_shape(plan, target)
     cuts = _identical_cuts(plan, target, "Megatron-LM's data-parallel replicas all run one pipeline split")
+    tp = _tp_degree(plan, target, "Megatron-LM has one --tensor-model-parallel-size for the whole job; re-plan with "
+                                  "one degree (`partitioner plan --tensor-parallel T`)")
     pp, v, dp = sizes[0], plan.chunks, len(plan.virtual_workers)
     m, b = plan.micro_batches, plan.micro_batch_size
     vws = plan.virtual_workers
@@ -505,31 +582,34 @@ def _megatron(plan: Plan, lr: float | None = None) -> dict[str, Any]:
     counts = [k.count("t") for k in stage_kinds]
     layout = "|".join(_layout_stage(k) for k in stage_kinds)
     n_t = n_layers - 2
-    # Megatron-LM's rank order (tensor parallel 1): tp-cp-ep-dp-pp, pipeline-major (rank = pipeline
-    # rank * dp + data-parallel rank), or with --use-tp-pp-dp-mapping tp-cp-ep-pp-dp, data-major
-    orders = {"pipe-major": [vws[r % dp].stages[r // dp].device for r in range(pp * dp)],
-              "data-major": [vws[r // pp].stages[r % pp].device for r in range(pp * dp)]}
+    # Megatron-LM's rank order: tp-cp-ep-dp-pp (tensor-parallel index fastest, then data-parallel rank,
+    # pipeline rank slowest: rank = (pipeline rank * dp + data-parallel rank) * tp + index), or with
+    # --use-tp-pp-dp-mapping tp-cp-ep-pp-dp (rank = (data-parallel rank * pp + pipeline rank) * tp + index)
+    coords = {"pipe-major": [((r // tp) // dp, (r // tp) % dp, r % tp) for r in range(pp * dp * tp)],
+              "data-major": [((r // tp) % pp, (r // tp) // pp, r % tp) for r in range(pp * dp * tp)]}
+    orders = {name: [group_gpus(vws[w].stages[d].device)[i] for d, w, i in c] for name, c in coords.items()}
     order = _rank_order(plan, target, orders)
     training = training_of(plan, lr)
     args: list[str] = ["--num-layers", str(n_t), "--pipeline-model-parallel-size", str(pp)]
+    if tp > 1:
+        args += ["--tensor-model-parallel-size", str(tp)]
     if v > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(v)]
     args += ["--micro-batch-size", str(b), "--global-batch-size", str(b * m * dp), *_megatron_training(training)]
     if order == "data-major":
         args.append("--use-tp-pp-dp-mapping")
     uneven, why = _megatron_uneven(counts, pp, v)
-    rank_of = ((lambda d, w: d * dp + w) if order == "pipe-major" else (lambda d, w: w * pp + d))
-    ranks = sorted(({"rank": rank_of(d, w), "device": vw.stages[d].device, "gpu_type": vw.stages[d].gpu_type,
-                     "pipeline_rank": d, "data_parallel_rank": w, "stages": list(range(d, pp * v, pp))}
-                    for d in range(pp) for w, vw in enumerate(vws)), key=lambda r: r["rank"])
+    ranks = [{"rank": r, "device": vws[w].stages[d].device, "gpu": orders[order][r],
+              "gpu_type": vws[w].stages[d].gpu_type, "pipeline_rank": d, "data_parallel_rank": w, "tp_rank": i,
+              "tp_size": tp, "stages": list(range(d, pp * v, pp))} for r, (d, w, i) in enumerate(coords[order])]
     out: dict[str, Any] = {
         "format": EXPORT_FORMAT, "target": target, "model": plan.model, "num_layers": n_layers,
         "transformer_layers_per_stage": counts, "pipeline_parallel": pp, "virtual_stages_per_rank": v,
-        "data_parallel": dp, "schedule": plan.schedule, "layout": layout, "rank_order": order,
+        "data_parallel": dp, "tensor_parallel": tp, "schedule": plan.schedule, "layout": layout, "rank_order": order,
         "training": training,
         "args": args, "layout_args": [*args, "--pipeline-model-parallel-layout", layout],
         "uneven_args": None if uneven is None else [*args, *uneven],
-        "uneven_args_unavailable": why, "world_size": pp * dp, "ranks": ranks,
+        "uneven_args_unavailable": why, "world_size": pp * dp * tp, "ranks": ranks,
     }
     chosen = out["layout_args"]
     _, out["launch"] = _launch(orders[order], ["pretrain_gpt.py", *chosen])
@@ -580,7 +660,9 @@ def _megatron_uneven(counts: Sequence[int], pp: int, v: int) -> tuple[list[str] 
 
 
 def _megatron_snippet(e: Mapping[str, Any]) -> str:
-    lines = [f"# {e['pipeline_parallel']} pipeline x {e['data_parallel']} data-parallel ranks; "
+    tp = e.get("tensor_parallel", 1)
+    lines = [f"# {e['pipeline_parallel']} pipeline x {e['data_parallel']} data-parallel"
+             + (f" x {tp} tensor-parallel" if tp > 1 else "") + " ranks; "
              f"transformer layers per stage {e['transformer_layers_per_stage']}"]
     if e["uneven_args"] is not None:
         lines += ["# Megatron-LM with --decoder-first/last-pipeline-num-layers:",

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .errors import PartitionerError
 
-__all__ = ["NodeLaunch", "check_launch", "contiguity_problem", "deepspeed_launcher_problem", "hostfile",
+__all__ = ["NodeLaunch", "check_launch", "contiguity_problem", "deepspeed_launcher_problem", "group_gpus", "hostfile",
            "node_launches", "read_launch_order", "seat", "split_device", "torchrun_command"]
 
 
@@ -40,6 +40,16 @@ def split_device(device: str) -> tuple[str, int]:
     if not node or not index.isdigit():
         raise PartitionerError(f"device {device!r}: across machines a plan device must be named NODE:INDEX")
     return node, int(index)
+
+
+def group_gpus(device: str) -> list[str]:
+    """The GPUs of a plan device in tensor-parallel order: ``NODE:FIRST-LAST`` (a group) as
+    ``NODE:FIRST``, ..., ``NODE:LAST``; ``NODE:INDEX`` as itself."""
+    node, _, span = device.rpartition(":")
+    first, dash, last = span.partition("-")
+    if node and dash and first.isdigit() and last.isdigit() and int(last) > int(first):
+        return [f"{node}:{i}" for i in range(int(first), int(last) + 1)]
+    return [device]
 
 
 @dataclass(frozen=True)
@@ -185,13 +195,14 @@ def read_launch_order(text: str) -> tuple[str, list[tuple[str, int | None]]]:
 
 
 def check_launch(nodes: Sequence[NodeLaunch], devices: Sequence[str], given: str,
-                 slots: Mapping[str, int | None] | None = None) -> str:
+                 slots: Mapping[str, int | None] | None = None, roles: Sequence[str] | None = None) -> str:
     """Check the launch order ``given`` (:func:`read_launch_order`) against a job whose rank ``r``
     must run on ``devices[r]``, its nodes started as ``nodes`` (:func:`node_launches`: node ``k``
     with ``--node-rank k``, or ``k``-th in the hostfile). Returns a line saying that it holds;
     raises :class:`PartitionerError` (one line) naming the first rank that would land elsewhere.
     ``slots``: a hostfile's slot count per node that is right besides the node's process count
-    (a hostfile whose ``--include`` picks GPUs that are not ``0 .. n-1``)."""
+    (a hostfile whose ``--include`` picks GPUs that are not ``0 .. n-1``). ``roles``: what each
+    rank is in the job (``"tensor-parallel index 1 of n0:0-1"``), named in a refusal."""
     kind, order = read_launch_order(given)
     plan_nodes = {n.node: n for n in nodes}
     if kind == "devices":
@@ -201,7 +212,8 @@ def check_launch(nodes: Sequence[NodeLaunch], devices: Sequence[str], given: str
                                    f"({', '.join(devices)})")
         for r, (got, want) in enumerate(zip(got_devices, devices)):
             if got != want:
-                raise PartitionerError(f"launch order puts rank {r} on {got}; the plan runs it on {want}")
+                role = f" ({roles[r]})" if roles and roles[r] else ""
+                raise PartitionerError(f"launch order puts rank {r}{role} on {got}; the plan runs it on {want}")
         return f"ok: the {len(devices)} ranks run on the plan's devices ({', '.join(devices)})"
     names = [h for h, _ in order]
     unknown = [h for h in names if h not in plan_nodes]

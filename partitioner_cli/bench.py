@@ -152,7 +152,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               _script("runtime_vs_torch", "--rounds", "3", "--steps", "3"), _script("runtime_vs_torch", "--rounds", "7"),
               needs=("torch",), long=True),
     Benchmark("exports", "each export against this runtime on one plan: torch pipelining's losses side by side "
-                         "(GPT-2 tiny, 30 steps), DeepSpeed's config class, Megatron-Core's layout and model build",
+                         "(GPT-2 tiny, 30 steps; PP x DP, bf16, TP 2 x PP 2 in fp32 and fp16), DeepSpeed's config "
+                         "class, Megatron-Core's layout and model build",
               _script("exports", "--steps", "10"), _script("exports"), needs=("torch",), long=True),
     Benchmark("emulation", "emulated heterogeneous cluster (A100 + 2 T4 on CPU processes): measured against "
                            "predicted iteration of opt, uniform and pipedream plans; zb-h1 and zb-h2 (flushed, "

@@ -40,13 +40,17 @@ def _layer_names(plan: Plan, profile_path: str | None, n_layers: int) -> list[st
 def _summary(e: dict) -> list[str]:
     t = e["target"]
     if t == "torch-pipelining":
+        tp = e.get("tensor_parallel", 1)
         lines = [f"{e['model']} for torch.distributed.pipelining: {e['world_size']} ranks, {e['schedule_class']}, "
-                 f"n_microbatches {e['n_microbatches']}, {e['stages_per_rank']} stage(s) per rank"]
+                 f"n_microbatches {e['n_microbatches']}, {e['stages_per_rank']} stage(s) per rank"
+                 + (f", tensor parallel {tp} (each stage's group a DeviceMesh; pipeline group i: the ranks of index "
+                    "i)" if tp > 1 else "")]
         for p in e["pipelines"]:
             lines.append(f"  pipeline {p['virtual_worker']} (ranks {p['ranks'][0]}-{p['ranks'][-1]}, batch rows "
                          f"[{p['batch_rows'][0]}, {p['batch_rows'][1]})): "
-                         + ", ".join(f"stage {s['stage']} layers [{s['layers'][0]}, {s['layers'][1]}) on rank "
-                                     f"{s['rank']} ({s['device']})" for s in p["stages"]))
+                         + ", ".join(f"stage {s['stage']} layers [{s['layers'][0]}, {s['layers'][1]}) on "
+                                     + (f"rank {s['rank']} ({s['device']})" if tp == 1 else
+                                        f"ranks {s['ranks'][0]}-{s['ranks'][-1]} ({s['device']})") for s in p["stages"]))
             if p["split_spec"] is not None:
                 lines.append(f"    split_spec: {', '.join(f'{k}: BEGINNING' for k in p['split_spec'])}")
         if e["grad_sync"]:
@@ -58,7 +62,8 @@ def _summary(e: dict) -> list[str]:
         return [f"{e['model']} for DeepSpeed PipelineModule: num_stages {e['num_stages']}, data parallel "
                 f"{e['data_parallel']}, parts {e['parts']} ({how})",
                 f"  ranks ({e['rank_order']}): " + ", ".join(f"{r['rank']}={r['device']}" for r in e["ranks"])]
-    lines = [f"{e['model']} for Megatron-LM: pipeline {e['pipeline_parallel']} x data {e['data_parallel']}, "
+    tp = f" x tensor {e['tensor_parallel']}" if e.get("tensor_parallel", 1) > 1 else ""
+    lines = [f"{e['model']} for Megatron-LM: pipeline {e['pipeline_parallel']} x data {e['data_parallel']}{tp}, "
              f"transformer layers per stage {e['transformer_layers_per_stage']}",
              f"  --pipeline-model-parallel-layout '{e['layout']}'"]
     if e["uneven_args"] is not None:

@@ -46,6 +46,8 @@ from partitioner.pricing import (
 )
 from partitioner.schedule import spec
 
+from .tensor_parallel import local
+
 __all__ = ["DEFAULT_LR", "OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "AutocastStage", "LossScaler", "Recipe", "ScaledStep",
            "make_optimizer", "priced_optimizer", "training_recipe"]
 
@@ -193,7 +195,9 @@ class LossScaler:
     def unscale(self, params: list[nn.Parameter], device: torch.device) -> bool:
         """Divide the gradients by the scale; whether every rank's are finite (a collective over
         the default group: every rank calls it once per step)."""
-        grads = [p.grad for p in params if p.grad is not None]
+        # a tensor-parallel shard's gradient (a DTensor) as its local part: torch's foreach kernels
+        # take no mix of DTensors and plain tensors, and each rank unscales what it holds
+        grads = [local(p.grad) for p in params if p.grad is not None]
         bad = torch.zeros(1, device=device)
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)

@@ -38,7 +38,7 @@ all-gather of :func:`full_state`); NCCL on GPUs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from .run import RunSpec
     from .stage import LayerChain
 
-__all__ = ["check_tensor_parallel", "full_state", "layer_plan", "local", "shard_rank", "tp_mesh", "zoo_plan"]
+__all__ = ["check_layers", "check_tensor_parallel", "full_state", "group_mesh", "layer_plan", "local", "shard_layers",
+           "shard_rank", "tp_mesh", "zoo_plan"]
 
 
 def zoo_plan(layer: nn.Module) -> dict[str, Any] | None:
@@ -116,17 +117,24 @@ def check_tensor_parallel(run: RunSpec) -> None:
     """Refuse, in one line before any process starts, what this runtime cannot shard: a layer whose
     heads or sharded dimension its degree does not divide, a plan naming a submodule the layer has
     not got, ``eval_global`` with tensor parallelism."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from partitioner.models import _Attention
-
-    layout, chain = run.layout, run.chain
+    layout = run.layout
     if not layout.tensor_parallel:
         return
     if run.config.eval_global:
         raise PartitionerError("eval_global: the global model is evaluated on one process; this plan shards "
                                "stages over tensor-parallel groups")
-    for layer, (t, where, device) in sorted(_degrees(layout).items()):
+    check_layers(run.chain, _degrees(layout))
+
+
+def check_layers(chain: LayerChain, degrees: Mapping[int, tuple[int, str, str]]) -> None:
+    """Refuse (one line) a layer that its degree cannot shard: ``degrees`` maps a layer to (its
+    tensor-parallel degree > 1, where in the plan, the device) -- heads or a sharded dimension
+    the degree does not divide, a plan naming a submodule the layer has not got."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from partitioner.models import _Attention
+
+    for layer, (t, where, device) in sorted(degrees.items()):
         name, module = chain.layers[layer]
         at = f"layer {layer} ({name}) at tensor-parallel degree {t} ({where} on {device})"
         for sub in module.modules():
@@ -151,28 +159,48 @@ def check_tensor_parallel(run: RunSpec) -> None:
                                        f"{weight.shape[dim]}")
 
 
-def tp_mesh(layout: Layout, rank: int, device: torch.device) -> DeviceMesh | None:
-    """This rank's tensor-parallel group as a one-dimensional ``DeviceMesh`` (``"tp"``), or None
-    at degree 1. Every rank must call it: it makes the process group of every group of more
-    than one rank, in rank order (``new_group`` is collective)."""
+def group_mesh(groups: Sequence[Sequence[int]], rank: int, device: torch.device) -> DeviceMesh | None:
+    """This rank's tensor-parallel group of ``groups`` (every group of more than one rank, each a
+    list of ranks) as a one-dimensional ``DeviceMesh`` (``"tp"``, ``DeviceMesh.from_group``), or
+    None when the rank is in none. Every rank must call it with the same ``groups``: it makes their
+    process groups in that order (``new_group`` is collective)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     mine = None
-    for first in sorted({r.rank - r.tp_rank for r in layout.ranks if r.tp_size > 1}):
-        ranks = list(layout.ranks[first].tp_group)
-        group = dist.new_group(ranks)
+    for ranks in groups:
+        group = dist.new_group(list(ranks))
         if rank in ranks:
             mine = DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
     return mine
 
 
+def tp_mesh(layout: Layout, rank: int, device: torch.device) -> DeviceMesh | None:
+    """This rank's tensor-parallel group as a one-dimensional ``DeviceMesh`` (``"tp"``), or None
+    at degree 1. Every rank must call it: it makes the process group of every group of more
+    than one rank, in rank order (``new_group`` is collective)."""
+    firsts = sorted({r.rank - r.tp_rank for r in layout.ranks if r.tp_size > 1})
+    return group_mesh([layout.ranks[first].tp_group for first in firsts], rank, device)
+
+
+def shard_layers(chain: LayerChain, modules: Mapping[int, nn.Sequential], starts: Mapping[int, int],
+                 mesh: DeviceMesh) -> None:
+    """Shard every layer of ``modules`` (stage -> its layers, built whole; ``starts``: stage -> the
+    chain index of its first layer) over ``mesh`` with ``parallelize_module`` and the layer's plan
+    (:func:`layer_plan`); a layer without a plan stays whole."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for s, mod in modules.items():
+        for k, layer in enumerate(mod):
+            plan = layer_plan(chain, starts[s] + k, layer)
+            if plan:
+                parallelize_module(layer, mesh, plan)
+
+
 def shard_rank(run: RunSpec, rank: int, device: torch.device, modules: Mapping[int, nn.Sequential]
                ) -> DeviceMesh | None:
     """Shard this rank's stages (``modules``: stage -> its layers, built whole) over its
-    tensor-parallel group, layer by layer (:func:`layer_plan`); every rank calls it (collective,
+    tensor-parallel group, layer by layer (:func:`shard_layers`); every rank calls it (collective,
     :func:`tp_mesh`). Returns the group's mesh, None at degree 1."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     layout = run.layout
     if not layout.tensor_parallel:
         return None
@@ -180,11 +208,7 @@ def shard_rank(run: RunSpec, rank: int, device: torch.device, modules: Mapping[i
     if mesh is None:
         return None
     stages = layout.stage_layers[layout.ranks[rank].worker]
-    for s, mod in modules.items():
-        for k, layer in enumerate(mod):
-            plan = layer_plan(run.chain, stages[s][0] + k, layer)
-            if plan:
-                parallelize_module(layer, mesh, plan)
+    shard_layers(run.chain, modules, {s: stages[s][0] for s in modules}, mesh)
     return mesh
 
 

@@ -39,7 +39,8 @@ from partitioner.launch import NodeLaunch, seat
 
 from .model import is_model_ref, spec_chain
 from .recipe import AutocastStage, LossScaler, ScaledStep
-from .stage import build_stage, zoo_chain
+from .stage import LayerChain, build_stage, zoo_chain
+from .tensor_parallel import check_layers, group_mesh, local, shard_layers
 
 __all__ = ["TorchPipelineRank", "build_rank", "export_seat", "mean_output_loss"]
 
@@ -67,6 +68,8 @@ class TorchPipelineRank:
     precision: str = "fp32"
     scaler: LossScaler | None = None  # fp16: the loss's gradient is scaled, the step unscales it
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp_rank: int = 0  # this rank's index in its stage's tensor-parallel group
+    tp_mesh: Any = None  # the group's DeviceMesh (None at degree 1)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """``optimizer`` as this rank steps it: under fp16 the gradients unscaled and the step
@@ -79,7 +82,8 @@ class TorchPipelineRank:
 
     def step(self, global_batch: torch.Tensor, target: torch.Tensor | None = None) -> list[float] | None:
         """One forward/backward over this pipeline's rows of ``global_batch`` with torch's
-        schedule. Returns the micro-batch losses on the rank holding the last stage, else None."""
+        schedule. Returns the micro-batch losses on the ranks holding the last stage (every rank of its
+        tensor-parallel group: the same values), else None."""
         a, b = self.batch_rows
         kwargs: dict[str, Any] = {}
         losses: list[torch.Tensor] = []
@@ -97,14 +101,18 @@ class TorchPipelineRank:
         for (group, params), size in zip(self.grad_groups, self.group_sizes):
             if group is None or not params:
                 continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(local(p.grad))  # a tensor-parallel shard: this rank's part
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
             flat /= size
             offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p).clone()
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
 
 
@@ -151,30 +159,31 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
     if chain.num_layers != export["num_layers"]:
         raise PartitionerError(f"model '{export['model']}' has {chain.num_layers} layers, the export "
                                f"{export['num_layers']}")
-    # one process group per pipeline, created by every rank in the same order
-    groups: list[Any] = []
-    for p in export["pipelines"]:
-        groups.append(None if len(export["pipelines"]) == 1 else dist.new_group(p["ranks"]))
-    group = groups[me["virtual_worker"]]
+    group, mesh = _process_groups(export, rank, device)
     n_stages = len(pipe["stages"])
     precision = precision or export.get("training", {}).get("precision", "fp32")
     half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     scaler = LossScaler() if precision == "fp16" else None
     if scaler is not None:
         loss_fn = scaler.wrap_loss(loss_fn)
+    m = export["n_microbatches"]
+    loss_fn = _gradient_over(loss_fn, m)  # (torch's own division of the gradients off: scale_grads=False)
     modules: dict[int, nn.Sequential] = {}
     stages = []
     for s in me["stages"]:
         a, b = pipe["stages"][s]["layers"]
         modules[s] = build_stage(chain, a, b, seed=seed, device=device)
+    if mesh is not None:  # the stage's blocks sharded over its group, as the runtime shards them
+        _check_degree(export, chain, me)
+        shard_layers(chain, modules, {s: pipe["stages"][s]["layers"][0] for s in modules}, mesh)
+    for s in me["stages"]:
         run: nn.Module = modules[s] if half is None else AutocastStage(modules[s], device.type, half, s != n_stages - 1)
         stages.append(pipelining.PipelineStage(run, s, n_stages, device, group=group))
     cls = getattr(pipelining, export["schedule_class"])
-    m = export["n_microbatches"]
     if export["schedule_class"] in MULTI_STAGE_CLASSES:
-        schedule = cls(stages, m, loss_fn=loss_fn)
+        schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
     else:
-        schedule = cls(stages[0], m, loss_fn=loss_fn)
+        schedule = cls(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     # gradient averaging between virtual workers: the layers this rank holds, per rank set
     by_layer: dict[int, nn.Module] = {pipe["stages"][s]["layers"][0] + k: layer for s, mod in modules.items()
                 for k, layer in enumerate(mod)}
@@ -190,4 +199,59 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
                              stages=stages, schedule=schedule, batch_rows=tuple(pipe["batch_rows"]),
                              is_first=0 in me["stages"], is_last=n_stages - 1 in me["stages"],
                              grad_groups=grad_groups, group_sizes=sizes, precision=precision, scaler=scaler,
-                             device=device)
+                             device=device, tp_rank=me.get("tp_rank", 0), tp_mesh=mesh)
+
+
+class _DivideGradient(torch.autograd.Function):
+    """Identity forward; the backward divides the gradient by ``m``, as ``loss / m`` does."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, m: int) -> torch.Tensor:
+        ctx.m = m
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.m, None
+
+
+def _gradient_over(loss_fn: Callable[..., torch.Tensor], m: int) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` whose value is unchanged (the reported loss) and whose gradient is divided by the
+    ``m`` micro-batches before the backward, as the project's runtime divides each micro-batch's
+    loss: the gradients that cross the pipeline are those of the mean, not ``m`` times larger (torch's
+    ``scale_grads`` divides only the accumulated weight gradients, at the end), so that in fp16 they
+    overflow, and the loss scale backs off, on the same steps as in the runtime."""
+
+    def divided(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return _DivideGradient.apply(loss_fn(*args, **kwargs), m)
+
+    return divided
+
+
+def _process_groups(export: Mapping[str, Any], rank: int, device: torch.device) -> tuple[Any, Any]:
+    """This rank's pipeline process group (None: the whole job) and tensor-parallel mesh (None at
+    degree 1). Every rank makes every group in the same order (``new_group`` is collective): the
+    pipeline groups (per pipeline, one per tensor-parallel index: the ranks of that index, one
+    per stage), then every device's tensor-parallel group (:func:`runtime.tensor_parallel.group_mesh`)."""
+    world = export["world_size"]
+    mine = None
+    for p in export["pipelines"]:
+        for ranks in p.get("pipe_groups", [p["ranks"]]):
+            group = None if len(ranks) == world else dist.new_group(list(ranks))
+            if rank in ranks:
+                mine = group
+    tp_groups = [g for p in export["pipelines"] for g in p.get("tp_groups", [])]
+    return mine, (group_mesh(tp_groups, rank, device) if tp_groups else None)
+
+
+def _check_degree(export: Mapping[str, Any], chain: LayerChain, me: Mapping[str, Any]) -> None:
+    """Refuse (one line) a layer of this rank's stages that the export's degree cannot shard
+    (heads or features it does not divide: :func:`runtime.tensor_parallel.check_layers`)."""
+    pipe = export["pipelines"][me["virtual_worker"]]
+    degrees = {}
+    for s in me["stages"]:
+        st = pipe["stages"][s]
+        where = f"pipelines[{me['virtual_worker']}].stages[{s}]"
+        for layer in range(*st["layers"]):
+            degrees[layer] = (int(me["tp_size"]), where, st["device"])
+    check_layers(chain, degrees)

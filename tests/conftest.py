@@ -56,7 +56,7 @@ _PROCESS_MODULES = ("test_runtime.py", "test_runtime_data.py", "test_checkpoint.
                      "test_runtime_replicas.py", "test_runtime_slices.py", "test_emulation.py",
                      "test_emulated_links.py", "test_nodes.py", "test_reshard.py", "test_runtime_tensor_parallel.py",
                      "test_runtime_precision.py", "test_runtime_levers.py", "test_zero_bubble.py", "test_channels.py",
-                     "test_export_launch.py")
+                     "test_export_launch.py", "test_export_tensor_parallel.py")
 _TRANSIENT = ["wait timeout", "timed out", "Connection reset", "Connection refused", "did not finish within",
               "DistStoreError", "TimeoutExpired"]
 

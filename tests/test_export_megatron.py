@@ -42,6 +42,9 @@ CASES = {
     # interleaved: two virtual stages per pipeline rank, uneven
     "interleaved": Plan("gpt2-small", (worker([0, 3, 6, 10, 14], ["n0:0", "n1:0"]),), schedule="interleaved",
                         chunks=2, micro_batch_size=2, micro_batches=4, pricing=CostOptions()),
+    # tensor parallel 2 x pipeline 2 x data 2 in fp16: --tensor-model-parallel-size 2, the index fastest
+    "tp2-pp2-dp2": Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0-1", "n0:2-3"]), worker([0, 2, 4], ["n0:4-5", "n0:6-7"])),
+                        micro_batch_size=2, micro_batches=4, pricing=CostOptions(precision="fp16")),
 }
 
 
