@@ -122,7 +122,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               _script("sailor_h2h", "--time-limit", "3"), _script("sailor_h2h", "--time-limit", "30"),
               needs=(str(SHARED / "sailor_opt350"), str(SHARED / "sailor_plans")), long=True),
     Benchmark("memory_levers", "per-stage recomputation and ZeRO-1 against no levers and uniform full recomputation "
-              "(Sailor OPT-350M, memory-mixed A100 / V100 / RTX 2080 Ti clusters)",
+              "(Sailor OPT-350M and GPT-2 medium, memory-mixed A100 / V100 / RTX 2080 Ti clusters)",
               _script("memory_levers", "--time-limit", "10"), _script("memory_levers", "--time-limit", "60"),
               needs=(str(SHARED / "sailor_opt350"),)),
     Benchmark("levers_runtime", "memory levers run under the emulation (gpt2-tiny, 2 P100 + 2 T4 on CPU processes): "
