@@ -37,6 +37,15 @@ def test_one_pipeline_exact_solvers_agree_and_beat_every_baseline() -> None:
     for r in rows:  # every plan carries both throughputs, and the objective respects its bound
         assert r.model_samples_per_s > 0 and r.simulated_samples_per_s > 0
         assert r.objective >= r.lower_bound * (1 - 1e-12)
+    # the baselines are judged against the exact bottleneck per sample (m x it bounds an iteration
+    # of m micro-batches of b samples), tighter than perfect speed-up and below every split's rate
+    per_sample = max(r.lower_bound for r in exact) / prof.micro_batch_size
+    for r in rows:
+        if r.kind == "baseline":
+            assert r.lower_bound == pytest.approx(per_sample, rel=1e-12)
+            assert 1 / r.model_samples_per_s >= per_sample * (1 - 1e-9)
+    dp_rate = next(r.model_samples_per_s for r in exact if r.name == "dp")
+    assert 1 / dp_rate >= per_sample * (1 - 1e-9)  # the dp's own plan respects it too
 
 
 def test_virtual_workers_opt_is_at_least_every_policy_and_baseline() -> None:

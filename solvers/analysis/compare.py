@@ -118,7 +118,14 @@ def compare(profile: Profile, cluster: Cluster, *, virtual_workers: int | str | 
         for name in BASELINE_NAMES:
             if want(name):
                 out.append(_entry(name, "baseline", lambda n=name: solve(profile, cluster, n, **common)))
-        return out
+        if schedule not in ("gpipe", "1f1b"):
+            return out
+        # their closed form's iteration, sum of the stages + (m - 1) x the slowest, is at least
+        # m x the slowest: a chain solver's proven bottleneck bound over the same devices and
+        # order, per sample (over the micro-batch's b samples), bounds every row's seconds per sample
+        bottleneck = [r.lower_bound for r in out if r.kind == "solver" and r.ok and r.unit.startswith("s (")
+                      and math.isfinite(r.lower_bound) and r.lower_bound > 0]
+        return shared_certificate(out, [max(bottleneck) / profile.micro_batch_size] if bottleneck else [])
     for policy in POLICIES:
         if want(policy):
             out.append(_entry(policy, "policy", lambda p=policy: solve(
@@ -132,8 +139,9 @@ def compare(profile: Profile, cluster: Cluster, *, virtual_workers: int | str | 
     return shared_certificate(out)
 
 
-def shared_certificate(rows: list[Comparison]) -> list[Comparison]:
-    """``rows`` judged by one certificate: the best bound any of them proved.
+def shared_certificate(rows: list[Comparison], extra_bounds: Sequence[float] = ()) -> list[Comparison]:
+    """``rows`` judged by one certificate: the best bound any of them proved (or ``extra_bounds``
+    gives, in seconds per sample).
 
     Every row plans the same problem (the cluster's GPUs in ``K`` virtual workers, or any ``K``,
     priced by the same closed form), and every row's bound holds for every plan of it: the fleet
@@ -142,6 +150,7 @@ def shared_certificate(rows: list[Comparison]) -> list[Comparison]:
     seconds per sample) bounds every row; each gap is measured against it, and a row is
     ``optimal`` only when it reaches it."""
     bounds = [r.lower_bound for r in rows if r.ok and r.unit == "s/sample" and math.isfinite(r.lower_bound)]
+    bounds += [b for b in extra_bounds if math.isfinite(b) and b > 0]
     if not bounds:
         return rows
     best = max(bounds)
