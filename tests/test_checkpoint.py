@@ -169,6 +169,12 @@ def test_checkpoint_options_are_checked() -> None:
 def _fails_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         raise PartitionerError("stage 1 cannot be built\nsecond line")
+    # rank 0 stays up, off the network, until it is stopped: exiting at once would close its
+    # connections while rank 1 may still be completing the group's mesh (rank 1 would then fail on
+    # that instead of its own error), and a collective would fail on rank 1's exit first
+    import time
+
+    time.sleep(120)
 
 
 def _exits_on_rank_0(rank: int, world: int) -> None:

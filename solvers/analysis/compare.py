@@ -24,7 +24,7 @@ from partitioner.cost import CostOptions
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan, group_size
 from partitioner.profile import Profile
-from partitioner.schedule import DEFAULT_MICRO_BATCHES
+from partitioner.schedule import DEFAULT_MICRO_BATCHES, spec
 from solvers import solve
 
 __all__ = ["BASELINE_NAMES", "CHAIN_SOLVERS", "POLICIES", "Comparison", "compare", "shared_certificate"]
@@ -118,7 +118,8 @@ def compare(profile: Profile, cluster: Cluster, *, virtual_workers: int | str | 
         for name in BASELINE_NAMES:
             if want(name):
                 out.append(_entry(name, "baseline", lambda n=name: solve(profile, cluster, n, **common)))
-        if schedule not in ("gpipe", "1f1b"):
+        shape = spec(schedule)
+        if not shape.flushes or shape.multi_chunk or shape.split_backward:  # gpipe, 1f1b
             return out
         # their closed form's iteration, sum of the stages + (m - 1) x the slowest, is at least
         # m x the slowest: a chain solver's proven bottleneck bound over the same devices and
