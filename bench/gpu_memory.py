@@ -41,23 +41,18 @@ def with_loss(profile: Profile) -> tuple[Profile, bool]:
         return profile, False
     import torch
 
-    from partitioner.loss_memory import measure_loss_memory
     from partitioner.models import build_model
-    from runtime.data import make_data
+    from runtime.data import with_loss_memory
     from runtime.stage import LayerChain
 
     cfg = profile.meta["config"]
     m = build_model(profile.model, profile.micro_batch_size, device="meta", seq_len=cfg.get("seq_len"),
                     vocab=cfg.get("vocab"))
-    data = make_data(LayerChain(profile.model, list(m.layers), m.make_input, dict(m.config)), "auto",
-                     profile.micro_batch_size, 1, 1)
-    _, target = data.global_batch(0)
-    elements = int(head.output_bytes) // (2 if profile.dtype in ("float16", "bfloat16") else 4)
-    shape = (*target.shape, elements // target.numel())
-    y = torch.randn(shape, dtype=getattr(torch, profile.dtype))
-    saved, work = measure_loss_memory(lambda out: data.loss(out, target), y)
-    last = replace(head, loss_saved_bytes=saved, loss_work_bytes=work)
-    return replace(profile, layers=(*profile.layers[:-1], last)), True
+    half = profile.dtype in ("float16", "bfloat16")
+    # an output of the profiled shape: micro-batch x positions x the head's width
+    width = int(head.output_bytes) // (2 if half else 4) // (profile.micro_batch_size * int(cfg["seq_len"]))
+    y = torch.randn(profile.micro_batch_size, int(cfg["seq_len"]), width, dtype=getattr(torch, profile.dtype))
+    return with_loss_memory(profile, LayerChain(profile.model, list(m.layers), m.make_input, dict(m.config)), y), True
 
 
 def autocast_activations(model: str = "gpt2-tiny", batch: int = 4, seq_len: int = 128) -> None:

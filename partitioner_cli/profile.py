@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 from partitioner.errors import PartitionerError
@@ -165,28 +164,16 @@ def _with_loss(args: argparse.Namespace, profile: Profile, m: Any) -> Profile:
     micro-batch's output (partitioner/loss_memory.py)."""
     import torch
 
-    from partitioner.loss_memory import measure_loss_memory
     from partitioner.profiler import _input_in
-    from runtime.data import make_data
+    from runtime.data import with_loss_memory
     from runtime.stage import LayerChain
 
-    chain = LayerChain(args.model, list(m.layers), m.make_input, dict(m.config))
-    data = make_data(chain, "auto", args.batch_size, 1, 1)
-    if data.kind == "synthetic":
-        return profile
-    _, target = data.global_batch(0)
-    dev = torch.device(args.device)
     half = getattr(torch, args.dtype) if args.dtype != "float32" else None
     with torch.no_grad():
-        y = _input_in(m.sample_input("cpu").to(dev), half)
+        y = _input_in(m.sample_input("cpu").to(torch.device(args.device)), half)
         for _, layer in m.layers:
             y = layer(y)
-    tgt = None if target is None else target.to(dev)
-    saved, work = measure_loss_memory(lambda out: data.loss(out, tgt), y)
-    last = profile.layers[-1]
-    layers = (*profile.layers[:-1], replace(last, loss_saved_bytes=saved, loss_work_bytes=work))
-    meta = {**profile.meta, "loss": f"{data.kind}: measured on one micro-batch's output (partitioner/loss_memory.py)"}
-    return replace(profile, layers=layers, meta=meta)
+    return with_loss_memory(profile, LayerChain(args.model, list(m.layers), m.make_input, dict(m.config)), y)
 
 
 def _shards(args: argparse.Namespace, profile: Profile, m: Any) -> Profile:

@@ -43,7 +43,7 @@ from partitioner.errors import PartitionerError
 from .stage import LayerChain, layer_seed
 
 __all__ = ["DATA_KINDS", "ClassesData", "DataSource", "ModelData", "SyntheticData", "TextData", "corpus_bytes",
-           "make_data", "resolve_data_kind"]
+           "make_data", "resolve_data_kind", "with_loss_memory"]
 
 DATA_KINDS = ("auto", "text", "classes", "synthetic")
 MASK_ID = 256  # the mask token of the bidirectional text task (vocabularies of the zoo have >= 512 ids)
@@ -209,3 +209,23 @@ def make_data(chain: LayerChain, kind: str, micro_batch_size: int, micro_batches
     if kind == "model":
         return ModelData(chain.spec, size)
     return SyntheticData(chain.make_input, micro_batch_size, micro_batches, workers, seed)
+
+
+def with_loss_memory(profile: Any, chain: LayerChain, output: torch.Tensor) -> Any:
+    """``profile`` (a :class:`partitioner.profile.Profile` of ``chain``) with the memory of the
+    chain's training loss (its real task, as ``train`` runs it) on its last layer, measured on
+    ``output``, one micro-batch's output of the chain (:mod:`partitioner.loss_memory`); unchanged
+    where the task is synthetic (its loss keeps nothing worth counting)."""
+    from dataclasses import replace
+
+    from partitioner.loss_memory import measure_loss_memory
+
+    data = make_data(chain, "auto", profile.micro_batch_size, 1, 1)
+    if data.kind == "synthetic":
+        return profile
+    _, target = data.global_batch(0)
+    target = None if target is None else target.to(output.device)
+    saved, work = measure_loss_memory(lambda out: data.loss(out, target), output)
+    last = replace(profile.layers[-1], loss_saved_bytes=saved, loss_work_bytes=work)
+    meta = {**profile.meta, "loss": f"{data.kind}: measured on one micro-batch's output (partitioner/loss_memory.py)"}
+    return replace(profile, layers=(*profile.layers[:-1], last), meta=meta)
