@@ -536,7 +536,8 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
     # context and the allocator's cached-but-free blocks are not in it. Any device:
     # model_state_bytes is the bytes of the stages' parameters, their gradients and the optimizer
     # state after the run (runtime.recipe.model_state_bytes), activation_peak_bytes the most
-    # activations held at once in the run's first step (every step under 2bw and wsp; runtime.memory).
+    # activations held at once in the run's first step (every step under 2bw and wsp; runtime.memory;
+    # on the CPU only).
     peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else None
     state = model_state_bytes(ctx.modules.values(), runner.optimizer)
     stages_layers = ctx.layout.stage_layers[me.worker]
@@ -622,7 +623,9 @@ def _emulate(executor: PipelineExecutor, ctx: RankContext) -> None:
     meter (:mod:`runtime.memory`) and, under ``emulate``, the emulation's stretch of its stages."""
     stages = ctx.run.plan.virtual_workers[ctx.me.worker].stages
     executor.recompute_full = {s for s in ctx.me.stages if stages[s].recompute == "full"}
-    executor.meter = ActivationMeter()
+    # the CPU has no allocator peak to read: there the meter counts the activations (its hooks cost
+    # time in the steps it watches); on CUDA torch.cuda.max_memory_allocated gives the peak
+    executor.meter = ActivationMeter() if ctx.device.type != "cuda" else None
     emulation = ctx.config.emulation
     if emulation is None:
         return
