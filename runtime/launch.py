@@ -326,7 +326,13 @@ def _pin(local_rank: int) -> None:
 
 
 def _bootstrap(local_rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, threads: int,
-               timeout_s: float, pin: bool, args: tuple[Any, ...]) -> None:
+               timeout_s: float, pin: bool, args: tuple[Any, ...], inherit: tuple[dict[str, str], str] | None = None
+               ) -> None:
+    if inherit is not None:  # a fork server's child: the environment and directory of the process that asked
+        env, cwd = inherit
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
     if pin:
         _pin(local_rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
@@ -374,17 +380,23 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),
     processes are terminated), or, in one line naming the rank (and ``rank_names[rank]``), if a
     process dies (its signal or exit code) or raises (the exception's last line); the other
     processes are then stopped. ``pin_cpu`` keeps process ``r`` on the ``r``-th available core
-    (modulo the cores)."""
+    (modulo the cores). ``start_method``: ``spawn`` (a fresh interpreter per process);
+    ``forkserver`` (forked from one single-threaded server that has imported torch, started on first
+    use: as quick as ``fork`` after that; the processes get this process's environment and working
+    directory of the moment); ``fork`` (quickest, but see :func:`_preload_forkserver`)."""
 
     def names(r: int) -> str:
         return f" ({rank_names[r]})" if rank_names and 0 <= r < len(rank_names) else ""
 
+    if start_method == "forkserver":
+        _preload_forkserver()
     store = _loopback_store(timeout_s + 30.0)
     # torch logs a warning per process it stops after a failure; the failure is reported in one line below
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
-        ctx = mp.start_processes(_bootstrap, args=(fn, nprocs, store.port, backend, threads, timeout_s, pin_cpu, args),
-                                 nprocs=nprocs, join=False, start_method=start_method)
+        inherit = (dict(os.environ), os.getcwd()) if start_method == "forkserver" else None
+        ctx = mp.start_processes(_bootstrap, args=(fn, nprocs, store.port, backend, threads, timeout_s, pin_cpu, args,
+                                                   inherit), nprocs=nprocs, join=False, start_method=start_method)
         deadline = time.monotonic() + timeout_s + 30.0
         while True:
             try:
@@ -405,6 +417,21 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),
                 raise PartitionerError(f"the {nprocs} training processes did not finish within {timeout_s:.0f} s")
     finally:
         del store  # stops serving
+
+
+# What the fork server imports before it forks ranks: torch, and what a rank would otherwise import
+# on first use (constructing a torch optimizer imports torch._dynamo: seconds per rank).
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "runtime.launch", "partitioner.zoo"]
+
+
+def _preload_forkserver() -> None:
+    """Have the fork server (started once per process, on first use) import torch and this runtime
+    before it forks the ranks: each rank then starts about as fast as under ``fork``, yet from a
+    process with a single thread. Forking a process that runs other threads (the store's, torch's,
+    a solver's) can leave a rank waiting for ever on a lock one of them held at that moment: a rank
+    that never joins the process group."""
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
 
 
 def _local_worker(rank: int, world: int, run: RunSpec, out_dir: str) -> None:

@@ -188,7 +188,7 @@ def test_the_runtime_posts_every_pair_in_one_sequence(tmp_path: Path, monkeypatc
     vw = VirtualWorker((Stage((0, 1), "n0:0"), Stage((1, 2), "n0:1"), Stage((2, 3), "n0:1"), Stage((3, 4), "n0:0")))
     plan = Plan("gpt2-tiny", (vw,), schedule="zbv", micro_batch_size=2, micro_batches=4, chunks=2)
     train_local(plan, TrainConfig("gpt2-tiny", steps=2, warmup=1, threads=1, timeout_s=60, progress=False),
-                start_method="fork")
+                start_method="fork")  # the ranks inherit the patched calls
     seqs: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     for path in tmp_path.glob("*.jsonl"):
         for line in path.read_text().splitlines():

@@ -54,7 +54,7 @@ def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="forkserver", **kw))
     ckpt = tmp_path / "ckpt"
     # 5 steps, a checkpoint every 2; rank 1 dies as step 3 begins (after the checkpoint of step 2)
     monkeypatch.setenv(FAULT_ENV, "1:3")
@@ -94,9 +94,9 @@ def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
     straight_dir.mkdir()
     cfg = dict(steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120)
     resumed = train_local(PLAN, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=str(ckpt), resume=True,  # type: ignore[arg-type]
-                                            state_dir=str(resumed_dir)), start_method="fork")
+                                            state_dir=str(resumed_dir)), start_method="forkserver")
     straight = train_local(PLAN, TrainConfig("gpt2-tiny", **cfg, state_dir=str(straight_dir)),  # type: ignore[arg-type]
-                           start_method="fork")
+                           start_method="forkserver")
     assert resumed["first_step"] == 2 and len(resumed["loss"]) == 3 and len(straight["loss"]) == 5
     assert resumed["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
     a, b = _weights(resumed_dir), _weights(straight_dir)
@@ -111,11 +111,11 @@ def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
     other = Plan("gpt2-tiny", PLAN.virtual_workers, micro_batch_size=2, micro_batches=4)
     with pytest.raises(PartitionerError, match=r"manifest.json: global_batch = 4 .*: this plan's is 8"):
         train_local(other, TrainConfig("gpt2-tiny", **{**cfg, "steps": 8}, checkpoint_dir=str(ckpt),  # type: ignore[arg-type]
-                                       resume=True), start_method="fork")
+                                       resume=True), start_method="forkserver")
     # and one that already reached --steps
     with pytest.raises(PartitionerError, match="the last complete checkpoint is of step 5, not before `steps` 5"):
         train_local(PLAN, TrainConfig("gpt2-tiny", **cfg, checkpoint_dir=str(ckpt), resume=True),  # type: ignore[arg-type]
-                    start_method="fork")
+                    start_method="forkserver")
 
 
 # plans of the same global batch (4 samples) that split gpt2-tiny otherwise
@@ -135,11 +135,11 @@ def test_resume_on_another_plan_continues_the_run(new_plan: Plan, tmp_path: Path
     cfg = dict(warmup=0, lr=0.3, threads=1, timeout_s=120, progress=False)
     ckpt = str(tmp_path / "ckpt")
     train_local(PLAN, TrainConfig("gpt2-tiny", steps=2, checkpoint_dir=ckpt, **cfg),  # type: ignore[arg-type]
-                start_method="fork")
+                start_method="forkserver")
     saved = load_state(ckpt, 2)
     resumed = train_local(new_plan, TrainConfig("gpt2-tiny", steps=4, checkpoint_dir=ckpt, resume=True,  # type: ignore[arg-type]
-                                                checkpoint_every=3, **cfg), start_method="fork")
-    straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=4, **cfg), start_method="fork")  # type: ignore[arg-type]
+                                                checkpoint_every=3, **cfg), start_method="forkserver")
+    straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=4, **cfg), start_method="forkserver")  # type: ignore[arg-type]
     assert resumed["first_step"] == 2 and len(resumed["loss"]) == 2
     # the same data, the same weights: the losses go on as the run on the first plan did (up to the order of sums)
     assert resumed["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
@@ -186,10 +186,10 @@ def test_a_failing_or_exiting_rank_is_one_line() -> None:
     from runtime.launch import spawn_local
 
     with pytest.raises(PartitionerError) as err:
-        spawn_local(_fails_on_rank_1, 2, timeout_s=60, start_method="fork", rank_names=["device a", "device b"])
+        spawn_local(_fails_on_rank_1, 2, timeout_s=60, start_method="forkserver", rank_names=["device a", "device b"])
     assert str(err.value) == "rank 1 (device b) failed: stage 1 cannot be built"
     with pytest.raises(PartitionerError, match=r"^rank 0 exited with code 3; the other processes were stopped$"):
-        spawn_local(_exits_on_rank_0, 2, timeout_s=60, start_method="fork")
+        spawn_local(_exits_on_rank_0, 2, timeout_s=60, start_method="forkserver")
 
 
 def test_each_torchrun_attempt_rendezvous_under_its_own_keys() -> None:
@@ -238,7 +238,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path: Path
     assert m["first_step"] == 2 and len(m["loss"]) == 3  # lost the steps after the last checkpoint only
     assert m["torchrun_restarts"] == 1  # the attempt that finished is torchrun's first restart
     straight = train_local(PLAN, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120),
-                           start_method="fork")
+                           start_method="forkserver")
     assert m["loss"] == pytest.approx(straight["loss"][2:], rel=1e-5)
     assert latest_complete(str(ckpt)).step == 5  # type: ignore[union-attr]
 
@@ -273,7 +273,7 @@ def test_unusable_checkpoint_dir_is_refused_before_any_step(tmp_path: Path, caps
 def _checkpoint(root: Path) -> None:
     """A complete checkpoint of PLAN at step 2."""
     train_local(PLAN, TrainConfig("gpt2-tiny", steps=2, warmup=0, threads=1, timeout_s=120, progress=False,
-                                  checkpoint_dir=str(root)), start_method="fork")
+                                  checkpoint_dir=str(root)), start_method="forkserver")
 
 
 @pytest.mark.parametrize(("damage", "expect"), [

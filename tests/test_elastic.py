@@ -28,7 +28,7 @@ def forked(monkeypatch: pytest.MonkeyPatch) -> None:
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="forkserver", **kw))
 
 
 def _args(tmp_path: Path, plan: Plan) -> list[str]:
@@ -76,7 +76,7 @@ def _assert_the_new_plan_from_step_2_runs_the_same(new: Plan, ckpt: Path, losses
     shutil.copytree(step_dir(str(ckpt), 2), step_dir(str(ref), 2))
     reference = train_local(new, TrainConfig("gpt2-tiny", steps=5, warmup=0, lr=0.3, threads=1, timeout_s=120,
                                              checkpoint_dir=str(ref), resume=True, checkpoint_every=2),
-                            start_method="fork")
+                            start_method="forkserver")
     assert reference["first_step"] == 2 and losses == reference["loss"]  # to the bit
     ended, expected = load_state(str(ckpt), 5), load_state(str(ref), 5)
     assert set(ended) == set(expected)

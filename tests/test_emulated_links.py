@@ -133,8 +133,9 @@ def _delay_rank(rank: int, world: int, out: str) -> None:
     Path(out, f"rank{rank}.txt").write_text("\n".join(" ".join(map(repr, r)) for r in rows))
 
 
+@pytest.mark.slow  # wall-clock intervals of 15-50 ms: a loaded machine moves them
 def test_a_modelled_allreduce_takes_its_time_and_an_overlapped_one_adds_nothing(tmp_path: Path) -> None:
-    spawn_local(_delay_rank, 2, (str(tmp_path),), timeout_s=60, start_method="fork")
+    spawn_local(_delay_rank, 2, (str(tmp_path),), timeout_s=60, start_method="forkserver")
     rows = [[tuple(map(float, line.split())) for line in (tmp_path / f"rank{r}.txt").read_text().splitlines()]
             for r in (0, 1)]
     blocking, added = [], []
@@ -164,7 +165,7 @@ def test_sync_and_wsp_d0_global_models_agree_and_time_bounds_stop_early() -> Non
         plan = _plan(schedule, 0, DEVICES[:2])
         cfg = TrainConfig("gpt2-tiny", steps=4, warmup=0, lr=0.5, threads=1, timeout_s=60, data="text",
                           eval_global=True)
-        out[schedule] = train_local(plan, cfg, start_method="fork")
+        out[schedule] = train_local(plan, cfg, start_method="forkserver")
     sync, wsp = out["1f1b"]["global_eval"], out["wsp"]["global_eval"]
     assert [g["iteration"] for g in sync] == [g["iteration"] for g in wsp] == [0, 1, 2, 3]
     # WSP with D = 0 and one device per worker is synchronous SGD: the same global models
@@ -174,7 +175,7 @@ def test_sync_and_wsp_d0_global_models_agree_and_time_bounds_stop_early() -> Non
     plan = _plan("1f1b", 0, DEVICES[:2])
     emu = emulation_for(plan, prof, CLUSTER, reference="A100", links=True)
     m = train_local(plan, TrainConfig("gpt2-tiny", steps=10_000, warmup=0, threads=1, timeout_s=60, data="text",
-                                      max_seconds=0.5, emulation=emu), start_method="fork")
+                                      max_seconds=0.5, emulation=emu), start_method="forkserver")
     n = len(m["step_s"])
     assert 1 <= n < 10_000 and m["iterations_per_worker"] == [n, n]
     assert sum(m["step_s"]) < 0.5 + 2 * max(m["step_s"])
@@ -202,7 +203,7 @@ def test_wsp_by_time_keeps_the_staleness_bound_under_random_delays(draw: int, mo
     monkeypatch.setattr(wsp_mod.WspExecutor, "_forward", slow_forward)  # inherited by the forked ranks
     plan = _plan("wsp", d, DEVICES[:workers])
     m = train_local(plan, TrainConfig("gpt2-tiny", steps=10_000, warmup=0, threads=1, timeout_s=60, data="synthetic",
-                                      max_seconds=0.6, eval_global=True), start_method="fork")
+                                      max_seconds=0.6, eval_global=True), start_method="fork")  # (fork: the patch above)
     done = m["iterations_per_worker"]
     assert min(done) >= 1 and max(done) - min(done) <= d + 1
     ranks = m["ranks"]

@@ -188,7 +188,7 @@ def _weights(plan: Plan, tmp: Path, emulation: object | None, **kw: object) -> t
     tmp.mkdir()
     cfg = TrainConfig(plan.model, steps=3, warmup=1, lr=0.3, seed=1, threads=1, timeout_s=60, state_dir=str(tmp),
                       progress=False, emulation=emulation, **kw)  # type: ignore[arg-type]
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     out: dict[str, torch.Tensor] = {}
     for r in range(metrics["world_size"]):
         for state in torch.load(tmp / f"rank{r}.pt").values():
@@ -232,7 +232,7 @@ def test_cli_says_it_is_an_emulation(tmp_path: Path, capsys: pytest.CaptureFixtu
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="forkserver", **kw))
     out = tmp_path / "m.json"
     rc = cli.main(["train", *_write(tmp_path, PLAN, _profile()), "--emulate", "--steps", "3", "--warmup", "1",
                    "--threads", "1", "-o", str(out)])

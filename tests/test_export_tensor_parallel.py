@@ -204,7 +204,7 @@ def test_the_tensor_parallel_torch_export_trains_like_one_process(plan: Plan, tm
     steps, lr, seed = 3, 0.05, 1
     export = export_plan(plan, "torch-pipelining")
     spawn_local(_tp_rank, export["world_size"], (export, steps, lr, seed, str(tmp_path)), threads=1, timeout_s=120,
-                start_method="fork")
+                start_method="forkserver")
     ref = reference_weights(plan, steps, lr, seed)
     per_worker: list[dict[str, torch.Tensor]] = [{} for _ in plan.virtual_workers]
     last_losses = []
@@ -260,10 +260,10 @@ def test_an_fp16_tensor_parallel_plan_trains_like_the_runtime(tmp_path: Path) ->
     plan = Plan("gpt2-tiny", TP2_PP2.virtual_workers, "1f1b", 2, 4, pricing=CostOptions(precision="fp16"))
     steps = 5
     export = export_plan(plan, "torch-pipelining")
-    spawn_local(_fp16_rank, 4, (export, steps, str(tmp_path)), threads=1, timeout_s=120, start_method="fork")
+    spawn_local(_fp16_rank, 4, (export, steps, str(tmp_path)), threads=1, timeout_s=120, start_method="forkserver")
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     ours = train_local(plan, TrainConfig("gpt2-tiny", steps=steps, warmup=0, lr=0.001, seed=0, threads=1,
-                                         timeout_s=120, data="text", progress=False), start_method="fork")
+                                         timeout_s=120, data="text", progress=False), start_method="forkserver")
     assert ours["precision"] == "fp16" and ours["optimizer"] == "adam"
     assert got[2]["losses"] == got[3]["losses"] == pytest.approx(ours["loss"], rel=1e-5)
     assert {(g["scale"], g["skipped"]) for g in got} == {(r["loss_scale"]["final"], r["loss_scale"]["skipped_steps"])

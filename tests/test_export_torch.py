@@ -56,7 +56,7 @@ def _torch_rank(rank: int, world: int, export: dict[str, Any], steps: int, lr: f
 def _run_torch(plan: Plan, tmp: Path, steps: int, lr: float, seed: int) -> tuple[list[dict], list[float]]:
     export = export_plan(plan, "torch-pipelining")
     spawn_local(_torch_rank, export["world_size"], (export, steps, lr, seed, str(tmp)), threads=1, timeout_s=90,
-                start_method="fork")
+                start_method="forkserver")
     weights: list[dict] = [{} for _ in plan.virtual_workers]
     losses: list[list[float]] = []
     for r in range(export["world_size"]):
@@ -71,7 +71,7 @@ def _run_torch(plan: Plan, tmp: Path, steps: int, lr: float, seed: int) -> tuple
 def _run_runtime(plan: Plan, tmp: Path, steps: int, lr: float, seed: int) -> tuple[list[dict], list[float]]:
     cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=90,
                       state_dir=str(tmp), data="synthetic")  # torch's side: the same inputs, loss = mean output
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     layout = plan_layout(plan, _chain(plan.model).num_layers)
     weights: list[dict] = [{} for _ in plan.virtual_workers]
     for r in layout.ranks:
@@ -162,7 +162,7 @@ def test_deepspeed_pipeline_module_takes_the_exported_parts(cuts: list[int], tmp
     plan = Plan("toy", (worker(cuts, ["a:0", "a:1"]),), micro_batch_size=2, micro_batches=4)
     export = export_plan(plan, "deepspeed")
     # (a first deepspeed.init_distributed on a CPU machine compiles a communication op: minutes)
-    spawn_local(_deepspeed_rank, 2, (export, str(tmp_path)), threads=1, timeout_s=600, start_method="fork")
+    spawn_local(_deepspeed_rank, 2, (export, str(tmp_path)), threads=1, timeout_s=600, start_method="forkserver")
     for r in range(2):
         got = torch.load(tmp_path / f"ds{r}.pt")
         assert got["parts"] == cuts

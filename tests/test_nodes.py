@@ -62,7 +62,7 @@ def test_two_torchrun_nodes_train_what_local_trains(tmp_path: Path) -> None:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
     across = json.loads(out.read_text())
-    local = train_local(PLAN, TrainConfig("gpt2-tiny", steps=3, warmup=1, threads=1), start_method="fork")
+    local = train_local(PLAN, TrainConfig("gpt2-tiny", steps=3, warmup=1, threads=1), start_method="forkserver")
     assert across["world_size"] == 3
     assert [r["device"] for r in across["ranks"]] == ["n1:0", "n0:1", "n0:0"]
     assert across["loss"] == pytest.approx(local["loss"], rel=1e-6)

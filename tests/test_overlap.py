@@ -160,7 +160,7 @@ def _trained(plan: Plan, tmp: Path) -> tuple[dict[str, object], dict[str, torch.
 
     cfg = TrainConfig(plan.model, steps=3, warmup=0, lr=0.05, seed=1, threads=1, timeout_s=60, state_dir=str(tmp),
                       progress=False)
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(tmp.glob("rank*.pt")):
         for state in torch.load(f).values():

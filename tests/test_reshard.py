@@ -79,7 +79,7 @@ def _save(rank: int, world: int, plan: Plan, root: str, step: int) -> None:
 
 
 def save(plan: Plan, root: Path, step: int = 3) -> None:
-    spawn_local(_save, plan_layout(plan, 5).world_size, (plan, str(root), step), timeout_s=60, start_method="fork")
+    spawn_local(_save, plan_layout(plan, 5).world_size, (plan, str(root), step), timeout_s=60, start_method="forkserver")
 
 
 @pytest.mark.parametrize("writer", [A, D], ids=["saved-by-A", "saved-by-D"])

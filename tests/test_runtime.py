@@ -51,7 +51,7 @@ def trained_weights(plan: Plan, tmp_path: Path, steps: int, lr: float, seed: int
     """Train with the runtime; returns each virtual worker's full set of weights."""
     cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=60,
                       state_dir=str(tmp_path), data=data, **options)  # type: ignore[arg-type]
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     assert len(metrics["step_s"]) == steps - metrics["first_step"]
     layout = plan_layout(plan, zoo_chain(plan.model).num_layers)
     out: list[dict[str, torch.Tensor]] = [{} for _ in plan.virtual_workers]
@@ -208,7 +208,7 @@ def test_cli_trains_and_writes_metrics(tmp_path: Path, capsys: pytest.CaptureFix
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="forkserver", **kw))
     plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), micro_batch_size=2, micro_batches=2)
     out = tmp_path / "metrics.json"
     rc = cli.main(["train", *_paths(tmp_path, plan, _cpu_profile("gpt2-tiny", 4)), "--model", "gpt2-tiny", "--local",
@@ -263,7 +263,7 @@ def test_torchrun_and_local_train_the_same(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     via_torchrun = json.loads(out.read_text())
-    local = train_local(plan, TrainConfig("gpt2-tiny", steps=3, warmup=1, threads=1), start_method="fork")
+    local = train_local(plan, TrainConfig("gpt2-tiny", steps=3, warmup=1, threads=1), start_method="forkserver")
     assert via_torchrun["world_size"] == 2
     assert via_torchrun["loss"] == pytest.approx(local["loss"], rel=1e-6)
 
@@ -341,7 +341,7 @@ def test_wsp_completes_for_random_p_m_staleness(draw: int, tmp_path: Path) -> No
     plan = Plan("vgg19-tiny", (worker(cuts, [f"n0:{k}" for k in range(p)]),), schedule="wsp", micro_batch_size=2,
                 micro_batches=m, staleness=d)
     cfg = TrainConfig(plan.model, steps=d + 3, warmup=1, threads=1, timeout_s=60)
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     assert len(metrics["step_s"]) == len(metrics["loss"]) == d + 3
     assert all(t > 0 for t in metrics["step_s"])
 
@@ -390,7 +390,7 @@ def test_2bw_follows_its_update_rule(cuts: list[list[int]], m: int, tmp_path: Pa
     ref, ref_losses = twobw_reference(plan, steps, lr, 1)
     cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=1, threads=1, timeout_s=60,
                       state_dir=str(tmp_path))
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     assert metrics["loss"] == pytest.approx(ref_losses, rel=1e-4)
     layout = plan_layout(plan, 4)
     got: list[dict[str, torch.Tensor]] = [{} for _ in plan.virtual_workers]

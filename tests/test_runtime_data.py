@@ -93,7 +93,7 @@ def test_data_that_does_not_fit_the_model_is_refused() -> None:
 def test_training_on_text_lowers_the_loss() -> None:
     plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), micro_batch_size=8, micro_batches=2)
     m = train_local(plan, TrainConfig("gpt2-tiny", steps=16, warmup=1, lr=0.5, threads=1, timeout_s=120),
-                    start_method="fork")
+                    start_method="forkserver")
     loss = m["loss"]
     assert m["data"] == "text" and len(loss) == 16
     # a byte-level model starts near ln(512) = 6.2 and learns the bytes' frequencies quickly
@@ -156,7 +156,7 @@ def test_user_model_trains_from_the_cli(user_module: str, tmp_path: Path, capsys
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="forkserver", **kw))
     ref = f"{user_module}:mlp"
     out = tmp_path / "m.json"
     rc = cli.main(["train", *_user_files(tmp_path, ref, [0, 2, 3], 3), "--model", ref, "--local", "--steps", "12",

@@ -81,7 +81,7 @@ def test_a_plan_that_recomputes_trains_what_a_plain_plan_trains(tmp_path) -> Non
         root.mkdir()
         cfg = TrainConfig("gpt2-tiny", steps=3, warmup=1, lr=0.3, seed=1, threads=1, timeout_s=60,
                           state_dir=str(root), progress=False)
-        metrics = train_local(p, cfg, start_method="fork")
+        metrics = train_local(p, cfg, start_method="forkserver")
         out: dict[str, torch.Tensor] = {}
         for r in range(metrics["world_size"]):
             for state in torch.load(root / f"rank{r}.pt").values():

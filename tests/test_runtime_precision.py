@@ -78,7 +78,7 @@ def test_half_precision_matches_one_process_doing_the_same(precision: str, tmp_p
     steps, lr, seed = 3, 0.05, 1
     cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=90,
                       state_dir=str(tmp_path), data="text")
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     assert (metrics["optimizer"], metrics["precision"]) == ("sgd", precision)
     ref, ref_loss = one_process(plan, steps, lr, seed)
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-4)
@@ -97,7 +97,7 @@ def test_half_precision_matches_one_process_doing_the_same(precision: str, tmp_p
         assert all(r["loss_scale"] == {"final": 2.0**16, "skipped_steps": 0} for r in metrics["ranks"])
     # half precision is not fp32: the losses differ from an fp32 run, a little
     fp32 = train_local(two_workers("fp32"), TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1,
-                                                          timeout_s=90, data="text"), start_method="fork")
+                                                          timeout_s=90, data="text"), start_method="forkserver")
     assert metrics["loss"] != fp32["loss"]
     assert metrics["loss"] == pytest.approx(fp32["loss"], rel=2e-2)
 
@@ -116,7 +116,7 @@ def test_loss_scaling_skips_a_step_on_every_rank_when_one_overflows(tmp_path: Pa
     try:
         plan = two_workers("fp16")
         metrics = train_local(plan, TrainConfig(plan.model, steps=2, warmup=0, lr=0.05, seed=1, threads=1, timeout_s=90,
-                                                state_dir=str(tmp_path), data="text"), start_method="fork")
+                                                state_dir=str(tmp_path), data="text"), start_method="forkserver")
     finally:
         recipe.LossScaler.__init__ = real  # type: ignore[method-assign]
     scales = [r["loss_scale"] for r in metrics["ranks"]]
@@ -164,7 +164,7 @@ def test_cli_trains_the_plans_recipe_and_prints_memory(extra: list[str], optimiz
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="forkserver", **kw))
     plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["n0:0", "n0:1"]),), micro_batch_size=2, micro_batches=2,
                 pricing=CostOptions(precision="fp16"))
     plan.save(tmp_path / "plan.json")

@@ -28,7 +28,7 @@ def _train(plan: Plan, root) -> tuple[list[float], dict[str, torch.Tensor], dict
     root.mkdir()
     cfg = TrainConfig("gpt2-tiny", steps=3, warmup=1, lr=0.3, seed=1, threads=1, timeout_s=120,
                       state_dir=str(root), progress=False)
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     out: dict[str, torch.Tensor] = {}
     for r in range(metrics["world_size"]):
         for state in torch.load(root / f"rank{r}.pt").values():

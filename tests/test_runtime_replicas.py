@@ -198,7 +198,7 @@ def test_cli_shares_micro_batches_by_the_replicas_speeds(tmp_path: Path, capsys:
     import runtime.launch as launch
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="forkserver", **kw))
     _mixed(tmp_path)  # the slow type takes twice as long: of 3 micro-batches the fast replica runs 2, the slow 1
     plan = Plan("gpt2-tiny", (_stages([0, 2, 4], [("n0:0",), ("n0:1", "n0:2")]),), micro_batch_size=2,
                 micro_batches=3)
@@ -288,7 +288,7 @@ def test_2bw_replicated_stage_follows_its_update_rule(devices: list[tuple[str, .
     ref, ref_losses = twobw_reference(plan, steps, lr, 1)
     cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=1, threads=1, timeout_s=60,
                       state_dir=str(tmp_path))
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     assert metrics["loss"] == pytest.approx(ref_losses, rel=1e-4)  # summed over a replicated last stage
     got: list[dict[str, torch.Tensor]] = [{} for _ in plan.virtual_workers]
     for r in plan_layout(plan, 4).ranks:

@@ -128,7 +128,7 @@ def _train(plan: Plan, out: Path, steps: int, lr: float, seed: int) -> tuple[dic
     out.mkdir()
     cfg = TrainConfig(plan.model, steps=steps, warmup=0, lr=lr, seed=seed, threads=1, timeout_s=120,
                       state_dir=str(out))  # (a loaded machine can take a minute to connect the processes)
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     weights: dict[str, torch.Tensor] = {}
     for r in plan_layout(plan, 4).ranks:
         for state in torch.load(out / f"rank{r.rank}.pt").values():

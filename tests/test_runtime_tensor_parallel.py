@@ -163,7 +163,7 @@ def test_a_users_model_with_its_own_plan_matches_one_process(tmp_path: Path) -> 
         x, y = source.global_batch(step)
         source.loss(model(x), y).backward()
         opt.step()
-    metrics = train_local(plan, config, start_method="fork")
+    metrics = train_local(plan, config, start_method="forkserver")
     assert metrics["world_size"] == 8 and [r["tp_rank"] for r in metrics["ranks"]] == [0, 1, 0, 0, 1, 0, 1, 0]
     layout = prepare(plan, config).layout
     for r in layout.ranks:
@@ -180,15 +180,15 @@ def test_a_tensor_parallel_checkpoint_resumes_on_a_plan_without_tensor_paralleli
     tp1 = Plan("gpt2-tiny", (pipeline((0, 3, "n0:0"), (3, 4, "n0:1")),), "1f1b", 2, 2)
     tp4 = Plan("gpt2-tiny", (pipeline((0, 4, "n0:0-3")),), "1f1b", 2, 2)
     cfg = {"warmup": 0, "lr": 0.3, "seed": 3, "threads": 1, "timeout_s": 60}
-    whole = train_local(tp1, TrainConfig("gpt2-tiny", steps=6, **cfg), start_method="fork")["loss"]  # type: ignore[arg-type]
+    whole = train_local(tp1, TrainConfig("gpt2-tiny", steps=6, **cfg), start_method="forkserver")["loss"]  # type: ignore[arg-type]
     ckpt = str(tmp_path / "ckpt")
-    first = train_local(tp2, TrainConfig("gpt2-tiny", steps=2, checkpoint_dir=ckpt, **cfg), start_method="fork")  # type: ignore[arg-type]
+    first = train_local(tp2, TrainConfig("gpt2-tiny", steps=2, checkpoint_dir=ckpt, **cfg), start_method="forkserver")  # type: ignore[arg-type]
     saved = load_state(ckpt, 2)  # the shards of the two ranks of each group, whole by name
     assert saved[model_key(1, "attn.qkv.weight")].shape == (192, 64) and not any(k.startswith(OPTIM) for k in saved)
     then = train_local(tp1, TrainConfig("gpt2-tiny", steps=4, checkpoint_dir=ckpt, resume=True, **cfg),  # type: ignore[arg-type]
-                       start_method="fork")
+                       start_method="forkserver")
     last = train_local(tp4, TrainConfig("gpt2-tiny", steps=6, checkpoint_dir=ckpt, resume=True, **cfg),  # type: ignore[arg-type]
-                       start_method="fork")
+                       start_method="forkserver")
     assert (then["first_step"], last["first_step"]) == (2, 4)
     assert first["loss"] + then["loss"] + last["loss"] == pytest.approx(whole, rel=1e-5)
 
@@ -236,12 +236,12 @@ def test_a_checkpoint_of_shards_loads_into_plans_of_other_degrees_bit_for_bit(wr
              "tp2-dp2": Plan("gpt2-tiny", (pipeline((0, 4, "n0:0-1")), pipeline((0, 4, "n1:0-1"))), "1f1b", 2, 1)}
     root = str(tmp_path)
     spawn_local(_adam_shards, plan_layout(plans[writer], 4).world_size, (plans[writer], root, "save"), timeout_s=60,
-                start_method="fork")
+                start_method="forkserver")
     saved = load_state(root, 3)
     assert any(k.endswith("attn.qkv.weight.exp_avg_sq") for k in saved)
     for name, plan in plans.items():
         world = plan_layout(plan, 4).world_size
-        spawn_local(_adam_shards, world, (plan, root, "load"), timeout_s=60, start_method="fork")
+        spawn_local(_adam_shards, world, (plan, root, "load"), timeout_s=60, start_method="forkserver")
         seen: set[str] = set()
         for rank in range(world):
             for key, value in torch.load(Path(root) / f"loaded{rank}.pt").items():

@@ -27,7 +27,7 @@ def _train(plan: Plan, root, optimizer: str = "adam") -> tuple[list[float], dict
     root.mkdir()
     cfg = TrainConfig("gpt2-tiny", steps=3, warmup=1, lr=0.01, seed=1, threads=1, timeout_s=120,
                       state_dir=str(root), progress=False, optimizer=optimizer)
-    metrics = train_local(plan, cfg, start_method="fork")
+    metrics = train_local(plan, cfg, start_method="forkserver")
     out: dict[str, torch.Tensor] = {}
     for r in range(metrics["world_size"]):
         for state in torch.load(root / f"rank{r}.pt").values():
@@ -83,7 +83,7 @@ def test_train_reports_the_sharded_model_state_the_cost_model_prices(tmp_path, m
     from runtime.stage import build_stage, zoo_chain
 
     real = launch.train_local
-    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="fork", **kw))
+    monkeypatch.setattr(launch, "train_local", lambda plan, cfg, **kw: real(plan, cfg, start_method="forkserver", **kw))
     chain = zoo_chain("gpt2-tiny", 2)
     layers = tuple(LayerProfile(name, 1.0, float(sum(p.numel() * 4 for p in build_stage(chain, i, i + 1).parameters())),
                                 4096.0, 4096.0, {"cpu": LayerTime(1e-3, 2e-3)})

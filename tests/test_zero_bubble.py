@@ -399,7 +399,7 @@ def test_emulated_zb_h1_is_faster_than_1f1b_as_predicted() -> None:
         emulation = emulation_for(plan, profile, cluster, reference="H100-SXM5-80GB")
         predicted[schedule] = predict_emulated(plan, profile, cluster, reference="H100-SXM5-80GB").iteration_s
         runs = [train_local(plan, TrainConfig("gpt2-tiny", steps=6, warmup=2, threads=1, progress=False,
-                                              emulation=emulation), start_method="fork")["measured_iteration_s"]
+                                              emulation=emulation), start_method="forkserver")["measured_iteration_s"]
                 for _ in range(2)]
         measured[schedule] = min(runs)
     assert predicted["zb-h1"] < 0.85 * predicted["1f1b"]
