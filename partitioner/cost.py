@@ -31,7 +31,10 @@ bytes counting a tensor kept by two adjacent layers of the stage once
 (``LayerProfile.shared_saved_bytes``). ``reserved_bytes`` is the framework's own memory per GPU
 (CUDA context, communication buffers, allocator slack). The stage that ends the model adds the
 training loss: ``loss_saved_bytes * activations_in_flight + loss_work_bytes`` (the profile's
-last layer; partitioner/loss_memory.py).
+last layer; partitioner/loss_memory.py). Every stage adds the boundary tensors the pipeline
+executor holds besides saved activations (:meth:`CostModel.boundary_held_bytes`):
+``2 * output * activations_in_flight`` where a next stage exists (its output and its gradient's
+receive buffer) and ``input`` where a previous one does (an activation receive posted ahead).
 
 Data-parallel gradient synchronisation: every set of devices that hold the same layers (virtual
 workers, replicated stages) all-reduces those layers' gradients (``n * e`` bytes) once per
@@ -648,7 +651,8 @@ class CostModel:
     def _memory_prefix_of(self, in_flight: int, weight_versions: int, holders: int) -> tuple[np.ndarray, np.ndarray]:
         """(at stop, at start): stage memory is ``q_stop[j] - q_start[i]`` + reserved. Under full
         recomputation a stage keeps its input per micro-batch in flight and, during one backward,
-        its activations of that micro-batch: ``w + saved(i, j) + (n - 1) input(i)``."""
+        its activations of that micro-batch: ``w + saved(i, j) + (n - 1) input(i)``. Either way plus
+        :meth:`boundary_held_bytes`: ``2 n output(j) + input(i)``."""
         w = self.param_count_prefix * self.options.sharded_bytes_per_parameter(weight_versions, holders)
         if self.recompute == "full":
             q_stop, q_start = w + self.saved_stop, w + self.saved_start - self.boundary * max(in_flight - 1, 0)
@@ -656,6 +660,9 @@ class CostModel:
             q_stop, q_start = w + self.saved_stop * in_flight, w + self.saved_start * in_flight
         # the stage that ends the model also holds the loss's tensors (outside any recomputation)
         q_stop[-1] += self.loss_saved_bytes * in_flight + self.loss_work_bytes
+        # and what the executor holds besides (boundary_held_bytes; 0 at both ends of the chain)
+        q_stop += self.boundary * (2 * in_flight)
+        q_start -= self.boundary
         q_stop.flags.writeable = q_start.flags.writeable = False
         return q_stop, q_start
 
@@ -674,17 +681,22 @@ class CostModel:
         """For each start ``i`` in ``rows``, the largest ``stop`` with
         ``stage_memory_bytes(i, stop) <= capacity_bytes`` (``i`` itself when not even one layer fits).
 
-        Stage memory grows with ``stop`` (a prefix-sum difference), so the fitting stops form a
-        prefix: a sorted search per row finds its end, and an exact check of the boundary with
-        the scalar formula settles any rounding, so the answer agrees with
-        :meth:`stage_memory_bytes` to the bit. ``O(L log L)`` instead of an ``L x L`` matrix.
+        Stage memory grows with ``stop`` but for the boundary the stage holds
+        (:meth:`boundary_held_bytes`), so a stop below the answer need not fit: the answer bounds the
+        fitting stops (the solvers check each stage exactly, :meth:`memory_matrix`). A sorted search
+        per row of the prefix's suffix minimum, and an exact check of the answer with the scalar
+        formula settles any rounding, so it agrees with :meth:`stage_memory_bytes` to the bit.
+        ``O(L log L)`` instead of an ``L x L`` matrix.
         """
         if tensor_parallel != 1:
             return self.at_degree(tensor_parallel).max_stop(in_flight, schedule, capacity_bytes, rows, 1, holders)
         q_stop, q_start = self._memory_prefix(in_flight, schedule, holders)
         reserved = self.options.reserved_bytes
         starts = np.arange(self.num_layers + 1)[rows]
-        top = np.searchsorted(q_stop, capacity_bytes - reserved + q_start[starts], side="right") - 1
+        # the output a stage keeps (boundary_held_bytes) makes q_stop rise and fall: the largest stop
+        # under a bound is the last place the suffix minimum (non-decreasing) is under it
+        least_after = np.minimum.accumulate(q_stop[::-1])[::-1]
+        top = np.searchsorted(least_after, capacity_bytes - reserved + q_start[starts], side="right") - 1
         top = np.clip(top, starts, self.num_layers)
 
         def fits(j: np.ndarray) -> np.ndarray:
@@ -719,6 +731,22 @@ class CostModel:
         if self.recompute != "full":
             return loss
         return float(self.saved_stop[stop] - self.saved_start[start]) - float(self.boundary[start]) + loss
+
+    def boundary_held_bytes(self, start: int, stop: int, tensor_parallel: int = 1) -> tuple[float, float]:
+        """``(per micro-batch in flight, fixed)``: the boundary tensors the pipeline executor
+        (:mod:`runtime.executor`) holds for layers ``[start, stop)`` besides their saved activations.
+
+        Per micro-batch in flight, where a next stage exists: the stage's output, kept from its
+        forward to its backward (sent, then the root of the backward; an unwaited send cannot free it
+        sooner), and the receive buffer of its gradient, posted once the forward ran and the channel's
+        order allows (by the first backward of the drain, every micro-batch in flight has one):
+        ``2 output(stop)``. Fixed, where a previous stage exists: the activation receive posted ahead,
+        at most one per peer beyond what the schedule holds: ``input(start)``. A stage's input once
+        taken is the input its first layer saves (priced in its saved bytes). 0 at both ends of the
+        chain, so a one-stage plan holds none."""
+        if tensor_parallel != 1:
+            return self.at_degree(tensor_parallel).boundary_held_bytes(start, stop)
+        return 2.0 * float(self.boundary[stop]), float(self.boundary[start])
 
     def weight_bytes(self, start: int, stop: int, versions: int = 1, tensor_parallel: int = 1,
                      holders: int = 1) -> float:

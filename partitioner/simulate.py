@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,6 +152,7 @@ class _Ranks:
     names: list[str] = field(default_factory=list)
     rank_worker: list[int] = field(default_factory=list)
     act_bytes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    posted: list[float] = field(default_factory=list)  # activation receive buffers posted ahead
     weights: list[list[tuple[int, int]]] = field(default_factory=list)
     coll_size: dict[int, int] = field(default_factory=dict)
     links: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -216,7 +218,7 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster, options: CostO
     if any(pc[r] < len(ranks.ops[r]) for r in range(len(ranks.ops))):
         raise_deadlock([to_actions(c) for c in ranks.columns], pc, ranks.names, ranks.rank_worker)
     return _summarise(plan, cost, n_iter, ranks.columns, starts, ends, ranks.names, ranks.rank_worker,
-                      ranks.act_bytes, ranks.weights, notes, wave_groups)
+                      ranks.act_bytes, ranks.weights, notes, wave_groups, ranks.posted)
 
 
 def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, pipe: PipelinePlacement,
@@ -245,6 +247,8 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
         saved = (np.array([cs.activation_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]),
                  np.array([cs.weight_grad_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]),
                  np.array([cs.recompute_peak_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]))
+        out_held, posted = _boundary_held(col, modes, pipe.stages, t)
+        saved = (saved[0] + out_held, saved[1] + out_held, saved[2])
         col = _with_allreduce(col, sync.groups_of.get(dev, []), ALLREDUCE.code)
         held = pipe.held(r)
         d, lnk = _durations(ranks, plan, cost, cluster, pipe, dev, r, col, rank_dev, sync.holders)
@@ -257,7 +261,27 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
         ranks.names.append(dev)
         ranks.rank_worker.append(pipe.worker)
         ranks.act_bytes.append(saved)
+        ranks.posted.append(posted)
         ranks.weights.append(list(held))
+
+
+def _boundary_held(col: Columns, modes: list[CostModel], stages: Sequence[tuple[int, int]], t: int
+                   ) -> tuple[np.ndarray, float]:
+    """What the executor holds besides saved activations (:meth:`CostModel.boundary_held_bytes`), from a
+    rank's list: per stage, per micro-batch from its forward to its backward (to its ``W`` where the
+    backward is split: the ``I`` leaves the output and its gradient to the ``W``), the output and its
+    gradient's receive buffer where the stage sends its output (``SEND_ACT``); and the activation
+    receives posted ahead, at most one per peer that sends this rank activations (the largest input
+    of the stages it feeds)."""
+    kind, _, stage, peer, _ = col
+    held = [cs.boundary_held_bytes(a, b, t) for cs, (a, b) in zip(modes, stages, strict=True)]
+    sends = set(stage[kind == SEND_ACT.code].tolist())
+    out = np.array([h[0] if s in sends else 0.0 for s, h in enumerate(held)])
+    per_peer: dict[int, float] = {}
+    recv = kind == RECV_ACT.code
+    for s, q in zip(stage[recv].tolist(), peer[recv].tolist(), strict=True):
+        per_peer[q] = max(per_peer.get(q, 0.0), held[s][1])
+    return out, sum(per_peer.values())
 
 
 def _stage_models(plan: Plan, cost: CostModel, pipe: PipelinePlacement) -> list[CostModel]:
@@ -378,7 +402,8 @@ def _with_allreduce(cols: Columns, groups: list[int], code: int) -> Columns:
 def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
                starts: list[list[float]], ends: list[list[float]], names: list[str],
                rank_worker: list[int], act_bytes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], weights: list[list[tuple[int, int]]],
-               notes: list[str], wave_groups: WaveGroups | None = None) -> Timeline:
+               notes: list[str], wave_groups: WaveGroups | None = None, posted: list[float] | None = None
+               ) -> Timeline:
     sched, m = plan.schedule, plan.micro_batches
     batching = plan.micro_batching
     overlap = cost.overlaps(plan)
@@ -425,7 +450,8 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         busy = np.clip(np.minimum(en[comp], hi) - np.maximum(st[comp], lo), 0.0, None).sum()
         bubble[name] = float(1.0 - busy / (hi - lo)) if hi > lo else 0.0
         # activations held, in program order: +M_B at each forward, -M_B at each backward; a split
-        # backward frees M_B - M_W at its I and M_W at its W (Qi et al.'s accounting)
+        # backward frees M_B - M_W at its I and M_W at its W (Qi et al.'s accounting); M_B and M_W
+        # both count the output and gradient buffer a sending stage holds (_boundary_held)
         kc = kind[comp]
         full, kept = act_bytes[r][0][stage[comp]], act_bytes[r][1][stage[comp]]
         saved = np.where(kc == F.code, full, np.where(kc == I.code, kept - full, np.where(kc == W.code, -kept, -full)))
@@ -441,7 +467,8 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         tp = cost.cluster.device(name).tensor_parallel
         w_bytes = sum(cost.weight_bytes(a, b, live, tp, d) for a0, b0 in weights[r]
                       for a, b, d in _zero_runs(cost, holders, a0, b0))
-        peak_mem[name] = w_bytes + (float(running.max()) if len(running) else 0.0) + cost.options.reserved_bytes
+        peak_mem[name] = (w_bytes + (float(running.max()) if len(running) else 0.0) + (posted[r] if posted else 0.0)
+                          + cost.options.reserved_bytes)
         peak_act[name] = int(count.max()) if len(count) else 0
         versions[name] = live
     gaps = _clock_gaps(columns, en_col, wave_groups) if wave else ()

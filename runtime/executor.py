@@ -25,7 +25,9 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
     the same gradients as ``B``.
 ``SEND_ACT`` / ``SEND_GRAD``
     ``isend`` of the stage's output / input gradient to the peer (posted, not waited: the
-    schedules' matching rule needs sends that do not wait for the receiver).
+    schedules' matching rule needs sends that do not wait for the receiver). An output's sends are
+    waited when its gradient arrives (done by then: the receivers had the output), so its buffer goes
+    with the output at its backward; a gradient's sends are waited at the ``STEP``.
 ``RECV_ACT`` / ``RECV_GRAD``
     ``irecv`` into a buffer of the known shape (posted earlier, see below), waited at once. Activation shapes come from a
     dry pass on the meta device (one for whole micro-batches, one for slices); a gradient has
@@ -129,6 +131,8 @@ class PipelineExecutor:
         # receives, and the step (send completion, gradient averaging, optimizer)
         self.seconds = {"compute": 0.0, "recv": 0.0, "step": 0.0}
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}  # receives posted ahead, by tag
+        # (micro-batch, stage) -> the sends of its output, until its gradient arrives (_release_sent_output)
+        self._sent_outputs: dict[tuple[int, int], list[tuple[Any, torch.Tensor]]] = {}
         self.stretch: Stretch | None = None
         self._split_stages: set[int] = set()  # stages with I actions in the list being run
         self.step_ends: list[float] | None = None  # when set: perf_counter() at the end of every STEP
@@ -163,10 +167,18 @@ class PipelineExecutor:
 
     # -- communication -------------------------------------------------------------------
 
-    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> list[tuple[Any, torch.Tensor]]:
+        """Post the sends of ``tensor`` (not waited); returns them, with the buffer each holds."""
         buf = tensor.detach().contiguous()
-        for dst in self.send_to.get(peer, (self.peers[peer],)):
-            self._pending.append((dist.isend(buf, dst, tag=tag), buf))
+        return [(dist.isend(buf, dst, tag=tag), buf) for dst in self.send_to.get(peer, (self.peers[peer],))]
+
+    def _release_sent_output(self, j: int, s: int) -> None:
+        """The gradient of micro-batch ``j``'s output of stage ``s`` has arrived, so its receivers have
+        the output: wait for the output's sends (done) and drop their buffers, which would otherwise
+        hold the output until the step."""
+        for work, _ in self._sent_outputs.pop((j, s), ()):
+            if work is not None:
+                work.wait()
 
     def _post(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
@@ -188,10 +200,11 @@ class PipelineExecutor:
         return buf
 
     def wait_sends(self) -> None:
-        for work, _ in self._pending:
+        for work, _ in [*self._pending, *(w for sent in self._sent_outputs.values() for w in sent)]:
             if work is not None:
                 work.wait()
         self._pending.clear()
+        self._sent_outputs.clear()
 
     # -- actions -------------------------------------------------------------------------
 
@@ -359,13 +372,14 @@ class PipelineExecutor:
             for earlier in cursor.send(key):
                 self._post_key(a.peer, earlier)
             if k == SEND_ACT:
-                self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
+                sent = self._send(self._outputs[(j, s)], a.peer, message_tag("act", j, s, S))
+                self._sent_outputs.setdefault((j, s), []).extend(sent)
                 return
             g = self._in_grads.pop((j, s))
             if g is None:
                 shape, dtype = self._input_shape(j, s)
                 g = torch.zeros(shape, dtype=dtype, device=self.device)
-            self._send(g, a.peer, message_tag("grad", j, s, S))
+            self._pending.extend(self._send(g, a.peer, message_tag("grad", j, s, S)))
             return
         for needed in cursor.receive(key):
             self._post_key(a.peer, needed)
@@ -375,6 +389,7 @@ class PipelineExecutor:
             self._inputs[(j, s)] = buf.requires_grad_(True)
         else:
             self._out_grads[(j, s)] = buf
+            self._release_sent_output(j, s)
 
     def run(self, actions: Sequence[Action]) -> None:
         """Execute ``actions`` (one rank's list) in order.

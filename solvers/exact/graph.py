@@ -70,6 +70,24 @@ class DagData:
     shared_bytes: np.ndarray  # [p, n]: what stage k saves when v - 1 is in it too
     capacity_bytes: tuple[float, ...]  # device memory less the reserved bytes
     start: ChainSolution | None  # the DP's split of the profile's own order
+    flight: tuple[float, ...] = ()  # micro-batches in flight on each stage
+
+    def boundary_terms(self, k: int) -> list[tuple[float, int, int]]:
+        """Stage ``k``'s boundary tensors (:meth:`partitioner.cost.CostModel.boundary_held_bytes`) as
+        ``(bytes, sender, cut)``: each output crossing cut ``k + 1`` twice per micro-batch in flight
+        (the output and its gradient's buffer), each crossing cut ``k`` once (an activation posted
+        ahead); the bytes count where the sender's crossing variable of that cut is 1."""
+        out = []
+        for u in self.senders():
+            if k + 1 < self.num_stages:
+                out.append((2.0 * self.flight[k] * float(self.own_bytes[u]), u, k + 1))
+            if k > 0:
+                out.append((float(self.own_bytes[u]), u, k))
+        return out
+
+    def most_boundary_bytes(self, k: int) -> float:
+        """The most :meth:`boundary_terms` can add to stage ``k``."""
+        return sum(b for b, _, _ in self.boundary_terms(k))
 
     @property
     def num_stages(self) -> int:
@@ -151,7 +169,8 @@ def dag_data(problem: ChainProblem, hint: bool) -> DagData:
     return DagData(problem, tuple(edges), tuple(tuple(s) for s in succ), time_s, wave,
                    np.array([layer.own_bytes for layer in profile.layers], dtype=np.float64),
                    tuple(per_byte), tuple(out_per_byte), mem, flight[:, None] * shared[None, :],
-                   tuple(d.memory_bytes - reserved for d in devs), dp_split(problem) if hint else None)
+                   tuple(d.memory_bytes - reserved for d in devs), dp_split(problem) if hint else None,
+                   tuple(flight.tolist()))
 
 
 @dataclass(frozen=True)

@@ -32,28 +32,30 @@ def stage_candidates(cost: CostModel, dev: Device, prev: Device | None, nxt: Dev
                      in_flight: int, rows: slice, holders: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """``(top, times)``: for each start ``i`` in ``rows`` the largest stop any mode fits, and
     ``times[i, j]``, the stage time in the first mode (cheapest first) whose stage ``[i, j)`` fits
-    ``dev`` (``inf`` where none does; ``j <= i`` is the caller's to mask). A mode that fits no
-    stage a cheaper one does not is never priced."""
+    ``dev`` (``inf`` where none does: each stage checked with :meth:`CostModel.memory_matrix`, as a
+    stop below ``top`` need not fit; ``j <= i`` is the caller's to mask). A mode that fits no stage a
+    cheaper one does not is never priced."""
     modes = cost.options.recompute_modes
     tops = fitting_stops(cost, in_flight, schedule, dev.memory_bytes, rows, dev.tensor_parallel, holders)
-    if len(modes) == 1:
-        return tops[0], cost.recomputing(modes[0]).pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
-    cols = np.arange(cost.num_layers + 1)
     times: np.ndarray | None = None
-    covered = np.full(len(tops[0]), -1)
-    for mode, top in zip(modes, tops, strict=True):
-        if not np.any(top > covered):
-            continue  # it fits no stage a cheaper mode does not
-        t = cost.recomputing(mode).pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
+    placed: np.ndarray | None = None  # stages a cheaper mode fits
+    for mode in modes:
+        cm = cost.recomputing(mode)
+        fit = cm.memory_matrix(in_flight, schedule, rows, dev.tensor_parallel, holders) <= dev.memory_bytes
+        if placed is not None:
+            fit &= ~placed
+            if not fit.any():
+                continue  # it fits no stage a cheaper mode does not
+        t = cm.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
         if times is None:
-            times = t
-            times[cols[None, :] > top[:, None]] = np.inf
-        else:  # where no cheaper mode fits and this one does
-            new = (cols[None, :] > covered[:, None]) & (cols[None, :] <= top[:, None])
-            times[new] = t[new]
-        covered = np.maximum(covered, top)
+            times, placed = t, fit
+            times[~fit] = np.inf
+        else:
+            assert placed is not None
+            times[fit] = t[fit]
+            placed |= fit
     assert times is not None
-    return covered, times
+    return np.max(tops, axis=0), times
 
 
 def stage_mode(cost: CostModel, dev: Device, schedule: Schedule, in_flight: int, start: int, stop: int,

@@ -149,9 +149,10 @@ def _memory(prob: Any, data: DagData, var: DagVars) -> None:
     x = var.x
     for k in range(p):
         cap = data.capacity_bytes[k]
-        if float(data.mem_bytes[k].sum()) <= cap:
+        if float(data.mem_bytes[k].sum()) + data.most_boundary_bytes(k) <= cap:
             continue
         terms = [float(data.mem_bytes[k, v]) / GIB * x(v, k) for v in range(n)]
+        terms += [b / GIB * var.z[u, c] for b, u, c in data.boundary_terms(k) if b > 0]
         for v in range(1, n):
             sh = float(data.shared_bytes[k, v])
             if sh > 0:  # b <= x[v, k], b <= x[v-1, k]: v and v - 1 both in stage k

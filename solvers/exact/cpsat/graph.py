@@ -139,11 +139,12 @@ def _memory(m: Any, data: DagData, var: DagVars) -> None:
     """M_k <= cap_k for every stage whose layers could overflow it (bytes rounded up to units)."""
     n, p = data.num_layers, data.num_stages
     x = var.x
-    largest = max(max(data.capacity_bytes), float(data.mem_bytes.max(initial=0.0)), 1.0)
+    largest = max(max(data.capacity_bytes), float(data.mem_bytes.max(initial=0.0)), 1.0,
+                  *(b for k in range(p) for b, _, _ in data.boundary_terms(k)))
     unit = max(1.0, largest / MEMORY_UNITS)
     for k in range(p):
         cap = data.capacity_bytes[k]
-        if float(data.mem_bytes[k].sum()) <= cap:
+        if float(data.mem_bytes[k].sum()) + data.most_boundary_bytes(k) <= cap:
             continue  # the whole model fits: no constraint
         if cap < 0:
             m.add(sum(x(v, k) for v in range(n)) <= 0)  # reserved memory alone overflows
@@ -151,6 +152,7 @@ def _memory(m: Any, data: DagData, var: DagVars) -> None:
         cap_units = math.floor(cap / unit)
         need = [math.ceil(b / unit) for b in data.mem_bytes[k].tolist()]  # <= 1e12 each: no overflow
         terms = [need[v] * x(v, k) for v in range(n)]
+        terms += [math.ceil(b / unit) * var.z[u, c] for b, u, c in data.boundary_terms(k) if b > 0]
         for v in range(1, n):
             sh = math.floor(float(data.shared_bytes[k, v]) / unit)
             if sh > 0:  # b <= x[v, k], b <= x[v-1, k]: v and v - 1 both in stage k
