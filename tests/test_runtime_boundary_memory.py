@@ -36,7 +36,7 @@ def test_the_measured_peak_is_the_priced_one(schedule: str) -> None:
     options = replace(CostOptions(), reserved_bytes=0.0)
     predicted = simulate_plan(plan, prof, cluster, options).peak_memory_bytes
     m = train_local(plan, TrainConfig("gpt2-tiny", steps=2, warmup=1, threads=1, optimizer="adam", data="synthetic",
-                                      progress=False), start_method="fork")
+                                      progress=False), start_method="forkserver")
     measured = {r["device"]: r["model_state_bytes"] + r["activation_peak_bytes"] for r in m["ranks"]}
     cost = CostModel(prof, cluster, options)
     unheld = {"n0:0": 0.0, "n0:1": cost.boundary_held_bytes(2, 4)[1] if schedule == "gpipe" else 0.0}
