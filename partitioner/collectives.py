@@ -170,8 +170,9 @@ class CollectiveModel:
 
     def __post_init__(self) -> None:
         table = dict(self.constants)
-        for k in table:
+        for k, v in table.items():
             check(k in LINK_CLASSES, "constants", k, f"link classes are {', '.join(LINK_CLASSES)}")
+            check(isinstance(v, LinkConstants), f"constants.{k}", v, "must be LinkConstants(fixed_s, step_s, fraction)")
         object.__setattr__(self, "constants", table)
 
     def constants_for(self, link_class: str) -> LinkConstants:

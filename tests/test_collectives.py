@@ -215,3 +215,23 @@ def test_leave_one_type_out_on_sailor_predicts_the_all_reduces_a_layer_pays() ->
     # types say; nothing known of its node tells why)
     odd = {("RTX-3090", 4), ("RTX-3090", 8)}
     assert all(1 / 1.7 < m < 1.7 for k, m in medians.items() if k not in odd), medians
+
+
+def test_the_operator_projection_adds_the_collective_models_all_reduces() -> None:
+    from partitioner.importers.sailor import import_sailor
+    from partitioner.projection.operator_model import project_with_ops
+
+    data = Path(__file__).parent / "data" / "sailor_opt350"
+    prof = import_sailor(data, micro_batch_size=2, tensor_parallel=2, gpu_types=("GH-96",))
+    src = prof.gpu_types[0]
+    ar = GroupAllReduce(default_collectives(), "A100-SXM4-80GB")
+    own = {src: GroupAllReduce(default_collectives(), "GH200-96GB")}
+    bare = project_with_ops(prof, ["A100-SXM4-80GB"], allreduce=own)
+    priced = project_with_ops(prof, ["A100-SXM4-80GB"], allreduce={**own, "A100-SXM4-80GB": ar})
+    message = 2 * 2048 * 1024 * 4  # b s h fp32 elements
+    one = ar.time_s(message, 2)
+    assert one > default_collectives().constants["nvlink"].fixed_s
+    for i in range(1, len(prof.layers) - 1):  # a block: two all-reduces forward, two backward
+        a, b = bare.layers[i].times["A100-SXM4-80GB"], priced.layers[i].times["A100-SXM4-80GB"]
+        assert b.fwd_s - a.fwd_s == pytest.approx(2 * one)
+        assert b.bwd_s - a.bwd_s == pytest.approx(2 * one)
