@@ -13,10 +13,13 @@ from each single type: constants fitted on that type alone, projected to every o
 
 All-reduces of tensor parallelism are priced from the interconnect, which is not a GPU
 property: a source's (and a training type's) all-reduce is read off its own embedding layer
-(``allreduce_from_embedding``); the target's comes either from Sailor's NCCL bandwidth fits
-(``--comm nccl``, independent of the layer times) or, as an upper bound of what the method
-can do when the target's all-reduce is known, from the target's own embedding layer
-(``--comm target``; the embedding is then left out of the figures).
+(``allreduce_from_embedding``); the target's comes from the collective model
+(``partitioner.collectives``: a fixed cost per collective plus ``2 (t - 1)`` ring steps on the
+link the target's GPUs have, NVLink or PCIe from their link facts, with constants fitted on the
+other six types' all-reduces, ``loto_collectives``), from Sailor's NCCL bandwidth fits (the
+old way, independent of the layer times), or, as an upper bound of what the method can do when
+the target's all-reduce is known, from the target's own embedding layer (the embedding is then
+left out of the figures).
 
 Error of a layer: |projected / measured - 1| of its forward + backward time; whole model:
 the same of the sum over the 26 layers. The old per-layer roofline projection
@@ -44,14 +47,20 @@ if str(ROOT) not in sys.path:
 
 from bench._machine import machine_line  # noqa: E402
 from partitioner._io import atomic_write_text  # noqa: E402
+from partitioner.collectives import CollectiveModel, GroupAllReduce  # noqa: E402
+from partitioner.projection.collective_fit import CollectivePoint  # noqa: E402
 from partitioner.projection.evaluation import (  # noqa: E402
+    SAILOR_TYPES,
     LayerResult,
     SailorConfig,
     allreduce_from_embedding,
     class_errors,
+    collective_points,
     declared_choice,
     evaluate,
+    loto_collectives,
     loto_fits,
+    sailor_node_bytes_per_s,
     single_source_fits,
     structures,
 )
@@ -60,21 +69,88 @@ from partitioner.projection.operator_model import AllReduce  # noqa: E402
 SHARED = ROOT.parent / "shared" / "data"
 
 
+def nccl_s(curves: dict[str, Any], sailor_name: str, g: int, nbytes: float) -> float | None:
+    """An all-reduce of ``nbytes`` over ``g`` GPUs from Sailor's intra-node NCCL fits: bus bandwidth
+    ``a x^2 + b x + c`` GB/s at x = log2(MB), capped; it moves ``2 (g - 1) / g n`` bytes at it (no
+    latency term). None where Sailor has no fit for the type and group."""
+    curve = curves.get(sailor_name)
+    if not curve or str(g) not in curve:
+        return None
+    (a, b, k), cap = curve[str(g)]
+    x = math.log2(nbytes / 1e6)
+    bus = max(min((a * x * x + b * x + k) * 1e9, float(cap)), 1e6)
+    return nbytes * 2 * (g - 1) / g / bus
+
+
 def nccl_comm(curves: dict[str, Any]) -> Callable[[SailorConfig], AllReduce | None]:
-    """The target's all-reduce from Sailor's intra-node NCCL fits, at the configuration's message
-    size: bus bandwidth ``a x^2 + b x + c`` GB/s at x = log2(MB), capped; an all-reduce of n
-    bytes over g GPUs moves ``2 (g - 1) / g n`` bytes at it (no latency term)."""
+    """The target's all-reduce from Sailor's intra-node NCCL fits (:func:`nccl_s`), at the
+    configuration's message size."""
     def comm(c: SailorConfig) -> AllReduce | None:
-        curve = curves.get(c.sailor_name)
-        if c.tensor_parallel == 1 or not curve or str(c.tensor_parallel) not in curve:
-            return None
-        (a, b, k), cap = curve[str(c.tensor_parallel)]
         nbytes = c.message_bytes * 4
-        x = math.log2(nbytes / 1e6)
-        bus = max(min((a * x * x + b * x + k) * 1e9, float(cap)), 1e6)
-        g = c.tensor_parallel
-        return AllReduce({g: ((nbytes, nbytes * 2 * (g - 1) / g / bus),)})
+        seconds = nccl_s(curves, c.sailor_name, c.tensor_parallel, nbytes) if c.tensor_parallel > 1 else None
+        return None if seconds is None else AllReduce({c.tensor_parallel: ((nbytes, seconds),)})
     return comm
+
+
+def model_comm(models: dict[str, CollectiveModel],
+               node: dict[str, float]) -> Callable[[SailorConfig], GroupAllReduce | None]:
+    """The target's all-reduce from the collective model fitted without it (``models[target]``),
+    on the link its node has."""
+    def comm(c: SailorConfig) -> GroupAllReduce | None:
+        if c.tensor_parallel == 1:
+            return None
+        return GroupAllReduce(models[c.gpu_type], c.gpu_type, node.get(c.gpu_type, 0.0))
+    return comm
+
+
+def collective_rows(points: Sequence[CollectivePoint], models: dict[str, CollectiveModel],
+                    curves: dict[str, Any]) -> list[str]:
+    """The all-reduces alone: per held-out type and group size, the link, the measured all-reduces
+    (read off the embedding) against the collective model fitted without the type, and against
+    the NCCL fits."""
+    rows = ["", "**Tensor-parallel all-reduces alone, read off each type's embedding layer, against the collective "
+            "model fitted on the six other types and against Sailor's NCCL fits (predicted / measured, median and "
+            "range over the message sizes)**", "",
+            "| target | GPUs | link (peak per direction) | messages | collective model | NCCL fits |", "|---|---|---|---|---|---|"]
+    names = {v: k for k, v in SAILOR_TYPES.items()}
+    for t in sorted({p.gpu_type for p in points}):
+        for g in sorted({p.group for p in points if p.gpu_type == t}):
+            mine = [p for p in points if p.gpu_type == t and p.group == g]
+            link = mine[0].link
+            ours = [models[t].allreduce_s(p.nbytes, g, p.link) / p.seconds for p in mine]
+            old = [x / p.seconds for p in mine if (x := nccl_s(curves, names.get(t, t), g, p.nbytes)) is not None]
+            rows.append(f"| {t} | {g} | {link.link_class} ({link.peak_bytes_per_s / 1e9:g} GB/s) | "
+                        f"{min(p.nbytes for p in mine) / 2**20:.0f}-{max(p.nbytes for p in mine) / 2**20:.0f} MiB | "
+                        f"{_ratios(ours)} | {_ratios(old)} |")
+    return rows
+
+
+def _ratios(x: Sequence[float]) -> str:
+    return f"{np.median(x):.2f} ({min(x):.2f}-{max(x):.2f})" if x else "-"
+
+
+def collective_tables(colls: dict[str, CollectiveModel], points: Sequence[CollectivePoint],
+                      res_new: Sequence[LayerResult], res: Sequence[LayerResult], curves: dict[str, Any]) -> list[str]:
+    """The collective model's constants per fold, tensor parallel 2-8 with it and with the NCCL fits,
+    every configuration by degree with each, and the all-reduces alone."""
+    lines = ["", "Collective model per held-out type (fitted on the six other types' all-reduces; per link class: "
+             "fixed cost per all-reduce, latency per ring step, share of the link's peak):", ""]
+    for t, m in colls.items():
+        lines.append(f"- {t}: " + "; ".join(f"{k} {c.fixed_s * 1e6:.0f} us + {c.step_s * 1e6:.1f} us/step, "
+                                            f"{c.fraction:.3f} of peak" for k, c in sorted(m.constants.items())))
+    lines += table("Leave-one-type-out, tensor parallel 2-8, target all-reduce from the collective model (fitted on "
+                   "the six other types)", [r for r in res_new if r.tensor_parallel > 1], "target")
+    lines += table("Leave-one-type-out, tensor parallel 2-8, target all-reduce from Sailor's NCCL fits (the old way)",
+                   [r for r in res if r.tensor_parallel > 1], "target")
+    lines += table("Leave-one-type-out, every configuration (collective model for tensor parallel > 1)", res_new,
+                   "target")
+    lines += table("Leave-one-type-out, every configuration (NCCL fits for tensor parallel > 1, the old way)", res,
+                   "target")
+    lines += table("Leave-one-type-out, every configuration, by tensor-parallel degree (collective model)", res_new,
+                   "tensor_parallel")
+    lines += table("Leave-one-type-out, every configuration, by tensor-parallel degree (NCCL fits, the old way)", res,
+                   "tensor_parallel")
+    return lines + collective_rows(points, colls, curves)
 
 
 def own_comm(configs: Sequence[SailorConfig]) -> Callable[[SailorConfig], AllReduce | None]:
@@ -144,6 +220,18 @@ HEAD = ("| {k} | layers | layer median % | layer p90 % | whole-model median % | 
 def table(title: str, results: Sequence[LayerResult], key: str, skip_embedding: bool = False) -> list[str]:
     return ["", f"**{title}**", "", HEAD.format(k=key.replace("_", " ")),
             *summary_rows(results, key, skip_embedding)]
+
+
+def old_rows(old: Sequence[tuple[str, int, float]], types: Sequence[str]) -> list[str]:
+    """The old per-layer roofline's errors (:func:`old_method`) per target."""
+    lines = ["", "**Old per-layer roofline projection (partitioner.projection.roofline), same configurations, from each "
+             "other type**", "", "| target | TP 1 layer median % | TP 1 layer p90 % | all layer median % |",
+             "|---|---|---|---|"]
+    for t in [*types, "all"]:
+        e1 = [e for g, tp, e in old if (t == "all" or g == t) and tp == 1]
+        ea = [e for g, tp, e in old if t == "all" or g == t]
+        lines.append(f"| {t} | {_pct(e1, 50)} | {_pct(e1, 90)} | {_pct(ea, 50)} |")
+    return lines
 
 
 def pipedream_check(directory: Path, cal: Any) -> list[str]:
@@ -258,9 +346,14 @@ def main() -> int:
     kw: dict[str, Any] = {"train_tp": tuple(int(x) for x in args.train_tp.split(",")), "maths": maths,
                           "waves": not args.no_waves}
     fits = loto_fits(structs, **kw)
+    node = sailor_node_bytes_per_s(net) if net.exists() else {}
+    points = collective_points(configs, node)
+    colls = loto_collectives(points)
+    res_new = evaluate(structs, fits, model_comm(colls, node))
     res = evaluate(structs, fits, nccl_comm(curves))
     res_own = evaluate(structs, fits, own_comm(configs))
     pairs = evaluate(structs, fits, nccl_comm(curves), by="pair")
+    pairs_new = evaluate(structs, fits, model_comm(colls, node), by="pair")
     # one type alone cannot tell the math mode or recomputation (a V100 has no TF32 to tell FP32 from),
     # so the strict single-type fits take the structure the leave-one-type-out fits chose, as declared
     declared = declared_choice(fits)
@@ -284,16 +377,16 @@ def main() -> int:
                      f"per pass {p.layer_fwd_s * 1e6:.0f}/{p.layer_bwd_s * 1e6:.0f} us")
     tp1 = [r for r in res if r.tensor_parallel == 1]
     lines += table("Leave-one-type-out, tensor parallel 1 (compute only)", tp1, "target")
-    lines += table("Leave-one-type-out, tensor parallel 2-8, target all-reduce from Sailor's NCCL fits",
-                   [r for r in res if r.tensor_parallel > 1], "target")
+    lines += collective_tables(colls, points, res_new, res, curves)
     lines += table("Leave-one-type-out, tensor parallel 2-8, target all-reduce read off its own embedding "
                    "(embedding left out)", [r for r in res_own if r.tensor_parallel > 1], "target", skip_embedding=True)
-    lines += table("Leave-one-type-out, every configuration (NCCL fits for tensor parallel > 1)", res, "target")
     known = tp1 + [r for r in res_own if r.tensor_parallel > 1 and r.layer > 0]
     lines += table("Leave-one-type-out, every configuration, target all-reduce read off its own embedding "
                    "(embedding left out at tensor parallel > 1)", known, "target")
     lines += table("From one measured type to every other, tensor parallel 1 (constants fitted without the target, "
                    "anchored on that one type)", [r for r in pairs if r.tensor_parallel == 1], "source")
+    lines += table("From one measured type to every other, every configuration (as above; collective model)",
+                   pairs_new, "source")
     lines += table("From one measured type to every other, every configuration (as above; NCCL fits)", pairs,
                    "source")
     lines += table(f"From one measured type (constants fitted on it alone, structure declared: {declared[0]}, "
@@ -301,13 +394,7 @@ def main() -> int:
                    [r for r in single if r.tensor_parallel == 1], "source")
     lines += table("From one measured type (constants fitted on it alone) to every other, every configuration "
                    "(NCCL fits)", single, "source")
-    lines += ["", "**Old per-layer roofline projection (partitioner.projection.roofline), same configurations, from each "
-              "other type**", "", "| target | TP 1 layer median % | TP 1 layer p90 % | all layer median % |",
-              "|---|---|---|---|"]
-    for t in [*types, "all"]:
-        e1 = [e for g, tp, e in old if (t == "all" or g == t) and tp == 1]
-        ea = [e for g, tp, e in old if t == "all" or g == t]
-        lines.append(f"| {t} | {_pct(e1, 50)} | {_pct(e1, 90)} | {_pct(ea, 50)} |")
+    lines += old_rows(old, types)
     pairs1 = [r for r in pairs if r.tensor_parallel == 1]
     pd = Path(args.pipedream)
     if pd.is_dir():
@@ -325,7 +412,8 @@ def main() -> int:
         atomic_write_text(args.out, text)
     if args.png:
         plot([("tensor parallel 1", tp1),
-              ("tensor parallel 2-8, target all-reduce from NCCL fits", [r for r in res if r.tensor_parallel > 1]),
+              ("tensor parallel 2-8, target all-reduce from the collective model",
+               [r for r in res_new if r.tensor_parallel > 1]),
               ("tensor parallel 2-8, target all-reduce known", [r for r in known if r.tensor_parallel > 1])],
              args.png)
     return 0

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import numpy as np
 
 from .cluster import GIB, Cluster, Device, gpu_family, resolve_gpu_type, split_kind
+from .collectives import node_allreduce_s
 from .errors import FormatError, PartitionerError
 from .flows import nic_sharers, shared_rate_gbps
 from .pricing import PRECISIONS, RECOMPUTE_MODES, CostOptions
@@ -288,9 +289,12 @@ class CostModel:
     def tensor_parallel_comm_s(self, gpu_type: str) -> np.ndarray:
         """Per layer, the seconds one direction's all-reduces of a tensor-parallel group of this
         model's degree take (``LayerProfile.allreduce_bytes`` of the shard: Megatron's two per
-        transformer block, forward and backward alike): a ring over the ``t`` GPUs,
-        ``2 (t - 1) / t`` of the bytes on the slowest node link of nodes with ``t`` or more GPUs of
-        ``gpu_type`` (a group never leaves its node). Zero where the times include them."""
+        transformer block, forward and backward alike, each of half the bytes), priced by
+        :func:`partitioner.collectives.node_allreduce_s`: per all-reduce a fixed cost plus
+        ``2 (t - 1)`` ring steps on the link the group really has (NVLink or PCIe, from the GPU's
+        link facts; the node's stated bandwidth tells a bridged pair and caps a step), on the slowest
+        node with ``t`` or more GPUs of ``gpu_type`` (a group never leaves its node). Zero where the
+        times include them."""
         t = self.shards
         nbytes = self.profile.array("allreduce_bytes")
         if not nbytes.any():
@@ -299,8 +303,7 @@ class CostModel:
                  if sum(resolve_gpu_type(g, self.cluster.device_types).name == gpu_type for g in n.gpus) >= t]
         if not links:  # no node holds such a group: no plan can use one
             return np.where(nbytes > 0, np.inf, 0.0)
-        # two all-reduces of half the bytes each; a ring sends 2 (t - 1) steps of a t-th of a message
-        return np.array([max(2 * 2 * (t - 1) * link.seconds(x / 2 / t) for link in links) if x > 0 else 0.0
+        return np.array([max(2 * node_allreduce_s(x / 2, t, gpu_type, link) for link in links) if x > 0 else 0.0
                          for x in nbytes])
 
     @functools.cache  # noqa: B019

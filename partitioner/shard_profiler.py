@@ -7,8 +7,8 @@ projections) and twice in the backward (the inputs' gradients of the column-para
 device can time the shard (:func:`partitioner.models.build_model` with ``tensor_parallel``) but
 not the all-reduces, whose time depends on the group's link: the shard's
 ``LayerShard.allreduce_bytes`` records their bytes (``2 b s h`` elements forward, as many
-backward) and the cost model prices them on the cluster's node link
-(:meth:`partitioner.cost.CostModel.tensor_parallel_comm_s`). The embedding and the head stay
+backward) and the cost model prices them on the link the group's GPUs have
+(:meth:`partitioner.cost.CostModel.tensor_parallel_comm_s`, :mod:`partitioner.collectives`). The embedding and the head stay
 whole on every GPU of the group (their shard is the layer, no collective).
 
 Each shard is timed on the same inputs as the whole layer (the chain's activations, recomputed
@@ -85,7 +85,7 @@ def profile_shards(profile: Profile, layers: nn.Sequential | Iterable[Any], shar
     layers_out = tuple(replace(layer, shards=s) for layer, s in zip(profile.layers, out, strict=True))
     meta = {**profile.meta, "tensor_parallel_shards": {str(t): list(sharded) for t in shards},
             "tensor_parallel_comm": "projected: 2 all-reduces of b s h elements forward and 2 backward per sharded "
-                                    "layer, priced on the cluster's node link by the cost model"}
+                                    "layer, priced by the cost model on the link the group has (partitioner/collectives.py)"}
     return replace(profile, layers=layers_out, meta=meta)
 
 

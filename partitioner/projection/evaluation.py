@@ -24,11 +24,14 @@ from typing import Any
 import numpy as np
 
 from ..cluster import DeviceType, resolve_gpu_type
+from ..collectives import CollectiveModel, group_link
 from ..errors import FormatError, check
+from .collective_fit import CollectivePoint, fit_collectives
 from .fit import Sample, fit_structure
 from .operator_model import (
     ERROR_CLASSES,
     AllReduce,
+    AllReduceModel,
     Calibration,
     Measured,
     Rates,
@@ -46,11 +49,14 @@ __all__ = [
     "TargetComm",
     "allreduce_from_embedding",
     "class_errors",
+    "collective_points",
     "declared_choice",
     "evaluate",
+    "loto_collectives",
     "loto_fits",
     "own_allreduce",
     "sailor_configs",
+    "sailor_node_bytes_per_s",
     "sailor_samples",
     "single_source_fits",
     "structures",
@@ -151,6 +157,42 @@ def allreduce_from_embedding(configs: Sequence[SailorConfig], element_bytes: int
     return AllReduce({g: tuple(p) for g, p in points.items()})
 
 
+def sailor_node_bytes_per_s(path: str | os.PathLike[str]) -> dict[str, float]:
+    """Each Sailor GPU type's node figure for the bandwidth between two of its GPUs: the cap of
+    Sailor's NCCL fit for 2 GPUs in ``intra_node_bandwidths.json`` (bytes/s), by catalog type.
+    It says which nodes bridge their cards with NVLink (:func:`partitioner.collectives.group_link`)."""
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    curves = data.get("intra", data) if isinstance(data, dict) else {}
+    out = {}
+    for name, by_group in curves.items():
+        if name in SAILOR_TYPES and isinstance(by_group, dict) and "2" in by_group:
+            out[SAILOR_TYPES[name]] = float(by_group["2"][1])
+    return out
+
+
+def collective_points(configs: Sequence[SailorConfig], node_bytes_per_s: Mapping[str, float],
+                      element_bytes: int = 4) -> list[CollectivePoint]:
+    """Every type's measured all-reduces (:func:`allreduce_from_embedding`, the points of positive
+    time) with the link each group rang over (:func:`partitioner.collectives.group_link`; a type's
+    ``node_bytes_per_s`` is its node's GPU-to-GPU bandwidth, which tells a bridged pair)."""
+    out = []
+    for t in sorted({c.gpu_type for c in configs}):
+        ar = allreduce_from_embedding([c for c in configs if c.gpu_type == t], element_bytes)
+        for g, pts in sorted(ar.points.items()):
+            link = group_link(t, g, node_bytes_per_s.get(t, 0.0))
+            out += [CollectivePoint(t, link, g, b, s) for b, s in pts if s > 0]
+    return out
+
+
+def loto_collectives(points: Sequence[CollectivePoint]) -> dict[str, CollectiveModel]:
+    """For each GPU type, the collective model fitted on every other type's points (never on its own)."""
+    types = sorted({p.gpu_type for p in points})
+    check(len(types) >= 2, "types", types, "need at least two GPU types to leave one out")
+    return {t: fit_collectives([p for p in points if p.gpu_type != t], f"Sailor OPT-350M, all types but {t}")
+            for t in types}
+
+
 def _lookup_s(ones: list[tuple[int, float]], b: int) -> float:
     """The embedding's forward at degree 1 and micro-batch ``b``, interpolated (0 if never measured)."""
     if not ones:
@@ -220,11 +262,11 @@ class LayerResult:
 
 
 # the target's all-reduce model for one of its configurations (None: no all-reduces priced)
-TargetComm = Callable[[SailorConfig], "AllReduce | None"]
+TargetComm = Callable[[SailorConfig], "AllReduceModel | None"]
 
 
 def project_config(tgt: SailorConfig, sources: Sequence[SailorConfig], cal: Calibration,
-                   own: Mapping[str, AllReduce], tgt_ar: AllReduce | None, label: str) -> list[LayerResult]:
+                   own: Mapping[str, AllReduce], tgt_ar: AllReduceModel | None, label: str) -> list[LayerResult]:
     """Every layer of ``tgt`` projected from ``sources`` (the same configuration on other types;
     each source's all-reduces from ``own``)."""
     rates = {c.gpu_type: Rates.of(c.device, cal.math) for c in (tgt, *sources)}

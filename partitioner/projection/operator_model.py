@@ -15,8 +15,10 @@ each priced from its arithmetic intensity and the type's catalog peaks:
   ``bytes / (fraction x bandwidth)``;
 * every kernel takes at least ``launch_s`` (the host issuing it), and each pass of a layer
   pays a fixed ``layer_fwd_s`` / ``layer_bwd_s``;
-* an all-reduce (tensor parallelism) is priced by an :class:`AllReduce` model of the GPUs'
-  interconnect, which is not a property of the GPU type: it is an input, never fitted here.
+* an all-reduce (tensor parallelism) is priced by a model of the GPUs' interconnect
+  (:class:`AllReduceModel`: measured points, :class:`AllReduce`, or the collective model of
+  ``partitioner.collectives``), which is not a property of the GPU type: an input, never
+  fitted here.
 
 The fractions and overheads (:class:`OpModelParams`) are fitted on measured GPU types
 (``partitioner.projection.fit``); :class:`Calibration` bundles them with the expected error
@@ -34,7 +36,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,6 +60,7 @@ __all__ = [
     "MATH_MODES",
     "MIN_COMPUTE_SHARE",
     "AllReduce",
+    "AllReduceModel",
     "Calibration",
     "Measured",
     "OpModelParams",
@@ -160,6 +163,12 @@ class OpModelParams:
             raise err.under(where) from None
 
 
+class AllReduceModel(Protocol):
+    """Anything that prices an all-reduce of ``nbytes`` over a group of ``group`` GPUs."""
+
+    def time_s(self, nbytes: float, group: int) -> float: ...
+
+
 @dataclass(frozen=True)
 class AllReduce:
     """All-reduce seconds over a group of GPUs, from ``(message bytes, seconds)`` points per group
@@ -228,7 +237,7 @@ def _work_s(op: Op, rates: Rates, p: OpModelParams, waves: bool) -> tuple[float,
     return op.mem_bytes / (frac * rates.mem_bytes_per_s), "memory"
 
 
-def op_time_s(op: Op, rates: Rates, params: OpModelParams, allreduce: AllReduce | None = None, *,
+def op_time_s(op: Op, rates: Rates, params: OpModelParams, allreduce: AllReduceModel | None = None, *,
               waves: bool = True) -> float:
     """Seconds one operator takes (an all-reduce only with an ``allreduce`` model, else 0)."""
     if op.kind == "allreduce":
@@ -238,7 +247,7 @@ def op_time_s(op: Op, rates: Rates, params: OpModelParams, allreduce: AllReduce 
 
 
 def layer_time_s(ops: Iterable[Op], rates: Rates, params: OpModelParams, phase: str,
-                 allreduce: AllReduce | None = None, *, waves: bool = True) -> float:
+                 allreduce: AllReduceModel | None = None, *, waves: bool = True) -> float:
     """Seconds of one pass (``fwd``/``bwd``) of a layer: its operators and the fixed overhead."""
     own = [op for op in ops if op.phase == phase]
     fixed = params.layer_fwd_s if phase == "fwd" else params.layer_bwd_s
@@ -336,7 +345,7 @@ def layer_ops_for(table: OperatorTable, names: Sequence[str]) -> list[LayerOps]:
     return [by_name[n] for n in names]
 
 
-def comm_time_s(ops: Iterable[Op], phase: str, allreduce: AllReduce | None) -> float:
+def comm_time_s(ops: Iterable[Op], phase: str, allreduce: AllReduceModel | None) -> float:
     """Seconds of the all-reduces of one pass (0 without a model)."""
     if allreduce is None:
         return 0.0
@@ -351,14 +360,14 @@ class Measured:
 
     seconds: float
     rates: Rates
-    allreduce: AllReduce | None = None
+    allreduce: AllReduceModel | None = None
 
 
 MIN_COMPUTE_SHARE = 0.1  # a measured pass keeps at least this share as compute when its all-reduces are removed
 
 
 def anchored_s(layer: LayerOps, phase: str, sources: Sequence[Measured], target: Rates,
-               target_allreduce: AllReduce | None, calibration: Calibration) -> float:
+               target_allreduce: AllReduceModel | None, calibration: Calibration) -> float:
     """A pass of ``layer`` on the target, from measurements on ``sources``: each source's
     measured compute (its measured time less its all-reduces) times the model's ratio of target
     to source compute; the geometric mean over sources; plus the target's all-reduces."""
@@ -456,7 +465,7 @@ def _source_rates(profile: Profile, source: str, math_mode: str,
 def project_with_ops(profile: Profile, targets: Sequence[str], *, source: str | None = None,
                      calibration: Calibration | None = None, math_mode: str | None = None,
                      extra: Mapping[str, DeviceType] | None = None,
-                     allreduce: Mapping[str, AllReduce] | None = None) -> Profile:
+                     allreduce: Mapping[str, AllReduceModel] | None = None) -> Profile:
     """A copy of ``profile`` with times on every type of ``targets`` projected per operator.
 
     From a measured catalog type (``source``, default the first measured one) each layer's
