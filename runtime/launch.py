@@ -372,7 +372,7 @@ class RankFailed(PartitionerError):
 
 
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *, backend: str = "gloo",
-                threads: int = 1, timeout_s: float = 300.0, start_method: str = "spawn", pin_cpu: bool = False,
+                threads: int = 1, timeout_s: float = 300.0, start_method: str = "forkserver", pin_cpu: bool = False,
                 rank_names: list[str] | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``nprocs`` processes on this machine, in one
     process group whose store this process serves on 127.0.0.1 (see :func:`_loopback_store`).
@@ -380,10 +380,11 @@ def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),
     processes are terminated), or, in one line naming the rank (and ``rank_names[rank]``), if a
     process dies (its signal or exit code) or raises (the exception's last line); the other
     processes are then stopped. ``pin_cpu`` keeps process ``r`` on the ``r``-th available core
-    (modulo the cores). ``start_method``: ``spawn`` (a fresh interpreter per process);
-    ``forkserver`` (forked from one single-threaded server that has imported torch, started on first
-    use: as quick as ``fork`` after that; the processes get this process's environment and working
-    directory of the moment); ``fork`` (quickest, but see :func:`_preload_forkserver`)."""
+    (modulo the cores). ``start_method``: ``forkserver`` (the default: forked from one
+    single-threaded server that imports torch once, on first use, rather than each process
+    importing it; the processes get this process's environment and working directory of the
+    moment); ``spawn`` (a fresh interpreter per process); ``fork`` (quickest, but see
+    :func:`_preload_forkserver`)."""
 
     def names(r: int) -> str:
         return f" ({rank_names[r]})" if rank_names and 0 <= r < len(rank_names) else ""
@@ -442,7 +443,7 @@ def _local_worker(rank: int, world: int, run: RunSpec, out_dir: str) -> None:
             json.dump(_summary(run.plan, run.config, gathered, dist.get_backend()), f)
 
 
-def train_local(plan: Plan, config: TrainConfig, start_method: str = "spawn", *,
+def train_local(plan: Plan, config: TrainConfig, start_method: str = "forkserver", *,
                 run: RunSpec | None = None) -> dict[str, Any]:
     """Train ``plan`` with one process per plan device on this machine; returns the metrics.
     ``run``: the run :func:`prepare` made of ``plan`` and ``config`` (prepared here when not
