@@ -270,3 +270,28 @@ def test_one_mode_for_every_stage_adds_no_choice() -> None:
                   **({} if solver == "dp" else {"fixed_order": True, "time_limit_s": 20.0}))
         check_optimal(r, truth, cost)
         assert r.plan is not None and {s.recompute for s in r.plan.virtual_workers[0].stages} == {"full"}
+
+
+def test_cli_plans_recomputation_with_the_exact_solvers_by_default(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from partitioner.plan import Plan
+    from partitioner_cli.main import main
+
+    root = Path(__file__).resolve().parents[1]
+    prof, cluster = str(root / "examples" / "profiles" / "vgg16_v100.json"), str(root / "examples" / "bad" / "two.yaml")
+    args = ["plan", prof, "--cluster", cluster, "--schedule", "gpipe", "--micro-batches", "8"]
+    for solver in ("cpsat", "milp"):
+        out = tmp_path / f"{solver}.json"
+        assert main([*args, "--solver", solver, "-o", str(out)]) == 0
+        plan = Plan.load(out)
+        assert {s.recompute for s in plan.virtual_workers[0].stages} != {"none"}
+        assert plan.solver.status == "optimal" and plan.pricing is not None and plan.pricing.recompute == "auto"
+        assert main([*args, "--solver", solver, "--no-recompute", "-o", str(tmp_path / "x.json")]) == 1
+        assert "--recompute auto" in capsys.readouterr().err
+    assert main([*args, "-o", str(tmp_path / "dp.json")]) == 0
+    assert Plan.load(tmp_path / "dp.json").solver.objective == pytest.approx(plan.solver.objective, rel=1e-6)
+    capsys.readouterr()
+    assert main(["explain", str(tmp_path / "cpsat.json"), "--profile", prof, "--cluster", cluster, "--no-what-if"]) == 0
+    out_text = capsys.readouterr().out
+    assert "memory levers:" in out_text and "stage 0 on a:0: recompute" in out_text
