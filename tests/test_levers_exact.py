@@ -112,16 +112,18 @@ def check_optimal(r: SolveResult, truth: float, cost: CostModel) -> None:
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chains())
-def test_chain_models_choose_recomputation_as_enumeration_and_the_dp(inst) -> None:  # type: ignore[no-untyped-def]
+@given(chains(), st.booleans())
+def test_chain_models_choose_recomputation_as_enumeration_and_the_dp(inst, fewer) -> None:  # type: ignore[no-untyped-def]
     prof, cluster, m = inst
     sched = Schedule.of("1f1b", m)
     cost = CostModel(prof, cluster, AUTO)
-    truth = best_split(cost, cluster.devices, sched)
-    plain = best_split(CostModel(prof, cluster, NONE), cluster.devices, sched)
+    devs = cluster.devices
+    prefixes = range(1, len(devs) + 1) if fewer else (len(devs),)  # allow_fewer: the best prefix
+    truth = min(best_split(cost, devs[:q], sched) for q in prefixes)
+    plain = min(best_split(CostModel(prof, cluster, NONE), devs[:q], sched) for q in prefixes)
     event("infeasible" if math.isinf(truth) else "needs recomputation" if math.isinf(plain)
           else "recomputes" if truth < plain else "no recomputation")
-    kw = dict(schedule="1f1b", micro_batches=m)
+    kw = dict(schedule="1f1b", micro_batches=m, allow_fewer=fewer)
     by_dp = solve(prof, cluster, solver="dp", options=AUTO, **kw)
     check_optimal(by_dp, truth, cost)
     kw["time_limit_s"] = 20.0
