@@ -297,3 +297,20 @@ def test_cli_plans_recomputation_with_the_exact_solvers_by_default(tmp_path, cap
     assert main(["explain", str(tmp_path / "cpsat.json"), "--profile", prof, "--cluster", cluster, "--no-what-if"]) == 0
     out_text = capsys.readouterr().out
     assert "memory levers:" in out_text and "stage 0 on a:0: recompute" in out_text
+
+
+def test_planning_requests_recomputation_of_the_solvers_that_plan_it() -> None:
+    from partitioner.errors import OptionError
+    from solvers.planning import PlanRequest
+
+    auto = CostOptions(recompute="auto")
+    for solver in ("dp", "cpsat", "milp"):
+        assert PlanRequest(solver=solver, options=auto).levers_planned
+    with pytest.raises(OptionError, match=r"recompute = 'auto': the uniform solver plans without activation "
+                                          r"recomputation \(the dp, hetero, cpsat, milp solvers plan it"):
+        PlanRequest(solver="uniform", options=auto)
+    # multi-chunk schedules stay the dp solver's, and it plans them without recomputation
+    with pytest.raises(OptionError, match="multi-chunk"):
+        PlanRequest(solver="cpsat", schedule="interleaved", options=auto)
+    with pytest.raises(OptionError, match="with a multi-chunk schedule plans without activation recomputation"):
+        PlanRequest(solver="dp", schedule="interleaved", options=auto)
