@@ -1,7 +1,7 @@
 """The exact models (CP-SAT and CBC: chain, joint mapping, graph) choose activation recomputation
 per stage: with ``recompute`` auto they reach the optimum of exhaustive enumeration over (split,
-mode of every stage) -- over device orders too (joint), or convex assignments of a graph -- and
-the chain DP's; their bound never exceeds it; a problem that fits only with recomputation is
+mode of every stage) -- over device orders too (joint), or convex assignments of a graph (as the
+dp solver's down-set DP does) -- and the chain DP's; their bound never exceeds it; a problem that fits only with recomputation is
 planned with auto and refused, with the memory reason, without it."""
 
 from __future__ import annotations
@@ -246,6 +246,9 @@ def test_graph_models_choose_recomputation_as_enumeration(inst) -> None:  # type
     plain = best_assignment(prof, cluster, sched, NONE)
     event("infeasible" if math.isinf(truth) else "needs recomputation" if math.isinf(plain)
           else "recomputes" if truth < plain else "no recomputation")
+    # the dp solver's down-set DP chooses each convex stage's mode too
+    check_optimal(solve(prof, cluster, solver="dp", schedule="1f1b", micro_batches=m, options=AUTO), truth,
+                  CostModel(prof, cluster, AUTO))
     for solver in ("cpsat", "milp"):
         for hint in (False, True):
             r = solve(prof, cluster, solver=solver, schedule="1f1b", micro_batches=m, options=AUTO, dag=True,
@@ -314,3 +317,34 @@ def test_planning_requests_recomputation_of_the_solvers_that_plan_it() -> None:
         PlanRequest(solver="cpsat", schedule="interleaved", options=auto)
     with pytest.raises(OptionError, match="with a multi-chunk schedule plans without activation recomputation"):
         PlanRequest(solver="dp", schedule="interleaved", options=auto)
+
+
+def test_one_mode_for_every_convex_stage() -> None:
+    # a diamond whose two convex stages fit without recomputation: with recompute "full" every
+    # stage still recomputes fully, in the graph models and the dp solver's down-set DP alike
+    prof = graph_toy(5, [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4)], [0.1 * GIB] * 5, [1.0, 2.0, 2.0, 1.0, 1.0],
+                     [0.5 * GIB, GIB, GIB, GIB, 0.3 * GIB], [0.01 * GIB] * 5)
+    cluster = Cluster("c", (Node("n0", ("A", "A"), 10.0),), 1.0, {t: DeviceType(t, 4 * GIB, 1e13, 1e11) for t in TYPES})
+    full = CostOptions(reserved_bytes=0.0, recompute="full")
+    sched = Schedule.of("1f1b", 4)
+    truth = best_assignment(prof, cluster, sched, full)
+    assert math.isfinite(truth) and best_assignment(prof, cluster, sched, NONE) < truth
+    for solver in ("dp", "cpsat", "milp"):
+        r = solve(prof, cluster, solver=solver, schedule="1f1b", micro_batches=4, options=full, dag=True)
+        check_optimal(r, truth, CostModel(prof, cluster, full))
+        assert r.plan is not None and {s.recompute for s in r.plan.virtual_workers[0].stages} == {"full"}
+
+
+def test_the_down_set_dp_recomputes_convex_stages_where_memory_binds() -> None:
+    # layer 0 feeds the three others; 1 GiB saved each, two 2 GiB devices, 2 micro-batches: the
+    # first stage keeps two in flight, so the best convex split recomputes there (2.1 s; the best
+    # split whose convex stages keep their activations is slower)
+    prof = graph_toy(4, [(0, 1), (0, 2), (0, 3)], [0.0] * 4, [1.0, 1.0, 1.0, 0.5], [GIB] * 4, [0.0] * 4)
+    cluster = Cluster("c", (Node("n0", ("A",), 10.0), Node("n1", ("A",), 10.0)), 1.0,
+                      {t: DeviceType(t, 2 * GIB, 1e13, 1e11) for t in TYPES})
+    sched = Schedule.of("1f1b", 2)
+    truth = best_assignment(prof, cluster, sched, AUTO)
+    assert truth == pytest.approx(2.1)
+    for solver in ("dp", "cpsat", "milp"):
+        r = solve(prof, cluster, solver=solver, schedule="1f1b", micro_batches=2, options=AUTO, dag=True)
+        check_optimal(r, truth, CostModel(prof, cluster, AUTO))
