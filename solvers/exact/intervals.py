@@ -156,31 +156,35 @@ class Arcs:
 
     def solution(self, chosen: Sequence[int], cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> ChainSolution:
         """The split made of the ``chosen`` arcs, priced exactly with the cost model."""
-        by_stage = sorted((int(self.k[a]), int(self.i[a]), int(self.j[a])) for a in chosen)
+        by_stage = sorted((int(self.k[a]), int(self.i[a]), int(self.j[a]), self.modes[int(self.mode[a])])
+                          for a in chosen)
         q = len(by_stage)
-        cuts = [0] + [j for _, _, j in by_stage]
-        ok = (sorted({int(self.q[a]) for a in chosen}) == [q] and [k for k, _, _ in by_stage] == list(range(q))
+        cuts = [0] + [j for _, _, j, _ in by_stage]
+        ok = (sorted({int(self.q[a]) for a in chosen}) == [q] and [k for k, _, _, _ in by_stage] == list(range(q))
               and all(by_stage[k][1] == cuts[k] for k in range(q)) and cuts[-1] == self.num_layers)
         if not ok:
             raise PartitionerError(f"the solver returned arcs that do not form a split: {by_stage}")
-        return priced_split(cost, cuts, devices[:q], schedule)
+        return priced_split(cost, cuts, devices[:q], schedule, [m for _, _, _, m in by_stage])
 
 
-def priced_split(cost: CostModel, cuts: Sequence[int], devices: Sequence[Device], schedule: Schedule) -> ChainSolution:
-    """The split ``cuts`` over ``devices`` in order, each stage in the first recompute mode the
-    options allow that fits its device (:func:`solvers.pipeline.levers.stage_mode`, as the DP and
-    the models choose), priced exactly by the cost model of that mode."""
+def priced_split(cost: CostModel, cuts: Sequence[int], devices: Sequence[Device], schedule: Schedule,
+                 modes: Sequence[str] | None = None) -> ChainSolution:
+    """The split ``cuts`` over ``devices`` in order, each stage in its mode of ``modes``, by
+    default the first recompute mode the options allow that fits its device
+    (:func:`solvers.pipeline.levers.stage_mode`, as the DP and the models choose), priced exactly
+    by the cost model of that mode."""
     q = len(devices)
-    modes: list[str] = []
+    chosen: list[str] = []
     times: list[float] = []
     for k, (a, b) in enumerate(itertools.pairwise(cuts)):
         dev = devices[k]
-        mode = stage_mode(cost, dev, schedule, schedule.activations_in_flight(q - k), a, b)
-        modes.append(mode)
+        mode = stage_mode(cost, dev, schedule, schedule.activations_in_flight(q - k), a, b) if modes is None \
+            else modes[k]
+        chosen.append(mode)
         times.append(cost.recomputing(mode).pipeline_stage_time_s(a, b, dev, devices[k - 1] if k > 0 else None,
                                                                    devices[k + 1] if k + 1 < q else None, schedule))
     return ChainSolution(max(times), tuple(int(c) for c in cuts), tuple(devices),
-                         () if set(modes) == {"none"} else tuple(modes))
+                         () if set(chosen) == {"none"} else tuple(chosen))
 
 
 def pipeline_lengths(num_devices: int, num_layers: int, allow_fewer: bool) -> tuple[int, ...]:
