@@ -125,6 +125,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "(Sailor OPT-350M and GPT-2 medium, memory-mixed A100 / V100 / RTX 2080 Ti clusters)",
               _script("memory_levers", "--time-limit", "10"), _script("memory_levers", "--time-limit", "60"),
               needs=(str(SHARED / "sailor_opt350"),)),
+    Benchmark("exact_levers", "activation recomputation in the exact models: one memory-bound pipeline (Sailor "
+              "OPT-350M, 4 V100 + 4 RTX 2080 Ti) by dp, cpsat and milp, in the given order and the joint mapping",
+              _script("exact_levers", "--time-limit", "20"), _script("exact_levers", "--time-limit", "120"),
+              needs=(str(SHARED / "sailor_opt350"),)),
     Benchmark("levers_runtime", "memory levers run under the emulation (gpt2-tiny, 2 P100 + 2 T4 on CPU processes): "
               "measured peak memory per rank and iteration against predicted, none / selective / full / ZeRO-1 / ZeRO-2",
               _script("levers_runtime", "--rounds", "1", "--steps", "5", "--warmup", "2"),

@@ -58,8 +58,8 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                             "and moments (ZeRO-1), 2 the gradients too (ZeRO-2); 0 none (default)")
     levers = group.add_mutually_exclusive_group()
     levers.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default=None,
-                        help="activation recomputation: auto (plan: the default where the dp solver or the cluster "
-                             "planner plans) gives each stage the fastest mode that fits, none/selective/full one "
+                        help="activation recomputation: auto (plan: the default where the dp, cpsat or milp solver "
+                             "or the cluster planner plans) gives each stage the fastest mode that fits, none/selective/full one "
                              "mode for every stage (selective: the attention core, full: all but the stage input)")
     levers.add_argument("--no-recompute", dest="recompute", action="store_const", const="none",
                         help="plan without activation recomputation (same as --recompute none)")

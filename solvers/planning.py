@@ -39,10 +39,11 @@ from solvers.result import SolveResult
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GRAPH_PLANNERS", "SEARCHED", "TIME_LIMITED", "PlanRequest", "plan", "shown"]
+__all__ = ["GRAPH_PLANNERS", "LEVER_PLANNERS", "SEARCHED", "TIME_LIMITED", "PlanRequest", "plan", "shown"]
 
 TIME_LIMITED = ("cpsat", "milp", "hetero")  # solvers that take a time limit
 SEARCHED = ("cpsat", "milp")  # solvers with search workers and a random seed
+LEVER_PLANNERS = ("dp", "hetero", "cpsat", "milp")  # solvers that choose a recompute mode per stage
 GRAPH_PLANNERS = ("dp", "cpsat", "milp")  # solvers that plan convex stages of a graph profile (unless chain_order)
 
 
@@ -141,7 +142,8 @@ class PlanRequest:
         if self.options.recompute != "none" and not self.levers_planned:
             raise OptionError("recompute", self.options.recompute, f"the {self.planner} solver"
                               f"{' with a multi-chunk schedule' if self.multi_chunk else ''} plans without activation "
-                              "recomputation (the dp solver and the cluster planner plan it); give none")
+                              f"recomputation (the {', '.join(LEVER_PLANNERS)} solvers plan it, with one-chunk "
+                              "schedules); give none")
         if self.micro_batches == "auto" and self.global_batch is None:
             raise OptionError("micro_batches", "auto", "needs `global_batch` (samples per iteration, all virtual "
                               "workers together) to choose the micro-batch size, the workers and the count")
@@ -154,8 +156,8 @@ class PlanRequest:
     @property
     def levers_planned(self) -> bool:
         """Whether the path that answers the request chooses recompute modes per stage (the chain DP,
-        one-chunk, alone or in the cluster planner)."""
-        return self.planner in ("dp", "hetero") and not self.multi_chunk
+        one-chunk, alone or in the cluster planner, and the exact models of one pipeline)."""
+        return self.planner in LEVER_PLANNERS and not self.multi_chunk
 
     @property
     def cluster_planner_asked(self) -> bool:

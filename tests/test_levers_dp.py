@@ -147,14 +147,6 @@ def test_levers_change_nothing_where_memory_does_not_bind() -> None:
     assert auto.plan.virtual_workers == plain.plan.virtual_workers  # no stage recomputes
 
 
-def test_the_integer_models_refuse_recomputation_by_name() -> None:
-    from partitioner.errors import OptionError
-
-    prof, cluster = _tight()
-    with pytest.raises(OptionError, match="recompute"):
-        solve(prof, cluster, solver="cpsat", options=CostOptions(recompute="auto"))
-
-
 def test_explain_says_which_lever_each_stage_uses_and_what_it_costs() -> None:
     from solvers.analysis.explain import explain_plan, format_explanation
 

@@ -22,6 +22,25 @@ Both models use the order encoding ``y[v, c] = 1`` iff ``s(v) < c`` (for ``c = 1
     b[v, k] <= x[v, k],  b[v, k] <= x[v-1, k]              (v shares its input with v - 1)
     B >= T_k;   minimise B;   then B <= B*, minimise sum_k T_k.
 
+With activation recomputation allowed (``CostOptions.recompute``: ``auto``, several modes), stage
+``k`` also chooses its mode ``m`` (``r[k, m]`` binary, ``sum_m r[k, m] = 1``), and its time and
+memory are that mode's, as the cost model prices them (:mod:`partitioner.recompute`):
+
+    T_k >= C^m_k + X_k / bw + X_{k+1} / bw    if r[k, m]   (C^m: the layers' compute in mode m)
+    T_k >= C^0_k + X_k / bw + X_{k+1} / bw                (C^0: the least over the modes, always)
+    M^m_k <= cap_k                            if r[k, m]
+
+where ``M^m`` keeps ``f_k (sav_v - sel_v)`` per layer under selective recomputation (``sel_v``:
+the attention core's bytes), and under full recomputation one micro-batch's ``sav_v`` and the
+stage's input ``f_k`` times (``(f_k - 1)`` kept inputs and the receive posted ahead; the other
+modes: once). With one mode there is no ``r``: its terms hold unconditionally (``none``: the
+model above, no variable added). Every real plan (an assignment and a mode per stage that fits)
+is a solution of the model with ``r`` its modes, at a modelled time no greater than its true
+time (the chosen mode's compute is C^m; C^0 <= C^m), so the model's optimum and its bound are
+lower bounds over every assignment and every choice of mode per stage. The assignment found is
+priced with each stage in the first mode (cheapest first) that fits its device, as the DP
+chooses (:func:`solvers.pipeline.levers.stage_mode`): no slower than the model's own choice.
+
 ``t_k(v)`` is the layer's forward+backward on ``devices[k]``'s type, ``w(v)`` WSP's per-layer
 wave sync, ``f_k`` the activations in flight at stage ``k``, ``wf`` the bytes per parameter.
 The transfer terms are exact for flat links (a constant GB/s, no latency): a message's time
@@ -43,9 +62,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from partitioner.cost import CostModel
-from partitioner.errors import FormatError
+from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
-from solvers.exact.intervals import ChainProblem, dp_split
+from partitioner.recompute import selective_bytes
+from solvers.exact.intervals import ChainProblem, dp_split, priced_split
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveDetails, SolveResult, SolveStatus
@@ -56,38 +76,65 @@ __all__ = ["DagData", "DagPlan", "DagVars", "dag_data", "finish_dag", "order_val
 
 @dataclass(frozen=True)
 class DagData:
-    """The numbers both models are built from (seconds and bytes, before any scaling)."""
+    """The numbers both models are built from (seconds and bytes, before any scaling); arrays
+    with a leading axis of ``len(modes)``: per recompute mode the options allow, cheapest first."""
 
     problem: ChainProblem
     edges: tuple[tuple[int, int], ...]
     succ: tuple[tuple[int, ...], ...]  # successors of each layer
-    time_s: np.ndarray  # [p, n]: t_k(v) + w(v)
+    time_s: np.ndarray  # [M, p, n]: t_k(v) in mode m + w(v)
     wave_s: np.ndarray  # [n]: w(v) (0 unless the schedule is wsp)
     own_bytes: np.ndarray  # [n]
     back_s_per_byte: tuple[float, ...]  # stage k's gradient send to devices[k - 1] (0 for k = 0)
     out_s_per_byte: tuple[float, ...]  # stage k's activation send to devices[k + 1] (0 for the last)
-    mem_bytes: np.ndarray  # [p, n]: weights + activations in flight of layer v on stage k
-    shared_bytes: np.ndarray  # [p, n]: what stage k saves when v - 1 is in it too
+    mem_bytes: np.ndarray  # [M, p, n]: weights + activations in flight of layer v on stage k in mode m
+    shared_bytes: np.ndarray  # [M, p, n]: what stage k saves in mode m when v - 1 is in it too
     capacity_bytes: tuple[float, ...]  # device memory less the reserved bytes
     start: ChainSolution | None  # the DP's split of the profile's own order
     flight: tuple[float, ...] = ()  # micro-batches in flight on each stage
+    modes: tuple[str, ...] = ("none",)  # CostOptions.recompute_modes
 
-    def boundary_terms(self, k: int) -> list[tuple[float, int, int]]:
-        """Stage ``k``'s boundary tensors (:meth:`partitioner.cost.CostModel.boundary_held_bytes`) as
-        ``(bytes, sender, cut)``: each output crossing cut ``k + 1`` twice per micro-batch in flight
-        (the output and its gradient's buffer), each crossing cut ``k`` once (an activation posted
-        ahead); the bytes count where the sender's crossing variable of that cut is 1."""
+    def __post_init__(self) -> None:
+        shape = (len(self.modes), self.num_stages, self.num_layers)
+        if not all(a.shape == shape for a in (self.time_s, self.mem_bytes, self.shared_bytes)):
+            raise PartitionerError(f"graph model data: times and memory must be arrays of shape {shape}")
+
+    def boundary_terms(self, k: int, m: int = 0) -> list[tuple[float, int, int]]:
+        """Stage ``k``'s boundary tensors in mode ``modes[m]`` (:meth:`partitioner.cost.CostModel.
+        boundary_held_bytes`, and under full recomputation the inputs it keeps) as ``(bytes, sender,
+        cut)``: each output crossing cut ``k + 1`` twice per micro-batch in flight (the output and its
+        gradient's buffer), each crossing cut ``k`` once (an activation posted ahead; full: ``f_k``
+        times, with the ``f_k - 1`` inputs kept); the bytes count where the sender's crossing
+        variable of that cut is 1."""
+        copies = self.flight[k] if self.modes[m] == "full" else 1.0
         out = []
         for u in self.senders():
             if k + 1 < self.num_stages:
                 out.append((2.0 * self.flight[k] * float(self.own_bytes[u]), u, k + 1))
             if k > 0:
-                out.append((float(self.own_bytes[u]), u, k))
+                out.append((copies * float(self.own_bytes[u]), u, k))
         return out
 
-    def most_boundary_bytes(self, k: int) -> float:
-        """The most :meth:`boundary_terms` can add to stage ``k``."""
-        return sum(b for b, _, _ in self.boundary_terms(k))
+    def most_boundary_bytes(self, k: int, m: int = 0) -> float:
+        """The most :meth:`boundary_terms` can add to stage ``k`` in mode ``modes[m]``."""
+        return sum(b for b, _, _ in self.boundary_terms(k, m))
+
+    def most_memory_bytes(self, k: int, m: int) -> float:
+        """The most stage ``k``'s memory row in mode ``m`` can reach (every layer, every crossing)."""
+        return float(self.mem_bytes[m, k].sum()) + self.most_boundary_bytes(k, m)
+
+    @property
+    def least_time_s(self) -> np.ndarray:
+        """[p, n]: per stage and layer the least time over the modes (C^0, the row every mode obeys)."""
+        return self.time_s.min(axis=0)
+
+    def mode_indices(self, sol: ChainSolution) -> list[int]:
+        """The mode (an index in ``modes``) of every stage of ``sol``."""
+        return [self.modes.index(mode) for mode in (sol.recompute or ("none",) * self.num_stages)]
+
+    def hint_modes(self) -> list[int] | None:
+        """The mode of every stage of the DP's split (None without one)."""
+        return None if self.start is None else self.mode_indices(self.start)
 
     @property
     def num_stages(self) -> int:
@@ -119,7 +166,7 @@ class DagData:
         """No stage of any assignment takes longer than this (for scaling times)."""
         sends = float(self.own_bytes.sum()) * (max(self.back_s_per_byte, default=0.0)
                                                + max(self.out_s_per_byte, default=0.0))
-        return float(self.time_s.sum(axis=1).max()) + float(self.wave_s.sum()) + sends
+        return float(self.time_s.max(axis=0).sum(axis=1).max()) + float(self.wave_s.sum()) + sends
 
 
 def dag_data(problem: ChainProblem, hint: bool) -> DagData:
@@ -151,7 +198,9 @@ def dag_data(problem: ChainProblem, hint: bool) -> DagData:
     if wsp:
         sync = cost._sync_prefix  # the cost model's own per-layer figures
         wave = 2.0 * np.diff(sync) / problem.schedule.micro_batches
-    time_s = np.array([cost.layer_compute_s(d.kind) for d in devs]) + wave[None, :]
+    modes = cost.options.recompute_modes
+    time_s = np.array([[cost.recomputing(mode).layer_compute_s(d.kind) for d in devs] for mode in modes]) \
+        + wave[None, None, :]
     per_byte = [0.0] * p
     out_per_byte = [0.0] * p
     for k in range(p):
@@ -164,13 +213,20 @@ def dag_data(problem: ChainProblem, hint: bool) -> DagData:
     shared[0] = 0.0  # the first layer has no predecessor to share with
     flight = np.array([problem.schedule.activations_in_flight(p - k) for k in range(p)],
                       dtype=np.float64)
-    mem = weights[None, :] + flight[:, None] * saved[None, :]
+    # per mode: what each layer keeps per micro-batch in flight (selective: less the attention
+    # core's bytes), and how many micro-batches' worth (full: one, its input kept f_k times instead)
+    mem, shared_of = [], []
+    for mode in modes:
+        kept = saved - selective_bytes(profile) if mode == "selective" else saved
+        times = np.ones(p) if mode == "full" else flight
+        mem.append(weights[None, :] + times[:, None] * kept[None, :])
+        shared_of.append(times[:, None] * shared[None, :])
     reserved = cost.options.reserved_bytes
     return DagData(problem, tuple(edges), tuple(tuple(s) for s in succ), time_s, wave,
                    np.array([layer.own_bytes for layer in profile.layers], dtype=np.float64),
-                   tuple(per_byte), tuple(out_per_byte), mem, flight[:, None] * shared[None, :],
+                   tuple(per_byte), tuple(out_per_byte), np.array(mem), np.array(shared_of),
                    tuple(d.memory_bytes - reserved for d in devs), dp_split(problem) if hint else None,
-                   tuple(flight.tolist()))
+                   tuple(flight.tolist()), modes)
 
 
 @dataclass(frozen=True)
@@ -199,13 +255,16 @@ def price_assignment(data: DagData, stages: Sequence[int]) -> DagPlan:
     sizes = np.bincount(np.array(st), minlength=p)
     cuts = tuple(int(c) for c in np.concatenate([[0], np.cumsum(sizes)]))
     devs = problem.devices
-    times = [cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k > 0 else None,
-                                        devs[k + 1] if k + 1 < p else None, problem.schedule)
+    # each stage in the first recompute mode that fits (the options' last where none does)
+    sol = priced_split(cost, cuts, devs, problem.schedule)
+    modes = sol.recompute or ("none",) * p
+    times = [cost.recomputing(modes[k]).pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k > 0 else None,
+                                                              devs[k + 1] if k + 1 < p else None, problem.schedule)
              for k, (a, b) in enumerate(itertools.pairwise(cuts))]
-    fits = all(cost.stage_memory_bytes(a, b, problem.schedule.activations_in_flight(p - k),
-                                       problem.schedule, devs[k].tensor_parallel) <= devs[k].memory_bytes
-               for k, (a, b) in enumerate(itertools.pairwise(cuts)))
-    return DagPlan(tuple(st), profile, cost, ChainSolution(max(times), cuts, devs), math.fsum(times), fits)
+    fits = all(cost.recomputing(modes[k]).stage_memory_bytes(a, b, problem.schedule.activations_in_flight(p - k),
+                                                             problem.schedule, devs[k].tensor_parallel)
+               <= devs[k].memory_bytes for k, (a, b) in enumerate(itertools.pairwise(cuts)))
+    return DagPlan(tuple(st), profile, cost, sol, math.fsum(times), fits)
 
 
 class DagVars(NamedTuple):
@@ -216,6 +275,7 @@ class DagVars(NamedTuple):
     t: list[Any]  # t[k]: stage k's time
     bottleneck: Any  # B
     senders: list[int]  # the layers u that have a z[u, c]
+    r: Sequence[Sequence[Any]] = ()  # r[k][m]: stage k recomputes modes[m] (none with one mode: it holds everywhere)
 
     def before(self, v: int, c: int) -> Any:
         """y[v, c] with y[v, 0] = 0 and y[v, p] = 1."""

@@ -14,6 +14,15 @@ stages, so the models are
     B >= sum_{i,j} T[q, k, i, j] * x[q, k, i, j]  for every q, k  (B is the bottleneck)
     minimise B.
 
+With activation recomputation allowed (``CostOptions.recompute``: ``auto`` or one mode), a
+candidate stage ``[i, j)`` of stage ``k`` may be priced in any mode the options allow: an arc per
+``(q, k, i, j, mode)`` whose stage fits in that mode. Of those arcs only the first mode that
+fits (cheapest first, :func:`solvers.pipeline.levers.first_fitting_modes`) is kept: the others
+join the same cuts in the same network, and a recompute only adds time (its forward again,
+inside the backward), so any split using one of them is matched by the same split using the
+kept arc, no slower at every stage. The model is the same with fewer arcs, and the optimum and
+bound are those over every choice of mode per stage; with ``none`` alone it is the model above.
+
 The last stage of each network has arcs ending at L only, so a unit of flow that leaves cut
 0 reaches L. With ``allow_fewer`` every ``q <= min(len(devices), L)`` gets its own network
 (stage ``k``'s memory depends on ``q - k``) and ``y_q`` chooses one; otherwise ``q`` is
@@ -24,10 +33,12 @@ size in the message (the DP solves any such size exactly and fast).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,6 +50,7 @@ from partitioner.profile import Profile
 from partitioner.schedule import Schedule
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
+from solvers.pipeline.levers import first_fitting_modes, pick_by_mode, stage_mode
 from solvers.result import SolveDetails, SolveResult, SolveStatus
 
 __all__ = [
@@ -57,6 +69,7 @@ __all__ = [
     "pipeline_lengths",
     "prepare",
     "price_arcs",
+    "priced_split",
     "setup_model",
     "unsolved",
 ]
@@ -82,7 +95,8 @@ class ChainHint(NamedTuple):
 @dataclass(frozen=True)
 class Arcs:
     """All candidate stages. Arc ``a`` is stage ``k[a]`` of the ``q[a]``-stage pipeline,
-    holding layers ``[i[a], j[a])`` on ``devices[k[a]]`` in ``time_s[a]`` seconds."""
+    holding layers ``[i[a], j[a])`` on ``devices[k[a]]`` in ``time_s[a]`` seconds, recomputing
+    ``modes[mode[a]]`` (the first mode the options allow that fits)."""
 
     q: np.ndarray
     k: np.ndarray
@@ -91,6 +105,15 @@ class Arcs:
     time_s: np.ndarray
     lengths: tuple[int, ...]  # pipeline lengths modelled
     num_layers: int
+    mode: np.ndarray  # index into modes
+    modes: tuple[str, ...] = ("none",)  # CostOptions.recompute_modes
+
+    def __post_init__(self) -> None:
+        n = len(self.q)
+        if not all(len(a) == n for a in (self.k, self.i, self.j, self.time_s, self.mode)):
+            raise PartitionerError("interval model: the arc arrays differ in length")
+        if n and not (int(self.mode.min()) >= 0 and int(self.mode.max()) < len(self.modes)):
+            raise PartitionerError(f"interval model: an arc's recompute mode is not one of {list(self.modes)}")
 
     def __len__(self) -> int:
         return len(self.q)
@@ -133,18 +156,35 @@ class Arcs:
 
     def solution(self, chosen: Sequence[int], cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> ChainSolution:
         """The split made of the ``chosen`` arcs, priced exactly with the cost model."""
-        by_stage = sorted((int(self.k[a]), int(self.i[a]), int(self.j[a])) for a in chosen)
+        by_stage = sorted((int(self.k[a]), int(self.i[a]), int(self.j[a]), self.modes[int(self.mode[a])])
+                          for a in chosen)
         q = len(by_stage)
-        cuts = [0] + [j for _, _, j in by_stage]
-        ok = (sorted({int(self.q[a]) for a in chosen}) == [q] and [k for k, _, _ in by_stage] == list(range(q))
+        cuts = [0] + [j for _, _, j, _ in by_stage]
+        ok = (sorted({int(self.q[a]) for a in chosen}) == [q] and [k for k, _, _, _ in by_stage] == list(range(q))
               and all(by_stage[k][1] == cuts[k] for k in range(q)) and cuts[-1] == self.num_layers)
         if not ok:
             raise PartitionerError(f"the solver returned arcs that do not form a split: {by_stage}")
-        devs = tuple(devices[:q])
-        times = [cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k > 0 else None,
-                                            devs[k + 1] if k + 1 < q else None, schedule)
-                 for k, (a, b) in enumerate(ChainSolution(0.0, tuple(cuts), devs).ranges)]
-        return ChainSolution(max(times), tuple(cuts), devs)
+        return priced_split(cost, cuts, devices[:q], schedule, [m for _, _, _, m in by_stage])
+
+
+def priced_split(cost: CostModel, cuts: Sequence[int], devices: Sequence[Device], schedule: Schedule,
+                 modes: Sequence[str] | None = None) -> ChainSolution:
+    """The split ``cuts`` over ``devices`` in order, each stage in its mode of ``modes``, by
+    default the first recompute mode the options allow that fits its device
+    (:func:`solvers.pipeline.levers.stage_mode`, as the DP and the models choose), priced exactly
+    by the cost model of that mode."""
+    q = len(devices)
+    chosen: list[str] = []
+    times: list[float] = []
+    for k, (a, b) in enumerate(itertools.pairwise(cuts)):
+        dev = devices[k]
+        mode = stage_mode(cost, dev, schedule, schedule.activations_in_flight(q - k), a, b) if modes is None \
+            else modes[k]
+        chosen.append(mode)
+        times.append(cost.recomputing(mode).pipeline_stage_time_s(a, b, dev, devices[k - 1] if k > 0 else None,
+                                                                   devices[k + 1] if k + 1 < q else None, schedule))
+    return ChainSolution(max(times), tuple(int(c) for c in cuts), tuple(devices),
+                         () if set(chosen) == {"none"} else tuple(chosen))
 
 
 def pipeline_lengths(num_devices: int, num_layers: int, allow_fewer: bool) -> tuple[int, ...]:
@@ -159,6 +199,11 @@ def check_arc_count(total: int, max_arcs: int, model: str, advice: str) -> None:
     if total > max_arcs:
         raise PartitionerError(f"the {model} has more than {max_arcs} candidate stages; {advice}, fewer layers "
                                f"(coarsen the profile) or raise max_arcs")
+
+
+def _time_matrix(cm: CostModel, dev: Device, prev: Device | None, nxt: Device | None, schedule: Schedule,
+                 rows: slice) -> np.ndarray:
+    return cm.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
 
 
 def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
@@ -184,23 +229,27 @@ def build_arcs(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
             last_j = n_layers - (q - k - 1)
             rows = slice(lo, hi + 1)
             in_flight = schedule.activations_in_flight(q - k)
-            t = cost.pipeline_stage_time_matrix(dev, prev, nxt, schedule, rows)
+            # each stage in the first mode that fits (-1: none does), timed in that mode
+            mode = first_fitting_modes(cost, in_flight, schedule, dev.memory_bytes, rows, dev.tensor_parallel)
+            t = pick_by_mode(cost, mode, partial(_time_matrix, dev=dev, prev=prev, nxt=nxt, schedule=schedule,
+                                                 rows=rows))
             ok = (cols[None, :] > cols[rows, None]) & (cols[None, :] <= last_j)
             if k == q - 1:
                 ok &= cols[None, :] == n_layers
-            ok &= cost.memory_matrix(in_flight, schedule, rows, dev.tensor_parallel) <= dev.memory_bytes
+            ok &= mode >= 0
             ok &= t <= max_time_s
             ii, jj = np.nonzero(ok)
             total += len(ii)
             check_arc_count(total, max_arcs, f"interval model of {n_layers} layers over {len(devices)} devices",
                             "use the dp solver (exact at any size)")
-            parts.append((np.full(len(ii), q), np.full(len(ii), k), ii + lo, jj, t[ii, jj]))
+            parts.append((np.full(len(ii), q), np.full(len(ii), k), ii + lo, jj, t[ii, jj], mode[ii, jj]))
+    modes = cost.options.recompute_modes
     if not parts:
         empty = np.zeros(0, dtype=np.intp)
-        return Arcs(empty, empty, empty, empty, np.zeros(0), lengths, n_layers)
-    q_a, k_a, i_a, j_a, t_a = (np.concatenate(x) for x in zip(*parts, strict=True))
+        return Arcs(empty, empty, empty, empty, np.zeros(0), lengths, n_layers, empty, modes)
+    q_a, k_a, i_a, j_a, t_a, m_a = (np.concatenate(x) for x in zip(*parts, strict=True))
     return Arcs(q_a.astype(np.intp), k_a.astype(np.intp), i_a.astype(np.intp), j_a.astype(np.intp),
-                t_a.astype(np.float64), lengths, n_layers)
+                t_a.astype(np.float64), lengths, n_layers, m_a.astype(np.intp), modes)
 
 
 # -- the problem and the result, as the DP states and reports them ---------------------------
@@ -249,7 +298,8 @@ def dp_split(problem: ChainProblem) -> ChainSolution | None:
     stages = res.plan.virtual_workers[0].stages
     cuts = (0, *(st.stop for st in stages))
     devs = tuple(problem.cost.cluster.device(st.device) for st in stages)
-    return ChainSolution(res.objective, cuts, devs)
+    modes = tuple(st.recompute for st in stages)
+    return ChainSolution(res.objective, cuts, devs, () if set(modes) == {"none"} else modes)
 
 
 def model_arcs(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int

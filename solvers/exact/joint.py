@@ -14,7 +14,12 @@ Numbers (seconds and bytes, before either solver scales them):
 * an *arc* ``(r, t, i, j)``: position ``r`` on GPU type ``t`` holds layers ``[i, j)``; it exists
   when the split can be completed around it and the stage fits ``t``'s memory with
   ``activations_in_flight(r + 1)`` (the cost model's ``memory_matrix``, so the same test to the
-  bit); its ``work_s`` is the compute on ``t`` plus WSP's wave sync, ``wave_s`` the latter alone;
+  bit); its ``work_s`` is the compute on ``t`` plus WSP's wave sync, ``wave_s`` the latter alone.
+  With activation recomputation allowed (``CostOptions.recompute``), the arc is priced in the
+  first mode (cheapest first) whose stage fits ``t``'s memory (``mode``): its compute includes
+  the forward it runs again. An arc of the same ``(r, t, i, j)`` in a later mode would take
+  the same place in any plan with no less time (a recompute only adds time), so leaving it out
+  changes neither the optimum nor any bound: both are over every choice of mode per stage;
 * a *link class* per pair of labels: the cost model's boundary vector between two devices of
   those labels (``boundary_vector_s``: every cut's message on that link, size-dependent curves
   and latencies included). Pairs with the same vector share a class (HetPipe's cluster: two,
@@ -37,6 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,9 +50,16 @@ import numpy as np
 from partitioner.cluster import Device
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError, PartitionerError
-from solvers.exact.intervals import ChainProblem, check_arc_count, dp_split, pipeline_lengths
+from solvers.exact.intervals import (
+    ChainProblem,
+    check_arc_count,
+    dp_split,
+    pipeline_lengths,
+    priced_split,
+)
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
+from solvers.pipeline.levers import first_fitting_modes, pick_by_mode
 from solvers.pipeline.mapping import Label, device_labels, map_worker
 from solvers.result import SolveDetails, SolveResult, SolveStatus
 
@@ -103,6 +116,7 @@ class JointData:
     j: np.ndarray
     work_s: np.ndarray  # compute + wave sync
     wave_s: np.ndarray
+    mode: np.ndarray  # index into the options' recompute modes: the first that fits
     type_names: tuple[str, ...]
     # links: pair_class[g, h] (-1: the pair cannot be adjacent), class_s[c, cut]
     pair_class: np.ndarray
@@ -113,7 +127,7 @@ class JointData:
 
     def __post_init__(self) -> None:
         n_arcs, n_lab = len(self.r), len(self.labels)
-        if not all(len(a) == n_arcs for a in (self.gpu, self.i, self.j, self.work_s, self.wave_s)):
+        if not all(len(a) == n_arcs for a in (self.gpu, self.i, self.j, self.work_s, self.wave_s, self.mode)):
             raise PartitionerError("joint model data: the arc arrays differ in length")
         if len(self.counts) != n_lab or len(self.types) != n_lab or self.pair_class.shape != (n_lab, n_lab):
             raise PartitionerError("joint model data: labels, counts, types and link classes do not match")
@@ -136,7 +150,8 @@ class JointData:
 
     def realise(self, plan_labels: Sequence[int], cuts: Sequence[int]) -> JointPlan:
         """The plan for labels (indices, pipeline order) and cuts: each label's devices in their
-        listed order, priced exactly by the cost model. Refuses what is not a plan."""
+        listed order, each stage in the first recompute mode that fits (as the arcs have it),
+        priced exactly by the cost model. Refuses what is not a plan."""
         q = len(plan_labels)
         n = self.num_layers
         ok = (len(cuts) == q + 1 and cuts[0] == 0 and cuts[-1] == n and all(a < b for a, b in itertools.pairwise(cuts))
@@ -150,11 +165,8 @@ class JointData:
             devs.append(self.pools[self.labels[g]][used[g]])
             used[g] += 1
         p = self.problem
-        times = [p.cost.pipeline_stage_time_s(a, b, devs[k], devs[k - 1] if k else None,
-                                              devs[k + 1] if k + 1 < q else None, p.schedule)
-                 for k, (a, b) in enumerate(itertools.pairwise(cuts))]
         return JointPlan(tuple(self.labels[g] for g in plan_labels), tuple(cuts),
-                         ChainSolution(max(times), tuple(cuts), tuple(devs)))
+                         priced_split(p.cost, cuts, devs, p.schedule))
 
     def label_index(self, plan: JointPlan) -> list[int]:
         return [self.labels.index(lab) for lab in plan.labels]
@@ -235,21 +247,25 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
         # an additive stage pays at least the cheapest link's message at each inner cut
         least = np.zeros((hi + 1, n + 1)) if cost.options.overlap_comm else cheapest[rows, None] + cheapest[None, :]
         for t, name in enumerate(type_names):
-            work = cost.compute_matrix(name)[rows] + sync
             head = pools[labels[types.index(name)]][0]
-            mem = cost.memory_matrix(in_flight, problem.schedule, rows, head.tensor_parallel)
-            ok = shape & (mem <= head.memory_bytes) & (work + least <= upper)
+            # each stage in the first recompute mode that fits (-1: none does), its compute in that mode
+            mode = first_fitting_modes(cost, in_flight, problem.schedule, head.memory_bytes, rows,
+                                       head.tensor_parallel)
+            work = pick_by_mode(cost, mode, partial(_compute_rows, gpu=name, rows=rows)) + sync
+            ok = shape & (mode >= 0) & (work + least <= upper)
             ii, jj = np.nonzero(ok)
             total += len(ii)
             check_arc_count(total, max_arcs, f"joint mapping model of {n} layers over {p} devices ({len(labels)} "
                             f"labels)", "use the dp solver or keep the device order (`fixed_order`)")
-            parts.append((np.full(len(ii), r), np.full(len(ii), t), ii, jj, work[ii, jj], sync[ii, jj]))
-    cat = [np.concatenate(x) for x in zip(*parts, strict=True)] if parts else [np.zeros(0)] * 6
-    r_a, t_a, i_a, j_a, w_a, s_a = cat
+            parts.append((np.full(len(ii), r), np.full(len(ii), t), ii, jj, work[ii, jj], sync[ii, jj],
+                          mode[ii, jj]))
+    cat = [np.concatenate(x) for x in zip(*parts, strict=True)] if parts else [np.zeros(0)] * 7
+    r_a, t_a, i_a, j_a, w_a, s_a, m_a = cat
     data = JointData(problem, labels, tuple(len(pools[lab]) for lab in labels),
                      {lab: tuple(v) for lab, v in pools.items()}, types, positions, lengths,
                      r_a.astype(np.intp), t_a.astype(np.intp), i_a.astype(np.intp), j_a.astype(np.intp),
-                     w_a.astype(np.float64), s_a.astype(np.float64), type_names, pair_class, class_s,
+                     w_a.astype(np.float64), s_a.astype(np.float64), m_a.astype(np.intp), type_names, pair_class,
+                     class_s,
                      _symmetric_nodes(cost, labels, pools, pair_class), None)
     data.details.update({"mapping": "model", "arcs": len(r_a), "labels": len(labels), "link_classes": len(class_s),
                          "symmetric_nodes": [list(g) for g in data.symmetric_nodes if len(g) > 1],
@@ -259,6 +275,10 @@ def joint_data(problem: ChainProblem, hint: bool, prune: bool, max_arcs: int,
     start = canonical(data, start)
     data.details["hint_s"] = start.solution.bottleneck_s
     return replace(data, start=start)
+
+
+def _compute_rows(cm: CostModel, gpu: str, rows: slice) -> np.ndarray:
+    return cm.compute_matrix(gpu)[rows]
 
 
 def _start(problem: ChainProblem, labels: tuple[Label, ...], pools: dict[Label, list[Device]],
@@ -350,7 +370,7 @@ def canonical(data: JointData, plan: JointPlan) -> JointPlan:
 def diagnose(data: JointData) -> str:
     """Why no order and split fits: the chain's reasons where they hold for every order."""
     problem = data.problem
-    reason = dp.diagnose_infeasible(problem.cost, problem.tried_devices, problem.schedule)
+    reason = chain = dp.diagnose_infeasible(problem.cost, problem.tried_devices, problem.schedule)
     if reason.startswith("no contiguous split"):
         q = max(data.lengths, default=len(problem.devices))
         first = problem.schedule.activations_in_flight(q)
@@ -358,6 +378,8 @@ def diagnose(data: JointData) -> str:
                   f"any order fits every device's memory under {problem.schedule} with {problem.schedule.micro_batches} "
                   f"micro-batches (the first stage keeps {first} in flight); use more or larger devices, fewer "
                   f"micro-batches in flight (1f1b instead of gpipe), or allow fewer devices")
+        if "; it would fit with " in chain:  # levers checked on the given order hold there
+            reason += "; in the given order it would fit with " + chain.split("; it would fit with ", 1)[1]
     return reason
 
 

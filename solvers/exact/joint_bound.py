@@ -21,7 +21,11 @@ flight, hence its memory test, as the models have it) and messages are 0 at both
 chain. The answer is the least ``f(0, n, ., .)`` over the count vectors ``n`` the devices allow
 (all of them, or any with ``allow_fewer``). Every real plan is a path of this DP whose stage
 times are at least those the DP charges, so the value is a valid lower bound on the joint
-optimum; the models take it as ``B >= bound`` (less their rounding). When the runs make the DP
+optimum; the models take it as ``B >= bound`` (less their rounding). With activation
+recomputation allowed it stays valid: a real plan's stage on type ``t`` recomputes some mode that
+fits, and the arc ``(r, t, i, j)`` is priced in the first mode that fits, whose added forward is
+the least of those (a recompute only adds time), so the DP still charges no more than the plan's
+stage takes, and an arc exists wherever some mode fits. When the runs make the DP
 too large (:data:`MAX_STEPS`), every message is charged at the cheapest link of all (one run).
 ``relaxed_plan`` follows the DP's best path back and gives its runs nodes; when that works, the
 bound is a real plan's bottleneck (up to links cheaper than charged), and the models' start.

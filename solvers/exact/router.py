@@ -17,6 +17,12 @@ CP-SAT works on integers: every time is rounded **down** to a whole number of ti
 valid lower bound; CBC works in floating point with its own tolerances, and its bound is read
 from its log (:mod:`solvers.exact.cbc.run`). In both, the plan's objective is recomputed exactly
 from the chosen cuts with the cost model.
+
+Activation recomputation (``CostOptions.recompute``: one mode, or ``auto``) is chosen per stage
+in all three models, exactly as the chain DP chooses it: each stage in the first mode (cheapest
+first) that fits its device, priced in that mode; their bounds are over every choice of mode
+per stage. ZeRO (``CostOptions.zero``) shards state over data-parallel holders of a layer; one
+pipeline has none, so it changes nothing here.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 
 from partitioner.cluster import Cluster
 from partitioner.cost import CostOptions
-from partitioner.errors import FormatError, OptionError
+from partitioner.errors import FormatError
 from partitioner.profile import Profile
 from solvers.exact.intervals import DEFAULT_MAX_ARCS, check_limits, prepare
 from solvers.exact.joint import HINT_SHARE, mapping_details, needs_mapping
@@ -72,9 +78,6 @@ def solve(profile: Profile, cluster: Cluster, devices: Sequence[str] | None = No
     if backend not in BACKENDS:
         raise FormatError("backend", backend, f"must be one of {', '.join(BACKENDS)}")
     check_limits(time_limit_s, threads, seed)
-    if options is not None and options.recompute != "none":
-        raise OptionError("recompute", options.recompute, f"the {_METHOD[backend]} models plan without activation "
-                          "recomputation; give none, or plan the levers with the dp solver or the cluster planner")
     settings: dict[str, Any] = {"time_limit_s": time_limit_s, "threads": threads, "seed": seed,
                                 "tie_break": tie_break}
     if backend == "cpsat":

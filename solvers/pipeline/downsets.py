@@ -10,7 +10,9 @@ states (its antichains).
 
 Everything a stage costs is a function of its two down-sets: its compute and memory are sums
 over ``D' - D`` (weights, the activations in flight at its position, less what a layer shares
-with its predecessor when both are in the stage), its gradient send back carries every tensor
+with its predecessor when both are in the stage, and the boundary tensors crossing ``D`` and
+``D'`` the executor holds; each stage in the first recompute mode the options allow that fits,
+as the chain DP has it), its gradient send back carries every tensor
 crossing ``D`` and its activation send forward every tensor crossing ``D'``, each one message
 priced on its link as the cost model prices a boundary (:meth:`CostModel.messages_s`: flat,
 latency, measured curves and shared NICs alike), and WSP's wave sync is a sum over the stage.
@@ -42,9 +44,11 @@ import numpy as np
 from partitioner.cluster import Device
 from partitioner.cost import CostModel
 from partitioner.profile import Profile
+from partitioner.recompute import selective_bytes
 from partitioner.schedule import Schedule
 from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
+from solvers.pipeline.levers import stage_mode
 from solvers.result import SolveResult, SolveStatus
 
 __all__ = ["MAX_DOWN_SETS", "MAX_PAIRS", "GraphPlan", "down_sets", "graph_dp", "price_stages", "solve_graph"]
@@ -98,17 +102,21 @@ def price_stages(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
     model = CostModel(profile, cost.cluster, cost.options)
     sizes = np.bincount(np.asarray(stages, dtype=np.int64), minlength=p)
     cuts = tuple(int(c) for c in np.concatenate([[0], np.cumsum(sizes)]))
-    times, fits = [], True
+    times, modes, fits = [], [], True
     for k in range(p):
         a, b = cuts[k], cuts[k + 1]
         prev = devices[k - 1] if k > 0 else None
         nxt = devices[k + 1] if k + 1 < p else None
-        times.append(model.pipeline_stage_time_s(a, b, devices[k], prev, nxt, schedule))
-        need = model.stage_memory_bytes(a, b, schedule.activations_in_flight(p - k), schedule,
-                                        devices[k].tensor_parallel)
+        in_flight = schedule.activations_in_flight(p - k)
+        # the first recompute mode the options allow that fits (the options' last where none does)
+        modes.append(stage_mode(model, devices[k], schedule, in_flight, a, b))
+        cm = model.recomputing(modes[-1])
+        times.append(cm.pipeline_stage_time_s(a, b, devices[k], prev, nxt, schedule))
+        need = cm.stage_memory_bytes(a, b, in_flight, schedule, devices[k].tensor_parallel)
         fits = fits and need <= devices[k].memory_bytes
-    return GraphPlan(tuple(int(s) for s in stages), profile, model, ChainSolution(max(times), cuts, tuple(devices)),
-                     math.fsum(times), fits)
+    recompute = () if set(modes) == {"none"} else tuple(modes)
+    return GraphPlan(tuple(int(s) for s in stages), profile, model,
+                     ChainSolution(max(times), cuts, tuple(devices), recompute), math.fsum(times), fits)
 
 
 class _Lattice:
@@ -211,7 +219,10 @@ class _Stages:
                  upper_s: float):
         self.cost, self.devices, self.schedule, self.lat = cost, tuple(devices), schedule, lat
         kinds = sorted({d.kind for d in devices})
-        self.work = {kind: lat.sums(cost.layer_compute_s(kind)) for kind in kinds}
+        self.modes = cost.options.recompute_modes
+        # per (mode, kind): every down-set's compute, the recomputed forward included
+        self.work = {(mode, kind): lat.sums(cost.recomputing(mode).layer_compute_s(kind))
+                     for mode in self.modes for kind in kinds}
         degrees = sorted({d.tensor_parallel for d in devices})
         self.params = {t: lat.sums(np.diff(cost.at_degree(t).param_count_prefix)) for t in degrees}
         self.wf = cost.weight_factor(schedule)
@@ -224,13 +235,16 @@ class _Stages:
         if self.pairs is None:
             return
         sub, sup = self.pairs
-        self.comp = {kind: self.work[kind][sup] - self.work[kind][sub] for kind in kinds}
         self.weights = {t: self.wf * (self.params[t][sup] - self.params[t][sub]) for t in degrees}
-        self.act = {}
+        self.act, self.dropped = {}, {}
         for t in degrees:
-            saved = lat.sums(cost.at_degree(t).profile.array("saved_bytes"))
-            shared = cost.at_degree(t).profile.array("shared_saved_bytes")
+            shard = cost.at_degree(t).profile
+            saved = lat.sums(shard.array("saved_bytes"))
+            shared = shard.array("shared_saved_bytes")
             self.act[t] = (saved[sup] - saved[sub]) - _shared_in_stage(lat, shared, sub, sup)
+            if "selective" in self.modes:  # what selective recomputation does not keep
+                dropped = lat.sums(selective_bytes(shard))
+                self.dropped[t] = dropped[sup] - dropped[sub]
         self.wave = np.zeros(len(sub))
         if schedule.wave_sync:
             pbytes = lat.sums(np.diff(cost.param_prefix))
@@ -241,20 +255,41 @@ class _Stages:
             self.wave = 2.0 * secs / schedule.micro_batches
 
     def at(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Stage ``k``'s time of every candidate, and whether it fits ``devices[k]``."""
+        """Stage ``k``'s time of every candidate, and whether it fits ``devices[k]``: in the first
+        recompute mode the options allow (cheapest first) whose memory fits, as the chain DP
+        (a recompute only adds time, so the fastest that fits).
+
+        Memory as the cost model has it: weights, the activations of ``f`` micro-batches in
+        flight (selective: less the attention cores'; full: one micro-batch's, and its input
+        ``f`` times), the boundary tensors the executor holds (``2 f`` outputs crossing the
+        stage's end, one input crossing its start), the reserved bytes."""
         assert self.pairs is not None
         sub, sup = self.pairs
         devs, cost, p = self.devices, self.cost, len(self.devices)
         dev = devs[k]
-        comp = self.comp[dev.kind]
         crossing = self.lat.crossing_bytes
         back = cost.messages_s(crossing, dev.name, devs[k - 1].name)[sub] if k > 0 else 0.0
         out = cost.messages_s(crossing, dev.name, devs[k + 1].name)[sup] if k + 1 < p else 0.0
-        stage_s = np.maximum(np.maximum(comp, back), out) if cost.options.overlap_comm else (comp + back) + out
         t = dev.tensor_parallel
         flight = self.schedule.activations_in_flight(p - k)
-        mem = self.weights[t] + flight * self.act[t] + cost.options.reserved_bytes
-        return stage_s + self.wave, mem <= dev.memory_bytes
+        held = 2 * flight * crossing[sup] + crossing[sub] + cost.options.reserved_bytes
+        times = np.full(len(sub), np.inf)
+        placed = np.zeros(len(sub), dtype=bool)
+        for mode in self.modes:
+            if mode == "full":
+                mem = self.weights[t] + self.act[t] + (flight - 1) * crossing[sub] + held
+            else:
+                kept = self.act[t] - self.dropped[t] if mode == "selective" else self.act[t]
+                mem = self.weights[t] + flight * kept + held
+            fit = (mem <= dev.memory_bytes) & ~placed
+            if not fit.any():
+                continue
+            work = self.work[(mode, dev.kind)]
+            comp = work[sup] - work[sub]
+            stage_s = np.maximum(np.maximum(comp, back), out) if cost.options.overlap_comm else (comp + back) + out
+            times[fit] = (stage_s + self.wave)[fit]
+            placed |= fit
+        return times, placed
 
 
 def graph_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, ideals: list[int],
@@ -364,6 +399,6 @@ def _total(chain: SolveResult, cost: CostModel, schedule: Schedule) -> float:
     assert chain.plan is not None
     stages = chain.plan.virtual_workers[0].stages
     devs = [cost.cluster.device(s.device) for s in stages]
-    return math.fsum(cost.pipeline_stage_time_s(s.layers[0], s.layers[1], devs[k], devs[k - 1] if k else None,
-                                                devs[k + 1] if k + 1 < len(devs) else None, schedule)
-                     for k, s in enumerate(stages))
+    return math.fsum(cost.recomputing(s.recompute).pipeline_stage_time_s(
+        s.layers[0], s.layers[1], devs[k], devs[k - 1] if k else None, devs[k + 1] if k + 1 < len(devs) else None,
+        schedule) for k, s in enumerate(stages))

@@ -11,13 +11,15 @@ with the cost model's matrix and scalar methods, which agree to the bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from partitioner.cluster import Device
 from partitioner.cost import CostModel
 from partitioner.schedule import Schedule
 
-__all__ = ["fitting_stops", "stage_candidates", "stage_mode"]
+__all__ = ["first_fitting_modes", "fitting_stops", "pick_by_mode", "stage_candidates", "stage_mode"]
 
 
 def fitting_stops(cost: CostModel, in_flight: int, schedule: Schedule, capacity_bytes: float, rows: slice,
@@ -56,6 +58,38 @@ def stage_candidates(cost: CostModel, dev: Device, prev: Device | None, nxt: Dev
             placed |= fit
     assert times is not None
     return np.max(tops, axis=0), times
+
+
+def first_fitting_modes(cost: CostModel, in_flight: int, schedule: Schedule, capacity_bytes: float, rows: slice,
+                        tensor_parallel: int = 1, holders: int = 1) -> np.ndarray:
+    """For each stage ``[i, j)`` (``i`` in ``rows``, every ``j``), the index in
+    ``cost.options.recompute_modes`` of the first mode (cheapest first) whose stage fits
+    ``capacity_bytes`` (:meth:`CostModel.memory_matrix` of that mode's model, so the same test as
+    :func:`stage_mode` to the bit), or -1 where none does. A recompute only adds time (its
+    forward again, inside the backward), so that mode is the fastest that fits."""
+    choice: np.ndarray | None = None
+    for m, mode in enumerate(cost.options.recompute_modes):
+        fit = cost.recomputing(mode).memory_matrix(in_flight, schedule, rows, tensor_parallel, holders) \
+            <= capacity_bytes
+        if choice is None:
+            choice = np.where(fit, m, -1)
+        else:
+            choice[(choice < 0) & fit] = m
+    assert choice is not None
+    return choice
+
+
+def pick_by_mode(cost: CostModel, choice: np.ndarray, matrix: Callable[[CostModel], np.ndarray]) -> np.ndarray:
+    """``matrix(cost.recomputing(mode))[i, j]`` where ``choice[i, j]`` is that mode's index
+    (:func:`first_fitting_modes`), and the first mode's where it is -1 (no mode fits); only the
+    modes some stage takes are computed."""
+    modes = cost.options.recompute_modes
+    out = matrix(cost.recomputing(modes[0]))
+    for m in range(1, len(modes)):
+        where = choice == m
+        if where.any():
+            out = np.where(where, matrix(cost.recomputing(modes[m])), out)
+    return out
 
 
 def stage_mode(cost: CostModel, dev: Device, schedule: Schedule, in_flight: int, start: int, stop: int,

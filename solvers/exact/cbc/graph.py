@@ -7,6 +7,8 @@ are in units of the longest any stage could take / 1000 and memory in GiB, where
 absolute tolerances are negligible; the bound (read from CBC's log) is reported less ``1e-6``
 of that longest time. The assignment found is priced exactly on the reordered profile, and a
 plan the cost model's memory check refuses (CBC's tolerance) is dropped for the DP's.
+A stage's recompute mode (with several allowed) is a binary per mode; its time and memory rows
+hold when it is chosen, by the least big-M that leaves them void otherwise (given per row).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
         prob += var.bottleneck <= hint_plan.solution.bottleneck_s / unit_s * (1 + 1e-6) + 1e-6
     start = data.hint_stages()
     if start is not None:
-        _warm(var, start)
+        _warm(var, start, data.hint_modes())
 
     cbc_log = run_cbc(prob, time_limit_s, threads, seed, warm_start=start is not None)
     details.update({"cbc_status": pulp.LpStatus[prob.status], "cbc_solution": prob.sol_status})
@@ -76,7 +78,7 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
 
 
 def _variables(prob: Any, data: DagData) -> DagVars:
-    """y binary, z in [0, 1], t[k] and B non-negative."""
+    """y binary (and r, with several recompute modes), z in [0, 1], t[k] and B non-negative."""
     import pulp
 
     n, p = data.num_layers, data.num_stages
@@ -85,7 +87,10 @@ def _variables(prob: Any, data: DagData) -> DagVars:
     t = [prob.add_variable(f"t_{k}", lowBound=0) for k in range(p)]
     bottleneck = prob.add_variable("B", lowBound=0)
     z = {(u, c): prob.add_variable(f"z_{u}_{c}", lowBound=0, upBound=1) for u in senders for c in range(1, p)}
-    return DagVars(y, z, t, bottleneck, senders)
+    modes = len(data.modes)
+    r = [[prob.add_variable(f"r_{k}_{j}", cat=pulp.LpBinary) for j in range(modes)] for k in range(p)] \
+        if modes > 1 else []
+    return DagVars(y, z, t, bottleneck, senders, r)
 
 
 def _constraints(prob: Any, data: DagData, var: DagVars, unit_s: float) -> None:
@@ -110,13 +115,19 @@ def _constraints(prob: Any, data: DagData, var: DagVars, unit_s: float) -> None:
         for w in data.succ[u]:
             for c in range(1, p):
                 prob += var.z[u, c] >= y[u][c - 1] - y[w][c - 1]
+    # One mode per stage: sum_m r[k, m] = 1.
+    for row in var.r:
+        prob += pulp.lpSum(row) == 1
     _stage_times(prob, data, var, unit_s)
     _memory(prob, data, var)
 
 
 def _stage_times(prob: Any, data: DagData, var: DagVars, unit_s: float) -> None:
     """t_k >= C_k + X_k / bw + X_{k+1} / bw (additive; overlapped: t_k >= C_k, t_k >= back + W_k,
-    t_k >= out + W_k) and B >= t_k, in units of ``unit_s``."""
+    t_k >= out + W_k) and B >= t_k, in units of ``unit_s``; C_k with the least time over the
+    modes always, and with mode m's if r[k, m]:  t_k >= C^m_k + ... - D^m_k (1 - r[k, m]), where
+    ``D^m_k = sum_v (t^m_k(v) - t^0_k(v)) >= C^m_k - C^0_k`` leaves the row below the first when
+    r[k, m] = 0."""
     import pulp
 
     n, p = data.num_layers, data.num_stages
@@ -128,46 +139,64 @@ def _stage_times(prob: Any, data: DagData, var: DagVars, unit_s: float) -> None:
 
     t = var.t
     overlap = data.problem.cost.options.overlap_comm
+    least = data.least_time_s
     for k in range(p):
-        comp = pulp.lpSum(float(data.time_s[k, v]) / unit_s * var.x(v, k) for v in range(n))
         wave = pulp.lpSum(float(data.wave_s[v]) / unit_s * var.x(v, k) for v in range(n) if data.wave_s[v])
         back, out = sends(k, data.back_s_per_byte[k]), sends(k + 1, data.out_s_per_byte[k])
+        rows: list[tuple[Any, float, Any]] = [(least[k], 0.0, None)]  # (per-layer times, D, r)
+        for j, rj in enumerate(var.r[k] if var.r else []):
+            more = data.time_s[j, k] - least[k]
+            if (more > 0).any():
+                rows.append((data.time_s[j, k], float(more.sum()) / unit_s, rj))
+        for times, slack, chosen in rows:
+            comp = pulp.lpSum(float(times[v]) / unit_s * var.x(v, k) for v in range(n))
+            if chosen is not None:
+                comp = comp - slack * (1 - chosen)
+            prob += (t[k] >= comp) if overlap else (t[k] >= comp + back + out)
         if overlap:
-            prob += t[k] >= comp
             prob += t[k] >= back + wave
             prob += t[k] >= out + wave
-        else:
-            prob += t[k] >= comp + back + out
         prob += var.bottleneck >= t[k]
 
 
 def _memory(prob: Any, data: DagData, var: DagVars) -> None:
-    """M_k <= cap_k (GiB) for every stage whose layers could overflow it."""
+    """M^m_k <= cap_k (GiB) for every stage and mode whose layers could overflow it; with several
+    modes, M^m_k <= cap_k + (U^m_k - cap_k) (1 - r[k, m]), ``U^m_k`` the most the row can reach
+    (every layer and crossing, nothing shared), so the row is void unless r[k, m]."""
     import pulp
 
     n, p = data.num_layers, data.num_stages
     x = var.x
     for k in range(p):
         cap = data.capacity_bytes[k]
-        if float(data.mem_bytes[k].sum()) + data.most_boundary_bytes(k) <= cap:
-            continue
-        terms = [float(data.mem_bytes[k, v]) / GIB * x(v, k) for v in range(n)]
-        terms += [b / GIB * var.z[u, c] for b, u, c in data.boundary_terms(k) if b > 0]
-        for v in range(1, n):
-            sh = float(data.shared_bytes[k, v])
-            if sh > 0:  # b <= x[v, k], b <= x[v-1, k]: v and v - 1 both in stage k
-                b = prob.add_variable(f"b_{v}_{k}", lowBound=0, upBound=1)
-                prob += b <= x(v, k)
-                prob += b <= x(v - 1, k)
-                terms.append(-sh / GIB * b)
-        prob += pulp.lpSum(terms) <= cap / GIB
+        shared: dict[int, Any] = {}  # b[v, k]: v and v - 1 both in stage k (one for every mode)
+        for j in range(len(data.modes)):
+            most = data.most_memory_bytes(k, j)
+            if most <= cap:
+                continue
+            terms = [float(data.mem_bytes[j, k, v]) / GIB * x(v, k) for v in range(n)]
+            terms += [b / GIB * var.z[u, c] for b, u, c in data.boundary_terms(k, j) if b > 0]
+            for v in range(1, n):
+                sh = float(data.shared_bytes[j, k, v])
+                if sh > 0:  # b <= x[v, k], b <= x[v-1, k]: v and v - 1 both in stage k
+                    if v not in shared:
+                        shared[v] = b = prob.add_variable(f"b_{v}_{k}", lowBound=0, upBound=1)
+                        prob += b <= x(v, k)
+                        prob += b <= x(v - 1, k)
+                    terms.append(-sh / GIB * shared[v])
+            slack = (most - cap) / GIB * (1 - var.r[k][j]) if var.r else 0.0
+            prob += pulp.lpSum(terms) <= cap / GIB + slack
 
 
-def _warm(var: DagVars, stages: list[int] | tuple[int, ...]) -> None:
-    """An assignment as CBC's warm start (its order encoding)."""
-    for row, values in zip(var.y, dag.order_values(stages, len(var.t)), strict=True):
-        for yc, value in zip(row, values, strict=True):
+def _warm(var: DagVars, stages: list[int] | tuple[int, ...], modes: list[int] | None = None) -> None:
+    """An assignment (and each stage's mode) as CBC's warm start (its order encoding)."""
+    for ys, values in zip(var.y, dag.order_values(stages, len(var.t)), strict=True):
+        for yc, value in zip(ys, values, strict=True):
             yc.setInitialValue(1 if value else 0)
+    if var.r and modes is not None:
+        for row, mode in zip(var.r, modes, strict=True):
+            for j, rj in enumerate(row):
+                rj.setInitialValue(1 if j == mode else 0)
 
 
 def _extract(data: DagData, var: DagVars) -> DagPlan:
@@ -184,7 +213,7 @@ def _tie_break(prob: Any, data: DagData, var: DagVars, found: DagPlan, unit_s: f
     best = float(var.bottleneck.varValue or 0.0)
     prob += var.bottleneck <= best + TOLERANCE_SLACK * SCALE_MAX  # B <= B* + slack
     prob.setObjective(pulp.lpSum(var.t))  # minimise sum_k t_k
-    _warm(var, found.stages)
+    _warm(var, found.stages, data.mode_indices(found.solution))
     if not solve_again(prob, time_limit_s, threads, seed, details):
         return found
     return dag.tie_break_winner(found, _extract(data, var), 2 * TOLERANCE_SLACK * SCALE_MAX * unit_s)

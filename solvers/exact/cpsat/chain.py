@@ -1,7 +1,8 @@
 """The chain problem as an OR-Tools CP-SAT model, with a certified lower bound.
 
 Same problem as :mod:`solvers.pipeline.dp` (one pipeline over ordered devices, minimum bottleneck,
-memory per device), in the interval formulation of :mod:`solvers.exact.intervals`. CP-SAT works
+memory per device, a recompute mode per stage), in the interval formulation of
+:mod:`solvers.exact.intervals`. CP-SAT works
 on integers, so every stage time is rounded **down** to a whole number of ticks
 (``tick_s = largest stage time / resolution``). Rounding down makes the integer model a
 relaxation in time: its bound, converted back to seconds, is a valid lower bound on the true

@@ -7,6 +7,8 @@ for floating point); a stage's modelled time is within one tick per term of its 
 Memory coefficients are rounded **up** to units of ``mem_unit`` bytes and capacities down, so
 the model never accepts a stage the cost model refuses (it may refuse one within a few units
 of a device's capacity). The assignment found is priced exactly on the reordered profile.
+A stage's recompute mode (with several allowed) is a boolean per mode; a mode's time and memory
+rows are CP-SAT's enforced constraints (``only_enforce_if``), in force when it is chosen.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
         m.add(var.bottleneck <= math.ceil(hint_plan.solution.bottleneck_s / tick_s) + 1)
     start = data.hint_stages()
     if start is not None:
-        _hint(m, var, start)
+        _hint(m, var, start, data.hint_modes())
     m.minimize(var.bottleneck)  # objective: minimise B
 
     solver, code = run_model(m, "cpsat (graph)", tick_s, time_limit_s, threads, seed, details)
@@ -71,13 +73,15 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
 
 
 def _variables(m: Any, data: DagData, upper: int) -> DagVars:
-    """y and z booleans, t[k] and B integers in [0, ``upper``] ticks."""
+    """y, z and (with several recompute modes) r booleans, t[k] and B integers in [0, ``upper``] ticks."""
     n, p = data.num_layers, data.num_stages
     senders = data.senders()
     y = [[m.new_bool_var(f"y_{v}_{c}") for c in range(1, p)] for v in range(n)]
     z = {(u, c): m.new_bool_var(f"z_{u}_{c}") for u in senders for c in range(1, p)}
     t = [m.new_int_var(0, upper, f"t_{k}") for k in range(p)]
-    return DagVars(y, z, t, m.new_int_var(0, upper, "B"), senders)
+    modes = len(data.modes)
+    r = [[m.new_bool_var(f"r_{k}_{j}") for j in range(modes)] for k in range(p)] if modes > 1 else []
+    return DagVars(y, z, t, m.new_int_var(0, upper, "B"), senders, r)
 
 
 def _constraints(m: Any, data: DagData, var: DagVars, tick_s: float) -> None:
@@ -100,13 +104,17 @@ def _constraints(m: Any, data: DagData, var: DagVars, tick_s: float) -> None:
         for w in data.succ[u]:
             for c in range(1, p):
                 m.add(var.z[u, c] >= y[u][c - 1] - y[w][c - 1])
+    # One mode per stage: sum_m r[k, m] = 1.
+    for row in var.r:
+        m.add_exactly_one(row)
     _stage_times(m, data, var, tick_s)
     _memory(m, data, var)
 
 
 def _stage_times(m: Any, data: DagData, var: DagVars, tick_s: float) -> None:
     """t_k >= C_k + X_k / bw + X_{k+1} / bw (additive; overlapped: t_k >= C_k, t_k >= back + W_k,
-    t_k >= out + W_k) and B >= t_k, every term in ticks rounded down."""
+    t_k >= out + W_k) and B >= t_k, every term in ticks rounded down; C_k with the least time
+    over the modes always, and with mode m's if r[k, m]."""
     from ortools.sat.python import cp_model
 
     n, p = data.num_layers, data.num_stages
@@ -118,56 +126,72 @@ def _stage_times(m: Any, data: DagData, var: DagVars, tick_s: float) -> None:
         coef = np.floor(data.own_bytes[senders] * per_byte / tick_s).astype(np.int64).tolist()
         return cp_model.LinearExpr.weighted_sum([var.z[u, c] for u in senders], coef) if senders else 0
 
-    comp_ticks = np.floor(data.time_s / tick_s).astype(np.int64)
+    least_ticks = np.floor(data.least_time_s / tick_s).astype(np.int64)
+    mode_ticks = np.floor(data.time_s / tick_s).astype(np.int64)
     wave_ticks = np.floor(data.wave_s / tick_s).astype(np.int64)
     t = var.t
     overlap = data.problem.cost.options.overlap_comm
     for k in range(p):
-        comp = sum(int(comp_ticks[k, v]) * var.x(v, k) for v in range(n))
-        wave = sum(int(wave_ticks[v]) * var.x(v, k) for v in range(n) if wave_ticks[v])
         back, out = sends(k, data.back_s_per_byte[k]), sends(k + 1, data.out_s_per_byte[k])
+        wave = sum(int(wave_ticks[v]) * var.x(v, k) for v in range(n) if wave_ticks[v])
+        # the least time over the modes, always; a mode's own where it is chosen (and takes longer)
+        rows = [(least_ticks[k], None)]
+        rows += [(mode_ticks[j, k], var.r[k][j]) for j in range(len(var.r[k]) if var.r else 0)
+                 if (mode_ticks[j, k] > least_ticks[k]).any()]
+        for ticks, chosen in rows:
+            comp = sum(int(ticks[v]) * var.x(v, k) for v in range(n))
+            row = m.add(t[k] >= comp) if overlap else m.add(t[k] >= comp + back + out)
+            if chosen is not None:
+                row.only_enforce_if(chosen)
         if overlap:
-            m.add(t[k] >= comp)
             m.add(t[k] >= back + wave)
             m.add(t[k] >= out + wave)
-        else:
-            m.add(t[k] >= comp + back + out)
         m.add(var.bottleneck >= t[k])
 
 
 def _memory(m: Any, data: DagData, var: DagVars) -> None:
-    """M_k <= cap_k for every stage whose layers could overflow it (bytes rounded up to units)."""
+    """M^m_k <= cap_k for every stage and mode whose layers could overflow it, if r[k, m] (bytes
+    rounded up to units)."""
     n, p = data.num_layers, data.num_stages
     x = var.x
+    n_modes = len(data.modes)
     largest = max(max(data.capacity_bytes), float(data.mem_bytes.max(initial=0.0)), 1.0,
-                  *(b for k in range(p) for b, _, _ in data.boundary_terms(k)))
+                  *(b for k in range(p) for j in range(n_modes) for b, _, _ in data.boundary_terms(k, j)))
     unit = max(1.0, largest / MEMORY_UNITS)
     for k in range(p):
         cap = data.capacity_bytes[k]
-        if float(data.mem_bytes[k].sum()) + data.most_boundary_bytes(k) <= cap:
-            continue  # the whole model fits: no constraint
-        if cap < 0:
-            m.add(sum(x(v, k) for v in range(n)) <= 0)  # reserved memory alone overflows
-            continue
-        cap_units = math.floor(cap / unit)
-        need = [math.ceil(b / unit) for b in data.mem_bytes[k].tolist()]  # <= 1e12 each: no overflow
-        terms = [need[v] * x(v, k) for v in range(n)]
-        terms += [math.ceil(b / unit) * var.z[u, c] for b, u, c in data.boundary_terms(k) if b > 0]
-        for v in range(1, n):
-            sh = math.floor(float(data.shared_bytes[k, v]) / unit)
-            if sh > 0:  # b <= x[v, k], b <= x[v-1, k]: v and v - 1 both in stage k
-                b = m.new_bool_var(f"b_{v}_{k}")
-                m.add(b <= x(v, k))
-                m.add(b <= x(v - 1, k))
-                terms.append(-sh * b)
-        m.add(sum(terms) <= cap_units)
+        shared: dict[int, Any] = {}  # b[v, k]: v and v - 1 both in stage k (one for every mode)
+        for j in range(n_modes):
+            if data.most_memory_bytes(k, j) <= cap:
+                continue  # the whole model fits in this mode: no constraint
+            if cap < 0:
+                row = m.add(sum(x(v, k) for v in range(n)) <= 0)  # reserved memory alone overflows
+            else:
+                need = [math.ceil(b / unit) for b in data.mem_bytes[j, k].tolist()]  # <= 1e12 each: no overflow
+                terms = [need[v] * x(v, k) for v in range(n)]
+                terms += [math.ceil(b / unit) * var.z[u, c] for b, u, c in data.boundary_terms(k, j) if b > 0]
+                for v in range(1, n):
+                    sh = math.floor(float(data.shared_bytes[j, k, v]) / unit)
+                    if sh > 0:  # b <= x[v, k], b <= x[v-1, k]
+                        if v not in shared:
+                            shared[v] = b = m.new_bool_var(f"b_{v}_{k}")
+                            m.add(b <= x(v, k))
+                            m.add(b <= x(v - 1, k))
+                        terms.append(-sh * shared[v])
+                row = m.add(sum(terms) <= math.floor(cap / unit))
+            if var.r:
+                row.only_enforce_if(var.r[k][j])
 
 
-def _hint(m: Any, var: DagVars, stages: list[int] | tuple[int, ...]) -> None:
-    """An assignment as CP-SAT's solution hint (its order encoding)."""
-    for row, values in zip(var.y, dag.order_values(stages, len(var.t)), strict=True):
-        for yc, value in zip(row, values, strict=True):
+def _hint(m: Any, var: DagVars, stages: list[int] | tuple[int, ...], modes: list[int] | None = None) -> None:
+    """An assignment (and each stage's mode) as CP-SAT's solution hint (its order encoding)."""
+    for ys, values in zip(var.y, dag.order_values(stages, len(var.t)), strict=True):
+        for yc, value in zip(ys, values, strict=True):
             m.add_hint(yc, value)
+    if var.r and modes is not None:
+        for row, mode in zip(var.r, modes, strict=True):
+            for j, rj in enumerate(row):
+                m.add_hint(rj, j == mode)
 
 
 def _extract(data: DagData, solver: Any, var: DagVars) -> DagPlan:
@@ -185,7 +209,7 @@ def _tie_break(m: Any, solver: Any, data: DagData, var: DagVars, found: DagPlan,
     m.add(var.bottleneck <= int(solver.objective_value) + n)  # B <= B* + n
     m.minimize(sum(var.t))  # minimise sum_k t_k
     m.clear_hints()
-    _hint(m, var, found.stages)
+    _hint(m, var, found.stages, data.mode_indices(found.solution))
     if not solve_again(solver, m, time_limit_s, details):
         return found
     return dag.tie_break_winner(found, _extract(data, solver, var), n * tick_s)

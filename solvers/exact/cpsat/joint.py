@@ -3,6 +3,7 @@
 Positions ``r`` count from the end (``r = 0``: the last stage). Variables:
 
     x[a]      arc a = (r, t, i, j) chosen: position r runs on GPU type t and holds [i, j)
+              (its work in the first recompute mode the options allow that fits: joint.py)
     u[r, g]   position r runs on label g (a (node, gpu type) group of interchangeable GPUs)
     v[r, c]   the link between positions r + 1 and r is of class c (r + 1 exists)
     s[r]      ticks of the message at the cut where position r starts (its ``back``, and
