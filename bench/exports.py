@@ -67,7 +67,6 @@ def _torch_rank(rank: int, world: int, export: dict[str, Any], steps: int, out: 
     import torch
 
     from runtime.data import make_data
-    from runtime.recipe import make_optimizer
     from runtime.stage import zoo_chain
     from runtime.torch_pipelining import build_rank
 
@@ -75,7 +74,7 @@ def _torch_rank(rank: int, world: int, export: dict[str, Any], steps: int, out: 
     data = make_data(chain, "auto", export["micro_batch_size"], export["n_microbatches"], len(export["pipelines"]), SEED)
     me = build_rank(export, rank, seed=SEED, loss_fn=data.loss)
     t = export["training"]
-    opt = me.wrap_optimizer(make_optimizer(me.parameters(), t["optimizer"], t["lr"]))
+    opt = me.make_optimizer(t["optimizer"], t["lr"])
     losses = []
     for step in range(steps):
         x, y = data.global_batch(step)

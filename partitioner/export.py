@@ -366,7 +366,6 @@ def _torch_snippet(e: Mapping[str, Any]) -> str:
         "#  CUDA_VISIBLE_DEVICES in its ranks' order); examples/torch_pipelining_train.py is a complete script",
         "import json, torch, torch.distributed as dist",
         "from runtime.data import make_data",
-        "from runtime.recipe import make_optimizer",
         "from runtime.torch_pipelining import build_rank, export_seat",
         "",
         "export = json.load(open('EXPORT.json'))",
@@ -376,7 +375,7 @@ def _torch_snippet(e: Mapping[str, Any]) -> str:
         f"me = build_rank(export, rank, seed=0, loss_fn=data.loss)   # precision {t['precision']} from the plan; "
         f"PipelineStage(s) + torch.{e['schedule_class']}({'stages' if multi else 'stage'}, "
         f"n_microbatches={e['n_microbatches']}, ...)",
-        f"opt = me.wrap_optimizer(make_optimizer(me.parameters(), {t['optimizer']!r}, lr={t['lr']!r}))",
+        f"opt = me.make_optimizer({t['optimizer']!r}, lr={t['lr']!r})   # fp32 master weights under bf16/fp16",
         "for step in range(steps):                   # the global batch; each pipeline takes its batch_rows",
         "    x, y = data.global_batch(step)",
         "    losses = me.step(x, y)                  # torch's schedule.step on this rank's rows",
