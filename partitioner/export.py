@@ -618,14 +618,18 @@ def _megatron(plan: Plan, lr: float | None = None) -> dict[str, Any]:
 
 def _megatron_training(t: Mapping[str, Any]) -> list[str]:
     """Megatron-LM's arguments for a plan's training: precision (``--fp16`` with dynamic loss
-    scaling as torch.amp.GradScaler does it, ``--bf16``; both keep fp32 main weights), the optimizer
+    scaling as torch.amp.GradScaler does it, ``--bf16``; both keep fp32 main weights; under bf16
+    Megatron-LM accumulates and all-reduces the gradients in fp32 unless ``--grad-reduce-in-bf16``,
+    which the export adds where the pricing counts bf16 gradients, as the runtime runs them: its
+    ``allreduce_precision`` is not fp32), the optimizer
     (Megatron's ``adam`` is decoupled weight decay, 0.01 by default: 0 for Adam, 0.01 for AdamW;
     its ``sgd`` has momentum 0.9 by default: 0 for plain SGD) and the learning rate."""
     args: list[str] = []
     if t["precision"] == "fp16":
         args += ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "2000", "--hysteresis", "1"]
     elif t["precision"] == "bf16":
-        args.append("--bf16")
+        fp32_grads = (t.get("pricing") or {}).get("allreduce_precision") == "fp32"
+        args += ["--bf16"] if fp32_grads else ["--bf16", "--grad-reduce-in-bf16"]
     lr = repr(float(t["lr"]))
     if t["optimizer"] == "sgd":
         return [*args, "--optimizer", "sgd", "--sgd-momentum", "0", "--weight-decay", "0", "--lr", lr]

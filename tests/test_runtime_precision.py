@@ -73,10 +73,10 @@ def _recipe_by_hand(plan: Plan, steps: int, lr: float, seed: int) -> tuple[dict[
         for w in range(workers):
             for j in range(m):
                 rows = slice((w * m + j) * b, (w * m + j + 1) * b)
-                target = y[rows]
-                loss_fn = (lambda out, _j, t=target: source.loss(out, t))
-                if scaler is not None:
-                    loss_fn = scaler.wrap_loss(loss_fn)
+                def task_loss(out: torch.Tensor, _j: int, t: torch.Tensor = y[rows]) -> torch.Tensor:
+                    return source.loss(out, t)
+
+                loss_fn = scaler.wrap_loss(task_loss) if scaler is not None else task_loss
                 loss = loss_fn(model(x[rows]), j) / m
                 total += float(loss.detach()) / workers
                 loss.backward()
