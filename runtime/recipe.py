@@ -25,8 +25,13 @@ precision
     pieces under ZeRO) agreed by every rank, so that every rank skips the same steps and keeps the
     same scale; the gradients unscaled as they are converted to fp32. ``bf16`` scales nothing.
 
+What a rank holds is what the cost model counts: ``train`` sets each rank's model state
+(:func:`model_state_bytes`: weights, gradients, masters, optimizer state) beside the cost model's,
+priced as the run trains (:meth:`Recipe.pricing`).
+
 The 2bw and wsp executors keep their own weight versions and update them with plain SGD in fp32:
-a plan priced otherwise runs so, said in one line; asking for Adam there is refused.
+a plan priced otherwise runs so, said in one line, and its memory is predicted for what runs
+(fp32, no optimizer state); asking for Adam or half precision there is refused in one line.
 """
 
 from __future__ import annotations
