@@ -465,7 +465,8 @@ def _deepspeed(plan: Plan, lr: float | None = None) -> dict[str, Any]:
 def _deepspeed_config(t: Mapping[str, Any], b: int, m: int, dp: int) -> dict[str, Any]:
     """The DeepSpeed config of a plan's training: batch, precision (fp16 with dynamic loss scaling
     as torch.amp.GradScaler scales: from 2**16, doubled after 2000 good steps, halved at once on an
-    overflow; bf16), torch's own optimizer (Adam without weight decay, AdamW with torch's 0.01, SGD)
+    overflow; bf16, its gradients accumulated in bf16 unless the pricing's ``allreduce_precision``
+    is fp32), torch's own optimizer (Adam without weight decay, AdamW with torch's 0.01, SGD)
     and ZeRO stage 0 (the pricing keeps every parameter's optimizer state on its stage)."""
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
                               "train_batch_size": b * m * dp}
@@ -474,6 +475,10 @@ def _deepspeed_config(t: Mapping[str, Any], b: int, m: int, dp: int) -> dict[str
                           "hysteresis": 1, "min_loss_scale": 1}
     elif t["precision"] == "bf16":
         config["bf16"] = {"enabled": True}
+        if (t.get("pricing") or {}).get("allreduce_precision") != "fp32":
+            # DeepSpeed's bf16 optimizer accumulates gradients in fp32 unless told otherwise; the
+            # pricing counts 2-byte gradients, as the runtime holds them
+            config["data_types"] = {"grad_accum_dtype": "bf16"}
     lr = t["lr"]
     config["optimizer"] = {
         "adam": {"type": "Adam", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
