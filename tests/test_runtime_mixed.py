@@ -172,3 +172,19 @@ def test_a_tensor_parallel_group_trains_its_shards_through_masters_of_their_own(
         assert v.dtype == torch.float32 and v.shape == plain[k].shape
         moved = float((plain[k] - init[k]).abs().max())
         assert moved > 0 and float((v - plain[k]).abs().max()) <= 0.05 * moved, k
+
+
+def test_a_cnn_takes_its_images_in_the_half_type() -> None:
+    """VGG-19 tiny on its image task in bf16: the first stage casts the fp32 images to bf16 as it
+    takes them (runtime.master.half_stages), and the first step's loss (before any update) is
+    fp32's to the rounding of a bf16 forward."""
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        plan = Plan("vgg19-tiny", (VirtualWorker((Stage((0, 11), "n0:0"), Stage((11, 22), "n0:1"))),), "1f1b", 2, 2,
+                    pricing=CostOptions(precision=precision))
+        m = train_local(plan, TrainConfig("vgg19-tiny", steps=1, warmup=0, seed=1, threads=1, timeout_s=120,
+                                          progress=False), start_method="fork")
+        assert (m["precision"], m["data"]) == (precision, "classes")
+        losses[precision] = m["loss"][0]
+    assert losses["bf16"] != losses["fp32"]
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
