@@ -15,9 +15,9 @@ the holders of the same shard (:mod:`runtime.tensor_parallel`). Under ``--emulat
 all-reduce takes the emulated links' time (:class:`runtime.emulation.LinkDelay`).
 
 The gradients are all-reduced in their own type: half under mixed precision (2 bytes per
-parameter, as Megatron-LM does by default), or in fp32 when the plan's pricing says
-``allreduce_precision`` fp32 (``reduce_dtype``; the sum and the division then in fp32, the result
-rounded back into the half gradients): the bytes ``CostOptions.allreduce_element_bytes`` prices.
+parameter), fp32 in fp32; or in the plan's pricing's ``allreduce_precision`` when it names another
+(``reduce_dtype``: e.g. a half model's gradients summed and divided in fp32, the result rounded
+back into the half gradients): the bytes ``CostOptions.allreduce_element_bytes`` prices.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ precision
     computed in fp32 (:mod:`runtime.data`). Per parameter: 2 bytes of weights, 2 of gradient, 4 of
     master and the optimizer's state (``CostOptions.bytes_per_parameter``); under ZeRO the master
     and the state divided by the holders (:mod:`runtime.zero`). The data-parallel gradients are
-    all-reduced in the half type, or in fp32 when the pricing says ``allreduce_precision`` fp32
-    (:mod:`runtime.dataparallel`). ``fp16`` scales the loss (:class:`LossScaler`:
+    all-reduced in the half type, or in the pricing's ``allreduce_precision`` when it says another
+    (:attr:`Recipe.reduce_dtype`, :mod:`runtime.dataparallel`). ``fp16`` scales the loss (:class:`LossScaler`:
     torch.amp.GradScaler's rule and defaults): the overflow check on the half gradients (the fp32
     pieces under ZeRO) agreed by every rank, so that every rank skips the same steps and keeps the
     same scale; the gradients unscaled as they are converted to fp32. ``bf16`` scales nothing.
@@ -92,9 +92,12 @@ class Recipe:
 
     @property
     def reduce_dtype(self) -> torch.dtype | None:
-        """The type data parallelism exchanges gradients in, when not theirs (fp32 gradients of
-        a half model, ``allreduce_precision`` fp32)."""
-        return torch.float32 if self.half is not None and self.allreduce_precision == "fp32" else None
+        """The type data parallelism exchanges gradients in when it is not the gradients' own:
+        the pricing's ``allreduce_precision`` (``CostOptions.allreduce_element_bytes``), e.g.
+        fp32 for a half model's gradients; ``None`` when they go as they are."""
+        want = self.allreduce_precision or self.precision
+        dtype = _HALF.get(want, torch.float32)
+        return None if dtype == (self.half or torch.float32) else dtype
 
     @property
     def scales_loss(self) -> bool:

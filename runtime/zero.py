@@ -24,7 +24,7 @@ Mixed precision (``bf16`` / ``fp16``, :mod:`runtime.master`): the parameters are
 holder's piece is the fp32 master copy of its elements -- the only fp32 copy of them anywhere --
 so each holder keeps its half weights whole and ``1 / n`` of the master copy and of the optimizer
 state, as ``CostOptions.sharded_bytes_per_parameter`` counts them. The half gradients are
-reduce-scattered in the half type (``allreduce_precision`` fp32: in fp32), the piece's average
+reduce-scattered in the half type (or the pricing's ``allreduce_precision``), the piece's average
 converted to fp32 (and unscaled under fp16) for the step, and the stepped masters all-gathered
 in the half type into the half parameters: the bytes the cost model prices for the exchange
 (``CostOptions.allreduce_element_bytes``). The layers a rank holds alone train through their own

@@ -188,3 +188,26 @@ def test_a_cnn_takes_its_images_in_the_half_type() -> None:
         losses[precision] = m["loss"][0]
     assert losses["bf16"] != losses["fp32"]
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
+
+
+def test_gradients_are_exchanged_in_the_priced_precision(tmp_path: Path) -> None:
+    """fp32 training priced with ``allreduce_precision`` bf16 (2 bytes per gradient element on the
+    wire): the data-parallel average is taken in bf16 and rounded back, so the weights move a
+    little otherwise than the plain fp32 run's, and near them."""
+    runs = {}
+    for name, options in (("plain", CostOptions(optimizer_state_factor=0.0)),
+                          ("bf16 wire", CostOptions(optimizer_state_factor=0.0, allreduce_precision="bf16"))):
+        root = tmp_path / name.replace(" ", "-")
+        root.mkdir()
+        plan = Plan("gpt2-tiny", two_workers("fp32").virtual_workers, micro_batch_size=2, micro_batches=2,
+                    pricing=options)
+        m = train_local(plan, TrainConfig("gpt2-tiny", steps=2, warmup=0, lr=0.1, seed=1, threads=1, timeout_s=120,
+                                          data="text", state_dir=str(root), progress=False), start_method="fork")
+        runs[name] = (m["loss"], torch.load(root / "rank0.pt")[0])
+    (loss, plain), (wire_loss, wire) = runs["plain"], runs["bf16 wire"]
+    assert wire_loss[0] == loss[0]  # the same forward before any step
+    init = build_stage(zoo_chain("gpt2-tiny", 2), 0, 2, seed=1).state_dict()
+    assert any(not torch.equal(wire[k], plain[k]) for k in plain)
+    for k in plain:
+        moved = float((plain[k] - init[k]).abs().max())
+        assert float((wire[k] - plain[k]).abs().max()) <= 0.02 * moved + 1e-7, k
