@@ -211,3 +211,32 @@ def test_gradients_are_exchanged_in_the_priced_precision(tmp_path: Path) -> None
     for k in plain:
         moved = float((plain[k] - init[k]).abs().max())
         assert float((wire[k] - plain[k]).abs().max()) <= 0.02 * moved + 1e-7, k
+
+
+def test_the_master_step_chunk_by_chunk_is_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MasterStep converts the gradients to fp32 a chunk at a time: with chunks of 100 elements
+    (every tensor of GPT-2 tiny's block alone, or a few together) Adam gives the masters and the
+    half weights of one whole step, bit for bit, and its state counts one step per step."""
+    import runtime.master as master
+
+    chain = zoo_chain("gpt2-tiny", 2)
+    steps = []
+    for chunk in (master.CHUNK_ELEMENTS, 100):
+        monkeypatch.setattr(master, "CHUNK_ELEMENTS", chunk)
+        block = build_stage(chain, 1, 2, seed=3)
+        half_stages([block], torch.bfloat16)
+        step = MasterStep(block.parameters(), "adam", 0.01)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            for p in block.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            step.step()
+            step.zero_grad()
+        steps.append((block, step))
+    (whole, a), (chunked, b) = steps
+    for p in chunked.parameters():
+        p.grad = torch.zeros_like(p)
+    assert len(list(b._chunks())) > 10  # (the chunks the steps were taken in)
+    for pa, pb, ma, mb in zip(whole.parameters(), chunked.parameters(), a.masters, b.masters, strict=True):
+        assert torch.equal(pa, pb) and torch.equal(ma, mb) and pb.dtype == torch.bfloat16 and mb.dtype == torch.float32
+        assert float(b.state[mb]["step"]) == 3.0
