@@ -8,8 +8,9 @@ sources), the plan's optimizer as priced (Adam, lr 0.001), on gloo ranks of this
 * torch.distributed.pipelining: the export (`runtime.torch_pipelining.build_rank`, torch's own
   schedule) and `partitioner train`'s runtime train the same plan, seeds and batches for ``--steps``
   steps; their losses side by side. PP 2 x DP 2 and TP 2 x PP 2 (two tensor-parallel groups of two
-  ranks: DTensor shards on gloo) in fp32 and in fp16 (the same arithmetic: equal to rtol 1e-4) and PP 2 in bf16 (both under autocast with the same casts at the same cuts; the gradients are summed
-  in each schedule's own order, so a bf16 rounding may go the other way: the difference is printed).
+  ranks: DTensor shards on gloo) in fp32 and in fp16 (the same arithmetic: equal to rtol 1e-4) and PP 2 in bf16 (both with bf16 weights and gradients and fp32 master weights, runtime/master.py;
+  the gradients are summed in each schedule's own order, so a bf16 rounding may go the other way:
+  the difference is printed).
 * DeepSpeed: the exported config of the PP 2 x DP 2 fp16 plan read by DeepSpeed's own config class
   (``DeepSpeedConfig``, with the plan's data-parallel degree) where ``deepspeed`` imports with
   ``--deepspeed-python`` (default: this Python); its training is not run here (below, what was).
@@ -67,7 +68,6 @@ def _torch_rank(rank: int, world: int, export: dict[str, Any], steps: int, out: 
     import torch
 
     from runtime.data import make_data
-    from runtime.recipe import make_optimizer
     from runtime.stage import zoo_chain
     from runtime.torch_pipelining import build_rank
 
@@ -75,7 +75,7 @@ def _torch_rank(rank: int, world: int, export: dict[str, Any], steps: int, out: 
     data = make_data(chain, "auto", export["micro_batch_size"], export["n_microbatches"], len(export["pipelines"]), SEED)
     me = build_rank(export, rank, seed=SEED, loss_fn=data.loss)
     t = export["training"]
-    opt = me.wrap_optimizer(make_optimizer(me.parameters(), t["optimizer"], t["lr"]))
+    opt = me.make_optimizer(t["optimizer"], t["lr"])
     losses = []
     for step in range(steps):
         x, y = data.global_batch(step)

@@ -1,11 +1,11 @@
 """Memory levers run under the emulation: measured peak memory per rank and iteration time against
 the predictions, with each lever.
 
-    python bench/levers_runtime.py [--rounds 2] [--steps 8] [--batch 32] [--micro-batches 4]
+    python bench/levers_runtime.py [--rounds 2] [--steps 8] [--batch 32] [--micro-batches 4] [--precision bf16]
 
 gpt2-tiny is profiled on this CPU (one torch thread) and projected to the GPU types of
 examples/clusters/emulate4.yaml (two P100, two T4); one plan of two virtual workers x two stages
-(a P100 and a T4 each; 4 processes, gloo, one thread each), 1f1b, Adam in fp32, is trained under
+(a P100 and a T4 each; 4 processes, gloo, one thread each), 1f1b, Adam in fp32 (or `--precision`), is trained under
 ``train --emulate`` (reference H100-SXM5-80GB, rule ``profiled``) with each lever: none, selective
 and full recomputation on both stages, ZeRO-1, ZeRO-2. Per rank, the measured peak is the rank's
 model state (parameters, gradients, optimizer state) plus the most activations it held at once
@@ -54,22 +54,25 @@ LEVERS = {"none": ("none", 0), "selective": ("selective", 0), "full": ("full", 0
           "zero-2": ("none", 2)}
 
 
-def lever_plan(lever: str, batch: int, micro_batches: int) -> Plan:
-    """Two virtual workers (n0:0 P100 + n0:2 T4, n0:1 P100 + n0:3 T4) of two stages each."""
+def lever_plan(lever: str, batch: int, micro_batches: int, precision: str = "fp32") -> Plan:
+    """Two virtual workers (n0:0 P100 + n0:2 T4, n0:1 P100 + n0:3 T4) of two stages each, priced
+    in ``precision``."""
     mode, zero = LEVERS[lever]
     workers = tuple(VirtualWorker((Stage((0, 2), f"n0:{w}", recompute=mode), Stage((2, 4), f"n0:{w + 2}",
                                                                                     recompute=mode)))
                     for w in range(2))
-    return Plan(MODEL, workers, "1f1b", batch, micro_batches, pricing=CostOptions(zero=zero))
+    return Plan(MODEL, workers, "1f1b", batch, micro_batches, pricing=CostOptions(zero=zero, precision=precision))
 
 
-def measured_profile(batch: int, gpu_types: list[str]) -> Profile:
-    """gpt2-tiny at micro-batch ``batch`` profiled on this CPU (one thread), with its shape in
-    ``meta.config`` as ``partitioner profile`` records it (selective recomputation is priced from
-    it), projected to ``gpu_types``."""
+def measured_profile(batch: int, gpu_types: list[str], precision: str = "fp32") -> Profile:
+    """gpt2-tiny at micro-batch ``batch`` profiled on this CPU (one thread; its layers cast to the
+    half type under ``precision`` bf16/fp16, as ``partitioner profile --dtype`` does), with its
+    shape in ``meta.config`` as ``partitioner profile`` records it (selective recomputation is
+    priced from it), projected to ``gpu_types``."""
     zoo = build_model(MODEL, batch)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     measured = profile_model(zoo.layers, zoo.sample_input(), "cpu", model_name=MODEL, threads=1,
-                             meta={"config": dict(zoo.config)})
+                             meta={"config": dict(zoo.config)}, dtype=dtype)
     return project_profile(measured, list(dict.fromkeys(gpu_types)), source="cpu")
 
 
@@ -103,13 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--levers", default=",".join(LEVERS), help="comma-separated, of " + ", ".join(LEVERS))
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                    help="the plans' precision (the profile measured in it)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0, load_before = time.monotonic(), os.getloadavg()[0]
     cluster = Cluster.load(CLUSTER)
-    profile = measured_profile(args.batch, [*cluster.gpu_types, REFERENCE])
+    profile = measured_profile(args.batch, [*cluster.gpu_types, REFERENCE], args.precision)
     levers = [x for x in args.levers.split(",") if x]
-    plans = {x: lever_plan(x, args.batch, args.micro_batches) for x in levers}
+    plans = {x: lever_plan(x, args.batch, args.micro_batches, args.precision) for x in levers}
     want = {x: predicted(p, profile, cluster) for x, p in plans.items()}
     got: dict[str, list[tuple[float, dict[str, float], int, int]]] = {x: [] for x in levers}
     for rnd in range(args.rounds):
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"overruns {over}/{total}", flush=True)
     rows, lines = [], [
         f"Machine: {machine_line()}. {MODEL}, micro-batch {args.batch}, {args.micro_batches} micro-batches, 1f1b, "
-        f"Adam fp32; 2 virtual workers x 2 stages on {CLUSTER.name} (2 P100 + 2 T4) emulated on this CPU, reference "
+        f"Adam {args.precision}; 2 virtual workers x 2 stages on {CLUSTER.name} (2 P100 + 2 T4) emulated on this CPU, reference "
         f"{REFERENCE}, rule profiled; 4 processes, gloo, one torch thread each; {args.steps} steps, median of the "
         f"last {args.steps - args.warmup}; {args.rounds} interleaved rounds, medians over rounds. 1-minute load "
         f"average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}. Wall time {time.monotonic() - t0:.0f} s.",

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from runtime.data import make_data
 from runtime.model import is_model_ref, spec_chain
-from runtime.recipe import make_optimizer
 from runtime.stage import zoo_chain
 from runtime.torch_pipelining import build_rank, export_seat
 
@@ -56,7 +55,7 @@ def main() -> None:
         training = export["training"]
         name = args.optimizer or training["optimizer"]
         lr = args.lr if args.lr is not None else training["lr"]
-        opt = me.wrap_optimizer(make_optimizer(me.parameters(), name, lr))
+        opt = me.make_optimizer(name, lr)
         if rank == 0:
             print(f"{model}: {name} (lr {lr:g}) in {training['precision']}, data {data.kind}", flush=True)
         for step in range(args.steps):

@@ -366,7 +366,6 @@ def _torch_snippet(e: Mapping[str, Any]) -> str:
         "#  CUDA_VISIBLE_DEVICES in its ranks' order); examples/torch_pipelining_train.py is a complete script",
         "import json, torch, torch.distributed as dist",
         "from runtime.data import make_data",
-        "from runtime.recipe import make_optimizer",
         "from runtime.torch_pipelining import build_rank, export_seat",
         "",
         "export = json.load(open('EXPORT.json'))",
@@ -376,7 +375,7 @@ def _torch_snippet(e: Mapping[str, Any]) -> str:
         f"me = build_rank(export, rank, seed=0, loss_fn=data.loss)   # precision {t['precision']} from the plan; "
         f"PipelineStage(s) + torch.{e['schedule_class']}({'stages' if multi else 'stage'}, "
         f"n_microbatches={e['n_microbatches']}, ...)",
-        f"opt = me.wrap_optimizer(make_optimizer(me.parameters(), {t['optimizer']!r}, lr={t['lr']!r}))",
+        f"opt = me.make_optimizer({t['optimizer']!r}, lr={t['lr']!r})   # fp32 master weights under bf16/fp16",
         "for step in range(steps):                   # the global batch; each pipeline takes its batch_rows",
         "    x, y = data.global_batch(step)",
         "    losses = me.step(x, y)                  # torch's schedule.step on this rank's rows",
@@ -466,7 +465,8 @@ def _deepspeed(plan: Plan, lr: float | None = None) -> dict[str, Any]:
 def _deepspeed_config(t: Mapping[str, Any], b: int, m: int, dp: int) -> dict[str, Any]:
     """The DeepSpeed config of a plan's training: batch, precision (fp16 with dynamic loss scaling
     as torch.amp.GradScaler scales: from 2**16, doubled after 2000 good steps, halved at once on an
-    overflow; bf16), torch's own optimizer (Adam without weight decay, AdamW with torch's 0.01, SGD)
+    overflow; bf16, its gradients accumulated in bf16 unless the pricing's ``allreduce_precision``
+    is fp32), torch's own optimizer (Adam without weight decay, AdamW with torch's 0.01, SGD)
     and ZeRO stage 0 (the pricing keeps every parameter's optimizer state on its stage)."""
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
                               "train_batch_size": b * m * dp}
@@ -475,6 +475,10 @@ def _deepspeed_config(t: Mapping[str, Any], b: int, m: int, dp: int) -> dict[str
                           "hysteresis": 1, "min_loss_scale": 1}
     elif t["precision"] == "bf16":
         config["bf16"] = {"enabled": True}
+        if (t.get("pricing") or {}).get("allreduce_precision") != "fp32":
+            # DeepSpeed's bf16 optimizer accumulates gradients in fp32 unless told otherwise; the
+            # pricing counts 2-byte gradients, as the runtime holds them
+            config["data_types"] = {"grad_accum_dtype": "bf16"}
     lr = t["lr"]
     config["optimizer"] = {
         "adam": {"type": "Adam", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
@@ -619,14 +623,18 @@ def _megatron(plan: Plan, lr: float | None = None) -> dict[str, Any]:
 
 def _megatron_training(t: Mapping[str, Any]) -> list[str]:
     """Megatron-LM's arguments for a plan's training: precision (``--fp16`` with dynamic loss
-    scaling as torch.amp.GradScaler does it, ``--bf16``; both keep fp32 main weights), the optimizer
+    scaling as torch.amp.GradScaler does it, ``--bf16``; both keep fp32 main weights; under bf16
+    Megatron-LM accumulates and all-reduces the gradients in fp32 unless ``--grad-reduce-in-bf16``,
+    which the export adds where the pricing counts bf16 gradients, as the runtime runs them: its
+    ``allreduce_precision`` is not fp32), the optimizer
     (Megatron's ``adam`` is decoupled weight decay, 0.01 by default: 0 for Adam, 0.01 for AdamW;
     its ``sgd`` has momentum 0.9 by default: 0 for plain SGD) and the learning rate."""
     args: list[str] = []
     if t["precision"] == "fp16":
         args += ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "2000", "--hysteresis", "1"]
     elif t["precision"] == "bf16":
-        args.append("--bf16")
+        fp32_grads = (t.get("pricing") or {}).get("allreduce_precision") == "fp32"
+        args += ["--bf16"] if fp32_grads else ["--bf16", "--grad-reduce-in-bf16"]
     lr = repr(float(t["lr"]))
     if t["optimizer"] == "sgd":
         return [*args, "--optimizer", "sgd", "--sgd-momentum", "0", "--weight-decay", "0", "--lr", lr]

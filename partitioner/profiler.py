@@ -44,7 +44,7 @@ from .errors import PartitionerError
 from .profile import LayerProfile, LayerTime, Profile
 from .progress import Progress, duration, is_silenced, note
 
-__all__ = ["LayerStats", "analyze_layers", "available_memory_bytes", "device_label", "profile_model", "saved_tensor_bytes"]
+__all__ = ["LayerStats", "analyze_layers", "available_memory_bytes", "device_label", "half_input", "profile_model", "saved_tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def analyze_layers(layers: nn.Sequential | Iterable[Any], sample_input: torch.Te
     return out
 
 
-def _input_in(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def half_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``x`` converted to ``dtype`` for a half-precision profile, unless it carries integers that
     ``dtype`` cannot hold exactly (token ids as floats: float16 is exact only up to 2,048)."""
     if dtype is None or not x.is_floating_point():
@@ -385,7 +385,7 @@ def profile_model(layers: nn.Sequential | Iterable[Any], sample_input: torch.Ten
         for _, layer in chain:
             layer.to(device=dev, dtype=dtype)
             layer.train()
-        x = _input_in(sample_input.to(dev), dtype)
+        x = half_input(sample_input.to(dev), dtype)
         flops, unsupported = _flops_by_layer(chain, x)
         out: list[LayerProfile] = []
         runs: list[int] = []

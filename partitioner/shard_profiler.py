@@ -29,12 +29,12 @@ from .profile import LayerShard, LayerTime, Profile
 from .profiler import (
     _as_layer_list,
     _grad_input,
-    _input_in,
     _nbytes,
     _out_tensor,
     _time_layer,
     _Timer,
     device_label,
+    half_input,
     saved_storages,
 )
 
@@ -60,7 +60,7 @@ def profile_shards(profile: Profile, layers: nn.Sequential | Iterable[Any], shar
     dtype = getattr(torch, profile.dtype) if half else None
     for _, module in whole:
         module.to(device=dev, dtype=dtype)
-    inputs = _inputs(whole, _input_in(sample_input.to(dev), dtype))
+    inputs = _inputs(whole, half_input(sample_input.to(dev), dtype))
     elem = 2 if half else 4
     out = [dict(layer.shards) for layer in profile.layers]
     for t, chain in shards.items():

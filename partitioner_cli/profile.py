@@ -164,13 +164,13 @@ def _with_loss(args: argparse.Namespace, profile: Profile, m: Any) -> Profile:
     micro-batch's output (partitioner/loss_memory.py)."""
     import torch
 
-    from partitioner.profiler import _input_in
+    from partitioner.profiler import half_input
     from runtime.data import with_loss_memory
     from runtime.stage import LayerChain
 
     half = getattr(torch, args.dtype) if args.dtype != "float32" else None
     with torch.no_grad():
-        y = _input_in(m.sample_input("cpu").to(torch.device(args.device)), half)
+        y = half_input(m.sample_input("cpu").to(torch.device(args.device)), half)
         for _, layer in m.layers:
             y = layer(y)
     return with_loss_memory(profile, LayerChain(args.model, list(m.layers), m.make_input, dict(m.config)), y)

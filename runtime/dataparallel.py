@@ -13,6 +13,11 @@ cycle. When every holder set is one rank (one virtual worker, nothing replicated
 exchanged. A tensor-parallel shard (a ``DTensor`` parameter) is averaged as its local tensor over
 the holders of the same shard (:mod:`runtime.tensor_parallel`). Under ``--emulate-links`` each
 all-reduce takes the emulated links' time (:class:`runtime.emulation.LinkDelay`).
+
+The gradients are all-reduced in their own type: half under mixed precision (2 bytes per
+parameter), fp32 in fp32; or in the plan's pricing's ``allreduce_precision`` when it names another
+(``reduce_dtype``: e.g. a half model's gradients summed and divided in fp32, the result rounded
+back into the half gradients): the bytes ``CostOptions.allreduce_element_bytes`` prices.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ class GradientAverager:
 
     Must be constructed on every rank (it creates process groups, a collective call)."""
 
-    def __init__(self, layout: Layout, rank: int, layers: Mapping[int, nn.Module]):
+    def __init__(self, layout: Layout, rank: int, layers: Mapping[int, nn.Module],
+                 reduce_dtype: torch.dtype | None = None):
         self.workers = layout.workers
+        self.reduce_dtype = reduce_dtype  # the gradients' type on the wire (None: their own)
         self.groups: list[tuple[Any, list[nn.Parameter], tuple[int, ...]]] = []
         self.delay: LinkDelay | None = None  # --emulate-links
         self.seconds = 0.0  # in the all-reduces (waiting for the other holders included), as the simulator counts
@@ -63,6 +70,8 @@ class GradientAverager:
                     p.grad = torch.zeros_like(p)
                 grads.append(local(p.grad))  # (a shard's own part)
             flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
+                flat = flat.to(self.reduce_dtype)
             t0 = time.perf_counter()
             if self.delay is None:
                 dist.all_reduce(flat, group=group)

@@ -13,6 +13,11 @@ a parameter of ``by_layer[l]`` named ``n`` is ``optim.layers.<l>.<n>``, whatever
 the state; a value that is ``None`` is left out, a Python number is kept as a 0-d tensor. The
 optimizer's hyperparameters are not state: the run's configuration gives them.
 
+Under mixed precision (:mod:`runtime.master`) a parameter's name holds its fp32 master copy, not
+its half weights, and the optimizer's state is that of the master: resuming restores the masters
+exactly (the half weights are the masters rounded), and the checkpoint loads into a plan of any
+precision (an fp32 run's weights into a mixed run's masters, and back).
+
 A tensor-parallel shard (a ``DTensor``, :mod:`runtime.tensor_parallel`) has the same name as the
 whole tensor: ``torch.distributed.checkpoint`` writes each shard at its offset in the whole, and a
 rank reads by name the part it holds, whatever degree wrote the checkpoint (whole into shards,
@@ -54,8 +59,16 @@ def named_parameters(by_layer: Mapping[int, nn.Module]) -> dict[int, tuple[int, 
     return {id(p): (layer, name) for layer, mod in by_layer.items() for name, p in mod.named_parameters()}
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, tuple[int, str]]
-                      ) -> list[tuple[torch.Tensor, int, str]]:
+def _masters(optimizer: Any) -> Mapping[int, torch.Tensor]:
+    """``id(parameter) -> its fp32 master`` of a mixed-precision optimizer (``master_of``), else empty."""
+    master_of = getattr(optimizer, "master_of", None)
+    return master_of() if master_of is not None else {}
+
+
+def _optimizer_params(optimizer: Any, names: dict[int, tuple[int, str]]) -> list[tuple[torch.Tensor, int, str]]:
+    """Every parameter the optimizer steps with its layer and name (a master under its parameter's)."""
+    masters = _masters(optimizer)
+    names = {**names, **{id(masters[k]): v for k, v in names.items() if k in masters}}
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -70,8 +83,9 @@ def rank_state(by_layer: Mapping[int, nn.Module], optimizer: torch.optim.Optimiz
                rank: int | None = None) -> dict[str, torch.Tensor]:
     """This rank's state by name: its layers' weights and buffers, the optimizer's state of their
     parameters, and (``rank`` given) the torch CPU generator's state."""
+    masters = _masters(optimizer)
     state = {model_key(layer, name): t.detach() for layer, mod in by_layer.items()
-             for name, t in mod.state_dict().items()}
+             for name, t in _with_masters(mod, masters).items()}
     if optimizer is not None:
         for p, layer, name in _optimizer_params(optimizer, named_parameters(by_layer)):
             for key, value in optimizer.state.get(p, {}).items():
@@ -84,6 +98,16 @@ def rank_state(by_layer: Mapping[int, nn.Module], optimizer: torch.optim.Optimiz
     return state
 
 
+def _with_masters(mod: nn.Module, masters: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``mod``'s state dict with each parameter that has a master as its master."""
+    state = mod.state_dict()
+    if masters:
+        for name, p in mod.named_parameters():
+            if id(p) in masters and name in state:
+                state[name] = masters[id(p)]
+    return state
+
+
 def wanted_state(by_layer: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer | None,
                  stored: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
     """The tensors to read for ``by_layer`` and ``optimizer`` from a checkpoint that holds
@@ -91,8 +115,9 @@ def wanted_state(by_layer: Mapping[int, nn.Module], optimizer: torch.optim.Optim
     the layers (refused in one line when the checkpoint has not got it, or not in that shape),
     and whatever optimizer state the checkpoint has for their parameters."""
     out: dict[str, torch.Tensor] = {}
+    masters = _masters(optimizer)
     for layer, mod in sorted(by_layer.items()):
-        for name, t in mod.state_dict().items():
+        for name, t in _with_masters(mod, masters).items():
             key = model_key(layer, name)
             if key not in stored:
                 raise PartitionerError(f"holds no {key} (layer {layer}'s {name}): the checkpoint is of another model")
@@ -108,6 +133,10 @@ def wanted_state(by_layer: Mapping[int, nn.Module], optimizer: torch.optim.Optim
             if key.startswith(OPTIM) and key[:key.rindex(".") + 1] in prefixes:
                 out[key] = _empty_as(prefixes[key[:key.rindex(".") + 1]], shape, dtype)
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _empty_as(live: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -128,9 +157,14 @@ def apply_state(by_layer: Mapping[int, nn.Module], optimizer: torch.optim.Optimi
                 loaded: Mapping[str, torch.Tensor]) -> None:
     """Load what :func:`wanted_state` asked for into the layers and the optimizer (its state of
     every parameter replaced; the tensors on each parameter's device)."""
+    masters = _masters(optimizer)
     for layer, mod in by_layer.items():
         own = mod.state_dict()
         mod.load_state_dict({name: loaded[model_key(layer, name)] for name in own}, strict=True)
+        with torch.no_grad():  # a mixed-precision parameter's master: the stored value itself, not its rounding
+            for name, q in mod.named_parameters():
+                if id(q) in masters:
+                    _local(masters[id(q)]).copy_(_local(loaded[model_key(layer, name)]))
     if optimizer is None:
         return
     for p, layer, name in _optimizer_params(optimizer, named_parameters(by_layer)):

@@ -40,9 +40,9 @@ from .emulation import LinkDelay, Stretch
 from .evaluate import evaluate_versions
 from .executor import PipelineExecutor, StashingExecutor
 from .layout import Layout, RankInfo
+from .master import MasterStep, half_stages
 from .memory import ActivationMeter
 from .recipe import (
-    AutocastStage,
     LossScaler,
     Recipe,
     ScaledStep,
@@ -157,6 +157,9 @@ def rank_context(run: RunSpec, rank: int, device: torch.device) -> RankContext:
         if plan.virtual_workers[me.worker].stages[s].recompute == "selective":
             recompute_stage(module, "selective")
     shard_rank(run, rank, device, modules)  # a tensor-parallel group's shards (runtime.tensor_parallel)
+    half = training_recipe(plan, config.optimizer, config.precision).half
+    if half is not None:  # mixed precision: half weights and gradients (runtime.master)
+        half_stages(modules.values(), half)
     by_layer = {stages_layers[s][0] + k: layer for s, mod in modules.items() for k, layer in enumerate(mod)}
     shapes = boundary_shapes(chain, plan.micro_batch_size)
     input_shapes = {s: shapes[stages_layers[s][0] - 1] for s in me.stages if stages_layers[s][0] > 0}
@@ -190,7 +193,7 @@ class RankRun:
         self.first = 0  # the first step run (after resuming)
         self.step_s: list[float] = []
         self.averager: GradientAverager | ShardedStep | None = None
-        self.optimizer: torch.optim.Optimizer | ShardedStep | None = None
+        self.optimizer: torch.optim.Optimizer | ShardedStep | MasterStep | None = None
         self.figures: dict[str, Any] = {"replica": ctx.me.replica, "optimizer": "sgd", "precision": "fp32"}
 
     def train(self) -> PipelineExecutor:
@@ -219,11 +222,15 @@ class PipelineRun(RankRun):
         averager: GradientAverager | ShardedStep
         optimizer: Any
         if zero:  # ZeRO-1/2 (runtime.zero): the sync reduce-scatters, the step steps this rank's shards
-            averager = optimizer = ShardedStep(ctx.layout, ctx.rank, ctx.by_layer, zero, recipe.optimizer, config.lr)
+            averager = optimizer = ShardedStep(ctx.layout, ctx.rank, ctx.by_layer, zero, recipe.optimizer, config.lr,
+                                               recipe.reduce_dtype)
             self.figures["zero"] = zero
         else:
-            averager = GradientAverager(ctx.layout, ctx.rank, ctx.by_layer)
-            optimizer = make_optimizer(params, recipe.optimizer, config.lr) if params else None
+            averager = GradientAverager(ctx.layout, ctx.rank, ctx.by_layer, recipe.reduce_dtype)
+            if recipe.half is not None:  # an fp32 master copy the optimizer steps (runtime.master)
+                optimizer = MasterStep(params, recipe.optimizer, config.lr)
+            else:
+                optimizer = make_optimizer(params, recipe.optimizer, config.lr) if params else None
         self.optimizer = optimizer
         self.first = self._resume(optimizer)
         averager.delay = _link_delay(config, ctx.layout)
@@ -528,8 +535,9 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
     if runner.averager is not None:
         seconds["allreduce"] = runner.averager.seconds
     timed_steps = runner.timed_steps()
-    if config.state_dir:
-        torch.save({s: full_state(m) for s, m in ctx.modules.items()},
+    if config.state_dir:  # the fp32 masters of a mixed-precision run (runtime.master), not its half weights
+        masters = _masters(runner.optimizer)
+        torch.save({s: full_state(m, masters) for s, m in ctx.modules.items()},
                    os.path.join(config.state_dir, f"rank{ctx.rank}.pt"))
     # CUDA: the most memory the caching allocator handed out over the run (tensors alive at
     # once: weights, gradients, optimizer state, activations in flight, buffers); the CUDA
@@ -554,16 +562,24 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
             **runner.figures}
 
 
-def _with_precision(ctx: RankContext, recipe: Recipe, optimizer: torch.optim.Optimizer | None) -> tuple[
+def _masters(optimizer: Any) -> dict[int, torch.Tensor]:
+    """``id(parameter) -> its fp32 master`` of a mixed-precision rank (whole: a ZeRO rank gathers
+    its holders' pieces, collectively); empty in fp32."""
+    if isinstance(optimizer, ShardedStep):
+        return optimizer.gathered_masters()
+    if isinstance(optimizer, MasterStep):
+        return dict(optimizer.master_of())
+    return {}
+
+
+def _with_precision(ctx: RankContext, recipe: Recipe, optimizer: Any) -> tuple[
         dict[int, nn.Module], Any, Any, dict[int, Shape], dict[int, Shape]]:
     """What the executor runs under ``recipe``'s precision (:mod:`runtime.recipe`): the stages
-    (under autocast, sending their outputs in the half type), the loss (its gradient scaled under
-    fp16), the optimizer (unscaling and skipping under fp16) and the boundaries' types."""
+    (already half under mixed precision, :func:`runtime.master.half_stages`), the loss (its
+    gradient scaled under fp16), the optimizer (its step skipped on an overflow under fp16) and
+    the boundaries' types."""
     if recipe.half is None:
         return dict(ctx.modules), ctx.feed.loss, optimizer, dict(ctx.input_shapes), dict(ctx.slice_shapes)
-    last = ctx.num_stages - 1
-    stages: dict[int, nn.Module] = {s: AutocastStage(m, ctx.device.type, recipe.half, cast_output=s != last)
-                                    for s, m in ctx.modules.items()}
 
     def typed(shapes: dict[int, Shape]) -> dict[int, Shape]:
         return {s: (shape, boundary_dtype(dtype, recipe)) for s, (shape, dtype) in shapes.items()}
@@ -573,7 +589,7 @@ def _with_precision(ctx: RankContext, recipe: Recipe, optimizer: torch.optim.Opt
     if recipe.scales_loss:
         scaler = LossScaler()
         loss_fn, stepper = scaler.wrap_loss(ctx.feed.loss), ScaledStep(optimizer, scaler, ctx.device)
-    return stages, loss_fn, stepper, typed(ctx.input_shapes), typed(ctx.slice_shapes)
+    return dict(ctx.modules), loss_fn, stepper, typed(ctx.input_shapes), typed(ctx.slice_shapes)
 
 
 def _rank_device(config: TrainConfig, local_rank: int) -> torch.device:

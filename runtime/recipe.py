@@ -10,18 +10,28 @@ optimizer
     pricing is said in one line (:attr:`Recipe.notes`). A factor of 1 (SGD with momentum) runs as
     plain SGD, said too. One construction: :func:`make_optimizer`.
 precision
-    ``fp32``; or ``bf16`` / ``fp16`` mixed precision as torch's automatic mixed precision does it:
-    every forward of a stage under ``torch.autocast`` on the rank's device (CPU or CUDA) with the
-    half type, the weights kept in fp32 -- they are the fp32 master copy the cost model counts, and
-    the optimizer steps them in fp32 -- and the tensors sent between stages in the half type.
-    Per parameter that is 4 bytes of weights + 4 of gradient where the cost model counts 2 + 2 + a
-    4-byte master: the same 8 bytes; the half copies of the weights autocast makes in a forward and
-    the graph keeps until the backward are not in the cost model. ``fp16`` scales the loss
-    (:class:`LossScaler`: torch.amp.GradScaler's rule and defaults, with the overflow check agreed
-    by every rank, so that every rank skips the same steps and keeps the same scale).
+    ``fp32``; or ``bf16`` / ``fp16`` mixed precision as the cost model prices it, the recipe of
+    Megatron-LM and DeepSpeed (:mod:`runtime.master`): each stage module cast to the half type
+    once (its parameters and floating buffers, LayerNorm's too, as the profiler casts the layers
+    it measures), so the forward, the backward and the gradients are half; an fp32 master copy of
+    every parameter (made from the half values) that the optimizer steps, its state fp32, the
+    result copied back into the half parameters; the tensors sent between stages half; the loss
+    computed in fp32 (:mod:`runtime.data`). Per parameter: 2 bytes of weights, 2 of gradient, 4 of
+    master and the optimizer's state (``CostOptions.bytes_per_parameter``); under ZeRO the master
+    and the state divided by the holders (:mod:`runtime.zero`). The data-parallel gradients are
+    all-reduced in the half type, or in the pricing's ``allreduce_precision`` when it says another
+    (:attr:`Recipe.reduce_dtype`, :mod:`runtime.dataparallel`). ``fp16`` scales the loss (:class:`LossScaler`:
+    torch.amp.GradScaler's rule and defaults): the overflow check on the half gradients (the fp32
+    pieces under ZeRO) agreed by every rank, so that every rank skips the same steps and keeps the
+    same scale; the gradients unscaled as they are converted to fp32. ``bf16`` scales nothing.
+
+What a rank holds is what the cost model counts: ``train`` sets each rank's model state
+(:func:`model_state_bytes`: weights, gradients, masters, optimizer state) beside the cost model's,
+priced as the run trains (:meth:`Recipe.pricing`).
 
 The 2bw and wsp executors keep their own weight versions and update them with plain SGD in fp32:
-a plan priced otherwise runs so, said in one line; asking for Adam there is refused.
+a plan priced otherwise runs so, said in one line, and its memory is predicted for what runs
+(fp32, no optimizer state); asking for Adam or half precision there is refused in one line.
 """
 
 from __future__ import annotations
@@ -46,10 +56,8 @@ from partitioner.pricing import (
 )
 from partitioner.schedule import spec
 
-from .tensor_parallel import local
-
-__all__ = ["DEFAULT_LR", "OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "AutocastStage", "LossScaler", "Recipe", "ScaledStep",
-           "make_optimizer", "priced_optimizer", "training_recipe"]
+__all__ = ["DEFAULT_LR", "OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "LossScaler", "Recipe", "ScaledStep", "boundary_dtype",
+           "make_optimizer", "model_state_bytes", "priced_optimizer", "training_recipe"]
 
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -62,6 +70,15 @@ class Recipe:
     optimizer: str
     precision: str
     notes: tuple[str, ...] = ()
+    allreduce_precision: str = ""  # the pricing's (empty: the gradients' own type)
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise PartitionerError(f"`optimizer` {self.optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
+        for name in ("precision", "allreduce_precision"):
+            value = getattr(self, name)
+            if value not in PRECISIONS and not (name == "allreduce_precision" and value == ""):
+                raise PartitionerError(f"`{name}` {value!r}: must be one of {', '.join(PRECISIONS)}")
 
     @property
     def state_factor(self) -> float:
@@ -70,8 +87,17 @@ class Recipe:
 
     @property
     def half(self) -> torch.dtype | None:
-        """The autocast type (``None`` in fp32)."""
+        """The type of the weights, gradients and stage boundaries (``None`` in fp32)."""
         return _HALF.get(self.precision)
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The type data parallelism exchanges gradients in when it is not the gradients' own:
+        the pricing's ``allreduce_precision`` (``CostOptions.allreduce_element_bytes``), e.g.
+        fp32 for a half model's gradients; ``None`` when they go as they are."""
+        want = self.allreduce_precision or self.precision
+        dtype = _HALF.get(want, torch.float32)
+        return None if dtype == (self.half or torch.float32) else dtype
 
     @property
     def scales_loss(self) -> bool:
@@ -121,7 +147,8 @@ def training_recipe(plan: Plan, optimizer: str = "", precision: str = "") -> Rec
             notes.append(f"schedule {plan.schedule}: this runtime updates its weight versions with plain SGD in fp32, "
                          f"not {want_opt} in {want_prec} as {source} says")
         want_opt, want_prec = "sgd", "fp32"
-    return Recipe(want_opt, want_prec, tuple(notes))
+    allreduce = priced.allreduce_precision if priced is not None else ""
+    return Recipe(want_opt, want_prec, tuple(notes), allreduce)
 
 
 def make_optimizer(params: Iterable[nn.Parameter], name: str, lr: float) -> torch.optim.Optimizer:
@@ -134,22 +161,6 @@ def make_optimizer(params: Iterable[nn.Parameter], name: str, lr: float) -> torc
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
     raise PartitionerError(f"`optimizer` {name!r}: must be one of {', '.join(OPTIMIZERS)}")
-
-
-class AutocastStage(nn.Module):
-    """A stage module run under ``torch.autocast(device_type, half)``; a floating-point output is
-    sent on in the half type (``cast_output``: every stage but the last, whose output goes to
-    the loss). Holds the stage as ``inner``; the weights stay the stage's own (fp32)."""
-
-    def __init__(self, inner: nn.Module, device_type: str, half: torch.dtype, cast_output: bool):
-        super().__init__()
-        self.inner, self.device_type, self.cast_output = inner, device_type, cast_output
-        self.autocast_dtype = half
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device_type, dtype=self.autocast_dtype):
-            y = self.inner(x)
-        return y.to(self.autocast_dtype) if self.cast_output and y.is_floating_point() else y
 
 
 def boundary_dtype(dtype: torch.dtype, recipe: Recipe) -> torch.dtype:
@@ -192,15 +203,11 @@ class LossScaler:
 
         return scaled
 
-    def unscale(self, params: list[nn.Parameter], device: torch.device) -> bool:
-        """Divide the gradients by the scale; whether every rank's are finite (a collective over
-        the default group: every rank calls it once per step)."""
-        # a tensor-parallel shard's gradient (a DTensor) as its local part: torch's foreach kernels
-        # take no mix of DTensors and plain tensors, and each rank unscales what it holds
-        grads = [local(p.grad) for p in params if p.grad is not None]
+    def all_finite(self, grads: list[torch.Tensor], device: torch.device) -> bool:
+        """Whether every rank's ``grads`` (still scaled) are all finite (a collective over the
+        default group: every rank calls it once per step, with or without gradients)."""
         bad = torch.zeros(1, device=device)
         if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
             bad += sum((~torch.isfinite(g)).any().float() for g in grads)
         if dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -219,17 +226,21 @@ class LossScaler:
 
 
 class ScaledStep:
-    """The optimizer as the executor calls it (``step``, ``zero_grad``) under fp16: the gradients
-    unscaled, the step taken only when every rank's are finite, the scale updated. ``optimizer``
-    is ``None`` on a rank without parameters, which still takes part in the agreement."""
+    """The optimizer as the executor calls it (``step``, ``zero_grad``) under fp16: the step taken
+    only when every rank's gradients are finite, the gradients unscaled as the step converts them
+    to fp32 (``inv_scale``), the scale updated. ``optimizer`` is a mixed-precision step
+    (:class:`runtime.master.MasterStep`, :class:`runtime.zero.ShardedStep`: ``grads()``,
+    ``inv_scale``), or ``None`` on a rank without parameters, which still takes part in the
+    agreement."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None, scaler: LossScaler, device: torch.device):
+    def __init__(self, optimizer: Any, scaler: LossScaler, device: torch.device):
         self.optimizer, self.scaler, self.device = optimizer, scaler, device
-        self.params = ([p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else [])
 
     def step(self) -> None:
-        finite = self.scaler.unscale(self.params, self.device)
+        grads = self.optimizer.grads() if self.optimizer is not None else []
+        finite = self.scaler.all_finite(grads, self.device)
         if finite and self.optimizer is not None:
+            self.optimizer.inv_scale = 1.0 / self.scaler.scale
             self.optimizer.step()
         self.scaler.update(finite)
 
@@ -241,14 +252,16 @@ class ScaledStep:
 def model_state_bytes(modules: Iterable[nn.Module], optimizer: Any) -> float:
     """Bytes of a rank's model state as it stands: its parameters, their gradients (counted at
     the parameters' size whether or not they are held now: they are between a backward and the
-    step) and the optimizer's state tensors; of a tensor-parallel shard (a DTensor) what this rank
-    holds, not the whole tensor."""
+    step), the fp32 master copies of mixed precision (``optimizer.masters``: whole, or this rank's
+    ZeRO pieces) and the optimizer's state tensors; of a tensor-parallel shard (a DTensor) what
+    this rank holds, not the whole tensor."""
     def held(t: torch.Tensor) -> int:
         local = t.to_local() if hasattr(t, "to_local") else t
         return local.numel() * local.element_size()
 
     params = [p for m in modules for p in m.parameters()]
     total = sum(2 * held(p) for p in params)
+    total += sum(held(m) for m in getattr(optimizer, "masters", ()))
     if optimizer is not None:
         for state in optimizer.state.values():
             total += sum(held(t) for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)

@@ -222,9 +222,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local()
 
 
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+def full_state(module: nn.Module, masters: Mapping[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """``module``'s state dict with every ``DTensor`` gathered whole, on the CPU (collective over
-    the tensor-parallel group: its ranks call it for the same modules in the same order)."""
+    the tensor-parallel group: its ranks call it for the same modules in the same order); a
+    parameter with a master copy in ``masters`` (``id(parameter) -> master``: mixed precision's
+    fp32 copy, :mod:`runtime.master`) as its master."""
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in module.state_dict().items()}
+    state = module.state_dict()
+    for name, p in module.named_parameters():
+        if masters and id(p) in masters and name in state:
+            state[name] = masters[id(p)]
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}

@@ -13,12 +13,13 @@ calls :func:`build_rank` (process groups are created collectively). Each step, e
 calls :meth:`TorchPipelineRank.step` with the same global batch (each pipeline trains on its
 ``batch_rows``), then :meth:`TorchPipelineRank.sync_gradients` (averages the gradients of the
 layers several virtual workers hold, over the export's ``grad_sync`` rank sets), then its
-optimizer (:meth:`TorchPipelineRank.wrap_optimizer`: under fp16, unscaled and skipped on an
-overflow). Give ``loss_fn`` the model's task loss (``runtime.data.make_data(...).loss``: the
+optimizer (:meth:`TorchPipelineRank.make_optimizer`: the export's optimizer, through fp32 master
+weights under mixed precision; under fp16, unscaled and skipped on an overflow). Give ``loss_fn`` the model's task loss (``runtime.data.make_data(...).loss``: the
 cross-entropy on its targets); without one the loss is the mean of the model's output (synthetic
 data, throughput only). The stages run in the export's precision as the project's runtime does
-(:mod:`runtime.recipe`: autocast, fp32 master weights, the boundaries sent in the half type, fp16
-loss scaling). Under torchrun, :func:`export_seat` gives a process its rank from its node
+(:mod:`runtime.recipe`, :mod:`runtime.master`: the stage modules cast to the half type, half
+gradients averaged in the half type, fp32 master weights the optimizer steps, the boundaries
+sent in the half type, fp16 loss scaling). Under torchrun, :func:`export_seat` gives a process its rank from its node
 (``GROUP_RANK``, the ``--node-rank`` of the export's launch lines) and ``LOCAL_RANK``.
 """
 
@@ -37,8 +38,9 @@ from partitioner.errors import PartitionerError
 from partitioner.export import EXPORT_FORMAT, MULTI_STAGE_CLASSES, TORCH_SCHEDULE_CLASSES
 from partitioner.launch import NodeLaunch, seat
 
+from .master import MasterStep, half_stages
 from .model import is_model_ref, spec_chain
-from .recipe import AutocastStage, LossScaler, ScaledStep
+from .recipe import LossScaler, ScaledStep, make_optimizer
 from .stage import LayerChain, build_stage, zoo_chain
 from .tensor_parallel import check_layers, group_mesh, local, shard_layers
 
@@ -71,10 +73,17 @@ class TorchPipelineRank:
     tp_rank: int = 0  # this rank's index in its stage's tensor-parallel group
     tp_mesh: Any = None  # the group's DeviceMesh (None at degree 1)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        """``optimizer`` as this rank steps it: under fp16 the gradients unscaled and the step
+    def make_optimizer(self, name: str, lr: float) -> Any:
+        """The optimizer ``name`` (``sgd``, ``adam``, ``adamw``: :func:`runtime.recipe.make_optimizer`)
+        of this rank's parameters as the runtime steps it (``step``, ``zero_grad``): in fp32 on the
+        parameters; under bf16/fp16 on fp32 masters copied back into the half parameters
+        (:class:`runtime.master.MasterStep`); under fp16 the gradients unscaled and the step
         skipped on every rank when one has an overflow (:class:`runtime.recipe.ScaledStep`)."""
-        return optimizer if self.scaler is None else ScaledStep(optimizer, self.scaler, self.device)
+        params = list(self.parameters())
+        if self.precision == "fp32":
+            return make_optimizer(params, name, lr)
+        master = MasterStep(params, name, lr)
+        return master if self.scaler is None else ScaledStep(master, self.scaler, self.device)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for s in sorted(self.modules):
@@ -176,9 +185,10 @@ def build_rank(export: Mapping[str, Any], rank: int, *, seed: int = 0, device: t
     if mesh is not None:  # the stage's blocks sharded over its group, as the runtime shards them
         _check_degree(export, chain, me)
         shard_layers(chain, modules, {s: pipe["stages"][s]["layers"][0] for s in modules}, mesh)
+    if half is not None:  # half weights and gradients (runtime.master), as the runtime trains
+        half_stages(modules.values(), half)
     for s in me["stages"]:
-        run: nn.Module = modules[s] if half is None else AutocastStage(modules[s], device.type, half, s != n_stages - 1)
-        stages.append(pipelining.PipelineStage(run, s, n_stages, device, group=group))
+        stages.append(pipelining.PipelineStage(modules[s], s, n_stages, device, group=group))
     cls = getattr(pipelining, export["schedule_class"])
     if export["schedule_class"] in MULTI_STAGE_CLASSES:
         schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)

@@ -20,6 +20,16 @@ micro-batches accumulate into them: a pipeline's gradients are summed over its m
 they are reduced, so the gradient share ZeRO-2 prices is held only from the reduce-scatter on
 (``docs/runtime.md``). The layers of a set of one rank are stepped whole, as without ZeRO.
 
+Mixed precision (``bf16`` / ``fp16``, :mod:`runtime.master`): the parameters are half, and a
+holder's piece is the fp32 master copy of its elements -- the only fp32 copy of them anywhere --
+so each holder keeps its half weights whole and ``1 / n`` of the master copy and of the optimizer
+state, as ``CostOptions.sharded_bytes_per_parameter`` counts them. The half gradients are
+reduce-scattered in the half type (or the pricing's ``allreduce_precision``), the piece's average
+converted to fp32 (and unscaled under fp16) for the step, and the stepped masters all-gathered
+in the half type into the half parameters: the bytes the cost model prices for the exchange
+(``CostOptions.allreduce_element_bytes``). The layers a rank holds alone train through their own
+fp32 masters (:class:`runtime.master.MasterStep`).
+
 Numbers: the optimizer's update is elementwise (SGD, Adam, AdamW), so stepping a piece of the
 flat buffer gives each element the value the plain optimizer gives it; the reduce-scatter sums in
 the order gloo's all-reduce does on two holders (more holders may add in another order, a few
@@ -39,6 +49,7 @@ from torch import nn
 
 from .emulation import LinkDelay
 from .layout import Layout
+from .master import MasterStep
 from .recipe import make_optimizer
 from .tensor_parallel import local
 
@@ -73,6 +84,15 @@ class _Piece:
         return self.padded([local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in self.params])
 
 
+def _like(p: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``part`` (this rank's part of ``p``) as ``p`` is: a ``DTensor`` of its placements for a shard."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return part
+    return DTensor.from_local(part, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 class ShardedStep:
     """The step of a ZeRO run on one rank: the executor's ``sync`` (:meth:`__call__`, the gradients'
     reduce-scatter) and its optimizer (:meth:`step`, :meth:`zero_grad`; ``param_groups`` and
@@ -82,12 +102,14 @@ class ShardedStep:
     (it creates a process group per holder set of more than one rank, a collective call)."""
 
     def __init__(self, layout: Layout, rank: int, layers: Mapping[int, nn.Module], zero: int,
-                 optimizer: str, lr: float):
+                 optimizer: str, lr: float, reduce_dtype: torch.dtype | None = None):
         if zero not in (1, 2):
             raise ValueError(f"zero = {zero!r}: must be 1 or 2")
         self.zero, self.workers = zero, layout.workers
+        self.reduce_dtype = reduce_dtype  # the gradients' type on the wire (None: the parameters')
         self.delay: LinkDelay | None = None  # --emulate-links: the reduce-scatter and all-gather take an all-reduce's time
         self.seconds = 0.0  # in the collectives, as GradientAverager counts its all-reduces
+        self.inv_scale = 1.0  # fp16: the gradients' unscaling (runtime.recipe.ScaledStep)
         self.pieces: list[_Piece] = []
         whole: list[nn.Parameter] = []
         for ranks, held in layout.holder_sets():
@@ -101,23 +123,46 @@ class ShardedStep:
                 whole.extend(params)
             else:
                 self.pieces.append(_Piece(group, tuple(ranks), rank, params))
-        self.whole = whole
-        stepped = whole + [piece.shard for piece in self.pieces]
+        self.mixed = any(local(p).dtype != torch.float32 for p in whole + [p for c in self.pieces for p in c.params])
+        # mixed precision: the layers held alone train through their own fp32 masters (runtime.master);
+        # a piece's shard is the fp32 master of its elements
+        self.whole = MasterStep(whole, optimizer, lr) if self.mixed else None
+        self.whole_fp32 = [] if self.mixed else whole
+        stepped = self.whole_fp32 + [piece.shard for piece in self.pieces]
         self.optimizer = make_optimizer(stepped, optimizer, lr) if stepped else None
 
     @property
+    def masters(self) -> list[nn.Parameter]:
+        """The fp32 master copies this rank holds (mixed precision; none in fp32)."""
+        if not self.mixed:
+            return []
+        return [piece.shard for piece in self.pieces] + (self.whole.masters if self.whole is not None else [])
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups if self.optimizer is not None else []
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return groups + (self.whole.param_groups if self.whole is not None else [])
 
     @property
     def state(self) -> Any:
-        return self.optimizer.state if self.optimizer is not None else {}
+        own = dict(self.optimizer.state) if self.optimizer is not None else {}
+        return {**own, **(self.whole.state if self.whole is not None else {})}
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients the next step takes (after :meth:`__call__`): the pieces' and, in mixed
+        precision, the half gradients of the layers held alone (fp16's overflow check)."""
+        out = [piece.shard.grad for piece in self.pieces if piece.shard.grad is not None]
+        out += [local(p.grad) for p in self.whole_fp32 if p.grad is not None]
+        return out + (self.whole.grads() if self.whole is not None else [])
 
     def __call__(self) -> None:
         """Reduce-scatter each holder set's gradients: this rank's piece of their average over
-        the virtual workers becomes its shard's gradient (ZeRO-2: the full gradients are freed)."""
+        the virtual workers becomes its shard's gradient, in fp32 (ZeRO-2: the full gradients are
+        freed)."""
         for piece in self.pieces:
             flat = piece.flat_grads()
+            if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
+                flat = flat.to(self.reduce_dtype)
             mine = flat.new_empty(piece.size)
             t0 = time.perf_counter()
             if self.delay is None:
@@ -130,6 +175,7 @@ class ShardedStep:
 
                 self.delay.wait(self.delay.start(flat, group, piece.ranks, op=scatter))
             self.seconds += time.perf_counter() - t0
+            del flat
             mine /= self.workers
             piece.shard.grad = mine[:piece.hi - piece.lo].float()
             if self.zero >= 2:
@@ -138,11 +184,18 @@ class ShardedStep:
 
     def step(self) -> None:
         """Step this rank's pieces (and its layers held alone), then all-gather every set's pieces
-        into its parameters."""
+        into its parameters (in the parameters' type: half under mixed precision)."""
         if self.optimizer is not None:
+            if self.inv_scale != 1.0:
+                for piece in self.pieces:
+                    if piece.shard.grad is not None:
+                        piece.shard.grad.mul_(self.inv_scale)
             self.optimizer.step()
+        if self.whole is not None:
+            self.whole.inv_scale = self.inv_scale
+            self.whole.step()
         for piece in self.pieces:
-            mine = piece.shard.detach().new_zeros(piece.size)
+            mine = piece.shard.detach().new_zeros(piece.size, dtype=local(piece.params[0]).dtype)
             mine[:piece.hi - piece.lo] = piece.shard.detach()
             full = mine.new_empty(piece.size * len(piece.ranks))
             t0 = time.perf_counter()
@@ -156,6 +209,27 @@ class ShardedStep:
                     t.copy_(full[offset:offset + n].view_as(t))
                     offset += n
 
+    def gathered_masters(self) -> dict[int, torch.Tensor]:
+        """``id(parameter) -> its fp32 master, whole`` (mixed precision; collective over every
+        holder set, in the order of :meth:`step`): for saving the run's weights (``state_dir``)."""
+        out: dict[int, torch.Tensor] = {}
+        if not self.mixed:
+            return out
+        if self.whole is not None:
+            out.update(self.whole.master_of())
+        for piece in self.pieces:
+            mine = piece.shard.detach().new_zeros(piece.size)
+            mine[:piece.hi - piece.lo] = piece.shard.detach()
+            full = mine.new_empty(piece.size * len(piece.ranks))
+            dist.all_gather_single(full, mine, group=piece.group)
+            offset = 0
+            for p in piece.params:
+                n = local(p).numel()
+                part = full[offset:offset + n].view_as(local(p)).clone()
+                out[id(p)] = _like(p, part)
+                offset += n
+        return out
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for piece in self.pieces:
             piece.shard.grad = None
@@ -163,3 +237,5 @@ class ShardedStep:
                 p.grad = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.whole is not None:
+            self.whole.zero_grad(set_to_none)

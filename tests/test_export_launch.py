@@ -3,6 +3,7 @@ keeps its stage -> GPU mapping; `partitioner export --check` refuses a launch or
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import shlex
@@ -46,6 +47,12 @@ def test_every_export_of_a_half_precision_plan_carries_the_precision(precision: 
     assert ds["config"][precision]["enabled"] is True and other not in ds["config"]
     if precision == "fp16":  # dynamic loss scaling as torch.amp.GradScaler's
         assert ds["config"]["fp16"]["initial_scale_power"] == 16 and ds["config"]["fp16"]["loss_scale"] == 0
+    else:  # bf16 gradients (2 bytes, as priced and as the runtime holds them), not DeepSpeed's and Megatron's fp32
+        assert ds["config"]["data_types"] == {"grad_accum_dtype": "bf16"}
+        assert all("--grad-reduce-in-bf16" in args for args in (meg["args"], meg["layout_args"], meg["uneven_args"]))
+        fp32_grads = dataclasses.replace(plan, pricing=CostOptions(precision="bf16", allreduce_precision="fp32"))
+        assert "data_types" not in export_plan(fp32_grads, "deepspeed")["config"]
+        assert "--grad-reduce-in-bf16" not in export_plan(fp32_grads, "megatron")["args"]
     assert ds["config"]["optimizer"] == {"type": "Adam", "params": {
         "lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True,
         "adam_w_mode": False}}

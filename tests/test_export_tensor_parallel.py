@@ -231,14 +231,13 @@ def test_the_tensor_parallel_torch_export_trains_like_one_process(plan: Plan, tm
 
 def _fp16_rank(rank: int, world: int, export: dict[str, Any], steps: int, out: str) -> None:
     from runtime.data import make_data
-    from runtime.recipe import make_optimizer
     from runtime.stage import zoo_chain
     from runtime.torch_pipelining import build_rank
 
     chain = zoo_chain(export["model"], export["micro_batch_size"])
     data = make_data(chain, "auto", export["micro_batch_size"], export["n_microbatches"], 1, 0)
     me = build_rank(export, rank, seed=0, loss_fn=data.loss)
-    opt = me.wrap_optimizer(make_optimizer(me.parameters(), "adam", 0.001))
+    opt = me.make_optimizer("adam", 0.001)
     losses = []
     for step in range(steps):
         x, y = data.global_batch(step)

@@ -181,12 +181,12 @@ def test_shared_saved_bytes_make_stage_sums_exact(name):
 
 
 def test_half_precision_input_keeps_token_ids_that_half_types_cannot_hold() -> None:
-    from partitioner.profiler import _input_in
+    from partitioner.profiler import half_input
 
     ids = torch.tensor([[0.0, 2049.0, 50271.0]])  # token ids carried as floats
-    assert _input_in(ids, torch.float16).dtype == torch.float32  # 2049 and 50271 are not exact in fp16
+    assert half_input(ids, torch.float16).dtype == torch.float32  # 2049 and 50271 are not exact in fp16
     small = torch.tensor([[0.0, 7.0, 255.0]])  # integers fp16 holds exactly: converted
-    assert _input_in(small, torch.float16).dtype == torch.float16
+    assert half_input(small, torch.float16).dtype == torch.float16
     image = torch.randn(2, 3, 4, 4)
-    assert _input_in(image, torch.bfloat16).dtype == torch.bfloat16
-    assert _input_in(image, None) is image
+    assert half_input(image, torch.bfloat16).dtype == torch.bfloat16
+    assert half_input(image, None) is image

@@ -41,7 +41,8 @@ _CONFIG_FLAGS = {"--num-layers": ("num_layers", int), "--pipeline-model-parallel
                  "--pipeline-model-parallel-layout": ("pipeline_model_parallel_layout", str),
                  "--decoder-first-pipeline-num-layers": ("num_layers_in_first_pipeline_stage", int),
                  "--decoder-last-pipeline-num-layers": ("num_layers_in_last_pipeline_stage", int)}
-_SWITCHES = {"--fp16": "fp16", "--bf16": "bf16", "--use-tp-pp-dp-mapping": "use_tp_pp_dp_mapping"}
+_SWITCHES = {"--fp16": "fp16", "--bf16": "bf16", "--grad-reduce-in-bf16": "grad_reduce_in_bf16",
+             "--use-tp-pp-dp-mapping": "use_tp_pp_dp_mapping"}
 _OTHER = {"--micro-batch-size": int, "--global-batch-size": int, "--optimizer": str, "--lr": float,
           "--weight-decay": float, "--adam-beta1": float, "--adam-beta2": float, "--adam-eps": float,
           "--sgd-momentum": float, "--initial-loss-scale": float, "--loss-scale-window": float, "--hysteresis": int}
