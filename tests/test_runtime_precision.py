@@ -159,7 +159,8 @@ def test_loss_scaling_skips_a_step_on_every_rank_when_one_overflows(tmp_path: Pa
     try:
         plan = two_workers("fp16")
         metrics = train_local(plan, TrainConfig(plan.model, steps=2, warmup=0, lr=0.05, seed=1, threads=1, timeout_s=90,
-                                                state_dir=str(tmp_path), data="text"), start_method="forkserver")
+                                                state_dir=str(tmp_path), data="text"),
+                              start_method="fork")  # (fork: the ranks inherit the patch)
     finally:
         recipe.LossScaler.__init__ = real  # type: ignore[method-assign]
     scales = [r["loss_scale"] for r in metrics["ranks"]]
