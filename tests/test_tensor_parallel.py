@@ -427,3 +427,30 @@ def test_a_degree_or_size_key_of_thousands_of_digits_is_one_line_not_a_crash(tmp
                                "layers": [{"name": "a", "times": {}, key: {huge: {}}}]})
     (tmp_path / "X.json").write_text(json.dumps({"1": {huge: {"0": [1, 1, 0]}, "1": {"0": [1, 1, 0]}}}))
     assert sailor_degrees(tmp_path, 1) == {1: ("X",)}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_lazy_queue_yields_every_bound_in_order_and_its_rest_bounds_the_others(seed: int) -> None:
+    """Candidates leave the queue with their per-layer LP (at most the view's perfect speed-up), best
+    first; the LP is solved only for those taken or above them; what is left stays bounded."""
+    from partitioner.schedule import Schedule
+    from solvers.cluster.bounds.layers import layer_bound
+    from solvers.cluster.planner import throughput_upper_bound
+    from solvers.cluster.tensor import _Queue, candidate_view
+
+    profile, cluster = _tiny(seed)
+    options = CostOptions(reserved_bytes=0.0)
+    queue = _Queue({1: profile}, cluster, 8, options, "1f1b", None, None, None, {})
+    taken = [c for _, c in zip(range(3), queue.ordered(), strict=False)]
+    assert queue.bounded < queue.entries  # the others were never priced by the LP
+    rest = queue.rest(len(taken))
+    every = list(queue.ordered())
+    assert every[:len(taken)] == taken and len(queue.done) == len(every)
+    bounds = [c.bound_samples_per_s for c in every]
+    assert bounds == sorted(bounds, reverse=True)
+    assert all(rest >= b * (1 - 1e-12) for b in bounds[len(taken):])
+    for c in every:
+        view, devices = candidate_view(cluster, c.degrees)
+        cost = CostModel(profile, view, options)
+        lp = layer_bound(cost, devices, c.virtual_workers, Schedule.of("1f1b", c.micro_batches))
+        assert c.bound_samples_per_s == pytest.approx(min(lp, throughput_upper_bound(cost, devices)), rel=1e-12)

@@ -13,15 +13,25 @@ also has the cluster planner's own certificate, with the fleet bound of
 bound first, and the search stops when the best plan found is at least the next bound (nothing
 left can beat it) or time is up. The certificate of the whole space is the largest bound of the
 candidates not planned and of the planned ones' own certificates.
+
+The per-layer bound is a linear program, one per candidate; most candidates never need it. Each
+starts with its view's perfect speed-up (``micro_batch_size * sum_d 1 / T_d``,
+:func:`solvers.cluster.planner.throughput_upper_bound`: no plan on those devices beats it, at
+any K), a closed form; the candidates are taken best bound first from a heap, and a candidate
+reaching the top with that bound gets its LP and goes back in (:class:`_Queue`). Since the LP is
+below the perfect speed-up (up to the solver's tolerance, and it is taken as the smaller of the
+two), the candidates come out in the order of the bounds that :func:`candidates` lists, and a
+candidate never reached keeps a valid bound for the certificate.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -36,7 +46,14 @@ from partitioner.schedule import Schedule
 from ..predictions import with_predictions
 from ..result import SolveResult, SolveStatus
 from .bounds.layers import layer_bound
-from .planner import WorkerPlanner, WorkerUnfit, plan_cluster, plan_of, price_plan
+from .planner import (
+    WorkerPlanner,
+    WorkerUnfit,
+    plan_cluster,
+    plan_of,
+    price_plan,
+    throughput_upper_bound,
+)
 
 __all__ = ["Candidate", "candidates", "plan_tensor_parallel", "type_degrees"]
 
@@ -104,13 +121,11 @@ def type_degrees(profile: Profile, cluster: Cluster, fixed: int | None = None) -
     return out
 
 
-def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
-               options: CostOptions | None = None, schedule: str = "1f1b", fixed: int | None = None,
-               virtual_workers: int | None = None, pipeline: int | None = None,
-               costs: _Costs | None = None) -> list[Candidate]:
-    """Every (size, view, K) whose pipelines split ``global_batch`` into whole micro-batches of a
-    size of ``profiles`` (size -> the profile at that size), with its bound, best bound first."""
-    out = []
+def _choices(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int, fixed: int | None,
+             virtual_workers: int | None, pipeline: int | None
+             ) -> Iterator[tuple[int, tuple[tuple[str, int], ...], Cluster, list[Device], list[tuple[int, int]]]]:
+    """Every (size, degrees) whose view splits ``global_batch``, with the view, its devices and
+    its (K, m) pairs (``K m size = global_batch``, ``m`` within the plan's limit)."""
     for b, profile in profiles.items():
         if global_batch % b:
             continue
@@ -122,7 +137,6 @@ def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: 
                 continue
             degrees = tuple(zip(types, combo, strict=True))
             view, devices = candidate_view(cluster, degrees)
-            cost = _view_cost({} if costs is None else costs, profile, view, b, degrees, options)
             n = len(devices)
             if pipeline is not None:  # K workers of `pipeline` stages each, one device a stage
                 if n % pipeline:
@@ -130,19 +144,81 @@ def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: 
                 ks = [n // pipeline] if virtual_workers in (None, n // pipeline) else []
             else:
                 ks = [virtual_workers] if virtual_workers else list(range(1, n + 1))
-            for k in ks:
-                if k > n or (global_batch // b) % k:
-                    continue
-                m = global_batch // (b * k)
-                if m > MAX_MICRO_BATCHES:
-                    continue
-                # the per-layer bound only: the fleet bound's LPs cost 30 times more; a candidate
-                # planned in full gets it too (the cluster planner's certificate)
-                bound = layer_bound(cost, devices, k, Schedule.of(schedule, m))
-                if bound > 0:  # 0: no plan of k workers fits
-                    out.append(Candidate(b, degrees, k, m, bound))
-    out.sort(key=lambda c: -c.bound_samples_per_s)
-    return out
+            pairs = [(k, global_batch // (b * k)) for k in ks
+                     if k <= n and not (global_batch // b) % k and global_batch // (b * k) <= MAX_MICRO_BATCHES]
+            if pairs:
+                yield b, degrees, view, devices, pairs
+
+
+class _Queue:
+    """The candidates best bound first, each candidate's per-layer LP solved only when it reaches
+    the top (see the module docstring). :meth:`ordered` yields them with their LP bounds, in
+    falling order, remembering what it yielded; :meth:`rest` is the largest bound of those not
+    yet yielded (perfect speed-up or LP)."""
+
+    def __init__(self, profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
+                 options: CostOptions | None, schedule: str, fixed: int | None, virtual_workers: int | None,
+                 pipeline: int | None, costs: _Costs):
+        self._heap: list[tuple[float, int, bool, Candidate]] = []
+        self._views: dict[tuple[int, tuple[tuple[str, int], ...]], tuple[CostModel, list[Device]]] = {}
+        self.schedule = schedule
+        self.entries = 0  # candidates
+        self.bounded = 0  # LPs solved
+        self._seq = itertools.count()  # ties keep the order of enumeration
+        self.done: list[Candidate] = []  # yielded, in order
+        for b, degrees, view, devices, pairs in _choices(profiles, cluster, global_batch, fixed, virtual_workers,
+                                                          pipeline):
+            cost = _view_cost(costs, profiles[b], view, b, degrees, options)
+            self._views[(b, degrees)] = (cost, devices)
+            rough = throughput_upper_bound(cost, devices)
+            for k, m in pairs:
+                self._push(Candidate(b, degrees, k, m, rough), False)
+
+    def _push(self, cand: Candidate, exact: bool) -> None:
+        self.entries += not exact
+        heapq.heappush(self._heap, (-cand.bound_samples_per_s, next(self._seq), exact, cand))
+
+    def _next(self) -> Candidate | None:
+        while self._heap:
+            _, _, exact, cand = heapq.heappop(self._heap)
+            if exact:
+                return cand
+            cost, devices = self._views[(cand.micro_batch_size, cand.degrees)]
+            # the per-layer bound only: the fleet bound's LPs cost 30 times more; a candidate
+            # planned in full gets it too (the cluster planner's certificate)
+            bound = layer_bound(cost, devices, cand.virtual_workers, Schedule.of(self.schedule, cand.micro_batches))
+            self.bounded += 1
+            if bound > 0:  # 0: no plan of k workers fits
+                self._push(replace(cand, bound_samples_per_s=min(bound, cand.bound_samples_per_s)), True)
+        return None
+
+    def ordered(self) -> Iterator[Candidate]:
+        """The candidates yielded so far, then the next ones, best bound first."""
+        k = 0
+        while True:
+            if k == len(self.done):
+                cand = self._next()
+                if cand is None:
+                    return
+                self.done.append(cand)
+            yield self.done[k]
+            k += 1
+
+    def rest(self, start: int) -> float:
+        """The largest bound of the candidates from the ``start``-th yielded on (the unyielded too)."""
+        return max([c.bound_samples_per_s for c in self.done[start:]] + [-h[0] for h in self._heap[:1]],
+                   default=0.0)
+
+
+def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
+               options: CostOptions | None = None, schedule: str = "1f1b", fixed: int | None = None,
+               virtual_workers: int | None = None, pipeline: int | None = None,
+               costs: _Costs | None = None) -> list[Candidate]:
+    """Every (size, view, K) whose pipelines split ``global_batch`` into whole micro-batches of a
+    size of ``profiles`` (size -> the profile at that size), with its bound, best bound first."""
+    queue = _Queue(profiles, cluster, global_batch, options, schedule, fixed, virtual_workers, pipeline,
+                   {} if costs is None else costs)
+    return list(queue.ordered())
 
 
 QUICK_WORKER_DEVICES = 8  # the quick pass plans uniform workers of at most this many devices
@@ -186,6 +262,7 @@ def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpt
 
 
 REL_TOL = 0.01  # the search stops once no candidate left can beat the best plan by more than this
+QUICK_SHARE = 0.25  # of the time limit, what the quick pass may take (past it, only until a first plan)
 
 
 def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, *,
@@ -201,17 +278,18 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
     t0 = time.perf_counter()
     profiles = {b: profile.at_size(b) for b in (sizes or [profile.micro_batch_size])}
     costs: _Costs = {}
-    cands = candidates(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers, pipeline,
-                       costs)
-    if not cands:
+    queue = _Queue(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers, pipeline,
+                   costs)
+    if next(queue.ordered(), None) is None:
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method="tensor",
                            reason=f"no micro-batch size of {', '.join(map(str, profiles))} and number of pipelines "
                                   f"splits the global batch {global_batch} in a way that fits this cluster's memory")
-    best = _quick_pass(profiles, cluster, cands, options, schedule, t0 + time_limit_s, rel_tol, costs)
+    best = _quick_pass(profiles, cluster, queue.ordered(), options, schedule, t0 + QUICK_SHARE * time_limit_s,
+                       rel_tol, costs)
     open_bound = 0.0  # the best rate any planned candidate may still reach (its own certificate)
     tried: list[dict[str, Any]] = []
-    stop = len(cands)  # the candidates from here on were not planned in full
-    for k, cand in enumerate(cands):
+    stop = None  # the candidates from here on were not planned in full
+    for k, cand in enumerate(queue.ordered()):
         left = t0 + time_limit_s - time.perf_counter()
         if left <= 0 or (best is not None and best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
             stop = k
@@ -230,18 +308,18 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
         tried[-1].update({"samples_per_s": rate, "bound_samples_per_s": upper})
         if res.ok and (best is None or rate > best[0]):
             best = (rate, res, cand)
-    rest = max((c.bound_samples_per_s for c in cands[stop:]), default=0.0)
+    rest = queue.rest(len(queue.done) if stop is None else stop)
     if best is None:
         return SolveResult(SolveStatus.UNKNOWN if rest > 0 else SolveStatus.INFEASIBLE, None,
                            runtime_s=time.perf_counter() - t0, method="tensor",
                            reason="no candidate (micro-batch size, degrees per GPU type, pipelines) gave a plan that "
                                   "fits" + ("" if rest == 0 else " within the time limit"))
     return _result(best, profiles, cluster, options, max(best[0], open_bound, rest),
-                   {"candidates": len(cands), "candidates_planned": len(tried), "tried": tried,
-                    "global_batch": global_batch}, t0)
+                   {"candidates": queue.entries, "candidates_bounded": queue.bounded,
+                    "candidates_planned": len(tried), "tried": tried, "global_batch": global_batch}, t0)
 
 
-def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Sequence[Candidate],
+def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Iterator[Candidate],
                 options: CostOptions | None, schedule: str, deadline: float, rel_tol: float, costs: _Costs
                 ) -> tuple[float, SolveResult, Candidate] | None:
     """The best uniform plan (:func:`_quick`) of the candidates, in bound order, until ``deadline``
