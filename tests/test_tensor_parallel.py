@@ -454,3 +454,30 @@ def test_the_lazy_queue_yields_every_bound_in_order_and_its_rest_bounds_the_othe
         cost = CostModel(profile, view, options)
         lp = layer_bound(cost, devices, c.virtual_workers, Schedule.of("1f1b", c.micro_batches))
         assert c.bound_samples_per_s == pytest.approx(min(lp, throughput_upper_bound(cost, devices)), rel=1e-12)
+
+
+def test_the_layer_bound_counts_a_tensor_two_layers_share_once() -> None:
+    """Two layers of 10 GB saved each, 9 GB of it shared: one stage of both keeps 11 GB and fits a
+    12 GB GPU, so the bound must not call the model unplaceable (their own 20 GB summed would)."""
+    from partitioner.cluster import DeviceType
+    from partitioner.profile import LayerProfile, LayerTime
+    from partitioner.schedule import Schedule
+    from solvers.cluster.bounds.layers import layer_bound
+    from solvers.cluster.bounds.paced import paced_bound
+    from solvers.cluster.planner import price_plan
+
+    gb = 1e9
+    times = {"G12": LayerTime(1e-3, 2e-3)}
+    layers = (LayerProfile("a", param_bytes=1e6, saved_bytes=10 * gb, output_bytes=1e6, times=times),
+              LayerProfile("b", param_bytes=1e6, saved_bytes=10 * gb, output_bytes=1e6, times=times,
+                           shared_saved_bytes=9 * gb))
+    profile = Profile("shared", 1, layers)
+    cluster = Cluster("one", (Node("n0", ("G12",), 100.0),), 10.0,
+                      device_types={"G12": DeviceType("G12", 12 * gb, 1e13, 1e12)})
+    options = CostOptions(reserved_bytes=0.0)
+    cost = CostModel(profile, cluster, options)
+    plan = Plan("shared", (VirtualWorker((Stage((0, 2), "n0:0"),)),), "1f1b", 1, 4)
+    cost.check_plan_memory(plan)  # 11 GB in 12: the plan fits
+    rate = price_plan(cost, plan)["samples_per_s"]
+    assert rate <= layer_bound(cost, cluster.devices, 1, Schedule.of("1f1b", 4)) * (1 + 1e-9)
+    assert rate <= paced_bound(cost, cluster.devices, Schedule.of("1f1b", 4), virtual_workers=1) * (1 + 1e-9)
