@@ -453,7 +453,22 @@ def test_the_lazy_queue_yields_every_bound_in_order_and_its_rest_bounds_the_othe
         view, devices = candidate_view(cluster, c.degrees)
         cost = CostModel(profile, view, options)
         lp = layer_bound(cost, devices, c.virtual_workers, Schedule.of("1f1b", c.micro_batches))
-        assert c.bound_samples_per_s == pytest.approx(min(lp, throughput_upper_bound(cost, devices)), rel=1e-12)
+        assert c.bound_samples_per_s == pytest.approx(min(lp, throughput_upper_bound(cost, devices)), rel=1e-7)
+
+
+def test_one_worker_at_the_most_micro_batches_bounds_every_k_and_m(opt350: Profile) -> None:
+    """The 3D search's bound of a whole view: one worker's LP at the view's most micro-batches is
+    at least every (K, m = batch / K) candidate's own LP."""
+    from partitioner.schedule import Schedule
+    from solvers.cluster.bounds.layers import layer_bound
+
+    cl = Cluster("c", (Node("n0", ("V100-16",) * 4, 100.0), Node("n1", ("A100-40",) * 4, 100.0)), 10.0)
+    for view in (cl, cl.with_tensor_parallel({"A100-40": 2})):
+        cost = CostModel(opt350, view, FP16)
+        top = layer_bound(cost, view.devices, 1, Schedule.of("1f1b", 64), every_k=True)
+        bounds = [layer_bound(cost, view.devices, k, Schedule.of("1f1b", 64 // k))
+                  for k in (1, 2, 4, 8) if k <= len(view.devices)]
+        assert max(bounds) > 0 and all(bound <= top * (1 + 1e-9) for bound in bounds)
 
 
 def test_the_layer_bound_counts_a_tensor_two_layers_share_once() -> None:
