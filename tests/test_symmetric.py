@@ -213,3 +213,29 @@ def test_a_linear_program_without_an_answer_leaves_a_valid_bound(monkeypatch: py
                                                                       np.zeros(0)))
     fallback = fleet_bound(cost, devs, Schedule.of("1f1b", 2))
     assert fallback.samples_per_s == fallback.perfect_speedup >= real.samples_per_s
+
+
+def test_links_priced_by_node_kinds_leave_nodes_interchangeable():
+    """Overrides per pair of GPU types (as a cluster measured per type pair) single out no node, so
+    equivalent workers share one mapping; one override that breaks the pattern pins every end."""
+    from partitioner.cluster import Link
+    from solvers.cluster.planner import pinned_link_ends
+
+    spec = [["TITAN-V"] * 2, ["TITAN-V"] * 2, ["RTX-2060"] * 2, ["RTX-2060"] * 2]
+    base = small_cluster(spec, inter=4.0)
+    by_kinds = tuple(Link(a, b, 2.0) for a in ("n0", "n1") for b in ("n2", "n3"))
+    cluster = Cluster(base.name, base.nodes, base.inter_gbps, links=by_kinds)
+    assert pinned_link_ends(cluster) == frozenset()
+    planner = WorkerPlanner(CostModel(synthetic_profile(8, types=TYPES), cluster), Schedule.of("1f1b", 4))
+    dev = {d.name: d for d in cluster.devices}
+    a = [dev["n0:0"], dev["n2:0"]]
+    b = [dev["n1:1"], dev["n3:1"]]
+    assert planner.key(a) == planner.key(b) and planner.interchangeable(a)
+    # one pair priced apart: n0 and n2 are no longer like n1 and n3
+    odd = Cluster(base.name, base.nodes, base.inter_gbps, links=(*by_kinds[:-1], Link("n1", "n3", 3.0)))
+    assert pinned_link_ends(odd) == frozenset({"n0", "n1", "n2", "n3"})
+    apart = WorkerPlanner(CostModel(synthetic_profile(8, types=TYPES), odd), Schedule.of("1f1b", 4))
+    assert apart.key(a) != apart.key(b)
+    # and the same mapping, relabelled, prices the same on both sets
+    ra, rb = planner.stages(a), planner.stages(b)
+    assert ra.throughput == rb.throughput and {s.device for s in rb.stages} <= {d.name for d in b}

@@ -427,3 +427,72 @@ def test_a_degree_or_size_key_of_thousands_of_digits_is_one_line_not_a_crash(tmp
                                "layers": [{"name": "a", "times": {}, key: {huge: {}}}]})
     (tmp_path / "X.json").write_text(json.dumps({"1": {huge: {"0": [1, 1, 0]}, "1": {"0": [1, 1, 0]}}}))
     assert sailor_degrees(tmp_path, 1) == {1: ("X",)}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_lazy_queue_yields_every_bound_in_order_and_its_rest_bounds_the_others(seed: int) -> None:
+    """Candidates leave the queue with their per-layer LP (at most the view's perfect speed-up), best
+    first; the LP is solved only for those taken or above them; what is left stays bounded."""
+    from partitioner.schedule import Schedule
+    from solvers.cluster.bounds.layers import layer_bound
+    from solvers.cluster.planner import throughput_upper_bound
+    from solvers.cluster.tensor import _Queue, candidate_view
+
+    profile, cluster = _tiny(seed)
+    options = CostOptions(reserved_bytes=0.0)
+    queue = _Queue({1: profile}, cluster, 8, options, "1f1b", None, None, None, {})
+    taken = [c for _, c in zip(range(3), queue.ordered(), strict=False)]
+    assert queue.bounded < queue.entries  # the others were never priced by the LP
+    rest = queue.rest(len(taken))
+    every = list(queue.ordered())
+    assert every[:len(taken)] == taken and len(queue.done) == len(every)
+    bounds = [c.bound_samples_per_s for c in every]
+    assert bounds == sorted(bounds, reverse=True)
+    assert all(rest >= b * (1 - 1e-12) for b in bounds[len(taken):])
+    for c in every:
+        view, devices = candidate_view(cluster, c.degrees)
+        cost = CostModel(profile, view, options)
+        lp = layer_bound(cost, devices, c.virtual_workers, Schedule.of("1f1b", c.micro_batches))
+        assert c.bound_samples_per_s == pytest.approx(min(lp, throughput_upper_bound(cost, devices)), rel=1e-7)
+
+
+def test_one_worker_at_the_most_micro_batches_bounds_every_k_and_m(opt350: Profile) -> None:
+    """The 3D search's bound of a whole view: one worker's LP at the view's most micro-batches is
+    at least every (K, m = batch / K) candidate's own LP."""
+    from partitioner.schedule import Schedule
+    from solvers.cluster.bounds.layers import layer_bound
+
+    cl = Cluster("c", (Node("n0", ("V100-16",) * 4, 100.0), Node("n1", ("A100-40",) * 4, 100.0)), 10.0)
+    for view in (cl, cl.with_tensor_parallel({"A100-40": 2})):
+        cost = CostModel(opt350, view, FP16)
+        top = layer_bound(cost, view.devices, 1, Schedule.of("1f1b", 64), every_k=True)
+        bounds = [layer_bound(cost, view.devices, k, Schedule.of("1f1b", 64 // k))
+                  for k in (1, 2, 4, 8) if k <= len(view.devices)]
+        assert max(bounds) > 0 and all(bound <= top * (1 + 1e-9) for bound in bounds)
+
+
+def test_the_layer_bound_counts_a_tensor_two_layers_share_once() -> None:
+    """Two layers of 10 GB saved each, 9 GB of it shared: one stage of both keeps 11 GB and fits a
+    12 GB GPU, so the bound must not call the model unplaceable (their own 20 GB summed would)."""
+    from partitioner.cluster import DeviceType
+    from partitioner.profile import LayerProfile, LayerTime
+    from partitioner.schedule import Schedule
+    from solvers.cluster.bounds.layers import layer_bound
+    from solvers.cluster.bounds.paced import paced_bound
+    from solvers.cluster.planner import price_plan
+
+    gb = 1e9
+    times = {"G12": LayerTime(1e-3, 2e-3)}
+    layers = (LayerProfile("a", param_bytes=1e6, saved_bytes=10 * gb, output_bytes=1e6, times=times),
+              LayerProfile("b", param_bytes=1e6, saved_bytes=10 * gb, output_bytes=1e6, times=times,
+                           shared_saved_bytes=9 * gb))
+    profile = Profile("shared", 1, layers)
+    cluster = Cluster("one", (Node("n0", ("G12",), 100.0),), 10.0,
+                      device_types={"G12": DeviceType("G12", 12 * gb, 1e13, 1e12)})
+    options = CostOptions(reserved_bytes=0.0)
+    cost = CostModel(profile, cluster, options)
+    plan = Plan("shared", (VirtualWorker((Stage((0, 2), "n0:0"),)),), "1f1b", 1, 4)
+    cost.check_plan_memory(plan)  # 11 GB in 12: the plan fits
+    rate = price_plan(cost, plan)["samples_per_s"]
+    assert rate <= layer_bound(cost, cluster.devices, 1, Schedule.of("1f1b", 4)) * (1 + 1e-9)
+    assert rate <= paced_bound(cost, cluster.devices, Schedule.of("1f1b", 4), virtual_workers=1) * (1 + 1e-9)

@@ -46,7 +46,7 @@ from solvers.predictions import with_predictions
 from solvers.progress import Status, status
 from solvers.result import SolveDetails, SolveResult, SolveStatus
 
-__all__ = ["WorkerPlanner", "WorkerUnfit", "plan_cluster", "plan_of", "price_plan", "solve"]
+__all__ = ["WorkerPlanner", "WorkerUnfit", "pinned_link_ends", "plan_cluster", "plan_of", "price_plan", "solve"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ class WorkerPlanner:
     """Plans one virtual worker at a time, remembering answers for equivalent GPU sets.
 
     Two GPU sets are equivalent when they have the same GPU types on nodes of the same kind
-    (same GPU mix and intra-node bandwidth, no link overrides): such nodes are interchangeable.
+    (same GPU mix and intra-node bandwidth; a node named by a link override is a kind of its
+    own unless the overrides price every pair of nodes by their kinds alone,
+    :func:`pinned_link_ends`): such nodes are interchangeable.
     """
 
     def __init__(self, cost: CostModel, schedule: Schedule, replication: bool = False,
@@ -75,7 +77,7 @@ class WorkerPlanner:
         self.exact_limit = exact_limit
         self._memo: dict[Any, _Worker] = {}
         cl = cost.cluster
-        overridden = {end for link in cl.links for end in (link.a, link.b)}
+        overridden = pinned_link_ends(cl)
         self._node_kind = {n.name: (n.name if n.name in overridden else (tuple(sorted(n.gpus)), n.intra_gbps))
                            for n in cl.nodes}
         self._pinned = overridden
@@ -177,6 +179,31 @@ class WorkerPlanner:
         heads = [w[0] for w in grouping]
         largest = max((cost.param_bytes(a, b) for w in grouping for a, b in self.ranges(w)), default=0.0)
         return cost.allreduce_s(largest, heads)
+
+
+def pinned_link_ends(cluster: Cluster) -> frozenset[str]:
+    """The nodes and devices that link overrides single out (each a kind of its own for the
+    planners): every override's ends, or none where each override joins two different nodes, no
+    node shares NICs, and the link between any two different nodes depends only on their kinds
+    (GPU mix and intra-node bandwidth): then moving a worker from nodes to nodes of the same kinds
+    changes none of its prices, overrides or not (a cluster measured per pair of GPU types)."""
+    ends = frozenset(end for link in cluster.links for end in (link.a, link.b))
+    names = {n.name for n in cluster.nodes}
+    if not ends or cluster.has_nics or any(x.a == x.b or x.a not in names or x.b not in names for x in cluster.links):
+        return ends
+    kind = {n.name: (tuple(sorted(n.gpus)), n.intra_gbps) for n in cluster.nodes}
+    first: dict[str, str] = {}
+    for d in cluster.devices:
+        first.setdefault(d.node, d.name)
+    seen: dict[Any, Any] = {}
+    nodes = [n for n in cluster.nodes if n.name in first]
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            pair = frozenset((kind[a.name], kind[b.name])) if kind[a.name] != kind[b.name] else (kind[a.name],)
+            bw = replace(cluster.link(first[a.name], first[b.name]), name="")  # the name prices nothing
+            if seen.setdefault(pair, bw) != bw:
+                return ends
+    return frozenset()
 
 
 def _relabel(stages: Sequence[Stage], cost: CostModel, devices: Sequence[Device]) -> tuple[Stage, ...]:

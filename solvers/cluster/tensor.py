@@ -13,17 +13,31 @@ also has the cluster planner's own certificate, with the fleet bound of
 bound first, and the search stops when the best plan found is at least the next bound (nothing
 left can beat it) or time is up. The certificate of the whole space is the largest bound of the
 candidates not planned and of the planned ones' own certificates.
+
+The per-layer bound is a linear program, one per candidate; most candidates never need it. A
+view (size and degrees) starts with its perfect speed-up (``micro_batch_size * sum_d 1 / T_d``,
+:func:`solvers.cluster.planner.throughput_upper_bound`: no plan on those devices beats it, at
+any K), a closed form, in a heap taken best bound first (:class:`_Queue`). A view reaching the
+top gets the per-layer LP of one worker at its most micro-batches, which bounds all its K, and
+goes back in; reaching the top again, it goes back in as its candidates; a candidate reaching
+the top gets its own LP and goes back in, and reaching the top with it is taken. Each step keeps
+the smaller of the old and the new bound, so the candidates come out in the order of the bounds
+that :func:`candidates` lists, and anything never reached keeps a valid bound for the
+certificate.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
+
+import numpy as np
 
 from partitioner.cluster import Cluster, Device, device_kind
 from partitioner.cost import CostModel
@@ -36,7 +50,14 @@ from partitioner.schedule import Schedule
 from ..predictions import with_predictions
 from ..result import SolveResult, SolveStatus
 from .bounds.layers import layer_bound
-from .planner import WorkerPlanner, WorkerUnfit, plan_cluster, plan_of, price_plan
+from .bounds.paced import _reference
+from .planner import (
+    WorkerPlanner,
+    WorkerUnfit,
+    plan_cluster,
+    plan_of,
+    price_plan,
+)
 
 __all__ = ["Candidate", "candidates", "plan_tensor_parallel", "type_degrees"]
 
@@ -104,13 +125,11 @@ def type_degrees(profile: Profile, cluster: Cluster, fixed: int | None = None) -
     return out
 
 
-def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
-               options: CostOptions | None = None, schedule: str = "1f1b", fixed: int | None = None,
-               virtual_workers: int | None = None, pipeline: int | None = None,
-               costs: _Costs | None = None) -> list[Candidate]:
-    """Every (size, view, K) whose pipelines split ``global_batch`` into whole micro-batches of a
-    size of ``profiles`` (size -> the profile at that size), with its bound, best bound first."""
-    out = []
+def _choices(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int, fixed: int | None,
+             virtual_workers: int | None, pipeline: int | None
+             ) -> Iterator[tuple[int, tuple[tuple[str, int], ...], Cluster, list[Device], list[tuple[int, int]]]]:
+    """Every (size, degrees) whose view splits ``global_batch``, with the view, its devices and
+    its (K, m) pairs (``K m size = global_batch``, ``m`` within the plan's limit)."""
     for b, profile in profiles.items():
         if global_batch % b:
             continue
@@ -122,7 +141,6 @@ def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: 
                 continue
             degrees = tuple(zip(types, combo, strict=True))
             view, devices = candidate_view(cluster, degrees)
-            cost = _view_cost({} if costs is None else costs, profile, view, b, degrees, options)
             n = len(devices)
             if pipeline is not None:  # K workers of `pipeline` stages each, one device a stage
                 if n % pipeline:
@@ -130,19 +148,125 @@ def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: 
                 ks = [n // pipeline] if virtual_workers in (None, n // pipeline) else []
             else:
                 ks = [virtual_workers] if virtual_workers else list(range(1, n + 1))
-            for k in ks:
-                if k > n or (global_batch // b) % k:
-                    continue
-                m = global_batch // (b * k)
-                if m > MAX_MICRO_BATCHES:
-                    continue
+            pairs = [(k, global_batch // (b * k)) for k in ks
+                     if k <= n and not (global_batch // b) % k and global_batch // (b * k) <= MAX_MICRO_BATCHES]
+            if pairs:
+                yield b, degrees, view, devices, pairs
+
+
+_View = tuple[int, tuple[tuple[str, int], ...]]  # (micro-batch size, degrees)
+
+
+def _perfect_speedup(size: int, layer_s: Sequence[np.ndarray], counts: Sequence[int]) -> float:
+    """:func:`solvers.cluster.planner.throughput_upper_bound` from each kind's layer seconds and
+    device count: ``size * sum_t n_t / T'_t`` with the effective whole-model times of
+    :func:`solvers.cluster.bounds.fleet.effective_whole_s` (the same reference and ratios)."""
+    _, eff = _reference(np.stack(list(layer_s), axis=1))
+    return size * sum(n / t if t > 0 else math.inf for n, t in zip(counts, eff, strict=True))
+
+# what a heap entry stands for: a view at its perfect speed-up, a view at its one-worker LP (every
+# K and m of it), a candidate at its view's LP, a candidate at its own LP (ready)
+_ROUGH, _VIEW, _PENDING, _READY = range(4)
+
+
+class _Queue:
+    """The candidates best bound first, each bound refined only when it reaches the top (see the
+    module docstring). :meth:`ordered` yields the candidates with their own LP bounds, in falling
+    order, remembering what it yielded; :meth:`rest` is the largest bound of those not yet
+    yielded."""
+
+    def __init__(self, profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
+                 options: CostOptions | None, schedule: str, fixed: int | None, virtual_workers: int | None,
+                 pipeline: int | None, costs: _Costs):
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._views: dict[_View, tuple[Profile, Cluster, list[Device], list[tuple[int, int]]]] = {}
+        self._costs, self._options = costs, options
+        self.schedule = schedule
+        self.entries = 0  # candidates
+        self.bounded = 0  # LPs solved
+        self._seq = itertools.count()  # ties keep the order of enumeration
+        self.done: list[Candidate] = []  # yielded, in order
+        layer_s: dict[tuple[int, str], np.ndarray] = {}  # (size, kind) -> every layer's seconds
+        for b, degrees, view, devices, pairs in _choices(profiles, cluster, global_batch, fixed, virtual_workers,
+                                                          pipeline):
+            self._views[(b, degrees)] = (profiles[b], view, devices, pairs)
+            self.entries += len(pairs)
+            counts: dict[str, int] = {}
+            for d in devices:
+                counts[d.kind] = counts.get(d.kind, 0) + 1
+            for kind in counts:
+                if (b, kind) not in layer_s:  # a kind's times are its own: any view holding it prices them
+                    layer_s[(b, kind)] = self.cost((b, degrees)).layer_compute_s(kind)
+            self._push(_perfect_speedup(b, [layer_s[(b, t)] for t in counts], list(counts.values())), _ROUGH,
+                       (b, degrees))
+
+    def cost(self, key: _View) -> CostModel:
+        """The cost model of a view (made once, shared with the quick pass)."""
+        profile, view, _, _ = self._views[key]
+        return _view_cost(self._costs, profile, view, key[0], key[1], self._options)
+
+    def _push(self, bound: float, level: int, item: Any) -> None:
+        heapq.heappush(self._heap, (-bound, next(self._seq), level, item))
+
+    def _next(self) -> Candidate | None:
+        while self._heap:
+            neg, _, level, item = heapq.heappop(self._heap)
+            if level == _READY:
+                return cast(Candidate, item)
+            if level == _ROUGH:
+                # the one-worker LP at the view's most micro-batches bounds every K and m of it: K
+                # workers are busy at least K times one worker (solvers.cluster.bounds.layers), and
+                # one worker's rate bound grows with m (its step and all-reduce spread over more)
+                _, _, devices, pairs = self._views[item]
+                most = max(m for _, m in pairs)
+                bound = layer_bound(self.cost(item), devices, 1, Schedule.of(self.schedule, most), every_k=True)
+                self.bounded += 1
+                if bound > 0:  # 0: not even one worker fits
+                    self._push(min(bound, -neg), _VIEW, item)
+            elif level == _VIEW:
+                b, degrees = item
+                for k, m in self._views[item][3]:
+                    self._push(-neg, _PENDING, Candidate(b, degrees, k, m, -neg))
+            else:
+                cand = cast(Candidate, item)
+                key = (cand.micro_batch_size, cand.degrees)
+                cost, devices = self.cost(key), self._views[key][2]
                 # the per-layer bound only: the fleet bound's LPs cost 30 times more; a candidate
                 # planned in full gets it too (the cluster planner's certificate)
-                bound = layer_bound(cost, devices, k, Schedule.of(schedule, m))
+                bound = layer_bound(cost, devices, cand.virtual_workers, Schedule.of(self.schedule, cand.micro_batches))
+                self.bounded += 1
                 if bound > 0:  # 0: no plan of k workers fits
-                    out.append(Candidate(b, degrees, k, m, bound))
-    out.sort(key=lambda c: -c.bound_samples_per_s)
-    return out
+                    bound = min(bound, -neg)
+                    self._push(bound, _READY, replace(cand, bound_samples_per_s=bound))
+        return None
+
+    def ordered(self) -> Iterator[Candidate]:
+        """The candidates yielded so far, then the next ones, best bound first."""
+        k = 0
+        while True:
+            if k == len(self.done):
+                cand = self._next()
+                if cand is None:
+                    return
+                self.done.append(cand)
+            yield self.done[k]
+            k += 1
+
+    def rest(self, start: int) -> float:
+        """The largest bound of the candidates from the ``start``-th yielded on (the unyielded too)."""
+        return max([c.bound_samples_per_s for c in self.done[start:]] + [-h[0] for h in self._heap[:1]],
+                   default=0.0)
+
+
+def candidates(profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
+               options: CostOptions | None = None, schedule: str = "1f1b", fixed: int | None = None,
+               virtual_workers: int | None = None, pipeline: int | None = None,
+               costs: _Costs | None = None) -> list[Candidate]:
+    """Every (size, view, K) whose pipelines split ``global_batch`` into whole micro-batches of a
+    size of ``profiles`` (size -> the profile at that size), with its bound, best bound first."""
+    queue = _Queue(profiles, cluster, global_batch, options, schedule, fixed, virtual_workers, pipeline,
+                   {} if costs is None else costs)
+    return list(queue.ordered())
 
 
 QUICK_WORKER_DEVICES = 8  # the quick pass plans uniform workers of at most this many devices
@@ -186,6 +310,8 @@ def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpt
 
 
 REL_TOL = 0.01  # the search stops once no candidate left can beat the best plan by more than this
+QUICK_SHARE = 0.25  # of the time limit, what the quick pass may take (past it, only until a first plan)
+FINISH_SHARE = 0.1  # of the time limit, kept for the answer (its predictions simulate the plan)
 
 
 def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, *,
@@ -201,22 +327,27 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
     t0 = time.perf_counter()
     profiles = {b: profile.at_size(b) for b in (sizes or [profile.micro_batch_size])}
     costs: _Costs = {}
-    cands = candidates(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers, pipeline,
-                       costs)
-    if not cands:
+    queue = _Queue(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers, pipeline,
+                   costs)
+    if next(queue.ordered(), None) is None:
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method="tensor",
                            reason=f"no micro-batch size of {', '.join(map(str, profiles))} and number of pipelines "
                                   f"splits the global batch {global_batch} in a way that fits this cluster's memory")
-    best = _quick_pass(profiles, cluster, cands, options, schedule, t0 + time_limit_s, rel_tol, costs)
+    best = _quick_pass(profiles, cluster, queue.ordered(), options, schedule, t0 + QUICK_SHARE * time_limit_s,
+                       rel_tol, costs)
     open_bound = 0.0  # the best rate any planned candidate may still reach (its own certificate)
     tried: list[dict[str, Any]] = []
-    stop = len(cands)  # the candidates from here on were not planned in full
-    for k, cand in enumerate(cands):
-        left = t0 + time_limit_s - time.perf_counter()
+    stop = None  # the candidates from here on were not planned in full
+    overrun = 0.0
+    for k, cand in enumerate(queue.ordered()):
+        # what is left, less the answer's share and what a full plan has run past its own limit
+        left = t0 + (1 - FINISH_SHARE) * time_limit_s - time.perf_counter() - overrun
         if left <= 0 or (best is not None and best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
             stop = k
             break
-        res = _full(profiles[cand.micro_batch_size], cluster, cand, options, schedule, left, tried)
+        given, started = max(left / 4, min(left, 1.0)), time.perf_counter()
+        res = _full(profiles[cand.micro_batch_size], cluster, cand, options, schedule, given, tried)
+        overrun = max(overrun, time.perf_counter() - started - given)  # pricing and certifying its plan
         if res is None:
             continue
         if pipeline is not None and res.plan is not None and any(
@@ -230,18 +361,18 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
         tried[-1].update({"samples_per_s": rate, "bound_samples_per_s": upper})
         if res.ok and (best is None or rate > best[0]):
             best = (rate, res, cand)
-    rest = max((c.bound_samples_per_s for c in cands[stop:]), default=0.0)
+    rest = queue.rest(len(queue.done) if stop is None else stop)
     if best is None:
         return SolveResult(SolveStatus.UNKNOWN if rest > 0 else SolveStatus.INFEASIBLE, None,
                            runtime_s=time.perf_counter() - t0, method="tensor",
                            reason="no candidate (micro-batch size, degrees per GPU type, pipelines) gave a plan that "
                                   "fits" + ("" if rest == 0 else " within the time limit"))
     return _result(best, profiles, cluster, options, max(best[0], open_bound, rest),
-                   {"candidates": len(cands), "candidates_planned": len(tried), "tried": tried,
-                    "global_batch": global_batch}, t0)
+                   {"candidates": queue.entries, "candidates_bounded": queue.bounded,
+                    "candidates_planned": len(tried), "tried": tried, "global_batch": global_batch}, t0)
 
 
-def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Sequence[Candidate],
+def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Iterator[Candidate],
                 options: CostOptions | None, schedule: str, deadline: float, rel_tol: float, costs: _Costs
                 ) -> tuple[float, SolveResult, Candidate] | None:
     """The best uniform plan (:func:`_quick`) of the candidates, in bound order, until ``deadline``
@@ -257,15 +388,16 @@ def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Sequen
 
 
 def _full(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOptions | None, schedule: str,
-          left_s: float, tried: list[dict[str, Any]]) -> SolveResult | None:
-    """The cluster planner on one candidate (None where it refuses the candidate, noted in ``tried``)."""
+          limit_s: float, tried: list[dict[str, Any]]) -> SolveResult | None:
+    """The cluster planner on one candidate within ``limit_s`` (None where it refuses the candidate,
+    noted in ``tried``)."""
     view, devices = candidate_view(cluster, cand.degrees)
     tried.append({"micro_batch_size": cand.micro_batch_size, "degrees": dict(cand.degrees),
                   "virtual_workers": cand.virtual_workers, "micro_batches": cand.micro_batches})
     try:
         return plan_cluster(profile, view, cand.virtual_workers, micro_batches=cand.micro_batches, options=options,
                             devices=[d.name for d in devices],
-                            schedule=schedule, time_limit_s=max(left_s / 4, min(left_s, 1.0)))
+                            schedule=schedule, time_limit_s=limit_s)
     except FormatError as err:  # a candidate the planner refuses (say, more workers than layers allow)
         tried[-1]["refused"] = str(err)
         return None

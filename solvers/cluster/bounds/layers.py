@@ -20,7 +20,10 @@ micro-batches, devices of kind ``t`` (a GPU type at a tensor-parallel degree) ``
   over the fastest link of the cluster (a ring sends that much from every member, and the
   hierarchical algorithm more);
 * memory: a holder keeps the layer's weights, gradients and optimizer state and at least one
-  micro-batch of its activations, ``sum_l y[l, t] (w_t(l) + s_t(l)) <= n_t (C_t - reserved)``.
+  micro-batch of its activations, ``sum_l y[l, t] (w_t(l) + s_t(l)) <= n_t (C_t - reserved)``,
+  ``s_t(l)`` the layer's saved bytes less what it shares with the layer before (a stage keeps a
+  tensor two of its layers share once: at least its layers' ``s`` summed, not their own
+  activations summed);
 
 * coupling: a holder runs at most its own worker's ``m`` micro-batches of a layer, so
   ``K x[l, t] <= y[l, t]`` (a fast kind of little memory cannot run what it cannot hold).
@@ -158,7 +161,8 @@ def fill_capacity(micro_batches: int, stages: float, beta: float) -> float:
 def _layer_columns(cost: CostModel, kind: str, versions: int) -> tuple[np.ndarray, ...]:
     """Per layer on ``kind``: forward + backward seconds, step seconds, one GPU's gradient bytes, and
     its weights (``versions`` copies, gradients, optimizer state) plus one micro-batch's saved
-    activations (the cost model's prefix sums, differenced)."""
+    activations net of what it shares with the layer before (the cost model's prefix sums,
+    differenced), so that a stage's memory is at least its layers' summed."""
     gpu_type, t = split_kind(kind)
     shard = cost.at_degree(t)
     comp = shard.layer_compute_s(gpu_type)
@@ -169,7 +173,10 @@ def _layer_columns(cost: CostModel, kind: str, versions: int) -> tuple[np.ndarra
     holders = cost.cluster.num_gpus if cost.options.zero else 1
     weights = np.diff(shard.param_count_prefix) * shard.options.sharded_bytes_per_parameter(versions, holders)
     kept = shard.recomputing(shard.least_memory_mode)
-    saved = kept.saved_stop[1:] - kept.saved_start[:-1]  # activation_bytes(i, i + 1) for every i
+    # each layer's saved bytes less what it shares with the layer before: a stage counts a tensor two
+    # of its layers share once, so a stage keeps at least these summed over its layers (the
+    # activation_bytes of a single layer, summed, can be more than the stage's)
+    saved = np.diff(kept.saved_stop)
     return comp, step, grads, weights + saved
 
 
