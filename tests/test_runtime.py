@@ -250,6 +250,7 @@ def test_layout_ranks_and_holder_sets() -> None:
     assert sets == [((0, 3), (0,)), ((0, 4), (1,)), ((1, 4), (2,)), ((2, 4), (3,)), ((2, 5), (4, 5))]
 
 
+@pytest.mark.slow  # (tests/test_nodes.py runs torchrun against --local by default, on two nodes)
 def test_torchrun_and_local_train_the_same(tmp_path: Path) -> None:
     import subprocess
     import sys
