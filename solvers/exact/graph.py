@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from partitioner.boundary import boundary_held
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError
 from partitioner.profile import Profile
@@ -74,15 +75,18 @@ class DagData:
 
     def boundary_terms(self, k: int) -> list[tuple[float, int, int]]:
         """Stage ``k``'s boundary tensors (:meth:`partitioner.cost.CostModel.boundary_held_bytes`) as
-        ``(bytes, sender, cut)``: each output crossing cut ``k + 1`` twice per micro-batch in flight
-        (the output and its gradient's buffer), each crossing cut ``k`` once (an activation posted
-        ahead); the bytes count where the sender's crossing variable of that cut is 1."""
+        ``(bytes, sender, cut)``: each output crossing cut ``k + 1`` as many times as the schedule's
+        executor holds a stage's output (:func:`partitioner.boundary.boundary_held`: per micro-batch
+        in flight and fixed), each crossing cut ``k`` as many times as it holds a stage's input; the
+        bytes count where the sender's crossing variable of that cut is 1."""
+        held = boundary_held(self.problem.schedule.name)
         out = []
         for u in self.senders():
             if k + 1 < self.num_stages:
-                out.append((2.0 * self.flight[k] * float(self.own_bytes[u]), u, k + 1))
+                times = held.per_flight * self.flight[k] + held.fixed_outputs
+                out.append((times * float(self.own_bytes[u]), u, k + 1))
             if k > 0:
-                out.append((float(self.own_bytes[u]), u, k))
+                out.append((held.fixed_inputs * float(self.own_bytes[u]), u, k))
         return out
 
     def most_boundary_bytes(self, k: int) -> float:
