@@ -32,9 +32,14 @@ bytes counting a tensor kept by two adjacent layers of the stage once
 (CUDA context, communication buffers, allocator slack). The stage that ends the model adds the
 training loss: ``loss_saved_bytes * activations_in_flight + loss_work_bytes`` (the profile's
 last layer; partitioner/loss_memory.py). Every stage adds the boundary tensors the pipeline
-executor holds besides saved activations (:meth:`CostModel.boundary_held_bytes`):
-``2 * output * activations_in_flight`` where a next stage exists (its output and its gradient's
-receive buffer) and ``input`` where a previous one does (an activation receive posted ahead).
+executor holds besides saved activations (:meth:`CostModel.boundary_held_bytes`, counted in
+:mod:`partitioner.boundary`): where a next stage exists, ``2 * output`` under GPipe, 1F1B and the
+one-chunk zero-bubble schedules (the gradient a backward takes and the next one's receive posted
+ahead; a sent output is freed at the next compute), ``output * (activations_in_flight + 1)`` under
+the others (an output kept until its gradient arrives, or that gradient, per micro-batch, and one
+gradient posted ahead); the split schedules add ``output`` per micro-batch in flight (the
+gradient an ``I`` leaves to its ``W``); and ``input`` where a previous stage exists (an activation
+receive posted ahead).
 
 Data-parallel gradient synchronisation: every set of devices that hold the same layers (virtual
 workers, replicated stages) all-reduces those layers' gradients (``n * e`` bytes) once per
@@ -55,6 +60,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
+from .boundary import boundary_held
 from .cluster import GIB, Cluster, Device, gpu_family, resolve_gpu_type, split_kind
 from .collectives import node_allreduce_s
 from .errors import FormatError, PartitionerError
@@ -648,14 +654,16 @@ class CostModel:
                                   for mode in self.options.recompute_modes])
 
     def _memory_prefix(self, in_flight: int, schedule: Schedule, holders: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        return self._memory_prefix_of(in_flight, schedule.weight_versions, holders if self.options.zero else 1)
+        return self._memory_prefix_of(in_flight, schedule.weight_versions, holders if self.options.zero else 1,
+                                      schedule.name)
 
     @functools.cache  # noqa: B019
-    def _memory_prefix_of(self, in_flight: int, weight_versions: int, holders: int) -> tuple[np.ndarray, np.ndarray]:
+    def _memory_prefix_of(self, in_flight: int, weight_versions: int, holders: int, schedule: str
+                          ) -> tuple[np.ndarray, np.ndarray]:
         """(at stop, at start): stage memory is ``q_stop[j] - q_start[i]`` + reserved. Under full
         recomputation a stage keeps its input per micro-batch in flight and, during one backward,
         its activations of that micro-batch: ``w + saved(i, j) + (n - 1) input(i)``. Either way plus
-        :meth:`boundary_held_bytes`: ``2 n output(j) + input(i)``."""
+        :meth:`boundary_held_bytes` under ``schedule``: ``(n per + fixed) output(j) + input(i)``."""
         w = self.param_count_prefix * self.options.sharded_bytes_per_parameter(weight_versions, holders)
         if self.recompute == "full":
             q_stop, q_start = w + self.saved_stop, w + self.saved_start - self.boundary * max(in_flight - 1, 0)
@@ -664,8 +672,9 @@ class CostModel:
         # the stage that ends the model also holds the loss's tensors (outside any recomputation)
         q_stop[-1] += self.loss_saved_bytes * in_flight + self.loss_work_bytes
         # and what the executor holds besides (boundary_held_bytes; 0 at both ends of the chain)
-        q_stop += self.boundary * (2 * in_flight)
-        q_start -= self.boundary
+        held = boundary_held(schedule)
+        q_stop += self.boundary * (held.per_flight * in_flight + held.fixed_outputs)
+        q_start -= self.boundary * held.fixed_inputs
         q_stop.flags.writeable = q_start.flags.writeable = False
         return q_stop, q_start
 
@@ -735,21 +744,27 @@ class CostModel:
             return loss
         return float(self.saved_stop[stop] - self.saved_start[start]) - float(self.boundary[start]) + loss
 
-    def boundary_held_bytes(self, start: int, stop: int, tensor_parallel: int = 1) -> tuple[float, float]:
+    def boundary_held_bytes(self, start: int, stop: int, tensor_parallel: int = 1,
+                            schedule: str = "1f1b") -> tuple[float, float]:
         """``(per micro-batch in flight, fixed)``: the boundary tensors the pipeline executor
-        (:mod:`runtime.executor`) holds for layers ``[start, stop)`` besides their saved activations.
+        (:mod:`runtime.executor`) holds for layers ``[start, stop)`` under ``schedule`` besides their
+        saved activations, as the closed form prices them (:func:`partitioner.boundary.boundary_held`,
+        whose docstring derives the counts from the executor).
 
-        Per micro-batch in flight, where a next stage exists: the stage's output, kept from its
-        forward to its backward (sent, then the root of the backward; an unwaited send cannot free it
-        sooner), and the receive buffer of its gradient, posted once the forward ran and the channel's
-        order allows (by the first backward of the drain, every micro-batch in flight has one):
-        ``2 output(stop)``. Fixed, where a previous stage exists: the activation receive posted ahead,
-        at most one per peer beyond what the schedule holds: ``input(start)``. A stage's input once
-        taken is the input its first layer saves (priced in its saved bytes). 0 at both ends of the
-        chain, so a one-stage plan holds none."""
+        Under GPipe and 1F1B, where a next stage exists: no output per micro-batch in flight (the
+        executor waits an output's sends at its next compute and frees it), and, fixed, the gradient
+        its backward takes and the next gradient's receive posted ahead: ``(0, 2 output(stop))``; the
+        one-chunk zero-bubble schedules add an output per micro-batch (the gradient an ``I`` leaves to
+        its ``W``). Under the multi-chunk and no-flush schedules an output is held until its
+        gradient arrives, then the gradient until the backward: ``(output(stop), output(stop))``.
+        Fixed, where a previous stage exists: the activation receive posted ahead, at most one per
+        peer beyond what the schedule holds: ``input(start)``. 0 at both ends of the chain, so a
+        one-stage plan holds none."""
         if tensor_parallel != 1:
-            return self.at_degree(tensor_parallel).boundary_held_bytes(start, stop)
-        return 2.0 * float(self.boundary[stop]), float(self.boundary[start])
+            return self.at_degree(tensor_parallel).boundary_held_bytes(start, stop, schedule=schedule)
+        held = boundary_held(schedule)
+        out = float(self.boundary[stop])
+        return held.per_flight * out, held.fixed_outputs * out + held.fixed_inputs * float(self.boundary[start])
 
     def weight_bytes(self, start: int, stop: int, versions: int = 1, tensor_parallel: int = 1,
                      holders: int = 1) -> float:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .boundary import BoundaryHeld, boundary_held
 from .cluster import Cluster, split_kind
 from .cost import CostModel, CostOptions, SyncGroup
 from .events import (
@@ -247,8 +248,8 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
         saved = (np.array([cs.activation_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]),
                  np.array([cs.weight_grad_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]),
                  np.array([cs.recompute_peak_bytes(a, b, t) for cs, (a, b) in zip(modes, pipe.stages, strict=True)]))
-        out_held, posted = _boundary_held(col, modes, pipe.stages, t)
-        saved = (saved[0] + out_held, saved[1] + out_held, saved[2])
+        until_b, until_w, posted = _boundary_held(col, modes, pipe.stages, t, boundary_held(plan.schedule))
+        saved = (saved[0] + until_b, saved[1] + until_w, saved[2])
         col = _with_allreduce(col, sync.groups_of.get(dev, []), ALLREDUCE.code)
         held = pipe.held(r)
         d, lnk = _durations(ranks, plan, cost, cluster, pipe, dev, r, col, rank_dev, sync.holders)
@@ -265,23 +266,24 @@ def _add_pipeline(ranks: _Ranks, plan: Plan, cost: CostModel, cluster: Cluster, 
         ranks.weights.append(list(held))
 
 
-def _boundary_held(col: Columns, modes: list[CostModel], stages: Sequence[tuple[int, int]], t: int
-                   ) -> tuple[np.ndarray, float]:
-    """What the executor holds besides saved activations (:meth:`CostModel.boundary_held_bytes`), from a
-    rank's list: per stage, per micro-batch from its forward to its backward (to its ``W`` where the
-    backward is split: the ``I`` leaves the output and its gradient to the ``W``), the output and its
-    gradient's receive buffer where the stage sends its output (``SEND_ACT``); and the activation
-    receives posted ahead, at most one per peer that sends this rank activations (the largest input
-    of the stages it feeds)."""
+def _boundary_held(col: Columns, modes: list[CostModel], stages: Sequence[tuple[int, int]], t: int,
+                   held: BoundaryHeld) -> tuple[np.ndarray, np.ndarray, float]:
+    """What the executor holds besides saved activations (:mod:`partitioner.boundary`), from a rank's
+    list: per stage that sends its output (``SEND_ACT``), the output-sized tensors per micro-batch from
+    its forward to its backward (its ``I``), and from its ``I`` to its ``W``; and, fixed, per peer the
+    receives posted ahead and the gradient a backward takes (the largest of the stages concerned):
+    activations from a peer that sends this rank activations, gradients from one it sends them to."""
     kind, _, stage, peer, _ = col
-    held = [cs.boundary_held_bytes(a, b, t) for cs, (a, b) in zip(modes, stages, strict=True)]
+    sizes = [(cs.at_degree(t).boundary_bytes(a), cs.at_degree(t).boundary_bytes(b))
+             for cs, (a, b) in zip(modes, stages, strict=True)]
     sends = set(stage[kind == SEND_ACT.code].tolist())
-    out = np.array([h[0] if s in sends else 0.0 for s, h in enumerate(held)])
-    per_peer: dict[int, float] = {}
-    recv = kind == RECV_ACT.code
-    for s, q in zip(stage[recv].tolist(), peer[recv].tolist(), strict=True):
-        per_peer[q] = max(per_peer.get(q, 0.0), held[s][1])
-    return out, sum(per_peer.values())
+    out = np.array([b if s in sends else 0.0 for s, (_, b) in enumerate(sizes)])
+    fixed: dict[tuple[int, int], float] = {}
+    for code, side, count in ((RECV_ACT.code, 0, held.fixed_inputs), (SEND_ACT.code, 1, held.fixed_outputs)):
+        sel = kind == code
+        for s, q in zip(stage[sel].tolist(), peer[sel].tolist(), strict=True):
+            fixed[(side, q)] = max(fixed.get((side, q), 0.0), count * sizes[s][side])
+    return held.until_backward * out, held.until_weight * out, sum(fixed.values())
 
 
 def _stage_models(plan: Plan, cost: CostModel, pipe: PipelinePlacement) -> list[CostModel]:
@@ -451,7 +453,7 @@ def _summarise(plan: Plan, cost: CostModel, n_iter: int, columns: list[Columns],
         bubble[name] = float(1.0 - busy / (hi - lo)) if hi > lo else 0.0
         # activations held, in program order: +M_B at each forward, -M_B at each backward; a split
         # backward frees M_B - M_W at its I and M_W at its W (Qi et al.'s accounting); M_B and M_W
-        # both count the output and gradient buffer a sending stage holds (_boundary_held)
+        # count the output-sized tensors a sending stage holds per micro-batch (_boundary_held)
         kc = kind[comp]
         full, kept = act_bytes[r][0][stage[comp]], act_bytes[r][1][stage[comp]]
         saved = np.where(kc == F.code, full, np.where(kc == I.code, kept - full, np.where(kc == W.code, -kept, -full)))

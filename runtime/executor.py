@@ -25,9 +25,11 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
     the same gradients as ``B``.
 ``SEND_ACT`` / ``SEND_GRAD``
     ``isend`` of the stage's output / input gradient to the peer (posted, not waited: the
-    schedules' matching rule needs sends that do not wait for the receiver). An output's sends are
-    waited when its gradient arrives (done by then: the receivers had the output), so its buffer goes
-    with the output at its backward; a gradient's sends are waited at the ``STEP``.
+    schedules' matching rule needs sends that do not wait for the receiver). A gradient's sends
+    are waited at the ``STEP``. An output's sends are waited, and then its data freed (below), at
+    the start of the rank's next compute action when every pipeline rank holds one stage of a
+    flushing schedule (:attr:`PipelineExecutor.lean`), else when its gradient arrives (done by then:
+    the receivers had the output).
 ``RECV_ACT`` / ``RECV_GRAD``
     ``irecv`` into a buffer of the known shape (posted earlier, see below), waited at once. Activation shapes come from a
     dry pass on the meta device (one for whole micro-batches, one for slices); a gradient has
@@ -35,6 +37,25 @@ The rank runs its actions in order, exactly as listed (the simulator times the s
 ``STEP``
     wait for this iteration's sends, average gradients over the virtual workers (the
     ``sync`` callback), optimizer step, zero the gradients.
+
+Freeing a sent output (as Megatron-LM does): once its sends are waited, the output's tensor is
+given an empty storage (``.data`` replaced), so the executor holds nothing of it. What autograd
+saved of it (an operation that saves its result, a ReLU, keeps it through its saved tensor, a
+separate tensor object on the same storage) stays alive with the graph and is priced as saved
+activations, so nothing is read after it is freed. Its backward is then started from the
+output's gradient edge (``torch.autograd.graph.get_gradient_edge``, taken before freeing):
+``torch.autograd.backward`` / ``grad`` accept an edge and check the gradient against the shape
+the edge recorded, where a call on the freed tensor itself would refuse a gradient whose shape is
+not its (now empty) one. The engine runs the same graph with the same gradient: the same bits.
+
+Why the waits are where they are: when every pipeline rank holds one stage and the schedule
+flushes, the receiver of output ``j`` posts its receive no later than its ``RECV_ACT`` of ``j``,
+and reaches it needing from this rank only the outputs before ``j`` (sent); the last stage sends
+no output, so by induction down the chain a wait at this rank's next compute never waits on this
+rank. A rank with several stages (interleaved, ``zbv``) may need from this rank a message its
+list sends later (a gradient, an output of its other chunk), and a schedule without flushes
+(2bw, wsp) runs collectives between the sends: there the output's sends are waited when its
+gradient arrives, which is certain to be done.
 
 Messages carry the tag of :func:`partitioner.schedule.match_key` (gloo matches by it), and every
 message between two ranks, send or receive, is posted in the one order both ends follow
@@ -54,6 +75,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import functional_call
 
 from partitioner.channels import ChannelCursor, Key, Message, own_order
@@ -138,6 +160,10 @@ class PipelineExecutor:
         self.step_ends: list[float] | None = None  # when set: perf_counter() at the end of every STEP
         self._cursors: dict[int, ChannelCursor] | None = None  # order_channels
         self._acts_ahead: dict[int, int] = {}  # peer -> activation receives posted and not yet taken
+        self._grads_ahead: dict[int, int] = {}  # peer -> gradient receives posted and not yet taken
+        # waits an output's sends at the next compute (one stage per pipeline rank, flushing schedule;
+        # set by run) rather than when its gradient arrives (module docstring)
+        self.lean = False
         # stages recomputed in full (Stage.recompute "full"): their forward keeps only its input,
         # their backward (I of a split one) runs it again first (:meth:`_recomputed`)
         self.recompute_full: set[int] = set()
@@ -157,10 +183,16 @@ class PipelineExecutor:
         self._in_grads: dict[tuple[int, int], torch.Tensor | None] = {}
         # (micro-batch, stage) -> what an I left for its W: per layer with parameters, its output,
         # the output's gradient and its parameters (or the stage's output, gradient and parameters)
-        self._weight_work: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor | None, list[Any]]]] = {}
+        self._weight_work: dict[tuple[int, int], list[tuple[torch.Tensor | GradientEdge, torch.Tensor | None,
+                                                             list[Any]]]] = {}
         # (micro-batch, stage) -> per layer with parameters: its output, the output's version, its
         # parameters (a split backward's stage run layer by layer, see _forward)
         self._layer_outputs: dict[tuple[int, int], list[tuple[torch.Tensor, int, list[Any]]]] = {}
+        # (micro-batch, stage) -> its output's shape and dtype, from its forward until its gradient's
+        # receive is posted (the output itself may be freed by then)
+        self._out_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
+        # id of a freed output -> its gradient edge, where its backward starts (_free_output)
+        self._edges: dict[int, GradientEdge] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._rng: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) recomputed in full -> its forward's RNG state
         self._loss_sum: torch.Tensor | float = 0.0  # a device tensor: read back once per iteration
@@ -173,12 +205,34 @@ class PipelineExecutor:
         return [(dist.isend(buf, dst, tag=tag), buf) for dst in self.send_to.get(peer, (self.peers[peer],))]
 
     def _release_sent_output(self, j: int, s: int) -> None:
-        """The gradient of micro-batch ``j``'s output of stage ``s`` has arrived, so its receivers have
-        the output: wait for the output's sends (done) and drop their buffers, which would otherwise
-        hold the output until the step."""
+        """Wait for the sends of micro-batch ``j``'s output of stage ``s`` (done when its gradient has
+        arrived: its receivers had it), drop their buffers and free the output (:meth:`_free_output`)."""
         for work, _ in self._sent_outputs.pop((j, s), ()):
             if work is not None:
                 work.wait()
+        self._free_output((j, s))
+
+    def _release_sent_outputs(self) -> None:
+        """Every output whose sends are pending: wait for them and free it (``lean``, before a compute)."""
+        for j, s in list(self._sent_outputs):
+            self._release_sent_output(j, s)
+
+    def _free_output(self, key: tuple[int, int]) -> None:
+        """Give the sent output ``key`` an empty storage, keeping its gradient edge for its backward
+        (module docstring). A view (its base would stay), a tensor subclass or an output with no graph
+        (a forward recomputed later) is only dropped at its backward, as before."""
+        out = self._outputs.get(key)
+        if out is None or type(out) is not torch.Tensor or out._base is not None:
+            return
+        if out.grad_fn is not None:
+            self._edges[id(out)] = get_gradient_edge(out)
+        elif out.requires_grad or key[1] not in self.recompute_full:
+            return  # a leaf (the stage returned its input): not this output's to free
+        out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+
+    def _root(self, t: torch.Tensor) -> torch.Tensor | GradientEdge:
+        """Where a backward from ``t`` starts: its gradient edge if it was freed, else ``t``."""
+        return self._edges.get(id(t), t)
 
     def _post(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
@@ -268,6 +322,7 @@ class PipelineExecutor:
             self._outputs[key] = loss
         else:
             self._outputs[key] = y
+            self._out_meta[key] = (y.shape, y.dtype)
 
     def _output_grad(self, j: int, s: int, out: torch.Tensor) -> torch.Tensor | None:
         """The gradient of stage ``s``'s output for micro-batch ``j``: None for the loss (last
@@ -284,9 +339,10 @@ class PipelineExecutor:
     def _backward(self, j: int, s: int) -> None:
         key = (j, s)
         out = self._outputs.pop(key)
+        root = self._edges.pop(id(out), out)
         if s in self.recompute_full:
-            out = self._recomputed(j, s)
-        torch.autograd.backward(out, self._output_grad(j, s, out))
+            out = root = self._recomputed(j, s)
+        torch.autograd.backward(root, self._output_grad(j, s, out))
         x = self._inputs.pop(key, None)
         if s > 0:
             self._in_grads[key] = (x.grad if x is not None and x.grad is not None
@@ -297,8 +353,9 @@ class PipelineExecutor:
         stage's layer outputs kept (:meth:`_forward`), their gradients too, in the same pass."""
         key = (j, s)
         out = self._outputs.pop(key)
+        root = self._root(out)
         if s in self.recompute_full:  # the recomputed forward belongs to I (W finds the graph I kept)
-            out = self._recomputed(j, s)
+            out = root = self._recomputed(j, s)
         grad = self._output_grad(j, s, out)
         x = self._inputs.pop(key, None)
         want_x = s > 0 and x is not None and x.requires_grad
@@ -307,20 +364,23 @@ class PipelineExecutor:
         shared = len({id(p) for _, _, ps in kept or () for p in ps}) < sum(len(ps) for _, _, ps in kept or ())
         if kept and not shared and {id(p) for _, _, ps in kept for p in ps} == {id(p) for p in params} \
                 and all(y._version == v for y, v, _ in kept):
-            wanted = ([x] if want_x and x is not None else []) + [y for y, _, _ in kept]
-            grads = torch.autograd.grad(out, wanted, grad, retain_graph=True, allow_unused=True)
+            roots = [self._root(y) for y, _, _ in kept]  # the stage's output among them: freed once sent
+            wanted: list[Any] = ([x] if want_x and x is not None else []) + roots  # tensors and edges alike
+            grads = torch.autograd.grad(root, wanted, grad, retain_graph=True, allow_unused=True)
             if s > 0:
                 self._in_grads[key] = grads[0] if want_x else None
             # a layer output the stage's output does not depend on (no gradient) has no W
-            self._weight_work[key] = [(y, g, ps) for (y, _, ps), g in zip(kept, grads[len(grads) - len(kept):],
-                                                                        strict=True) if g is not None]
+            self._weight_work[key] = [(y, g, ps) for (_, _, ps), y, g in zip(kept, roots, grads[len(grads) - len(kept):],
+                                                                           strict=True) if g is not None]
+            self._edges.pop(id(out), None)
             return
         if s > 0:
             dx = None
             if want_x and x is not None:
-                dx = torch.autograd.grad(out, x, grad, retain_graph=True, allow_unused=True)[0]
+                dx = torch.autograd.grad(root, x, grad, retain_graph=True, allow_unused=True)[0]
             self._in_grads[key] = dx
-        self._weight_work[key] = [(out, grad, params)]
+        self._edges.pop(id(out), None)
+        self._weight_work[key] = [(root, grad, params)]
 
     def _backward_weight(self, j: int, s: int) -> None:
         """``W``: the weights' gradients of the micro-batch, accumulated into ``.grad`` as ``B``
@@ -343,24 +403,26 @@ class PipelineExecutor:
             shape, dtype = self._input_shape(j, sender + 1)
             self._acts_ahead[peer] = self._acts_ahead.get(peer, 0) + 1
         else:  # the gradient of this rank's output of stage sender - 1
-            out = self._outputs.get((j, sender - 1))
-            if out is None:
+            meta = self._out_meta.pop((j, sender - 1), None)
+            if meta is None:
                 raise RuntimeError(f"gradient {key} from pipeline rank {peer} must be received before the "
                                    f"forward of micro-batch {j} on stage {sender - 1} ran: the channel order does "
                                    "not fit this rank's list")
-            shape, dtype = out.shape, out.dtype
+            shape, dtype = meta
+            self._grads_ahead[peer] = self._grads_ahead.get(peer, 0) + 1
         tag = message_tag(direction, j, sender, self.num_stages)
         self._posted[tag] = self._post(shape, dtype, peer, tag)
 
     def _post_ahead(self, cursors: Mapping[int, ChannelCursor]) -> None:
         """Post, per peer and in its channel order, the receives that can be posted now: an
-        activation while no other from that peer is waiting to be taken, a gradient once the
-        forward it belongs to has run (its shape is then known)."""
+        activation while no other from that peer is waiting to be taken, a gradient likewise and
+        once the forward it belongs to has run (its shape is then known)."""
         for peer, cursor in cursors.items():
             while (key := cursor.next_receive()) is not None:
                 if key[0] == "act" and self._acts_ahead.get(peer, 0) > 0:
                     break
-                if key[0] == "grad" and (key[1], key[2] - 1) not in self._outputs:
+                if key[0] == "grad" and (self._grads_ahead.get(peer, 0) > 0
+                                         or (key[1], key[2] - 1) not in self._out_meta):
                     break
                 self._post_key(peer, cursor.advance())
 
@@ -388,6 +450,7 @@ class PipelineExecutor:
             self._acts_ahead[a.peer] -= 1
             self._inputs[(j, s)] = buf.requires_grad_(True)
         else:
+            self._grads_ahead[a.peer] -= 1
             self._out_grads[(j, s)] = buf
             self._release_sent_output(j, s)
 
@@ -397,12 +460,14 @@ class PipelineExecutor:
         Every message is posted in its channel's order (:meth:`order_channels`), and receives are
         posted ahead, so that a message can be taken in while this rank computes rather than only
         when it asks for it (NCCL moves a message only once its receive is posted): the next
-        activation from a peer as soon as the previous one is taken, and a gradient as soon as the
-        forward it belongs to has run, each as far as the channel's order allows. At most one
-        activation buffer per peer more than the schedule holds.
+        activation from a peer as soon as the previous one is taken, and the next gradient likewise
+        once the forward it belongs to has run, each as far as the channel's order allows. At most
+        one activation buffer and one gradient buffer per peer more than the schedule holds.
         """
         clock, seconds = time.perf_counter, self.seconds
         self._split_stages = {a.stage for a in actions if a.kind == I}
+        self.lean = len(self.peers) == self.num_stages and not any(a.kind in (PUSH, PULL) for a in actions) \
+            and not isinstance(self, StashingExecutor)
         cursors = self._cursors
         if cursors is None:
             cursors = {peer: ChannelCursor(seq) for peer, seq in own_order(actions).items()}
@@ -436,6 +501,11 @@ class PipelineExecutor:
     def _compute(self, a: Action, t0: float) -> None:
         """F, B, I or W of ``a``; under emulation, held until its target (:mod:`runtime.emulation`)."""
         k, j, s = a.kind, a.micro_batch, a.stage
+        if self.lean and self._sent_outputs:  # (counted as time waiting on messages)
+            self._release_sent_outputs()
+            now = time.perf_counter()
+            self.seconds["recv"] += now - t0
+            t0 = now
         meter = self.meter
         with (meter.tracking(self._held(), self._weights()) if meter is not None and meter.enabled
               else contextlib.nullcontext()):
@@ -467,7 +537,8 @@ class PipelineExecutor:
             yield from (y for y, _, _ in kept)
         for work in self._weight_work.values():
             for y, g, _ in work:
-                yield y
+                if isinstance(y, torch.Tensor):
+                    yield y
                 if g is not None:
                     yield g
 
@@ -545,9 +616,10 @@ class StashingExecutor(PipelineExecutor):
         stage before."""
         key = (j, s)
         out = self._outputs.pop(key)
+        root = self._edges.pop(id(out), out)  # (a sent output is freed once its gradient arrives)
         used = self._stashed(key, s)
         if s in self.recompute_full:
-            out = self._recomputed(j, s, lambda x: functional_call(self.stages[s], used, (x,)))
+            out = root = self._recomputed(j, s, lambda x: functional_call(self.stages[s], used, (x,)))
         grad: torch.Tensor | None = None
         if s != self.num_stages - 1:
             grad = self._out_grads.pop(key, None)
@@ -560,7 +632,7 @@ class StashingExecutor(PipelineExecutor):
         inputs: list[torch.Tensor] = list(used.values())
         if wants_x and x is not None:
             inputs.append(x)
-        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True)
+        grads = torch.autograd.grad(root, inputs, grad_outputs=grad, allow_unused=True)
         acc = self._grads.setdefault(j // self.m, {})
         for (name, leaf), g in zip(used.items(), grads, strict=False):
             k = (s, name)

@@ -22,8 +22,9 @@ counted apart: :func:`runtime.recipe.model_state_bytes`), a weight version of 2b
 the modules', an operation's temporaries that nothing keeps (an output freed by the next
 operation, the gradients autograd passes between the operations of one backward), the data
 batch, the communication library's own buffers, and the input gradients sent and not yet waited
-(a gradient's send is waited at the step; an output's when its gradient arrives, before its
-backward, so an output sent is counted while the executor keeps it). So ``model state + peak_bytes`` is what the
+(a gradient's send is waited at the step; an output's at the next compute or when its gradient
+arrives, and the output then freed: :mod:`runtime.executor`; an output sent is counted while its
+sends are pending). So ``model state + peak_bytes`` is what the
 cost model prices as a device's peak (weights, gradients, optimizer state, activations in
 flight), measured as the run holds it.
 """

@@ -28,18 +28,27 @@ def _model() -> tuple[CostModel, object, object]:
 def test_only_a_stage_with_a_neighbour_holds_boundary_tensors() -> None:
     cost, _, _ = _model()
     assert cost.boundary_held_bytes(0, 6) == (0.0, 0.0)  # one stage: nothing sent, nothing received
-    assert cost.boundary_held_bytes(0, 2) == (2 * OUT[1], 0.0)  # first: its output and its gradient's buffer
+    # 1F1B: a sent output is freed at the next compute; the gradient taken and the next one posted ahead
+    assert cost.boundary_held_bytes(0, 2) == (0.0, 2 * OUT[1])
     assert cost.boundary_held_bytes(2, 6) == (0.0, OUT[1])  # last: the activation posted ahead
-    assert cost.boundary_held_bytes(2, 4) == (2 * OUT[3], OUT[1])
+    assert cost.boundary_held_bytes(2, 4) == (0.0, 2 * OUT[3] + OUT[1])
+    # a split backward keeps each micro-batch's gradient for its W
+    assert cost.boundary_held_bytes(2, 4, schedule="zb-h1") == (OUT[3], 2 * OUT[3] + OUT[1])
+    # interleaved (several stages a rank): an output (or then its gradient) per micro-batch, one gradient ahead
+    assert cost.boundary_held_bytes(2, 4, schedule="interleaved") == (OUT[3], OUT[3] + OUT[1])
+    assert cost.boundary_held_bytes(2, 4, schedule="wsp") == (OUT[3], OUT[3] + OUT[1])
     sched = Schedule.of("1f1b", 4)
     alone = cost.stage_memory_bytes(0, 6, 4, sched)
     assert alone == pytest.approx(cost.weight_bytes(0, 6) + 4 * cost.activation_bytes(0, 6))
-    for a, b in ((0, 2), (2, 4), (2, 6)):
-        for n in (1, 3):
-            out, posted = cost.boundary_held_bytes(a, b)
-            expect = cost.weight_bytes(a, b) + n * (cost.activation_bytes(a, b) + out) + posted
-            assert cost.stage_memory_bytes(a, b, n, sched) == pytest.approx(expect, rel=1e-12)
-            assert cost.memory_matrix(n, sched)[a, b] == cost.stage_memory_bytes(a, b, n, sched)
+    for name in ("1f1b", "zb-h1", "2bw"):
+        sched = Schedule.of(name, 4)
+        for a, b in ((0, 2), (2, 4), (2, 6)):
+            for n in (1, 3):
+                out, posted = cost.boundary_held_bytes(a, b, schedule=name)
+                expect = cost.weight_bytes(a, b, sched.weight_versions) + n * (cost.activation_bytes(a, b) + out) \
+                    + posted
+                assert cost.stage_memory_bytes(a, b, n, sched) == pytest.approx(expect, rel=1e-12)
+                assert cost.memory_matrix(n, sched)[a, b] == cost.stage_memory_bytes(a, b, n, sched)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -56,7 +65,7 @@ def test_closed_form_equals_the_simulator(schedule: str, recompute: str, cuts: t
         assert simulated[dev] == pytest.approx(want, rel=1e-9)
     if recompute != "none":
         return  # (full recomputation keeps the stage's input, a boundary too)
-    held = [cost.boundary_held_bytes(a, b) for a, b in pairwise(cuts)]
+    held = [cost.boundary_held_bytes(a, b, schedule=schedule) for a, b in pairwise(cuts)]
     plain = CostModel(make_profile({"A": [1.0] * 6}, [MIB] * 6, [19 * MIB] * 6), cluster,
                       CostOptions(reserved_bytes=0.0)).plan_memory_bytes(plan)  # no boundary tensors
     sched = plan.pipeline_schedule

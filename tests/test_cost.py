@@ -67,10 +67,14 @@ def test_memory_formula(model):
     cost = CostModel(prof, cluster, CostOptions(optimizer_state_factor=2.0, reserved_bytes=GIB))
     params = sum(layer.param_bytes for layer in prof.layers[1:4])
     saved = sum(layer.saved_bytes for layer in prof.layers[1:4])
-    # the executor's boundary tensors: output and its gradient's buffer per micro-batch, one input posted ahead
-    held = 2 * 3 * prof.layers[3].output_bytes + prof.layers[0].output_bytes
+    # the executor's boundary tensors under 1F1B: the gradient a backward takes and the next one posted
+    # ahead (a sent output is freed at the next compute), one input posted ahead
+    held = 2 * prof.layers[3].output_bytes + prof.layers[0].output_bytes
     assert cost.stage_memory_bytes(1, 4, 3, Schedule.of("1f1b", 1)) == pytest.approx(params * 4 + saved * 3 + held + GIB)
-    assert cost.stage_memory_bytes(1, 4, 3, Schedule.of("2bw", 1)) == pytest.approx(params * 5 + saved * 3 + held + GIB)
+    # 2bw (no flush): an output kept until its gradient arrives (or then that gradient) per micro-batch, one ahead
+    held_2bw = (3 + 1) * prof.layers[3].output_bytes + prof.layers[0].output_bytes
+    assert cost.stage_memory_bytes(1, 4, 3, Schedule.of("2bw", 1)) == pytest.approx(params * 5 + saved * 3 + held_2bw
+                                                                                   + GIB)
 
 
 def test_shared_saved_bytes_count_once_inside_a_stage():

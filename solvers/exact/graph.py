@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from partitioner.boundary import boundary_held
 from partitioner.cost import CostModel
 from partitioner.errors import FormatError, PartitionerError
 from partitioner.profile import Profile
@@ -102,15 +103,18 @@ class DagData:
     def boundary_terms(self, k: int, m: int = 0) -> list[tuple[float, int, int]]:
         """Stage ``k``'s boundary tensors in mode ``modes[m]`` (:meth:`partitioner.cost.CostModel.
         boundary_held_bytes`, and under full recomputation the inputs it keeps) as ``(bytes, sender,
-        cut)``: each output crossing cut ``k + 1`` twice per micro-batch in flight (the output and its
-        gradient's buffer), each crossing cut ``k`` once (an activation posted ahead; full: ``f_k``
-        times, with the ``f_k - 1`` inputs kept); the bytes count where the sender's crossing
+        cut)``: each output crossing cut ``k + 1`` as many times as the schedule's executor holds a
+        stage's output (:func:`partitioner.boundary.boundary_held`: per micro-batch in flight and
+        fixed), each crossing cut ``k`` as many times as it holds a stage's input (full: ``f_k - 1``
+        more, the inputs kept for the recomputation); the bytes count where the sender's crossing
         variable of that cut is 1."""
-        copies = self.flight[k] if self.modes[m] == "full" else 1.0
+        held = boundary_held(self.problem.schedule.name)
+        copies = held.fixed_inputs + (self.flight[k] - 1.0 if self.modes[m] == "full" else 0.0)
         out = []
         for u in self.senders():
             if k + 1 < self.num_stages:
-                out.append((2.0 * self.flight[k] * float(self.own_bytes[u]), u, k + 1))
+                times = held.per_flight * self.flight[k] + held.fixed_outputs
+                out.append((times * float(self.own_bytes[u]), u, k + 1))
             if k > 0:
                 out.append((copies * float(self.own_bytes[u]), u, k))
         return out

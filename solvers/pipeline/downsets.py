@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from partitioner.boundary import boundary_held
 from partitioner.cluster import Device
 from partitioner.cost import CostModel
 from partitioner.profile import Profile
@@ -261,8 +262,9 @@ class _Stages:
 
         Memory as the cost model has it: weights, the activations of ``f`` micro-batches in
         flight (selective: less the attention cores'; full: one micro-batch's, and its input
-        ``f`` times), the boundary tensors the executor holds (``2 f`` outputs crossing the
-        stage's end, one input crossing its start), the reserved bytes."""
+        ``f`` times), the boundary tensors the executor holds (:func:`partitioner.boundary.
+        boundary_held`: outputs crossing the stage's end, per micro-batch in flight and fixed, and
+        inputs crossing its start), the reserved bytes."""
         assert self.pairs is not None
         sub, sup = self.pairs
         devs, cost, p = self.devices, self.cost, len(self.devices)
@@ -272,7 +274,9 @@ class _Stages:
         out = cost.messages_s(crossing, dev.name, devs[k + 1].name)[sup] if k + 1 < p else 0.0
         t = dev.tensor_parallel
         flight = self.schedule.activations_in_flight(p - k)
-        held = 2 * flight * crossing[sup] + crossing[sub] + cost.options.reserved_bytes
+        bh = boundary_held(self.schedule.name)
+        held = ((bh.per_flight * flight + bh.fixed_outputs) * crossing[sup] + bh.fixed_inputs * crossing[sub]
+                + cost.options.reserved_bytes)
         times = np.full(len(sub), np.inf)
         placed = np.zeros(len(sub), dtype=bool)
         for mode in self.modes:
