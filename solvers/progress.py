@@ -26,6 +26,23 @@ from partitioner.progress import AFTER_S, Progress, is_silenced
 __all__ = ["AFTER_S", "Status", "shown", "solve_cpsat", "status"]
 
 _SHOWN: contextvars.ContextVar[bool] = contextvars.ContextVar("partitioner_progress", default=False)
+# the line of the outermost status open in this context: a solve inside another (a planner's
+# candidate, a model inside a search) says what it does on that line, under its own label
+_OPEN: contextvars.ContextVar[Any] = contextvars.ContextVar("partitioner_open_status", default=None)
+
+
+class _Within:
+    """The part of an outer status line an inner solve writes: its label, then its text."""
+
+    def __init__(self, outer: Any, label: str):
+        self.outer, self.label = outer, label
+        self.active, self._bar = outer.active, None
+
+    def update(self, text: str | None = None, *, refresh: bool = True) -> None:
+        self.outer.update(text=f"{self.label}: {text}" if self.label else text, refresh=refresh)
+
+    def close(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
@@ -48,8 +65,16 @@ class Status:
         self.label, self.unit_s, self.unit = label, unit_s, unit
         active = _SHOWN.get() if show is None else show
         self._shown_at = 0.0
-        self._line = Progress(label, file=file, show=active, terminal=terminal, after_s=after_s, ticking=True,
-                              **({"clock": clock} if clock is not None else {}))
+        self._token: Any = None
+        outer = _OPEN.get() if show is None else None
+        self._line: Any
+        if outer is not None and active:  # one line for the whole command, its clock running on
+            self._line = _Within(outer, label)
+        else:
+            self._line = Progress(label, file=file, show=active, terminal=terminal, after_s=after_s, ticking=True,
+                                  **({"clock": clock} if clock is not None else {}))
+            if self._line.active and show is None:
+                self._token = _OPEN.set(self._line)
         self.active = self._line.active
         self._bar: Any = self._line._bar
         if self.active:
@@ -79,6 +104,10 @@ class Status:
     def close(self) -> None:
         self._line.close()
         self._bar = None
+        if self._token is not None:
+            with contextlib.suppress(ValueError):  # (closed in another context than it was opened in)
+                _OPEN.reset(self._token)
+            self._token = None
 
     def __enter__(self) -> Status:
         return self

@@ -347,9 +347,10 @@ def test_a_measured_shard_holds_its_part_and_the_cost_model_adds_its_all_reduces
         assert b_in + b_w == pytest.approx(b) and b_in >= comm[1]
         plan = _plan(p, [("n0:0-1", 0, 2), ("n0:2-3", 2, 4)])
         tl = simulate_plan(plan, p, cl, CostOptions())
-        # exact, or above by at most the later stage's round trip (1F1B's warm-up can hide it when the
-        # first stage is the slower: the measured times decide which)
-        trip = sum(cost.fwd_bwd_s(cl.device("n0:2-3").kind, 2, 4))
+        # exact, or above by at most the later stage's round trip and one message between the stages
+        # (1F1B's warm-up can hide them when the first stage is the slower: the measured times decide
+        # which; on 300 random draws of the times the excess was that message's time exactly, at most)
+        trip = sum(cost.fwd_bwd_s(cl.device("n0:2-3").kind, 2, 4)) + cost.boundary_s(2, cl.device("n0:0-1"), "n0:2-3")
         assert tl.iteration_s * (1 - 1e-9) <= cost.plan_iteration_s(plan) <= tl.iteration_s + trip + 1e-9
 
 

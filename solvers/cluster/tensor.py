@@ -48,6 +48,7 @@ from partitioner.profile import Profile
 from partitioner.schedule import Schedule
 
 from ..predictions import with_predictions
+from ..progress import status
 from ..result import SolveResult, SolveStatus
 from .bounds.layers import layer_bound
 from .bounds.paced import _reference
@@ -324,6 +325,15 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
     :meth:`partitioner.profile.Profile.at_size`; default its own); ``tensor_parallel`` /
     ``virtual_workers`` / ``pipeline`` (stages per worker, one device each) fix a dimension;
     ``rel_tol`` stops once no candidate left can beat the best by more than that fraction. The plan is of ``profile.at_size(plan.micro_batch_size)``."""
+    # one status line for the whole search: each candidate's cluster planner says what it does there
+    with status(f"3D planner ({cluster.num_gpus:,} GPUs)"):
+        return _search(profile, cluster, global_batch, sizes, options, schedule, tensor_parallel, virtual_workers,
+                       pipeline, time_limit_s, rel_tol)
+
+
+def _search(profile: Profile, cluster: Cluster, global_batch: int, sizes: Sequence[int] | None,
+            options: CostOptions | None, schedule: str, tensor_parallel: int | None, virtual_workers: int | None,
+            pipeline: int | None, time_limit_s: float, rel_tol: float) -> SolveResult:
     t0 = time.perf_counter()
     profiles = {b: profile.at_size(b) for b in (sizes or [profile.micro_batch_size])}
     costs: _Costs = {}
