@@ -15,12 +15,11 @@ sources), the plan's optimizer as priced (Adam, lr 0.001), on gloo ranks of this
   export of the PP 2 x DP 2 plan trained by DeepSpeed's own pipeline engine in that Python
   (``tools/deepspeed_train.py``: the exported config as is, ``PipelineModule`` with the export's
   parts, ``engine.train_batch`` over the plan's micro-batches, 4 gloo ranks, the same initial
-  weights and batches) beside the runtime, in fp32 and in bf16 (DeepSpeed's ``BF16_Optimizer``:
-  bf16 weights and gradients, fp32 master; the difference is printed); every DeepSpeed rank's
-  stage and replica checked against the plan's, the exported hostfile checked by ``export
-  --check``'s code and a reversed one refused. The fp16 export is read by DeepSpeed's config class
-  (``DeepSpeedConfig``, with the plan's data-parallel degree): DeepSpeed's CPU accelerator has no
-  fp16 training.
+  weights and batches) beside the runtime, in fp32, bf16 (DeepSpeed's ``BF16_Optimizer``: bf16
+  weights and gradients, fp32 master) and fp16 (where the CPU computes in fp16; DeepSpeed 0.19.8
+  does not train it as priced: docs/export.md); every DeepSpeed rank's stage and replica checked
+  against the plan's, the exported hostfile checked by ``export --check``'s code and a reversed one
+  refused; the fp16 export also read by DeepSpeed's config class (``DeepSpeedConfig``).
 * Megatron-LM: the exports of the same fp16 plan and of the TP 2 x PP 2 plan in fp16 (with
   ``--tensor-model-parallel-size 2``) checked by Megatron-Core's own code and its GPTModel built on
   gloo ranks (``tools/megatron_check.py --build``) where ``megatron.core`` imports
@@ -212,6 +211,10 @@ def deepspeed_vs_runtime(python: str, name: str, plan: Plan, ours: list[float], 
         lines.append(f"{k:>5}  {ours[k]:>10.5f}  {theirs[k]:>10.5f}  {rel[k]:>9.1e}")
     lines.append(f"max relative difference {max(rel):.1e} over {steps} steps: "
                  + ("equal to rtol 1e-4" if max(rel) <= 1e-4 else "NOT equal to rtol 1e-4"))
+    if plan.pricing is not None and plan.pricing.precision == "fp16":
+        lines.append(f"DeepSpeed's loss scale after the last step {got['loss_scales'][-1]:g}, steps skipped "
+                     f"{got['skipped_steps']} (its fp16 step under ZeRO stage 0 divides unscaled gradients by the "
+                     "scale: docs/export.md)")
     lines.append(f"time: deepspeed.init_distributed + initialize {got['init_s']:.1f} s (rank 0), {steps} steps "
                  f"{got['steps_s']:.1f} s, the subprocess {got['wall_s']:.1f} s")
     return lines
@@ -270,7 +273,7 @@ def main() -> int:
         print("DeepSpeed launch order, PP 2 x DP 2 (`partitioner export --check`'s code):")
         for line in deepspeed_layout(ppdp):
             print(f"  {line}")
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16", "fp16"):  # (fp16: see docs/export.md)
             plan = Plan(MODEL, ppdp.virtual_workers, micro_batch_size=2, micro_batches=4,
                         pricing=CostOptions(precision=precision))
             name = f"PP 2 x DP 2, {precision}"

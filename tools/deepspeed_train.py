@@ -17,7 +17,8 @@ Every rank checks DeepSpeed's view of it against the export: its pipeline stage
 ``parts``; a mismatch stops the run in one line naming the rank and its device.
 
 Writes OUT.json: the deepspeed version, the per-step losses (``train_batch``'s value: the mean over
-the micro-batches, averaged over the replicas), each rank's stage, replica, device and parameter
+the micro-batches, averaged over the replicas), under fp16 the loss scale after each step and the
+steps skipped, each rank's stage, replica, device and parameter
 dtype, the seconds ``deepspeed.init_distributed`` + ``deepspeed.initialize`` took on rank 0 and the
 seconds of the steps. Exits 1 with one line on a failure.
 """
@@ -41,7 +42,6 @@ if str(ROOT) not in sys.path:
 
 def _rank(rank: int, world: int, export: Mapping[str, Any], steps: int, seed: int, out: str) -> None:
     import deepspeed
-    import torch
 
     from runtime.data import make_data
     from runtime.deepspeed_pipe import planned_pipeline_module
@@ -66,7 +66,8 @@ def _rank(rank: int, world: int, export: Mapping[str, Any], steps: int, seed: in
     if list(net.parts) != list(export["parts"]):
         raise RuntimeError(f"rank {rank}: DeepSpeed's parts {list(net.parts)} are not the export's {export['parts']}")
     w = engine.grid.data_parallel_id
-    losses = []
+    losses: list[float] = []
+    scales: list[float] = []  # fp16: the loss scale after each step
     t1 = time.perf_counter()
     for step in range(steps):
         x, y = data.global_batch(step)
@@ -74,14 +75,15 @@ def _rank(rank: int, world: int, export: Mapping[str, Any], steps: int, seed: in
         rows = [slice((w * m + j) * b, (w * m + j + 1) * b) for j in range(m)]
         loss = engine.train_batch(iter([(x[r], y[r]) for r in rows]))
         losses.append(float(loss))
+        scales.append(float(getattr(getattr(engine.optimizer, "loss_scale_config", None), "cur_scale", 0.0)))
     steps_s = time.perf_counter() - t1
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in net.parameters()})
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump({"rank": rank, "stage": got[0], "replica": got[1], "device": want["device"], "dtypes": dtypes,
                    "optimizer": type(engine.optimizer).__name__,
                    "inner_optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
-                   "losses": losses, "init_s": init_s, "steps_s": steps_s}, f)
-    del torch
+                   "losses": losses, "loss_scales": scales, "skipped_steps": int(engine.skipped_steps),
+                   "init_s": init_s, "steps_s": steps_s}, f)
 
 
 def train(export: Mapping[str, Any], steps: int, seed: int, timeout_s: float) -> dict[str, Any]:
@@ -94,7 +96,8 @@ def train(export: Mapping[str, Any], steps: int, seed: int, timeout_s: float) ->
         spawn_local(_rank, world, (dict(export), steps, seed, tmp), threads=1, timeout_s=timeout_s,
                     start_method="spawn")
         per = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
-    return {"deepspeed": deepspeed.__version__, "losses": per[0]["losses"],
+    return {"deepspeed": deepspeed.__version__, "losses": per[0]["losses"], "loss_scales": per[0]["loss_scales"],
+            "skipped_steps": per[0]["skipped_steps"],
             "ranks": [{k: p[k] for k in ("rank", "stage", "replica", "device", "dtypes", "optimizer",
                                          "inner_optimizer")} for p in per],
             "init_s": per[0]["init_s"], "steps_s": per[0]["steps_s"],
