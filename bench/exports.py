@@ -11,9 +11,15 @@ sources), the plan's optimizer as priced (Adam, lr 0.001), on gloo ranks of this
   ranks: DTensor shards on gloo) in fp32 and in fp16 (the same arithmetic: equal to rtol 1e-4) and PP 2 in bf16 (both with bf16 weights and gradients and fp32 master weights, runtime/master.py;
   the gradients are summed in each schedule's own order, so a bf16 rounding may go the other way:
   the difference is printed).
-* DeepSpeed: the exported config of the PP 2 x DP 2 fp16 plan read by DeepSpeed's own config class
-  (``DeepSpeedConfig``, with the plan's data-parallel degree) where ``deepspeed`` imports with
-  ``--deepspeed-python`` (default: this Python); its training is not run here (below, what was).
+* DeepSpeed: where ``deepspeed`` imports with ``--deepspeed-python`` (default: this Python), the
+  export of the PP 2 x DP 2 plan trained by DeepSpeed's own pipeline engine in that Python
+  (``tools/deepspeed_train.py``: the exported config as is, ``PipelineModule`` with the export's
+  parts, ``engine.train_batch`` over the plan's micro-batches, 4 gloo ranks, the same initial
+  weights and batches) beside the runtime, in fp32, bf16 (DeepSpeed's ``BF16_Optimizer``: bf16
+  weights and gradients, fp32 master) and fp16 (where the CPU computes in fp16; DeepSpeed 0.19.8
+  does not train it as priced: docs/export.md); every DeepSpeed rank's stage and replica checked
+  against the plan's, the exported hostfile checked by ``export --check``'s code and a reversed one
+  refused; the fp16 export also read by DeepSpeed's config class (``DeepSpeedConfig``).
 * Megatron-LM: the exports of the same fp16 plan and of the TP 2 x PP 2 plan in fp16 (with
   ``--tensor-model-parallel-size 2``) checked by Megatron-Core's own code and its GPTModel built on
   gloo ranks (``tools/megatron_check.py --build``) where ``megatron.core`` imports
@@ -31,6 +37,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._machine import machine_line  # noqa: E402
-from partitioner.export import ExportError, export_plan  # noqa: E402
+from partitioner.errors import PartitionerError  # noqa: E402
+from partitioner.export import ExportError, check_export_launch, export_plan  # noqa: E402
 from partitioner.plan import Plan, Stage, VirtualWorker  # noqa: E402
 from partitioner.pricing import CostOptions  # noqa: E402
 
@@ -134,9 +142,6 @@ print(json.dumps({"deepspeed": deepspeed.__version__, "world_size": c.world_size
 
 
 def deepspeed_check(python: str, plan: Plan) -> str:
-    why = _has(python, "deepspeed")
-    if why:
-        return f"DeepSpeed: not run ({python}: {why}); its config was not validated"
     e = export_plan(plan, "deepspeed")
     r = subprocess.run([python, "-c", _DS_CHECK, json.dumps(e["config"]), str(e["data_parallel"])],
                        capture_output=True, text=True, timeout=600)
@@ -149,8 +154,70 @@ def deepspeed_check(python: str, plan: Plan) -> str:
             f"{got['gradient_accumulation_steps']} accumulation steps x {got['world_size']}, fp16 enabled "
             f"{fp16['enabled']} (dynamic loss scale from 2**{fp16['initial_scale_power']}, window "
             f"{fp16['loss_scale_window']}, hysteresis {fp16['hysteresis']}), optimizer {got['optimizer']} "
-            f"{got['optimizer_params']}, ZeRO stage {got['zero_stage']}; its training is not run here "
-            "(DeepSpeed's CPU build compiles a communication op at init_distributed; docs/export.md)")
+            f"{got['optimizer_params']}, ZeRO stage {got['zero_stage']}")
+
+
+def deepspeed_layout(plan: Plan) -> list[str]:
+    """The export's hostfile checked against its rank -> device mapping (``export --check``'s
+    code), and the same hosts in reverse order, which must be refused."""
+    e = export_plan(plan, "deepspeed")
+    hostfile = e["launch"]["hostfile"]
+    lines = [f"hostfile {hostfile.strip().splitlines()}: {check_export_launch(e, hostfile)}"]
+    reverse = "".join(f"{ln}\n" for ln in reversed(hostfile.strip().splitlines()))
+    try:
+        check_export_launch(e, reverse)
+        lines.append(f"hostfile {reverse.strip().splitlines()}: NOT refused (it puts stages on other GPUs)")
+    except PartitionerError as err:
+        lines.append(f"hostfile {reverse.strip().splitlines()}: refused: {err}")
+    return lines
+
+
+def deepspeed_train(python: str, plan: Plan, steps: int, timeout_s: float) -> dict[str, Any]:
+    """DeepSpeed's pipeline engine trains the export of ``plan`` in ``python``
+    (``tools/deepspeed_train.py``); its output, and ``wall_s`` of the subprocess, or ``error``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, out = Path(tmp) / "ds.json", Path(tmp) / "out.json"
+        path.write_text(json.dumps(export_plan(plan, "deepspeed")))
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run([python, str(ROOT / "tools" / "deepspeed_train.py"), str(path), str(out),
+                                "--steps", str(steps), "--seed", str(SEED), "--timeout-s", str(timeout_s)],
+                               capture_output=True, text=True, timeout=timeout_s + 120, cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        except subprocess.TimeoutExpired:
+            return {"error": f"did not finish in {timeout_s + 120:.0f} s"}
+        wall_s = time.perf_counter() - t0
+        if r.returncode:
+            return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+        return {**json.loads(out.read_text()), "wall_s": wall_s}
+
+
+def deepspeed_vs_runtime(python: str, name: str, plan: Plan, ours: list[float], steps: int) -> list[str]:
+    got = deepspeed_train(python, plan, steps, timeout_s=900)
+    if "error" in got:
+        return [f"DeepSpeed, {name}: FAILED: {got['error']}"]
+    theirs = got["losses"]
+    bad = [f"rank {r['rank']} ({r['device']}) runs stage {r['stage']} of replica {r['replica']}, where the plan has "
+           f"{plan.virtual_workers[r['replica']].stages[r['stage']].device}" for r in got["ranks"]
+           if plan.virtual_workers[r["replica"]].stages[r["stage"]].device != r["device"]]
+    rel = [abs(a - b) / abs(b) for a, b in zip(theirs, ours)]
+    r0 = got["ranks"][0]
+    lines = [f"\nDeepSpeed {got['deepspeed']}, {name}: {len(got['ranks'])} ranks, {r0['optimizer']} "
+             f"({r0['inner_optimizer']}) on {'/'.join(r0['dtypes'])} weights; ranks (stage, replica): "
+             + ", ".join(f"{r['rank']}=({r['stage']}, {r['replica']}) {r['device']}" for r in got["ranks"])
+             + (": every rank the plan's stage and replica" if not bad else ": WRONG: " + "; ".join(bad)),
+             f"{'step':>5}  {'runtime':>10}  {'deepspeed':>10}  {'rel. diff':>9}"]
+    for k in sorted({0, 1, 2, *range(4, steps, 5), steps - 1}):
+        lines.append(f"{k:>5}  {ours[k]:>10.5f}  {theirs[k]:>10.5f}  {rel[k]:>9.1e}")
+    lines.append(f"max relative difference {max(rel):.1e} over {steps} steps: "
+                 + ("equal to rtol 1e-4" if max(rel) <= 1e-4 else "NOT equal to rtol 1e-4"))
+    if plan.pricing is not None and plan.pricing.precision == "fp16":
+        lines.append(f"DeepSpeed's loss scale after the last step {got['loss_scales'][-1]:g}, steps skipped "
+                     f"{got['skipped_steps']} (its fp16 step under ZeRO stage 0 divides unscaled gradients by the "
+                     "scale: docs/export.md)")
+    lines.append(f"time: deepspeed.init_distributed + initialize {got['init_s']:.1f} s (rank 0), {steps} steps "
+                 f"{got['steps_s']:.1f} s, the subprocess {got['wall_s']:.1f} s")
+    return lines
 
 
 def megatron_check(python: str, plan: Plan) -> list[str]:
@@ -174,12 +241,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--deepspeed-python", default=sys.executable, help="a Python where deepspeed imports")
     ap.add_argument("--megatron-python", default=sys.executable, help="a Python where megatron.core imports")
+    ap.add_argument("--only-deepspeed", action="store_true", help="the DeepSpeed part alone (and the runtime beside it)")
     args = ap.parse_args()
     print(machine_line())
     print(f"{MODEL}, text task (cross-entropy), the plan's optimizer as priced (adam, lr 0.001), seed {SEED}, "
           f"{args.steps} steps, gloo ranks of this CPU, one thread each")
+    ours_of: dict[str, list[float]] = {}
     for name, plan in plans().items():
+        if args.only_deepspeed:
+            continue
         ours, metrics = runtime_losses(plan, args.steps)
+        ours_of[name] = ours
         theirs = torch_losses(plan, args.steps)
         rel = [abs(a - b) / abs(b) for a, b in zip(theirs, ours)]
         print(f"\n{name}: {metrics['world_size']} ranks; runtime: {metrics['optimizer']} in {metrics['precision']}")
@@ -190,10 +262,26 @@ def main() -> int:
         print(f"max relative difference {max(rel):.1e} over {args.steps} steps: "
               + ("equal to rtol 1e-4" if same else "NOT equal to rtol 1e-4")
               + (" (bf16: the gradients are summed in each schedule's order)" if "bf16" in name else ""))
-    fp16 = Plan(MODEL, plans()["PP 2 x DP 2, fp32"].virtual_workers, micro_batch_size=2, micro_batches=4,
-                pricing=CostOptions(precision="fp16"))
+    ppdp = plans()["PP 2 x DP 2, fp32"]
+    fp16 = Plan(MODEL, ppdp.virtual_workers, micro_batch_size=2, micro_batches=4, pricing=CostOptions(precision="fp16"))
     print()
-    print(deepspeed_check(args.deepspeed_python, fp16))
+    why = _has(args.deepspeed_python, "deepspeed")
+    if why:
+        print(f"DeepSpeed: not run ({args.deepspeed_python}: {why}); its config was not validated")
+    else:
+        print(deepspeed_check(args.deepspeed_python, fp16))
+        print("DeepSpeed launch order, PP 2 x DP 2 (`partitioner export --check`'s code):")
+        for line in deepspeed_layout(ppdp):
+            print(f"  {line}")
+        for precision in ("fp32", "bf16", "fp16"):  # (fp16: see docs/export.md)
+            plan = Plan(MODEL, ppdp.virtual_workers, micro_batch_size=2, micro_batches=4,
+                        pricing=CostOptions(precision=precision))
+            name = f"PP 2 x DP 2, {precision}"
+            ours = ours_of.get(name) or runtime_losses(plan, args.steps)[0]
+            for line in deepspeed_vs_runtime(args.deepspeed_python, name, plan, ours, args.steps):
+                print(line)
+    if args.only_deepspeed:
+        return 0
     try:
         export_plan(plans()["TP 2 x PP 2, fp32"], "deepspeed")
     except ExportError as err:

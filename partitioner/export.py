@@ -466,8 +466,9 @@ def _deepspeed_config(t: Mapping[str, Any], b: int, m: int, dp: int) -> dict[str
     """The DeepSpeed config of a plan's training: batch, precision (fp16 with dynamic loss scaling
     as torch.amp.GradScaler scales: from 2**16, doubled after 2000 good steps, halved at once on an
     overflow; bf16, its gradients accumulated in bf16 unless the pricing's ``allreduce_precision``
-    is fp32), torch's own optimizer (Adam without weight decay, AdamW with torch's 0.01, SGD)
-    and ZeRO stage 0 (the pricing keeps every parameter's optimizer state on its stage)."""
+    is fp32), torch's own optimizer (Adam without weight decay, AdamW with torch's 0.01, SGD),
+    ZeRO stage 0 (the pricing keeps every parameter's optimizer state on its stage) and no
+    gradient clipping."""
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
                               "train_batch_size": b * m * dp}
     if t["precision"] == "fp16":
@@ -488,6 +489,9 @@ def _deepspeed_config(t: Mapping[str, Any], b: int, m: int, dp: int) -> dict[str
         "sgd": {"type": "SGD", "params": {"lr": lr}},
     }[t["optimizer"]]
     config["zero_optimization"] = {"stage": t["zero_stage"]}
+    # the plan trains without clipping; DeepSpeed clips the gradients' global norm to 1.0 unless
+    # told otherwise (GRADIENT_CLIPPING_DEFAULT 1.0 in DeepSpeed 0.19.8)
+    config["gradient_clipping"] = 0.0
     return config
 
 

@@ -98,7 +98,7 @@ def test_deepspeed_export_parts_ranks_and_config() -> None:
     assert e["partition_method"] is None and "_partition_layers" in e["snippet"] and str(cuts) in e["snippet"]
     assert e["config"] == {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
                            "train_batch_size": 64, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
-                           "zero_optimization": {"stage": 0}}  # a plan without pricing: plain SGD in fp32
+                           "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0}  # no pricing: plain SGD in fp32
     # each worker on a node of its own: pipe-major ranks (rank = stage * dp + replica) would alternate
     # between the nodes, so the ranks are data-major (rank = replica * pp + stage, DeepSpeed's
     # ProcessTopology(axes=['data', 'pipe']))

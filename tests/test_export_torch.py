@@ -168,3 +168,32 @@ def test_deepspeed_pipeline_module_takes_the_exported_parts(cuts: list[int], tmp
         assert got["parts"] == cuts
         assert got["stage"] == r
         assert got["built"] == cuts[r + 1] - cuts[r]
+
+
+def test_deepspeed_trains_the_export_as_the_runtime(tmp_path: Path) -> None:
+    """DeepSpeed's pipeline engine (tools/deepspeed_train.py: the exported config as is) trains the
+    export of a PP 2 x DP 2 plan to the runtime's losses, every rank the plan's stage and replica."""
+    pytest.importorskip("deepspeed")
+    import json
+    import subprocess
+    import sys
+
+    from partitioner.pricing import CostOptions
+
+    root = Path(__file__).resolve().parents[1]
+    plan = Plan("gpt2-tiny", (worker([0, 2, 4], ["a:0", "b:0"]), worker([0, 2, 4], ["a:1", "b:1"])),
+                micro_batch_size=2, micro_batches=2, pricing=CostOptions())
+    export = export_plan(plan, "deepspeed")
+    (tmp_path / "ds.json").write_text(json.dumps(export))
+    # (a first deepspeed.init_distributed on a CPU machine compiles a communication op: minutes)
+    subprocess.run([sys.executable, str(root / "tools" / "deepspeed_train.py"), str(tmp_path / "ds.json"),
+                    str(tmp_path / "out.json"), "--steps", "3"], check=True, timeout=900, cwd=root,
+                   env={**os.environ, "PYTHONPATH": str(root)})
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert [(r["stage"], r["replica"], r["device"]) for r in got["ranks"]] == \
+        [(s, w, plan.virtual_workers[w].stages[s].device) for s in range(2) for w in range(2)]
+    assert got["same_losses_on_every_rank"]
+    ours = train_local(plan, TrainConfig("gpt2-tiny", steps=3, warmup=0, lr=0.001, seed=0, threads=1, data="text",
+                                         progress=False))["loss"]
+    assert got["losses"] == pytest.approx(ours, rel=1e-4)
+    assert got["losses"][-1] < got["losses"][0]
