@@ -261,6 +261,56 @@ def test_graph_models_choose_recomputation_as_enumeration(inst) -> None:  # type
             assert off.status is SolveStatus.INFEASIBLE and memory_reason(off.reason), off.reason
 
 
+def at_capacity(memory_gb: float) -> tuple[Profile, Cluster]:
+    """Layer 0 feeds the three others, 0.2 GiB saved each (not a whole number of bytes), one
+    type-A device on each of two nodes with ``memory_gb`` each."""
+    prof = graph_toy(4, [(0, 1), (0, 2), (0, 3)], [0.0] * 4, [1.0] * 4, [0.2 * GIB] * 4, [0.0] * 4)
+    cluster = Cluster("c", (Node("n0", ("A",), 10.0), Node("n1", ("A",), 5.0)), 1.0,
+                      {"A": DeviceType("A", memory_gb * GIB, 1e13, 1e11), "B": DeviceType("B", 0.8 * GIB, 1e13, 1e11)})
+    return prof, cluster
+
+
+@pytest.mark.parametrize(("memory_gb", "truth"), [(0.4, 2.8), (0.8, 2.0)])
+def test_graph_models_plan_stages_that_fill_their_device_exactly(memory_gb: float, truth: float) -> None:
+    # the best plan's first stage (layers 0 and 1, two micro-batches in flight) needs exactly its
+    # device's memory: recomputing fully with 0.4 GiB (2.8 s), keeping its activations with 0.8 GiB
+    # (2.0 s); the models accept it (their bound no more than its time) with and without the DP's hint
+    prof, cluster = at_capacity(memory_gb)
+    sched = Schedule.of("1f1b", 2)
+    assert best_assignment(prof, cluster, sched, AUTO) == pytest.approx(truth, rel=1e-12)
+    cost = CostModel(prof, cluster, AUTO)
+    check_optimal(solve(prof, cluster, solver="dp", schedule="1f1b", micro_batches=2, options=AUTO), truth, cost)
+    for solver in ("cpsat", "milp"):
+        for hint in (False, True):
+            r = solve(prof, cluster, solver=solver, schedule="1f1b", micro_batches=2, options=AUTO, dag=True,
+                      hint=hint, time_limit_s=20.0)
+            check_optimal(r, truth, cost)
+            assert r.plan is not None and r.plan.virtual_workers[0].stages[0].layers == (0, 2)
+
+
+def test_graph_models_solve_again_without_a_stage_the_cost_model_refuses() -> None:
+    # 0.2 GiB and 0.05 byte saved per layer: layers 0 and 1 with two micro-batches in flight need
+    # 0.2 byte more than the 0.8 GiB device has, within the models' rounding (CP-SAT counts whole
+    # bytes; CBC its tolerance), so their first answer keeps both; the cost model refuses it, the
+    # models exclude it and solve again, and plan it with selective recomputation (2.1 s)
+    prof, cluster = at_capacity(0.8)
+    prof = dataclasses.replace(prof, layers=tuple(dataclasses.replace(x, saved_bytes=0.2 * GIB + 0.05)
+                                                  for x in prof.layers))
+    sched = Schedule.of("1f1b", 2)
+    cost = CostModel(prof, cluster, AUTO)
+    assert cost.stage_memory_bytes(0, 2, 2, sched) - 0.8 * GIB == pytest.approx(0.2, abs=1e-3)
+    truth = best_assignment(prof, cluster, sched, AUTO)
+    assert truth == pytest.approx(2.1, rel=1e-12)
+    for solver in ("cpsat", "milp"):
+        for hint in (False, True):
+            r = solve(prof, cluster, solver=solver, schedule="1f1b", micro_batches=2, options=AUTO, dag=True,
+                      hint=hint, time_limit_s=20.0)
+            check_optimal(r, truth, cost)
+            assert r.details["overflow_rounds"] >= 1
+            assert r.plan is not None and [(s.layers, s.recompute) for s in r.plan.virtual_workers[0].stages] == \
+                [((0, 2), "selective"), ((2, 4), "none")]
+
+
 def test_one_mode_for_every_stage_adds_no_choice() -> None:
     # recompute "full": every stage recomputes fully in every model, as the DP plans it
     prof = toy([1.0, 2.0, 1.0, 1.5, 0.5], 2.0, [0.5 * GIB] * 5, [0.01 * GIB] * 5, [0.05 * GIB] * 5)
