@@ -327,6 +327,27 @@ def test_one_mode_for_every_stage_adds_no_choice() -> None:
         assert r.plan is not None and {s.recompute for s in r.plan.virtual_workers[0].stages} == {"full"}
 
 
+def test_every_model_plans_a_stage_whose_memory_sums_to_its_device_in_another_order() -> None:
+    # the plan with stages {0, 1}, {3}, {2, 4} has stage {3} (0.4 GiB saved, two in flight, 0.02 GiB
+    # in, 0.08 GiB out) need exactly the 0.9 GiB device; the cost model's sums over the reordered
+    # profile make that a ten-millionth of a byte over, the DP's own sums not. Each model takes the
+    # cost model's word (that stage is selective, 1.1258 s) and finds the best plan, {0, 4}, {1, 2}, {3}
+    # (1.1043 s)
+    gib = [0.2, 0.2, 0.5, 0.4, 0.2]
+    prof = graph_toy(5, [(0, 1), (0, 2), (0, 4), (1, 2), (1, 3)], [0.0, 0.02 * GIB, 0.0, 0.0, 0.0],
+                     [0.1, 0.5, 0.5, 1.0, 0.3], [g * GIB for g in gib], [0.0] * 5)
+    cluster = Cluster("c", (Node("n0", ("A",), 10.0), Node("n1", ("A", "A"), 5.0)), 1.0,
+                      {t: DeviceType(t, 0.9 * GIB, 1e13, 1e11) for t in TYPES})
+    sched = Schedule.of("1f1b", 4)
+    truth = best_assignment(prof, cluster, sched, AUTO)
+    assert truth == pytest.approx(1.104294967296, rel=1e-12)
+    cost = CostModel(prof, cluster, AUTO)
+    for solver in ("dp", "cpsat", "milp"):
+        r = solve(prof, cluster, solver=solver, schedule="1f1b", micro_batches=4, options=AUTO, dag=True)
+        check_optimal(r, truth, cost)
+        assert r.plan is not None and r.plan.layer_order == (0, 4, 1, 2, 3)
+
+
 def test_cli_plans_recomputation_with_the_exact_solvers_by_default(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     from pathlib import Path
 
