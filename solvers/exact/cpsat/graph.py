@@ -5,7 +5,7 @@ stage could take / ``resolution``), so the integer model never overstates a stag
 bound, converted back, is a valid lower bound on the true optimum (less a hundredth of a tick
 for floating point); a stage's modelled time is within one tick per term of its true time.
 Memory is counted in whole units (a byte, or more where the largest figure passes
-:data:`MEMORY_UNITS`): what a stage holds is rounded **down** and what it shares up, and the
+:data:`MEMORY_UNITS`, 10^9): what a stage holds is rounded **down** and what it shares up, and the
 capacity with its margin (:func:`solvers.exact.graph.memory_margin_bytes`) down, so every stage the cost
 model accepts is accepted (one that needs exactly its device's memory included), and the bound
 stays valid. A stage accepted within those few units that the cost model refuses is excluded
@@ -35,7 +35,10 @@ __all__ = ["solve_dag"]
 
 log = logging.getLogger(__name__)
 
-MEMORY_UNITS = 1e12  # the largest capacity, in memory units (integers CP-SAT sums without overflow)
+# the largest memory figure, in memory units: a byte up to a GB, coarser beyond. With coefficients of
+# 4e9 CP-SAT's presolve proved a wrong optimum (right with presolve off, or coefficients of 1e9): kept
+# so that the product of two coefficients fits in 64 bits
+MEMORY_UNITS = 1e9
 
 
 def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, prune: bool, resolution: int,
@@ -214,7 +217,7 @@ def _memory(m: Any, data: DagData, var: DagVars) -> None:
             if cap < 0:
                 row = m.add(sum(x(v, k) for v in range(n)) <= 0)  # reserved memory alone overflows
             else:
-                need = [math.floor(b / unit) for b in data.mem_bytes[j, k].tolist()]  # <= 1e12 each: no overflow
+                need = [math.floor(b / unit) for b in data.mem_bytes[j, k].tolist()]  # <= 1e9 each
                 terms = [need[v] * x(v, k) for v in range(n)]
                 terms += [math.floor(b / unit) * var.z[u, c] for b, u, c in data.boundary_terms(k, j) if b > 0]
                 for v in range(1, n):
