@@ -327,13 +327,26 @@ def graph_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, ide
         stages, picks = found
         # the DP's mode of a stage the cost model refuses (its sums round otherwise): that
         # candidate stage in that mode is left out and the DP run again
-        priced = price_stages(cost, devices, schedule, stages).solution.recompute or ("none",) * p
-        over = [k for k, mode in enumerate(priced) if cand.modes.index(mode) > picks[k][1]]
+        over = _refused_stages(cost, devices, schedule, stages, [cand.modes[mode] for _, mode in picks])
         if not over:
             break
         for k in over:
             refused.setdefault((k, picks[k][1]), []).append(picks[k][0])
     return stages
+
+
+def _refused_stages(cost: CostModel, devices: Sequence[Device], schedule: Schedule, stages: Sequence[int],
+                    modes: Sequence[str]) -> list[int]:
+    """The stages of an assignment that overflow their device in ``modes[k]`` by the cost model's
+    check on the reordered profile (:func:`price_stages`' pricing)."""
+    n, p = cost.num_layers, len(devices)
+    model = CostModel(cost.profile.reordered(sorted(range(n), key=lambda v: (stages[v], v))), cost.cluster,
+                      cost.options)
+    cuts = np.concatenate([[0], np.cumsum(np.bincount(np.asarray(stages, dtype=np.int64), minlength=p))])
+    return [k for k in range(p)
+            if model.recomputing(modes[k]).stage_memory_bytes(int(cuts[k]), int(cuts[k + 1]),
+                                                              schedule.activations_in_flight(p - k), schedule,
+                                                              devices[k].tensor_parallel) > devices[k].memory_bytes]
 
 
 def _best_stages(cand: _Stages, p: int, m: int, refused: dict[tuple[int, int], list[int]]
