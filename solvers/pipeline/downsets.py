@@ -28,9 +28,9 @@ pass per stage. The DP's memory check allows a trillionth past a device's memory
 sums round otherwise than the cost model's prefix sums over the reordered profile (a stage that
 needs exactly its device's memory fits); where the cost model refuses a stage of the plan found
 in the DP's mode, that candidate stage in that mode is left out and the DP run again (at most
-:data:`MAX_REFUSAL_ROUNDS` times). The plan found is priced again by the cost model on the reordered profile and
-compared with the chain DP's split of the profile's own order (always one of these plans), so
-the answer is never worse than the chain's.
+:data:`MAX_REFUSAL_ROUNDS` times). The plan found is priced again by the cost model on the
+reordered profile and compared with the chain DP's split of the profile's own order (always one
+of these plans), so the answer is never worse than the chain's.
 
 A graph with more than :data:`MAX_DOWN_SETS` down-sets (wide parallel branches) is planned on
 its chain order, with a note saying so.
