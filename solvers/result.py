@@ -44,6 +44,7 @@ class SolveDetails(TypedDict, total=False):
     edges: int  # graph model: edges
     order: str | list[str]  # "graph" (convex stages), or the device order the joint model chose
     reordered: bool  # graph model: the plan's ranges count a reordered profile
+    overflow_rounds: int  # graph model: solves again after excluding a stage the cost model refuses
     down_sets: int  # the dp solver on a graph profile: down-sets of the graph (solvers.pipeline.downsets)
     proof: str  # how optimality was shown ("bound": the relaxation met the plan)
     model: str  # why no model was solved ("skipped: ...")

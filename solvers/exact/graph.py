@@ -48,6 +48,16 @@ is then linear in its bytes. Links with a latency or a measured curve are refuse
 (plan the chain order: ``dag=False``). The chosen assignment is priced exactly by the cost
 model on the reordered profile; the DP's plan of the profile's own order is always feasible
 here, so it is the hint, an upper bound, and the answer when the solver finds nothing better.
+
+The memory rows are a relaxation of the cost model's check, never a restriction: their
+capacity is raised by :func:`memory_margin_bytes` (a trillionth of the row, for floating
+point) and CP-SAT rounds their coefficients towards acceptance, so a stage that needs exactly
+its device's memory is a solution (a restriction would lose it, and with it the optimum and the
+bound's validity). A stage the model accepts and the cost model refuses (a few bytes over, or a
+solver's tolerance) is found by :func:`overflowing_stages` once the model is solved: that
+assignment with that stage in that mode is excluded and the model solved again, at most
+:data:`MAX_OVERFLOW_ROUNDS` times, so the final optimum and bound are those of a model that
+still holds every real plan.
 """
 
 from __future__ import annotations
@@ -71,8 +81,12 @@ from solvers.pipeline import dp
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveDetails, SolveResult, SolveStatus
 
-__all__ = ["DagData", "DagPlan", "DagVars", "dag_data", "finish_dag", "order_values", "price_assignment", "price_order",
-           "single_stage", "tie_break_winner"]
+__all__ = ["MAX_OVERFLOW_ROUNDS", "DagData", "DagPlan", "DagVars", "dag_data", "finish_dag", "memory_margin_bytes",
+           "order_values", "overflowing_stages", "price_assignment", "price_order", "single_stage",
+           "tie_break_winner"]
+
+MAX_OVERFLOW_ROUNDS = 20  # solves again after excluding a stage the cost model refuses, at most
+MEMORY_MARGIN = 1e-12  # of a memory row's largest figure: what it allows past the capacity
 
 
 @dataclass(frozen=True)
@@ -271,6 +285,26 @@ def price_assignment(data: DagData, stages: Sequence[int]) -> DagPlan:
     return DagPlan(tuple(st), profile, cost, sol, math.fsum(times), fits)
 
 
+def memory_margin_bytes(data: DagData, k: int, m: int) -> float:
+    """What stage ``k``'s memory row in mode ``modes[m]`` allows past its capacity: far more than
+    the floating-point error of the cost model's sums and of the model's (a trillionth of the
+    row's largest figure), far less than a byte on any real device."""
+    return MEMORY_MARGIN * max(data.most_memory_bytes(k, m), abs(data.capacity_bytes[k]), 1.0)
+
+
+def overflowing_stages(data: DagData, plan: DagPlan, modes: Sequence[int]) -> list[int]:
+    """The stages of ``plan`` that overflow their device in the mode a model chose for them
+    (``modes[k]``: an index in ``data.modes``), by the cost model's own check: those the model's
+    relaxed memory rows accepted within their margin (or a solver's tolerance) but no real plan has."""
+    problem = data.problem
+    p, devs, sched = data.num_stages, problem.devices, problem.schedule
+    cuts = plan.solution.cuts
+    return [k for k in range(p)
+            if plan.cost.recomputing(data.modes[modes[k]]).stage_memory_bytes(
+                cuts[k], cuts[k + 1], sched.activations_in_flight(p - k), sched, devs[k].tensor_parallel)
+            > devs[k].memory_bytes]
+
+
 class DagVars(NamedTuple):
     """A graph model's variables (either backend's objects), and the order encoding's terms."""
 
@@ -338,8 +372,8 @@ def finish_dag(data: DagData, method: str, status: SolveStatus, found: DagPlan |
         return SolveResult(status, None, runtime_s=runtime_s, method=method, reason=reason, details=details)
     hint = price_assignment(data, data.hint_stages() or []) if data.start is not None else None
     best = better(found, hint)
-    if best is None:
-        return SolveResult(status, None, lower_bound=lower_bound, runtime_s=runtime_s, method=method,
+    if best is None:  # (a plan the cost model refuses is no plan)
+        return SolveResult(SolveStatus.UNKNOWN, None, lower_bound=lower_bound, runtime_s=runtime_s, method=method,
                            reason=reason or "no plan found within the time limit", details=details)
     details = {**details, "order": "graph", "reordered": best.profile.layer_order is not None,
                "from_hint": best is hint and found is not hint}

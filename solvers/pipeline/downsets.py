@@ -24,9 +24,13 @@ and a second pass, every stage held to the optimal bottleneck, picks the least t
 time among the optima, as the chain DP does. Transitions run over the comparable pairs of
 down-sets whose stage could be in a plan at least as good as the chain DP's (compute on the
 fastest device no more than its bottleneck, memory within the largest device), in numpy, one
-pass per stage. The plan found is priced again by the cost model on the reordered profile and
-compared with the chain DP's split of the profile's own order (always one of these plans), so
-the answer is never worse than the chain's.
+pass per stage. The DP's memory check allows a trillionth past a device's memory, since its
+sums round otherwise than the cost model's prefix sums over the reordered profile (a stage that
+needs exactly its device's memory fits); where the cost model refuses a stage of the plan found
+in the DP's mode, that candidate stage in that mode is left out and the DP run again (at most
+:data:`MAX_REFUSAL_ROUNDS` times). The plan found is priced again by the cost model on the
+reordered profile and compared with the chain DP's split of the profile's own order (always one
+of these plans), so the answer is never worse than the chain's.
 
 A graph with more than :data:`MAX_DOWN_SETS` down-sets (wide parallel branches) is planned on
 its chain order, with a note saying so.
@@ -52,10 +56,12 @@ from solvers.pipeline.dp import ChainSolution
 from solvers.pipeline.levers import stage_mode
 from solvers.result import SolveResult, SolveStatus
 
-__all__ = ["MAX_DOWN_SETS", "MAX_PAIRS", "GraphPlan", "down_sets", "graph_dp", "price_stages", "solve_graph"]
+__all__ = ["MAX_DOWN_SETS", "MAX_PAIRS", "MAX_REFUSAL_ROUNDS", "GraphPlan", "down_sets", "graph_dp", "price_stages", "solve_graph"]
 
 MAX_DOWN_SETS = 20_000  # down-sets of the graph the DP enumerates at most
 MAX_PAIRS = 30_000_000  # comparable pairs of down-sets kept as candidate stages at most
+MAX_REFUSAL_ROUNDS = 20  # DP passes again after leaving out a stage the cost model refuses, at most
+MEMORY_MARGIN = 1e-12  # of a stage's memory: what the DP's check allows past the device's (floating point)
 _BLOCK = 256  # down-sets per block when the comparable pairs are enumerated
 
 
@@ -255,10 +261,14 @@ class _Stages:
                     else nbytes / (cost.cluster.inter_gbps * 1e9))
             self.wave = 2.0 * secs / schedule.micro_batches
 
-    def at(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Stage ``k``'s time of every candidate, and whether it fits ``devices[k]``: in the first
-        recompute mode the options allow (cheapest first) whose memory fits, as the chain DP
-        (a recompute only adds time, so the fastest that fits).
+    def at(self, k: int, refused: dict[tuple[int, int], list[int]] | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Stage ``k``'s time of every candidate, whether it fits ``devices[k]``, and its mode (an
+        index in the options' modes): the first recompute mode the options allow (cheapest first)
+        whose memory fits, as the chain DP (a recompute only adds time, so the fastest that fits).
+        The check is relaxed by :data:`MEMORY_MARGIN` of the figures (the cost model's sums round
+        differently: a stage that needs exactly its device's memory fits), less the candidates
+        ``refused[k, mode]`` the cost model refused in that mode (:func:`graph_dp`).
 
         Memory as the cost model has it: weights, the activations of ``f`` micro-batches in
         flight (selective: less the attention cores'; full: one micro-batch's, and its input
@@ -279,21 +289,25 @@ class _Stages:
                 + cost.options.reserved_bytes)
         times = np.full(len(sub), np.inf)
         placed = np.zeros(len(sub), dtype=bool)
-        for mode in self.modes:
+        chosen = np.full(len(sub), -1, dtype=np.int64)
+        for index, mode in enumerate(self.modes):
             if mode == "full":
                 mem = self.weights[t] + self.act[t] + (flight - 1) * crossing[sub] + held
             else:
                 kept = self.act[t] - self.dropped[t] if mode == "selective" else self.act[t]
                 mem = self.weights[t] + flight * kept + held
-            fit = (mem <= dev.memory_bytes) & ~placed
+            fit = (mem <= dev.memory_bytes + MEMORY_MARGIN * np.maximum(np.abs(mem), abs(dev.memory_bytes))) & ~placed
+            if refused and (k, index) in refused:
+                fit[refused[k, index]] = False
             if not fit.any():
                 continue
             work = self.work[(mode, dev.kind)]
             comp = work[sup] - work[sub]
             stage_s = np.maximum(np.maximum(comp, back), out) if cost.options.overlap_comm else (comp + back) + out
             times[fit] = (stage_s + self.wave)[fit]
+            chosen[fit] = index
             placed |= fit
-        return times, placed
+        return times, placed, chosen
 
 
 def graph_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, ideals: list[int],
@@ -309,11 +323,46 @@ def graph_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, ide
     cand = _Stages(cost, devices, schedule, lat, upper_s)
     if cand.pairs is None:
         raise _TooMany(f"more than {MAX_PAIRS:,} candidate stages")
+    refused: dict[tuple[int, int], list[int]] = {}
+    for _ in range(MAX_REFUSAL_ROUNDS + 1):
+        found = _best_stages(cand, p, m, refused)
+        if found is None:
+            return None
+        stages, picks = found
+        # the DP's mode of a stage the cost model refuses (its sums round otherwise): that
+        # candidate stage in that mode is left out and the DP run again
+        over = _refused_stages(cost, devices, schedule, stages, [cand.modes[mode] for _, mode in picks])
+        if not over:
+            break
+        for k in over:
+            refused.setdefault((k, picks[k][1]), []).append(picks[k][0])
+    return stages
+
+
+def _refused_stages(cost: CostModel, devices: Sequence[Device], schedule: Schedule, stages: Sequence[int],
+                    modes: Sequence[str]) -> list[int]:
+    """The stages of an assignment that overflow their device in ``modes[k]`` by the cost model's
+    check on the reordered profile (:func:`price_stages`' pricing)."""
+    n, p = cost.num_layers, len(devices)
+    model = CostModel(cost.profile.reordered(sorted(range(n), key=lambda v: (stages[v], v))), cost.cluster,
+                      cost.options)
+    cuts = np.concatenate([[0], np.cumsum(np.bincount(np.asarray(stages, dtype=np.int64), minlength=p))])
+    return [k for k in range(p)
+            if model.recomputing(modes[k]).stage_memory_bytes(int(cuts[k]), int(cuts[k + 1]),
+                                                              schedule.activations_in_flight(p - k), schedule,
+                                                              devices[k].tensor_parallel) > devices[k].memory_bytes]
+
+
+def _best_stages(cand: _Stages, p: int, m: int, refused: dict[tuple[int, int], list[int]]
+                 ) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """One pass of the DP and its second pass: the stage of every layer and, per stage, the
+    candidate (an index in ``cand.pairs``) and its mode (None when none fits)."""
+    assert cand.pairs is not None
     sub, sup = cand.pairs
     f = np.full(m, np.inf)
     f[0] = 0.0
     for k in range(p):
-        times, fits = cand.at(k)
+        times, fits, _ = cand.at(k, refused)
         f, _ = _group_best(np.where(fits, np.maximum(f[sub], times), np.inf), sup, m)
     best = f[m - 1]
     if not np.isfinite(best):
@@ -321,19 +370,23 @@ def graph_dp(cost: CostModel, devices: Sequence[Device], schedule: Schedule, ide
     cap = best * (1 + 1e-12)  # every stage held to the optimal bottleneck: the least total among the optima
     g = np.full(m, np.inf)
     g[0] = 0.0
-    back = []
+    back, modes = [], []
     for k in range(p):
-        times, fits = cand.at(k)
+        times, fits, chosen = cand.at(k, refused)
         g, arg = _group_best(np.where(fits & (times <= cap), g[sub] + times, np.inf), sup, m)
         back.append(arg)
-    stages = [0] * cost.num_layers
+        modes.append(chosen)
+    stages = [0] * cand.cost.num_layers
+    picks: list[tuple[int, int]] = [(0, 0)] * p
     j = m - 1
     for k in range(p - 1, -1, -1):
-        i = int(sub[back[k][j]])
-        for v in np.flatnonzero(lat.member[j] & ~lat.member[i]):
+        pair = int(back[k][j])
+        picks[k] = (pair, int(modes[k][pair]))
+        i = int(sub[pair])
+        for v in np.flatnonzero(cand.lat.member[j] & ~cand.lat.member[i]):
             stages[int(v)] = k
         j = i
-    return stages
+    return stages, picks
 
 
 def solve_graph(profile: Profile, cost: CostModel, devices: Sequence[Device], schedule: Schedule,

@@ -5,8 +5,11 @@
 true indicators, and the objective and memory rows only ever gain from choosing them. Times
 are in units of the longest any stage could take / 1000 and memory in GiB, where CBC's
 absolute tolerances are negligible; the bound (read from CBC's log) is reported less ``1e-6``
-of that longest time. The assignment found is priced exactly on the reordered profile, and a
-plan the cost model's memory check refuses (CBC's tolerance) is dropped for the DP's.
+of that longest time. A memory row's capacity has a margin for floating point
+(:func:`solvers.exact.graph.memory_margin_bytes`), so a stage that needs exactly its device's
+memory is a solution; a stage CBC accepts (that margin, or its tolerance) that the cost model
+refuses is excluded and the model solved again (:func:`solvers.exact.graph.overflowing_stages`).
+The assignment found is priced exactly on the reordered profile.
 A stage's recompute mode (with several allowed) is a binary per mode; its time and memory rows
 hold when it is chosen, by the least big-M that leaves them void otherwise (given per row).
 """
@@ -14,6 +17,7 @@ hold when it is chosen, by the least big-M that leaves them void otherwise (give
 from __future__ import annotations
 
 import logging
+import math
 import time
 from functools import partial
 from typing import Any
@@ -69,12 +73,68 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
     answer = partial(dag.finish_dag, data, "milp")
     if (done := unsolved(answer, status, bound, t0, details, no_plan_reason(time_limit_s))) is not None:
         return done
-    found = _extract(data, var)
+    found, status, bound = _settle(prob, data, var, status, bound, unit_s, largest, time_limit_s, threads, seed, t0,
+                                   details)
+    if found is None:
+        return answer(SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
+    details["bound_s"] = bound
     remaining = time_limit_s - (time.perf_counter() - t0)
     if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
         found = _tie_break(prob, data, var, found, unit_s, remaining, threads, seed, details)
     log.debug("milp (graph): %s, objective %.6g s, bound %.6g s", status, found.solution.bottleneck_s, bound)
     return answer(status, found, bound, time.perf_counter() - t0, details)
+
+
+def _settle(prob: Any, data: DagData, var: DagVars, status: SolveStatus, bound: float, unit_s: float,
+            largest: float, time_limit_s: float, threads: int, seed: int, t0: float,
+            details: SolveDetails) -> tuple[DagPlan | None, SolveStatus, float]:
+    """CBC's assignment, once no stage of it overflows its device in the mode the model chose:
+    each such (assignment, stage, mode) is excluded and the model solved again (within the time
+    left, at most :data:`~solvers.exact.graph.MAX_OVERFLOW_ROUNDS` times). The plan (None:
+    nothing else fits), its status (FEASIBLE where the rounds or the time ran out first) and the
+    bound, which stays valid: only stages the cost model refuses are excluded."""
+    import pulp
+
+    rounds = 0
+    while True:
+        found, modes = _extract(data, var), _modes(data, var)
+        over = dag.overflowing_stages(data, found, modes)
+        if not over:
+            return found, status, bound
+        remaining = time_limit_s - (time.perf_counter() - t0)
+        if rounds == dag.MAX_OVERFLOW_ROUNDS or remaining <= 0:
+            return found, SolveStatus.FEASIBLE, bound
+        rounds += 1
+        details["overflow_rounds"] = rounds
+        values = [[round(yc.varValue or 0.0) for yc in row] for row in var.y]
+        other = pulp.lpSum((1 - yc) if value else yc for row, vals in zip(var.y, values, strict=True)
+                           for yc, value in zip(row, vals, strict=True))
+        for k in over:  # another assignment, or stage k in another mode
+            prob += other + ((1 - var.r[k][modes[k]]) if var.r else 0) >= 1, f"overflow_{rounds}_{k}"
+        start = data.hint_stages()
+        if start is not None:
+            _warm(var, start, data.hint_modes())
+        try:
+            cbc_log = run_cbc(prob, remaining, threads, seed, warm_start=start is not None)
+        except pulp.PulpSolverError as err:
+            log.warning("CBC failed solving again without an overflowing stage (%s)", err)
+            return found, SolveStatus.FEASIBLE, bound
+        details.update({"cbc_status": pulp.LpStatus[prob.status], "cbc_solution": prob.sol_status})
+        again_bound = bound_s(cbc_log, unit_s, largest)
+        again = solve_status(prob, again_bound, None)
+        if again is SolveStatus.INFEASIBLE:
+            return None, again, bound
+        if again is SolveStatus.UNKNOWN:  # no plan in the time left: the last one, unproven
+            return found, SolveStatus.FEASIBLE, bound
+        status = again
+        bound = max(bound, again_bound) if math.isfinite(again_bound) else bound
+
+
+def _modes(data: DagData, var: DagVars) -> list[int]:
+    """The mode (an index in ``data.modes``) CBC chose for every stage."""
+    if not var.r:
+        return [0] * data.num_stages
+    return [max(range(len(row)), key=lambda j: row[j].varValue or 0.0) for row in var.r]
 
 
 def _variables(prob: Any, data: DagData) -> DagVars:
@@ -184,8 +244,9 @@ def _memory(prob: Any, data: DagData, var: DagVars) -> None:
                         prob += b <= x(v, k)
                         prob += b <= x(v - 1, k)
                     terms.append(-sh / GIB * shared[v])
+            margin = dag.memory_margin_bytes(data, k, j)  # for floating point: a stage may fill its device
             slack = (most - cap) / GIB * (1 - var.r[k][j]) if var.r else 0.0
-            prob += pulp.lpSum(terms) <= cap / GIB + slack
+            prob += pulp.lpSum(terms) <= (cap + margin) / GIB + slack
 
 
 def _warm(var: DagVars, stages: list[int] | tuple[int, ...], modes: list[int] | None = None) -> None:

@@ -4,9 +4,13 @@ Integers: every time coefficient is rounded **down** to ticks (``tick_s`` = the 
 stage could take / ``resolution``), so the integer model never overstates a stage and its
 bound, converted back, is a valid lower bound on the true optimum (less a hundredth of a tick
 for floating point); a stage's modelled time is within one tick per term of its true time.
-Memory coefficients are rounded **up** to units of ``mem_unit`` bytes and capacities down, so
-the model never accepts a stage the cost model refuses (it may refuse one within a few units
-of a device's capacity). The assignment found is priced exactly on the reordered profile.
+Memory is counted in whole units (a byte, or more where the largest figure passes
+:data:`MEMORY_UNITS`, 10^9): what a stage holds is rounded **down** and what it shares up, and the
+capacity with its margin (:func:`solvers.exact.graph.memory_margin_bytes`) down, so every stage the cost
+model accepts is accepted (one that needs exactly its device's memory included), and the bound
+stays valid. A stage accepted within those few units that the cost model refuses is excluded
+and the model solved again (:func:`solvers.exact.graph.overflowing_stages`). The assignment
+found is priced exactly on the reordered profile.
 A stage's recompute mode (with several allowed) is a boolean per mode; a mode's time and memory
 rows are CP-SAT's enforced constraints (``only_enforce_if``), in force when it is chosen.
 """
@@ -31,7 +35,10 @@ __all__ = ["solve_dag"]
 
 log = logging.getLogger(__name__)
 
-MEMORY_UNITS = 1e12  # the largest capacity, in memory units (integers CP-SAT sums without overflow)
+# the largest memory figure, in memory units: a byte up to a GB, coarser beyond. With coefficients of
+# 4e9 CP-SAT's presolve proved a wrong optimum (right with presolve off, or coefficients of 1e9): kept
+# so that the product of two coefficients fits in 64 bits
+MEMORY_UNITS = 1e9
 
 
 def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, prune: bool, resolution: int,
@@ -64,12 +71,54 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
     answer = partial(dag.finish_dag, data, "cpsat")
     if (done := unsolved(answer, status, bound, t0, details, no_plan_reason(time_limit_s))) is not None:
         return done
-    found = _extract(data, solver, var)
+    found, status, bound = _settle(m, solver, data, var, status, bound, tick_s, time_limit_s, t0, details)
+    if found is None:
+        return answer(SolveStatus.INFEASIBLE, None, math.nan, time.perf_counter() - t0, details)
+    details["bound_s"] = bound
     remaining = time_limit_s - (time.perf_counter() - t0)
     if status is SolveStatus.OPTIMAL and tie_break and remaining > 0:
         found = _tie_break(m, solver, data, var, found, tick_s, remaining, details)
     log.debug("cpsat (graph): %s, objective %.6g s, bound %.6g s", status, found.solution.bottleneck_s, bound)
     return answer(status, found, bound, time.perf_counter() - t0, details)
+
+
+def _settle(m: Any, solver: Any, data: DagData, var: DagVars, status: SolveStatus, bound: float, tick_s: float,
+            time_limit_s: float, t0: float, details: SolveDetails) -> tuple[DagPlan | None, SolveStatus, float]:
+    """The solver's assignment, once no stage of it overflows its device in the mode the model
+    chose: each such (assignment, stage, mode) is excluded and the model solved again (within the
+    time left, at most :data:`~solvers.exact.graph.MAX_OVERFLOW_ROUNDS` times). The plan (None:
+    nothing else fits), its status (FEASIBLE where the rounds or the time ran out first) and the
+    bound, which stays valid: only stages the cost model refuses are excluded."""
+    rounds = 0
+    while True:
+        found, modes = _extract(data, solver, var), _modes(data, solver, var)
+        over = dag.overflowing_stages(data, found, modes)
+        if not over:
+            return found, status, bound
+        remaining = time_limit_s - (time.perf_counter() - t0)
+        if rounds == dag.MAX_OVERFLOW_ROUNDS or remaining <= 0:
+            return found, SolveStatus.FEASIBLE, bound
+        rounds += 1
+        details["overflow_rounds"] = rounds
+        other = [yc.Not() if solver.boolean_value(yc) else yc for row in var.y for yc in row]
+        for k in over:  # another assignment, or stage k in another mode
+            m.add_bool_or(other + ([var.r[k][modes[k]].Not()] if var.r else []))
+        solver.parameters.max_time_in_seconds = float(remaining)
+        code = solver.solve(m)
+        details["cpsat_status"] = solver.status_name(code)
+        again = solve_status(code, m, None)
+        if again is SolveStatus.INFEASIBLE:
+            return None, again, bound
+        if again is SolveStatus.UNKNOWN:  # no plan in the time left: the last one, unproven
+            return found, SolveStatus.FEASIBLE, bound
+        status, bound = again, max(bound, bound_s(solver, tick_s))
+
+
+def _modes(data: DagData, solver: Any, var: DagVars) -> list[int]:
+    """The mode (an index in ``data.modes``) the solver chose for every stage."""
+    if not var.r:
+        return [0] * data.num_stages
+    return [next(j for j, rj in enumerate(row) if solver.boolean_value(rj)) for row in var.r]
 
 
 def _variables(m: Any, data: DagData, upper: int) -> DagVars:
@@ -150,8 +199,9 @@ def _stage_times(m: Any, data: DagData, var: DagVars, tick_s: float) -> None:
 
 
 def _memory(m: Any, data: DagData, var: DagVars) -> None:
-    """M^m_k <= cap_k for every stage and mode whose layers could overflow it, if r[k, m] (bytes
-    rounded up to units)."""
+    """M^m_k <= cap_k for every stage and mode whose layers could overflow it, if r[k, m] (in
+    units, rounded towards acceptance: held bytes down, shared bytes up, the capacity with its
+    margin down)."""
     n, p = data.num_layers, data.num_stages
     x = var.x
     n_modes = len(data.modes)
@@ -167,18 +217,18 @@ def _memory(m: Any, data: DagData, var: DagVars) -> None:
             if cap < 0:
                 row = m.add(sum(x(v, k) for v in range(n)) <= 0)  # reserved memory alone overflows
             else:
-                need = [math.ceil(b / unit) for b in data.mem_bytes[j, k].tolist()]  # <= 1e12 each: no overflow
+                need = [math.floor(b / unit) for b in data.mem_bytes[j, k].tolist()]  # <= 1e9 each
                 terms = [need[v] * x(v, k) for v in range(n)]
-                terms += [math.ceil(b / unit) * var.z[u, c] for b, u, c in data.boundary_terms(k, j) if b > 0]
+                terms += [math.floor(b / unit) * var.z[u, c] for b, u, c in data.boundary_terms(k, j) if b > 0]
                 for v in range(1, n):
-                    sh = math.floor(float(data.shared_bytes[j, k, v]) / unit)
+                    sh = math.ceil(float(data.shared_bytes[j, k, v]) / unit)
                     if sh > 0:  # b <= x[v, k], b <= x[v-1, k]
                         if v not in shared:
                             shared[v] = b = m.new_bool_var(f"b_{v}_{k}")
                             m.add(b <= x(v, k))
                             m.add(b <= x(v - 1, k))
                         terms.append(-sh * shared[v])
-                row = m.add(sum(terms) <= math.floor(cap / unit))
+                row = m.add(sum(terms) <= math.floor((cap + dag.memory_margin_bytes(data, k, j)) / unit))
             if var.r:
                 row.only_enforce_if(var.r[k][j])
 
