@@ -51,7 +51,7 @@ from .recipe import (
     model_state_bytes,
     training_recipe,
 )
-from .recompute import recompute_stage
+from .recompute import RECOMPUTED, recompute_stage
 from .run import RunSpec, TrainConfig
 from .stage import boundary_shapes, build_stage
 from .tensor_parallel import full_state, shard_rank
@@ -567,6 +567,8 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
             "first_step": runner.first, "data": ctx.data.kind,
             "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()},
             "emulated_actions": [executor.stretch.actions, executor.stretch.overruns] if executor.stretch else None,
+            # selective attention cores recomputed by this process (only when some were)
+            **({"core_recomputations": RECOMPUTED[0]} if RECOMPUTED[0] else {}),
             **runner.figures}
 
 
