@@ -131,7 +131,8 @@ def load_view(zero: ShardedStep, view: StateView) -> None:
         own: dict[str, Any] = {}
         for key in sorted(keys):
             values = [s[key] for s in states]
-            if all(isinstance(v, torch.Tensor) and v.shape == local(t).shape for v, t in zip(values, stepped, strict=True)):
+            if all(isinstance(v, torch.Tensor) and local(v).shape == local(t).shape and (v.dim() > 0 or key != "step")
+                   for v, t in zip(values, stepped, strict=True)):  # elementwise (a shard's local part)
                 own[key] = piece.padded([local(v) for v in values])[piece.lo:max(piece.hi, piece.lo)].clone()
             else:
                 own[key] = values[0]

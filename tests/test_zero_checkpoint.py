@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from partitioner.errors import PartitionerError  # noqa: E402
 from partitioner.plan import Plan, Stage, VirtualWorker  # noqa: E402
 from partitioner.pricing import CostOptions  # noqa: E402
 from runtime.checkpoint import load_state, step_dir  # noqa: E402
@@ -62,6 +63,13 @@ def test_a_zero_checkpoint_resumes_on_any_plan_as_the_run_goes_on(zero: int, pre
     assert moments and all(saved[k].dtype == torch.float32 for k in moments)
     assert all(saved[k.replace("optim.", "model.").removesuffix(".exp_avg")].shape == saved[k].shape for k in moments)
 
+    # atomic and checked as any checkpoint: a truncated shard of it is refused before any process starts
+    damaged = _from_step_2(straight, tmp_path / "damaged")
+    shard = sorted(Path(step_dir(str(damaged), 2)).glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(PartitionerError, match=r"__\d_0.distcp: 100 bytes, the manifest says \d+ \(a truncated"):
+        _run(_plan(zero, precision), damaged, 4, resume=True)
+
     # (a) the same plan
     same = _from_step_2(straight, tmp_path / "same")
     assert _run(_plan(zero, precision), same, 4, resume=True) == losses[2:]
@@ -108,3 +116,18 @@ def test_a_zero_checkpoint_keeps_each_holder_piece_of_the_state_it_loads(tmp_pat
     assert resumed["first_step"] == 1
     for a, b in zip(fresh["ranks"], resumed["ranks"], strict=True):
         assert b["model_state_bytes"] == a["model_state_bytes"]
+
+
+def test_a_zero_checkpoint_of_tensor_parallel_shards_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """The first stage on a tensor-parallel group of 2 (its parameters and their pieces are shards): the
+    step-2 checkpoint of a ZeRO-1 run resumed under ZeRO-2 and without ZeRO gives step 3 bit for bit."""
+    def plan(zero: int) -> Plan:
+        return Plan("gpt2-tiny", tuple(VirtualWorker((Stage((0, 2), f"n{w}:0-1"), Stage((2, 4), f"n{w}:2")))
+                                       for w in range(2)), "1f1b", 2, 2, pricing=CostOptions(zero=zero))
+
+    straight = tmp_path / "straight"
+    losses = _run(plan(1), straight, 3, resume=False)
+    for zero in (2, 0):
+        again = _from_step_2(straight, tmp_path / f"zero{zero}")
+        assert _run(plan(zero), again, 3, resume=True) == losses[2:]
+        _equal_by_name(load_state(str(again), 3), load_state(str(straight), 3))
