@@ -140,9 +140,8 @@ def load_view(zero: ShardedStep, view: StateView) -> None:
         if own:
             zero.optimizer.state[piece.shard] = own
     if zero.whole is not None:
-        assert zero.whole.optimizer is not None or not zero.whole.masters
-        for m in zero.whole.masters:
-            if zero.whole.optimizer is not None:
+        if zero.whole.optimizer is not None:  # the masters were loaded in place (they are the view's)
+            for m in zero.whole.masters:
                 zero.whole.optimizer.state.pop(m, None)
                 if view.state.get(m):
                     zero.whole.optimizer.state[m] = view.state[m]

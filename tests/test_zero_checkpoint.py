@@ -19,10 +19,13 @@ from runtime.launch import TrainConfig, train_local  # noqa: E402
 
 
 def _plan(zero: int, precision: str, workers: int = 2) -> Plan:
-    """``workers`` virtual workers (2 stages each; 1 stage each for 4 workers) of the same global batch (8)."""
+    """``workers`` virtual workers (2 stages each; 1 stage each for 4 workers; 4 micro-batches for 1 worker) of the same global batch (8)."""
     pricing = CostOptions(zero=zero, precision=precision)
     if workers == 4:
         return Plan("gpt2-tiny", tuple(VirtualWorker((Stage((0, 4), f"n0:{w}"),)) for w in range(4)), "1f1b", 2, 1,
+                    pricing=pricing)
+    if workers == 1:  # one holder per layer: every layer stepped whole (its own fp32 masters under bf16)
+        return Plan("gpt2-tiny", (VirtualWorker((Stage((0, 2), "n0:0"), Stage((2, 4), "n0:1"))),), "1f1b", 2, 4,
                     pricing=pricing)
     vws = tuple(VirtualWorker((Stage((0, 2), f"n0:{2 * w}"), Stage((2, 4), f"n0:{2 * w + 1}"))) for w in range(2))
     return Plan("gpt2-tiny", vws, "1f1b", 2, 2, pricing=pricing)
@@ -99,6 +102,12 @@ def test_a_zero_checkpoint_resumes_on_any_plan_as_the_run_goes_on(zero: int, pre
         for k in b:
             if k.startswith("model."):
                 torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+
+    # (d) a ZeRO plan of one holder per layer (one virtual worker of 4 micro-batches): the same, stepped whole
+    alone = _from_step_2(straight, tmp_path / "alone")
+    one = _run(_plan(zero, precision, workers=1), alone, 4, resume=True)
+    # (its loss averages 4 micro-batches in one worker, not 2 in each of 2: equal to rounding from the first)
+    assert one[0] == pytest.approx(losses[2], rel=1e-6) and one == pytest.approx(losses[2:], rel=rtol)
 
 
 def test_a_zero_checkpoint_keeps_each_holder_piece_of_the_state_it_loads(tmp_path: Path) -> None:
