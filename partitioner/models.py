@@ -187,9 +187,11 @@ class _Attention(nn.Module):
 
     ``recompute_core`` (set by the runtime for a stage planned with selective recomputation):
     the attention core (scores, mask, soft-max, weighted sum) keeps nothing for backward and is
-    run again there (``torch.utils.checkpoint``); the numbers are the same."""
+    run again there (``torch.utils.checkpoint``, or ``core_checkpoint`` when the runtime sets one:
+    :mod:`runtime.recompute`); the numbers are the same."""
 
     recompute_core = False
+    core_checkpoint: Any = None  # a callable (core, q, k, v) -> output run instead of torch.utils.checkpoint
 
     def __init__(self, hidden: int, heads: int, causal: bool, tensor_parallel: int = 1):
         super().__init__()
@@ -215,9 +217,12 @@ class _Attention(nn.Module):
         n = width // (3 * d)  # the heads here: all of them, or a tensor-parallel shard's
         q, k, v = fused.reshape(b, s, n, 3, d).permute(3, 0, 2, 1, 4).unbind(0)  # (b, n, s, d) each
         if self.recompute_core and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
+            if self.core_checkpoint is not None:  # the runtime's (runtime.recompute: once per micro-batch)
+                y = self.core_checkpoint(self._core, q, k, v)
+            else:
+                from torch.utils.checkpoint import checkpoint
 
-            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+                y = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
             y = self._core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, n * d))

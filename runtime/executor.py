@@ -99,6 +99,7 @@ from partitioner.schedule import (
 from .emulation import Stretch
 from .layout import Layout
 from .memory import ActivationMeter, rng_restored, rng_state
+from .recompute import keeping_core_gradients
 
 __all__ = ["PipelineExecutor", "StashingExecutor", "message_tag"]
 
@@ -366,7 +367,8 @@ class PipelineExecutor:
                 and all(y._version == v for y, v, _ in kept):
             roots = [self._root(y) for y, _, _ in kept]  # the stage's output among them: freed once sent
             wanted: list[Any] = ([x] if want_x and x is not None else []) + roots  # tensors and edges alike
-            grads = torch.autograd.grad(root, wanted, grad, retain_graph=True, allow_unused=True)
+            with keeping_core_gradients():  # a selective core recomputed here is not recomputed by the W
+                grads = torch.autograd.grad(root, wanted, grad, retain_graph=True, allow_unused=True)
             if s > 0:
                 self._in_grads[key] = grads[0] if want_x else None
             # a layer output the stage's output does not depend on (no gradient) has no W
@@ -377,7 +379,8 @@ class PipelineExecutor:
         if s > 0:
             dx = None
             if want_x and x is not None:
-                dx = torch.autograd.grad(root, x, grad, retain_graph=True, allow_unused=True)[0]
+                with keeping_core_gradients():
+                    dx = torch.autograd.grad(root, x, grad, retain_graph=True, allow_unused=True)[0]
             self._in_grads[key] = dx
         self._edges.pop(id(out), None)
         self._weight_work[key] = [(root, grad, params)]

@@ -115,7 +115,8 @@ def _summary(plan: Plan, config: TrainConfig, per_rank: list[dict[str, Any]], ba
         "ranks": [{k: r[k] for k in ("rank", "device", "gpu", "tp_rank", "tp_size", "worker", "pipe_rank", "stages",
                                           "layers", "threads", "seconds_per_step", "peak_memory_bytes",
                                           "model_state_bytes", "activation_peak_bytes", "loss_scale", "replica", "micro_batches",
-                                          "start_time", "wave_end_s", "empty_wave_s", "pull_end_s")
+                                          "start_time", "wave_end_s", "empty_wave_s", "pull_end_s",
+                                          "core_recomputations")
                    if k in r}
                   for r in per_rank],
         **({"emulated": _emulated(config.emulation, per_rank)} if config.emulation else {}),

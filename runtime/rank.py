@@ -51,13 +51,14 @@ from .recipe import (
     model_state_bytes,
     training_recipe,
 )
-from .recompute import recompute_stage
+from .recompute import RECOMPUTED, recompute_stage
 from .run import RunSpec, TrainConfig
 from .stage import boundary_shapes, build_stage
 from .tensor_parallel import full_state, shard_rank
 from .twobw import TwoBwExecutor
 from .wsp import WspExecutor
 from .zero import ShardedStep
+from .zero_state import empty_view, gathered_view, load_view
 
 __all__ = ["EXECUTORS", "FAULT_ENV", "Feed", "PipelineRun", "RankContext", "RankRun", "TwoBwRun", "WspRun",
            "check_time_bound", "executor_run", "rank_context", "rank_metrics", "run_rank"]
@@ -297,7 +298,12 @@ class PipelineRun(RankRun):
         if first:
             manifest = latest_complete(config.checkpoint_dir) if manifest is None else manifest
             same = manifest is not None and manifest.devices == tuple(r.device for r in ctx.layout.ranks)
-            restore(config.checkpoint_dir, first, ctx.rank, ctx.by_layer, optimizer, same_ranks=same)
+            if isinstance(optimizer, ShardedStep):  # read whole by name, keep this holder's pieces
+                view = empty_view(optimizer)
+                restore(config.checkpoint_dir, first, ctx.rank, ctx.by_layer, view, same_ranks=same)  # type: ignore[arg-type]
+                load_view(optimizer, view)
+            else:
+                restore(config.checkpoint_dir, first, ctx.rank, ctx.by_layer, optimizer, same_ranks=same)
             log.info("rank %d resumes from step %d", ctx.rank, first)
         return first
 
@@ -370,7 +376,9 @@ class PipelineRun(RankRun):
             return
         manifest = Manifest(done, ctx.run.plan, config.model, config.seed, config.data,
                             tuple(r.device for r in ctx.layout.ranks))
-        save_checkpoint(config.checkpoint_dir, manifest, ctx.rank, ctx.by_layer, optimizer)
+        # ZeRO: the pieces gathered, so the checkpoint holds whole tensors by name (runtime.zero_state)
+        state = gathered_view(optimizer) if isinstance(optimizer, ShardedStep) else optimizer
+        save_checkpoint(config.checkpoint_dir, manifest, ctx.rank, ctx.by_layer, state)
 
 
 class _OneListRun(RankRun):
@@ -559,6 +567,8 @@ def rank_metrics(ctx: RankContext, runner: RankRun, executor: PipelineExecutor) 
             "first_step": runner.first, "data": ctx.data.kind,
             "seconds_per_step": {k: v / timed_steps for k, v in seconds.items()},
             "emulated_actions": [executor.stretch.actions, executor.stretch.overruns] if executor.stretch else None,
+            # selective attention cores recomputed by this process (only when some were)
+            **({"core_recomputations": RECOMPUTED[0]} if RECOMPUTED[0] else {}),
             **runner.figures}
 
 

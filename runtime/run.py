@@ -156,10 +156,6 @@ def check_checkpoints(plan: Plan, config: TrainConfig, world_size: int) -> int:
         raise PartitionerError(f"checkpoints need a flushing schedule (gpipe, 1f1b, interleaved, bfs): "
                                f"{plan.schedule} runs its iterations as one action list without a point where all "
                                f"ranks agree on the weights")
-    if plan.pricing is not None and plan.pricing.zero:
-        raise PartitionerError(f"checkpoints with zero = {plan.pricing.zero}: the optimizer state is sharded over "
-                               "each layer's holders, which checkpoints do not write yet; train without "
-                               "`checkpoint_dir` or re-plan with `zero` 0")
     check_checkpoint_dir(config.checkpoint_dir)
     start = resume_step(config.checkpoint_dir, plan, config.model, config.seed, config.data) if config.resume else 0
     if start >= config.steps:

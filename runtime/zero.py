@@ -30,6 +30,9 @@ in the half type into the half parameters: the bytes the cost model prices for t
 (``CostOptions.allreduce_element_bytes``). The layers a rank holds alone train through their own
 fp32 masters (:class:`runtime.master.MasterStep`).
 
+Checkpoints hold whole tensors by name, as a plain run's: :mod:`runtime.zero_state` gathers the
+pieces before saving and keeps each holder's slice on loading.
+
 Numbers: the optimizer's update is elementwise (SGD, Adam, AdamW), so stepping a piece of the
 flat buffer gives each element the value the plain optimizer gives it; the reduce-scatter sums in
 the order gloo's all-reduce does on two holders (more holders may add in another order, a few

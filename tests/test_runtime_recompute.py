@@ -50,3 +50,13 @@ def test_recomputation_trains_what_the_plain_plan_trains(schedule: str, tmp_path
             assert r["activation_peak_bytes"] > 0
             if 0 in r["stages"] and modes[0] == "full":
                 assert r["activation_peak_bytes"] < b["activation_peak_bytes"], (schedule, modes, r["stages"])
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_a_selective_core_is_recomputed_once_per_micro_batch(schedule: str, tmp_path) -> None:
+    """Under a split backward the W reuses what the I recomputed: each attention core of a selective stage
+    runs again once per micro-batch, as the cost model prices it, not once in I and again in W."""
+    plan = _plan(schedule, ("selective",))
+    _, _, metrics = _train(plan, tmp_path / "run")
+    for r in metrics["ranks"]:  # gpt2-tiny: embedding, block, block, head; each stage one block (one core)
+        assert r["core_recomputations"] == 3 * plan.micro_batches, (schedule, r["stages"])  # 3 steps
