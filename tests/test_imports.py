@@ -219,10 +219,11 @@ def test_solvers_import_only_downward(module):
     assert not bad, f"{module} (floor {floor}) imports {sorted(bad)} on its own floor or above"
 
 
-# Modules below the command line that spell other programs' flags: Megatron-LM's arguments in its
-# export, torchrun's and DeepSpeed's launchers' in partitioner.launch (the launch recipes and the
-# advice of the runtime's seats).
-FOREIGN_FLAGS = {"partitioner.export", "partitioner.launch", "runtime.nodes"}
+# Modules below the command line that spell other programs' flags: Megatron-LM's arguments, and
+# torchrun's and DeepSpeed's launchers', in the exports' modules (partitioner.export's targets and
+# what they share) and in partitioner.launch (the launch recipes and the advice of the runtime's seats).
+FOREIGN_FLAGS = {"partitioner.export.common", "partitioner.export.torch_pipelining", "partitioner.export.deepspeed",
+                 "partitioner.export.megatron", "partitioner.launch", "runtime.nodes"}
 _FLAG = re.compile(r"(?:^|[\s(`/])--[a-zA-Z]")
 
 
