@@ -1,7 +1,11 @@
 """The closed form the cluster planners optimise against the simulator, on plans of several
-virtual workers with the gradient all-reduce between them."""
+virtual workers with the gradient all-reduce between them; and the tensor search's answer,
+priced by the simulator where the two differ (workers' transfers sharing a link)."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -12,6 +16,8 @@ from partitioner.plan import Plan, Stage, VirtualWorker
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner.simulate import simulate_plan
 from solvers.cluster.planner import price_plan
+from solvers.cluster.tensor import plan_tensor_parallel
+from solvers.planning import PlanRequest, plan
 from tests._hetero_fixtures import small_cluster, synthetic_profile
 
 TYPES = ("TITAN-V", "RTX-2060", "Quadro-P4000", "RTX-3090")
@@ -69,3 +75,40 @@ def test_closed_form_equals_the_simulator_for_k_workers(seed: int, p: int, k: in
         times = cost.plan_stage_times_s(plan, 0)
         assume(times[-1] >= max(times))
     assert closed == pytest.approx(simulated, rel=1e-9)
+
+
+def test_the_tensor_search_reports_the_simulated_rate_and_a_bound_on_it() -> None:
+    # 2 workers x 2 stages over two nodes under GPipe (whose closed form is exact on links of their
+    # own): both workers' activations cross the one link between the nodes, where the simulator
+    # queues them and the closed form does not
+    profile = synthetic_profile(6, seed=3, types=("TITAN-V", "RTX-2060"), act_mb=200.0)
+    cluster = small_cluster([["TITAN-V"] * 2, ["RTX-2060"] * 2], intra=16.0, inter=1.0)
+    res = plan_tensor_parallel(profile, cluster, 64, virtual_workers=2, pipeline=2, schedule="gpipe",
+                               time_limit_s=20.0)
+    plan = res.plan
+    assert plan is not None and plan.predicted is not None
+    closed = plan.meta["closed_form"]
+    assert all(len({d.split(":")[0] for d in vw.devices}) == 2 for vw in plan.virtual_workers)
+    assert closed["samples_per_s"] > plan.predicted["samples_per_s"] * 1.001  # the two differ here
+    assert res.objective == pytest.approx(1 / plan.predicted["samples_per_s"], rel=1e-12)
+    assert plan.solver is not None and plan.solver.objective == res.objective
+    assert math.isfinite(res.lower_bound) and 0 < res.lower_bound <= res.objective
+    assert closed["bound_samples_per_s"] >= closed["samples_per_s"] * (1 - 1e-9)
+
+
+def test_a_sliced_answer_carries_its_own_simulated_figures_and_no_certificate() -> None:
+    # measured at sizes 2 and 4; 4 stages of 2 micro-batches of 4: slicing the first pays here
+    profile = synthetic_profile(8, micro_batch_size=4, types=("TITAN-V",), act_mb=1.0)
+    layers = tuple(replace(lay, times_at={2: {"TITAN-V": LayerTime(lay.times["TITAN-V"].fwd_s * 0.9,
+                                                                   lay.times["TITAN-V"].bwd_s * 0.9)}})
+                   for lay in profile.layers)
+    profile = replace(profile, layers=layers)
+    cluster = small_cluster([["TITAN-V"] * 4])
+    got = plan(profile, cluster, PlanRequest(micro_batches="auto", global_batch=8, virtual_workers=1,
+                                             pipeline_parallel=4))
+    assert got.ok and got.plan is not None and got.plan.first_slices > 1
+    simulated = simulate_plan(got.plan, profile.at_size(got.plan.micro_batch_size), cluster).samples_per_s
+    assert got.plan.predicted["samples_per_s"] == pytest.approx(simulated, rel=1e-12)
+    assert got.objective == pytest.approx(1 / simulated, rel=1e-12)
+    assert got.plan.solver is not None and got.plan.solver.objective == got.objective
+    assert math.isnan(got.lower_bound) and math.isnan(got.plan.solver.gap)
