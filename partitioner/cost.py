@@ -990,8 +990,9 @@ class CostModel:
         (:meth:`worker_iteration_s`), then the gradient all-reduces and the optimizer step.
 
         Under a flushing schedule stage ``k`` finishes its last backward earlier than stage 0 by
-        the backward work and gradient transfers of stages ``0..k-1``; each all-reduce starts when
-        its last holder is done (groups run in :meth:`sync_groups` order on every device), and each
+        the backward work and gradient transfers of stages ``0..k-1``; without overlapped
+        transfers its own last gradient send back holds it until stage ``k - 1`` starts its last
+        backward. Each all-reduce starts when its last holder is done (groups run in :meth:`sync_groups` order on every device), and each
         device then steps. Without a flush (2bw) the all-reduce and step follow the steady state.
         One-chunk schedules; the simulator is the reference for the others. Where nodes share
         NICs, a message between nodes gets the share of each NIC it crosses that the plan's
@@ -1006,9 +1007,13 @@ class CostModel:
             total = self.worker_iteration_s(plan, w)
             back = 0.0
             for k, st in enumerate(vw.stages):
+                prev = vw.stages[k - 1].device if k > 0 else None
+                # without overlapped transfers the stage's last gradient send back holds it: its
+                # all-reduce starts when that send ends, as stage k - 1's last backward starts
+                held = 0.0 if self.options.overlap_comm else self.boundary_s(st.start, st.device, prev)
                 for d in st.devices:
                     layers_of.setdefault(d, []).append((st.start, st.stop))
-                    done = total if not spec(plan.schedule).flushes else total - back
+                    done = total if not spec(plan.schedule).flushes else total - back + held
                     finish[d] = max(finish.get(d, 0.0), done)
                 gpu = self.cluster.device(st.device).kind
                 nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None

@@ -22,6 +22,7 @@ command shows them as its flags, ``micro_batches`` as ``--micro-batches``).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -35,7 +36,7 @@ from partitioner.schedule import spec
 from solvers import solve
 from solvers.pipeline.chunked import parse_chunks
 from solvers.progress import shown
-from solvers.result import SolveResult
+from solvers.result import SolveResult, SolveStatus
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +298,23 @@ def _sliced(res: SolveResult, profile: Profile, cluster: Cluster, options: CostO
         rate = priced(plan_, profile, cluster, options)[1]
         if rate > best[2]:
             best = (replace(res, plan=plan_), s, rate)
+    if best[1] > 1:
+        best = (_resliced(best[0], profile, cluster, options), best[1], best[2])
     return best
+
+
+def _resliced(res: SolveResult, profile: Profile, cluster: Cluster, options: CostOptions) -> SolveResult:
+    """A plan whose first micro-batch is now sliced, with its own simulated figures as objective
+    and prediction. The search's bound was for plans without slicing (its fill terms assume a
+    whole first micro-batch crosses every stage), so it is not claimed for this one."""
+    from solvers.predictions import with_predictions
+
+    assert res.plan is not None
+    plan_ = with_predictions(res.plan, profile, cluster, options, res.plan.meta.get("closed_form", {}))
+    rate = plan_.predicted.get("samples_per_s", 0.0) if plan_.predicted else 0.0
+    out = replace(res, status=SolveStatus.FEASIBLE, objective=1.0 / rate if rate > 0 else res.objective,
+                  lower_bound=math.nan)
+    return replace(out, plan=replace(plan_, solver=out.solver_info()))
 
 
 DEFAULT_SEARCH_S = 60.0  # the global-batch search's time limit when none is given (all sizes together)

@@ -661,8 +661,11 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     predicted = price_plan(cost, plan, objective)
     bound = fleet_bound(cost, devs, schedule, replication=replication,
                         virtual_workers=k)
-    upper = min(throughput_upper_bound(cost, devs), bound.samples_per_s, _layer_bound(cost, devs, schedule, k, replication),
-                _paced_bound(cost, devs, schedule, k, replication))
+    # the bounds that hold for any order of the cost model's actions, the simulator's included
+    # (busy time and dependency chains; the fleet and all-reduce bounds price the closed form)
+    any_order = min(throughput_upper_bound(cost, devs), _layer_bound(cost, devs, schedule, k, replication),
+                    _paced_bound(cost, devs, schedule, k, replication))
+    upper = min(any_order, bound.samples_per_s)
     with_sync = found.details.get("sync_bound", {})
     if with_sync.get("complete"):  # the bound with the all-reduce in it (solvers.cluster.bounds.sync)
         upper = min(upper, with_sync["samples_per_s"])
@@ -687,7 +690,8 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
                                   "bound": {"samples_per_s": bound.samples_per_s,
                                             "perfect_speedup": bound.perfect_speedup,
                                             "memory_bytes_per_worker": bound.memory_bytes_per_worker,
-                                            "pipeline_fill": bound.pipeline_fill, "workers": bound.workers},
+                                            "pipeline_fill": bound.pipeline_fill, "workers": bound.workers,
+                                  "any_order_samples_per_s": any_order},
                                   **found.details})
     meta = {"policy": policy, "objective": objective, "replication": replication,
             "worker_samples_per_s": [worker_throughput(cost, vw.stages, schedule)

@@ -11,8 +11,10 @@ per-layer bound of :mod:`solvers.cluster.bounds.layers` at that K; a candidate p
 also has the cluster planner's own certificate, with the fleet bound of
 :mod:`solvers.cluster.bounds.fleet`); candidates are planned best
 bound first, and the search stops when the best plan found is at least the next bound (nothing
-left can beat it) or time is up. The certificate of the whole space is the largest bound of the
-candidates not planned and of the planned ones' own certificates.
+left can beat it) or time is up. The search ranks by the closed form; the answer is priced by the
+simulator, and its certificate is the largest bound of the candidates not planned and of the
+planned ones' bounds that hold for any order of the actions (the simulator's included; see
+:func:`_result`). The closed form's own certificate, tighter, is kept beside it.
 
 The per-layer bound is a linear program, one per candidate; most candidates never need it. A
 view (size and degrees) starts with its perfect speed-up (``micro_batch_size * sum_d 1 / T_d``,
@@ -346,6 +348,7 @@ def _search(profile: Profile, cluster: Cluster, global_batch: int, sizes: Sequen
     best = _quick_pass(profiles, cluster, queue.ordered(), options, schedule, t0 + QUICK_SHARE * time_limit_s,
                        rel_tol, costs)
     open_bound = 0.0  # the best rate any planned candidate may still reach (its own certificate)
+    open_any = 0.0  # the same from the candidates' per-layer bounds alone (they hold for the simulator too)
     tried: list[dict[str, Any]] = []
     stop = None  # the candidates from here on were not planned in full
     overrun = 0.0
@@ -364,10 +367,14 @@ def _search(profile: Profile, cluster: Cluster, global_batch: int, sizes: Sequen
                 len(w.stages) != pipeline for w in res.plan.virtual_workers):
             tried[-1]["refused"] = f"workers of other than {pipeline} stages"
             open_bound = max(open_bound, cand.bound_samples_per_s)
+            open_any = max(open_any, cand.bound_samples_per_s)
             continue
         rate = 1.0 / res.objective if res.ok and res.objective > 0 else 0.0
         upper = min(1.0 / res.lower_bound if res.lower_bound > 0 else math.inf, cand.bound_samples_per_s)
         open_bound = max(open_bound, upper)
+        bound_info = cast(Mapping[str, float], dict(res.details).get("bound", {}))
+        any_order = bound_info.get("any_order_samples_per_s", math.inf)
+        open_any = max(open_any, min(any_order, cand.bound_samples_per_s))
         tried[-1].update({"samples_per_s": rate, "bound_samples_per_s": upper})
         if res.ok and (best is None or rate > best[0]):
             best = (rate, res, cand)
@@ -377,7 +384,7 @@ def _search(profile: Profile, cluster: Cluster, global_batch: int, sizes: Sequen
                            runtime_s=time.perf_counter() - t0, method="tensor",
                            reason="no candidate (micro-batch size, degrees per GPU type, pipelines) gave a plan that "
                                   "fits" + ("" if rest == 0 else " within the time limit"))
-    return _result(best, profiles, cluster, options, max(best[0], open_bound, rest),
+    return _result(best, profiles, cluster, options, max(best[0], open_bound, rest), max(open_any, rest),
                    {"candidates": queue.entries, "candidates_bounded": queue.bounded,
                     "candidates_planned": len(tried), "tried": tried, "global_batch": global_batch}, t0)
 
@@ -414,22 +421,42 @@ def _full(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpti
 
 
 def _result(best: tuple[float, SolveResult, Candidate], profiles: Mapping[int, Profile], cluster: Cluster,
-            options: CostOptions | None, upper: float, extra: dict[str, Any], t0: float) -> SolveResult:
-    """The answer: the best plan (with predictions), its candidate's choices and the certificate."""
-    rate, res, cand = best
+            options: CostOptions | None, closed_upper: float, upper: float, extra: dict[str, Any],
+            t0: float) -> SolveResult:
+    """The answer: the best plan (with predictions), its candidate's choices and the certificate.
+
+    The search ranks candidates by the closed form (:func:`solvers.cluster.planner.price_plan`);
+    the answer is priced by the simulator (``plan.predicted``), which also times what the closed
+    form leaves out (several workers' transfers queueing on one link between two nodes). Its
+    certificate is ``upper``, the largest per-layer bound of the candidates
+    (:func:`solvers.cluster.bounds.layers.layer_bound` and the perfect speed-up): busy-time and
+    dependency bounds that hold for any execution of the cost model's actions, the simulator's
+    included, so it bounds every candidate's simulated rate. ``closed_upper``, the certificate
+    of the closed form (with the cluster planner's own, priced by that closed form), is kept in
+    ``details``."""
+    closed_rate, res, cand = best
     assert res.plan is not None
     if res.method == "tensor:uniform":  # predictions attached to the one plan returned
         view = candidate_view(cluster, cand.degrees)[0]
         closed = cast(Mapping[str, float], dict(res.details)["closed_form"])
         res = replace(res, plan=with_predictions(res.plan, profiles[cand.micro_batch_size], view, options, closed,
                                                  extra_meta={"policy": "uniform", "objective": "sync"}))
+    assert res.plan is not None
+    simulated = res.plan.predicted.get("samples_per_s", math.nan) if res.plan.predicted else math.nan
+    rate = simulated if simulated > 0 and math.isfinite(simulated) else closed_rate
+    if upper < rate * (1 - 1e-9):  # a bound below a plan it was to bound: no certificate
+        log.warning("tensor: a bound (%.6g samples/s) is below the plan's simulated %.6g; the plan is returned "
+                    "without a certificate", upper, rate)
+        upper = math.nan
     status = SolveStatus.OPTIMAL if upper <= rate * (1 + 1e-9) else SolveStatus.FEASIBLE
     details = {k: v for k, v in dict(res.details).items() if k != "closed_form"}
     details.update({"tensor_parallel": dict(cand.degrees), "virtual_workers": cand.virtual_workers,
-                    "micro_batch_size": cand.micro_batch_size, **extra})
-    log.info("tensor: %d candidates, %d planned, best %.2f samples/s, bound %.2f", extra["candidates"],
-             extra["candidates_planned"], rate, upper)
+                    "micro_batch_size": cand.micro_batch_size,
+                    "closed_form": {"samples_per_s": closed_rate, "bound_samples_per_s": closed_upper}, **extra})
+    log.info("tensor: %d candidates, %d planned, best %.2f samples/s simulated (%.2f closed form), bound %.2f",
+             extra["candidates"], extra["candidates_planned"], rate, closed_rate, upper)
     out = SolveResult(status, res.plan, 1.0 / rate, 1.0 / upper if upper > 0 else math.nan,
                       time.perf_counter() - t0, "tensor", details=details)  # type: ignore[arg-type]
-    assert res.plan is not None
-    return replace(out, plan=replace(res.plan, solver=out.solver_info()))
+    meta = dict(res.plan.meta)
+    meta["closed_form"] = {**meta.get("closed_form", {}), "bound_samples_per_s": closed_upper}
+    return replace(out, plan=replace(res.plan, solver=out.solver_info(), meta=meta))

@@ -9,7 +9,8 @@ module charges every stage.
 In the closed form (:meth:`partitioner.cost.CostModel.plan_iteration_s`, flushing schedules,
 no replication) stage ``k`` of a worker finishes its last backward at ``T_w - B_k``, with
 ``T_w`` the worker's iteration and ``B_k`` the backward compute and gradient messages of
-stages ``0 .. k - 1`` (what the closed form subtracts). Its device then runs, one after
+stages ``0 .. k - 1`` (the closed form then adds the stage's own gradient send back where
+transfers are not overlapped, so this is the earliest it frees). Its device then runs, one after
 another, the all-reduce of every group of layers it holds, each over ``K`` members (one
 device per worker), and steps. So the plan's iteration is at least
 
