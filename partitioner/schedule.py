@@ -72,6 +72,7 @@ __all__ = [
     "ALLREDUCE",
     "COMPUTE_KINDS",
     "DEFAULT_MICRO_BATCHES",
+    "FIRST_SLICES",
     "PULL",
     "PUSH",
     "RECV_ACT",
@@ -94,6 +95,7 @@ __all__ = [
     "build_schedule",
     "check_schedule",
     "describe",
+    "first_slice_counts",
     "match_key",
     "schedule_columns",
     "spec",
@@ -250,6 +252,19 @@ def spec(schedule: str) -> ScheduleSpec:
         return SCHEDULES[schedule]
     except (KeyError, TypeError):
         raise FormatError("schedule", schedule, f"must be one of {', '.join(SCHEDULES)}") from None
+
+
+FIRST_SLICES = (1, 2, 4)  # the slice counts the planners try for a plan's first micro-batch
+
+
+def first_slice_counts(schedule: str, micro_batch_size: int, micro_batches: int) -> tuple[int, ...]:
+    """The slice counts of :data:`FIRST_SLICES` a plan may cut its first micro-batch into: those
+    that divide its size, on a sliceable schedule, where the worker runs two micro-batches or more
+    (so its last one is whole, which the planners' bounds use; one micro-batch in slices is a
+    smaller size, which they try as such)."""
+    if not spec(schedule).sliceable or micro_batches < 2:
+        return (1,)
+    return tuple(s for s in FIRST_SLICES if micro_batch_size % s == 0)
 
 
 # The micro-batches per iteration when a caller gives none: a cluster of virtual workers (the

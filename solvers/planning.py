@@ -32,7 +32,7 @@ from partitioner.cost import CostOptions
 from partitioner.errors import OptionError, PartitionerError
 from partitioner.plan import MAX_MICRO_BATCHES
 from partitioner.profile import MAX_MICRO_BATCH_SIZE, MAX_TENSOR_PARALLEL, Profile
-from partitioner.schedule import spec
+from partitioner.schedule import first_slice_counts, spec
 from solvers import solve
 from solvers.pipeline.chunked import parse_chunks
 from solvers.progress import shown
@@ -291,9 +291,7 @@ def _sliced(res: SolveResult, profile: Profile, cluster: Cluster, options: CostO
 
     assert res.plan is not None
     best = (res, 1, priced(res.plan, profile, cluster, options)[1])
-    for s in (2, 4):
-        if res.plan.micro_batch_size % s or not spec(res.plan.schedule).sliceable:
-            continue
+    for s in first_slice_counts(res.plan.schedule, res.plan.micro_batch_size, res.plan.micro_batches)[1:]:
         plan_ = replace(res.plan, first_slices=s)
         rate = priced(plan_, profile, cluster, options)[1]
         if rate > best[2]:
@@ -305,15 +303,22 @@ def _sliced(res: SolveResult, profile: Profile, cluster: Cluster, options: CostO
 
 def _resliced(res: SolveResult, profile: Profile, cluster: Cluster, options: CostOptions) -> SolveResult:
     """A plan whose first micro-batch is now sliced, with its own simulated figures as objective
-    and prediction. The search's bound was for plans without slicing (its fill terms assume a
-    whole first micro-batch crosses every stage), so it is not claimed for this one."""
+    and prediction. The search's bound holds for sliced plans (its fill terms take the slices
+    :func:`partitioner.schedule.first_slice_counts` allows), so it stays the certificate."""
     from solvers.predictions import with_predictions
 
     assert res.plan is not None
     plan_ = with_predictions(res.plan, profile, cluster, options, res.plan.meta.get("closed_form", {}))
     rate = plan_.predicted.get("samples_per_s", 0.0) if plan_.predicted else 0.0
-    out = replace(res, status=SolveStatus.FEASIBLE, objective=1.0 / rate if rate > 0 else res.objective,
-                  lower_bound=math.nan)
+    objective = 1.0 / rate if rate > 0 else res.objective
+    lower = res.lower_bound
+    if lower > objective * (1 + 1e-9):  # a bound above the plan it was to bound: no certificate
+        log.warning("the sliced plan (%.6g s per sample) beats its bound (%.6g); returned without a certificate",
+                    objective, lower)
+        lower = math.nan
+    proven = not math.isnan(lower) and objective <= lower * (1 + 1e-9)
+    out = replace(res, status=SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE, objective=objective,
+                  lower_bound=lower)
     return replace(out, plan=replace(plan_, solver=out.solver_info()))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ TYPES = ("A100-40", "V100-16")
 
 
 def _profile(rng: np.random.Generator, n_layers: int, params: tuple[float, float] = (1e6, 4e6),
-             bwd: tuple[float, float] = (1.5, 2.5)) -> Profile:
+             bwd: tuple[float, float] = (1.5, 2.5), size: int = 1) -> Profile:
     """Layers of random forward times per type and a random backward / forward ratio."""
     layers = []
     for i in range(n_layers):
@@ -38,7 +39,7 @@ def _profile(rng: np.random.Generator, n_layers: int, params: tuple[float, float
             times[t] = LayerTime(f, f * float(rng.uniform(*bwd)))
         layers.append(LayerProfile(f"l{i}", 0.0, float(rng.uniform(*params)), float(rng.uniform(1e5, 1e6)),
                                    float(rng.uniform(1e5, 4e6)), times))
-    return Profile("rand", 1, tuple(layers))
+    return Profile("rand", size, tuple(layers))
 
 
 def _cluster() -> Cluster:
@@ -78,6 +79,34 @@ def test_the_universal_fill_is_below_the_simulator_and_the_closed_form(seed: int
     # the per-worker capacity of the layer bound: m W <= h(p) T for T the universal floor
     beta = min(y / (x + y) for x, y in zip(f, b, strict=True) if x + y > 0)
     assert m * (sum(f) + sum(b)) <= fill_capacity(m, n_stages, beta) * floor * (1 + 1e-9)
+
+
+def test_the_sliced_fill_capacity_holds_for_plans_whose_first_micro_batch_is_sliced() -> None:
+    """A first micro-batch in slices shortens the fill: the capacity at that many slices (and at
+    more) bounds the work the simulator fits in the iteration of random sliced plans, while the
+    capacity of whole micro-batches is beaten by some of them (so the slices term is needed)."""
+    beaten = 0
+    for seed in range(400):
+        rng = np.random.default_rng(seed)
+        m, n_stages, slices = 2, 4, int(rng.choice([2, 4]))  # few micro-batches: the fill matters most
+        profile = _profile(rng, 6, size=4)
+        cl = _cluster()
+        devices = [d.name for d in cl.devices]
+        order = [devices[i] for i in rng.permutation(4)[:n_stages]]
+        cuts = sorted(rng.choice(np.arange(1, 6), n_stages - 1, replace=False).tolist())
+        edges = [0, *cuts, 6]
+        plan = Plan("rand", (VirtualWorker(tuple(Stage((edges[i], edges[i + 1]), d)
+                                                 for i, d in enumerate(order))),), "1f1b", 4, m, first_slices=slices)
+        options = CostOptions(sync=False, reserved_bytes=0.0)
+        cost = CostModel(profile, cl, options)
+        f, b = _stage_parts(cost, plan, 0)
+        sim = simulate_plan(plan, profile, cl, options).iteration_s
+        beta = min(y / (x + y) for x, y in zip(f, b, strict=True) if x + y > 0)
+        work = m * (sum(f) + sum(b))
+        assert work <= fill_capacity(m, n_stages, beta, slices) * sim * (1 + 1e-9)
+        assert work <= fill_capacity(m, n_stages, beta, 4) * sim * (1 + 1e-9)
+        beaten += work > fill_capacity(m, n_stages, beta) * sim * (1 + 1e-9)
+    assert beaten > 0, "no sliced plan beats the whole micro-batches' capacity: the instances test nothing"
 
 
 def test_the_closed_form_fill_is_not_a_floor_but_the_universal_one_is() -> None:
@@ -159,6 +188,34 @@ def test_the_bounds_hold_for_every_plan_of_tiny_instances(seed: int) -> None:
             assert bound >= max(rate, best_sim[k]) * (1 - 1e-9)
     if len(best) == 1:  # one K only: the every-K search is at that K's schedule
         assert every >= max(best.values()) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_sliced_bounds_hold_for_every_sliced_plan_of_tiny_instances(seed: int) -> None:
+    """As above, with every plan's first micro-batch in two slices (micro-batches of 2): the
+    simulated rates stay below the paced and per-layer bounds taken at two slices."""
+    rng = np.random.default_rng(seed)
+    profile = _profile(rng, 3, params=(1.5e9, 2.5e9), size=2)
+    cl = _cluster()
+    options = CostOptions(reserved_bytes=0.0)
+    cost = CostModel(profile, cl, options)
+    best_sim: dict[int, float] = {}
+    for k, plan in _every_plan(profile, cl, 4, "1f1b"):  # 4 micro-batches of 2 in all
+        if plan.micro_batches < 2:  # one micro-batch in slices is a smaller size, not a sliced plan
+            continue
+        plan = replace(plan, micro_batch_size=2)
+        try:
+            cost.check_plan_memory(plan)
+        except FormatError:
+            continue
+        rate = 8 / simulate_plan(replace(plan, first_slices=2), profile, cl, options).iteration_s
+        best_sim[k] = max(best_sim.get(k, 0.0), rate)
+    assert best_sim, "no plan fits: the instance tests nothing"
+    for k, rate in best_sim.items():
+        sched = Schedule.of("1f1b", 4 // k)
+        for bound in (paced_bound(cost, cl.devices, sched, virtual_workers=k, slices=2),
+                      layer_bound(cost, cl.devices, k, sched, slices=2)):
+            assert bound >= rate * (1 - 1e-9)
 
 
 def test_memory_caps_the_share_a_fast_small_gpu_computes() -> None:

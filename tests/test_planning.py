@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from partitioner.errors import OptionError
+from partitioner.schedule import first_slice_counts
+from partitioner.simulate import simulate_plan
 from partitioner_cli._args import OPTION_FLAGS, cli_message
 from solvers import SolveStatus, solve
 from solvers.cluster.microbatch import choose_micro_batches
@@ -66,6 +71,12 @@ def test_micro_batch_choice_through_the_front_door(inputs):
         direct = choose_micro_batches(prof, cl, 32 // (k or 1), plan_cluster, virtual_workers=k or 1, policy="opt")
         assert direct.ok
         assert 1.0 / got.lower_bound >= direct.samples_per_s * (1 - 1e-6)
+        # a certificate always, and it holds for the answer with its first micro-batch in any slices
+        assert math.isfinite(got.lower_bound) and got.lower_bound > 0
+        for s in first_slice_counts(got.plan.schedule, got.plan.micro_batch_size, got.plan.micro_batches):
+            sliced = replace(got.plan, first_slices=s)
+            rate = 32 / simulate_plan(sliced, prof.at_size(sliced.micro_batch_size), cl).iteration_s
+            assert rate <= (1.0 / got.lower_bound) * (1 + 1e-9)
 
 
 def test_nothing_fits_is_infeasible_with_a_reason_not_none():

@@ -317,7 +317,7 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
                  *, objective: str = "sync", replication: bool = False, schedule: str = "1f1b",
                  micro_batches: int = DEFAULT_MICRO_BATCHES, options: CostOptions | None = None, exact_limit: int = 720,
                  time_limit_s: float = 50.0, devices: Sequence[str] | None = None,
-                 simulate_top: int = 0) -> SolveResult:
+                 simulate_top: int = 0, slices: int = 1) -> SolveResult:
     """Group, map and split ``profile`` over ``cluster`` (see the module docstring).
 
     ``virtual_workers``: K, or ``"auto"`` (np: one per node; ed/hd: the largest K the policy
@@ -328,10 +328,15 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     otherwise it runs a local search. ``simulate_top = N > 0`` (policy ``opt``): the N best
     groupings by the closed form are built into plans and the one with the most simulated
     samples/s wins (:func:`solvers.pipeline.ranking.rank_plans`); the ranking is in ``details["ranking"]``.
-    The certificate is :func:`solvers.cluster.bounds.fleet.fleet_bound` (fill, memory, K).
+    The certificate is :func:`solvers.cluster.bounds.fleet.fleet_bound` (fill, memory, K);
+    ``slices`` > 1: the plan's first micro-batch may afterwards be cut into up to that many
+    slices, and the bounds that hold for any order of the actions (``details.bound.any_order``)
+    cover such plans too.
     """
     t0 = time.perf_counter()
     _check_options(policy, objective, micro_batches, virtual_workers, time_limit_s)
+    if not (isinstance(slices, int) and not isinstance(slices, bool) and slices >= 1):
+        raise FormatError("slices", slices, "must be an integer >= 1")
     sched = Schedule.of(schedule, micro_batches)
     sched.activations_in_flight(1)  # refuses schedules priced only by simulation
     cost = CostModel(profile, cluster, options)
@@ -366,7 +371,7 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
                   "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, sched))
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
                            method=f"hetero:{policy}", reason=reason)
-    return _finish(found, cost, devs, policy, objective, replication, sched, options, k, t0)
+    return _finish(found, cost, devs, policy, objective, replication, sched, options, k, t0, slices)
 
 
 def _check_options(policy: str, objective: str, micro_batches: Any, virtual_workers: Any, time_limit_s: Any) -> None:
@@ -649,7 +654,7 @@ def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, obje
 
 def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, objective: str, replication: bool,
             schedule: Schedule, options: CostOptions | None, k: int | None,
-            t0: float) -> SolveResult:
+            t0: float, slices: int = 1) -> SolveResult:
     """Build, price, certify and validate the plan of the chosen grouping."""
     from solvers.cluster.bounds.fleet import fleet_bound
 
@@ -663,8 +668,8 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
                         virtual_workers=k)
     # the bounds that hold for any order of the cost model's actions, the simulator's included
     # (busy time and dependency chains; the fleet and all-reduce bounds price the closed form)
-    any_order = min(throughput_upper_bound(cost, devs), _layer_bound(cost, devs, schedule, k, replication),
-                    _paced_bound(cost, devs, schedule, k, replication))
+    any_order = min(throughput_upper_bound(cost, devs), _layer_bound(cost, devs, schedule, k, replication, slices),
+                    _paced_bound(cost, devs, schedule, k, replication, slices))
     upper = min(any_order, bound.samples_per_s)
     with_sync = found.details.get("sync_bound", {})
     if with_sync.get("complete"):  # the bound with the all-reduce in it (solvers.cluster.bounds.sync)
@@ -702,21 +707,24 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
     return replace(result, plan=plan)
 
 
-def _layer_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None, replication: bool) -> float:
+def _layer_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None, replication: bool,
+                 slices: int = 1) -> float:
     """:func:`solvers.cluster.bounds.layers.layer_bound` at ``k`` workers; with ``k`` free, at one
     worker, which bounds every K alike (``K`` workers hold ``K`` copies and run ``K m`` micro-batches:
     their busy time is at least ``K`` times one worker's, all-reduces and memory aside)."""
     from solvers.cluster.bounds.layers import layer_bound
 
-    return layer_bound(cost, devs, 1 if k is None else k, schedule, every_k=k is None, replication=replication)
+    return layer_bound(cost, devs, 1 if k is None else k, schedule, every_k=k is None, replication=replication,
+                       slices=slices)
 
 
-def _paced_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None, replication: bool) -> float:
+def _paced_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None, replication: bool,
+                 slices: int = 1) -> float:
     """:func:`solvers.cluster.bounds.paced.paced_bound` (memory caps each stage's share) at ``k``
     workers, or over every K."""
     from solvers.cluster.bounds.paced import paced_bound
 
-    return paced_bound(cost, devs, schedule, virtual_workers=k, replication=replication)
+    return paced_bound(cost, devs, schedule, virtual_workers=k, replication=replication, slices=slices)
 
 
 def _grouping_value(g: list[list[Device]], planner: WorkerPlanner, objective: str, micro_batches: int) -> float:

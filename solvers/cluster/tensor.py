@@ -47,7 +47,7 @@ from partitioner.errors import FormatError, OptionError
 from partitioner.plan import MAX_MICRO_BATCHES
 from partitioner.pricing import CostOptions
 from partitioner.profile import Profile
-from partitioner.schedule import Schedule
+from partitioner.schedule import Schedule, first_slice_counts
 
 from ..predictions import with_predictions
 from ..progress import status
@@ -236,7 +236,8 @@ class _Queue:
                 cost, devices = self.cost(key), self._views[key][2]
                 # the per-layer bound only: the fleet bound's LPs cost 30 times more; a candidate
                 # planned in full gets it too (the cluster planner's certificate)
-                bound = layer_bound(cost, devices, cand.virtual_workers, Schedule.of(self.schedule, cand.micro_batches))
+                bound = layer_bound(cost, devices, cand.virtual_workers, Schedule.of(self.schedule, cand.micro_batches),
+                                    slices=_most_slices(self.schedule, cand))
                 self.bounded += 1
                 if bound > 0:  # 0: no plan of k workers fits
                     bound = min(bound, -neg)
@@ -285,6 +286,12 @@ def uniform_grouping(devices: Sequence[Device], k: int) -> list[list[Device]] | 
     if any(len(v) % k for v in by_kind.values()):
         return None
     return [[d for v in by_kind.values() for d in v[w * (len(v) // k):(w + 1) * (len(v) // k)]] for w in range(k)]
+
+
+def _most_slices(schedule: str, cand: Candidate) -> int:
+    """The most slices the answer's first micro-batch may take on this candidate
+    (:func:`solvers.planning.plan` tries them): its bounds must hold for them."""
+    return max(first_slice_counts(schedule, cand.micro_batch_size, cand.micro_batches))
 
 
 def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOptions | None,
@@ -414,7 +421,7 @@ def _full(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpti
     try:
         return plan_cluster(profile, view, cand.virtual_workers, micro_batches=cand.micro_batches, options=options,
                             devices=[d.name for d in devices],
-                            schedule=schedule, time_limit_s=limit_s)
+                            schedule=schedule, time_limit_s=limit_s, slices=_most_slices(schedule, cand))
     except FormatError as err:  # a candidate the planner refuses (say, more workers than layers allow)
         tried[-1]["refused"] = str(err)
         return None

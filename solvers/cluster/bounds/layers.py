@@ -52,7 +52,13 @@ With ``K`` fixed (not ``every_k``) three more terms hold:
   ``h(p) = min(m (1 - (1 - 1/m)^p), m p / (p + (m - 1) beta))``, concave and increasing in
   ``p``; over ``K`` workers of ``N`` devices at most, the busy time of all compute is at most
   ``T K h(N / K)``. Both forms hold for any order of the micro-batches, so for the simulator's
-  1F1B, whose warm-up can beat the closed form's fill.
+  1F1B, whose warm-up can beat the closed form's fill. Where the first micro-batch may run in
+  ``S`` slices (its slices scale with their share of the samples), the chain before stage ``k``
+  costs a slice's forwards and the last micro-batch's whole backwards, at least ``gamma`` of
+  ``sum_{j < k} s_j`` with ``gamma = beta + (1 - beta) / S``, so ``h`` takes ``m (1 - (1 -
+  gamma/m)^p) / gamma``; and the second form becomes ``T >= W / S + (m - 1/S) beta max_k s_k``
+  (the first slice's round trip is ``1/S`` of a micro-batch's), ``h <= m p S / (p + (m S - 1)
+  beta)``. Both grow with ``S``: the bound at the most slices holds for fewer.
 
 Sends between stages are left out (they only add).
 """
@@ -72,7 +78,7 @@ from partitioner.schedule import Schedule
 from ..lp import linprog
 
 __all__ = ["FILL_SCHEDULES", "fastest_inter_node_gbps", "fastest_link_gbps", "fill_capacity", "layer_bound",
-           "least_backward_share"]
+           "least_backward_share", "sliced_lead_share"]
 
 FILL_SCHEDULES = ("1f1b", "gpipe")  # one-chunk schedules whose every backward waits for the forward chain
 
@@ -89,13 +95,15 @@ def fastest_link_gbps(cost: CostModel) -> float:
 
 
 def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int, schedule: Schedule, *,
-                every_k: bool = False, replication: bool = False) -> float:
+                every_k: bool = False, replication: bool = False, slices: int = 1) -> float:
     """The LP of the module docstring: an upper bound on samples/s of any plan of ``virtual_workers``
     workers over ``devices`` (``inf`` where the LP solver gives no answer: no bound). The all-reduce
     counts where the cost model prices it in the iteration (``options.sync`` and a schedule that
     all-reduces), the step where the schedule takes one (not WSP, whose push applies the update).
     ``every_k``: the bound at one worker that holds for every K (``virtual_workers`` must be 1), so
-    without the fixed-K terms; ``replication``: plans may replicate stages (no fill term)."""
+    without the fixed-K terms; ``replication``: plans may replicate stages (no fill term);
+    ``slices``: plans may run their first micro-batch in up to this many slices (the fill term
+    then holds for them too; ``micro_batches`` >= 2, so the last micro-batch is whole)."""
     if every_k and virtual_workers != 1:
         raise ValueError(f"layer_bound: every_k needs virtual_workers 1, not {virtual_workers}")
     k, m = virtual_workers, schedule.micro_batches
@@ -122,7 +130,7 @@ def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int
     if not every_k and not replication:  # a replica runs a share of its worker's micro-batches
         floor_s = m * float(comp.min(axis=1).max())
         if schedule.name in FILL_SCHEDULES:
-            fill = k * fill_capacity(m, len(devices) / k, least_backward_share(cost, kinds))
+            fill = k * fill_capacity(m, len(devices) / k, least_backward_share(cost, kinds), slices)
     return _solve(comp, hold, mem, count, cap, k, m, cost.profile.micro_batch_size, floor_s, fill)
 
 
@@ -149,13 +157,25 @@ def least_backward_share(cost: CostModel, kinds: Sequence[str]) -> float:
     return beta
 
 
-def fill_capacity(micro_batches: int, stages: float, beta: float) -> float:
+def fill_capacity(micro_batches: int, stages: float, beta: float, slices: int = 1) -> float:
     """``h(p)`` of the module docstring: a worker of ``p`` stages computes at most ``h(p) T`` in an
-    iteration ``T`` (``m`` micro-batches, backward shares at least ``beta``)."""
-    m, p = micro_batches, stages
-    chained = m * (1.0 - (1.0 - 1.0 / m) ** p)
-    paced = m * p / (p + (m - 1) * beta) if p + (m - 1) * beta > 0 else math.inf
+    iteration ``T`` (``m`` micro-batches, backward shares at least ``beta``; the first micro-batch
+    possibly cut into ``slices``, see :func:`sliced_lead_share`)."""
+    m, p, s = micro_batches, stages, slices
+    lead = sliced_lead_share(beta, s)
+    chained = m * (1.0 - (1.0 - lead / m) ** p) / lead
+    paced = m * p * s / (p + (m * s - 1) * beta) if p + (m * s - 1) * beta > 0 else math.inf
     return min(chained, paced)
+
+
+def sliced_lead_share(beta: float, slices: int) -> float:
+    """``gamma``: the least share of a stage's compute ``s_j`` that the chain before a later stage
+    costs when the first micro-batch runs in ``slices`` (a slice's forward ``f_j / S``, the last
+    micro-batch's whole backward ``b_j``): ``f_j / S + b_j >= gamma s_j`` with
+    ``gamma = beta + (1 - beta) / S`` (1 when not sliced)."""
+    if slices < 1:
+        raise ValueError(f"sliced_lead_share: slices {slices} must be >= 1")
+    return beta + (1.0 - beta) / slices
 
 
 def _layer_columns(cost: CostModel, kind: str, versions: int) -> tuple[np.ndarray, ...]:

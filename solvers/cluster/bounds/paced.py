@@ -30,6 +30,10 @@ its layers, one micro-batch; transfers, the all-reduce and the step left out: th
   the model: ``sum_k w_k = 1``; and the stages hold the whole model's memory (the fleet
   bound's ``M``).
 
+*Slices.* Where the first micro-batch may run in ``S`` slices, its first round trip is a
+slice's: ``T >= W / S + (m - 1/S) beta P`` (:mod:`.layers`), and the fill row below becomes
+``sigma <= (S B - (m S - 1) beta P_i) K_i``.
+
 **The cluster.** Group workers by their pace into classes ``[P_i, P_i+1)`` of a geometric grid
 (from the largest layer, below which no pace lies, up to the slowest kind's whole model). For
 an iteration ``B`` and class ``i`` (``m P_i <= B``), a linear program over ``K_i`` workers,
@@ -175,16 +179,22 @@ def _grid(inp: PacedInputs) -> np.ndarray:
     return lo * GRID_RATIO ** np.arange(n + 1)
 
 
-def _most_workers(inp: PacedInputs, m: int, fill: bool, edges: np.ndarray, iteration_s: float) -> float:
+def _most_workers(inp: PacedInputs, m: int, fill: bool, edges: np.ndarray, iteration_s: float,
+                  slices: int = 1) -> float:
     """``K_LP(B)`` of the module docstring: the LP's most workers (``inf`` where the solver gives
-    no answer)."""
+    no answer). With the first micro-batch in up to ``slices`` slices the fill row is
+    ``sigma <= (S B - (m S - 1) beta P_i) K_i`` (:func:`.layers.fill_capacity`)."""
     from scipy import sparse
 
     from solvers.cluster.lp import linprog
 
     beta = inp.beta if fill else 0.0
-    classes = [i for i in range(len(edges) - 1)
-               if m * edges[i] <= iteration_s and iteration_s - (m - 1) * beta * edges[i] > 0]
+    s = slices if fill else 1
+
+    def room(pace_s: float) -> float:  # a worker's stage compute within the fill, per worker
+        return s * iteration_s - (m * s - 1) * beta * pace_s
+
+    classes = [i for i in range(len(edges) - 1) if m * edges[i] <= iteration_s and room(float(edges[i])) > 0]
     if not classes:
         return 0.0
     nt = len(inp.kinds)
@@ -211,7 +221,7 @@ def _most_workers(inp: PacedInputs, m: int, fill: bool, edges: np.ndarray, itera
             row([(sg + j, 1.0), (z + j, -pace)], 0.0)
             row([(sg + j, inv[j]), (z + j, -inp.share_cap[j])], 0.0)
         row([(k, 1.0), *((sg + j, -inv[j]) for j in range(nt))], 0.0)
-        row([(k, -(iteration_s - (m - 1) * beta * float(edges[i]))), *((sg + j, 1.0) for j in range(nt))], 0.0)
+        row([(k, -room(float(edges[i]))), *((sg + j, 1.0) for j in range(nt))], 0.0)
         row([(k, 1.0), *((z + j, -inp.memory_share[j]) for j in range(nt))], 0.0)
     for j in range(nt):
         row([(q * per + 1 + j, 1.0) for q in range(len(classes))], float(inp.counts[j]))
@@ -228,8 +238,10 @@ def _most_workers(inp: PacedInputs, m: int, fill: bool, edges: np.ndarray, itera
 
 
 def paced_bound(cost: CostModel, devices: Sequence[Device], schedule: Schedule, *,
-                virtual_workers: int | None = None, replication: bool = False, rel_tol: float = 2e-2) -> float:
-    """An upper bound on the samples/s of any plan over ``devices`` (the module docstring): ``inf``
+                virtual_workers: int | None = None, replication: bool = False, rel_tol: float = 2e-2,
+                slices: int = 1) -> float:
+    """An upper bound on the samples/s of any plan over ``devices`` (the module docstring), plans
+    whose first micro-batch runs in up to ``slices`` slices included: ``inf``
     where it does not apply (replicated stages, interleaved chunks), where it adds nothing (every
     device holds a stage of the whole model) or the LP solver gives no answer; 0 where no worker
     fits."""
@@ -243,29 +255,29 @@ def paced_bound(cost: CostModel, devices: Sequence[Device], schedule: Schedule, 
     edges = _grid(inp)
     lo = m * inp.ell_s
     if virtual_workers is not None:
-        return _fixed_k(inp, m, b, fill, edges, lo, virtual_workers, rel_tol)
+        return _fixed_k(inp, m, b, fill, edges, lo, virtual_workers, rel_tol, slices)
     # every class open and the fill rows slack: the most workers at any iteration
-    k_all = _whole_k(_most_workers(inp, m, fill, edges, 1e6 * m * float(edges[-1])))
+    k_all = _whole_k(_most_workers(inp, m, fill, edges, 1e6 * m * float(edges[-1]), slices))
     if not math.isfinite(k_all):
         return math.inf
     if k_all <= 0:
         return 0.0
 
     def k_lp(it: float) -> float:
-        return _most_workers(inp, m, fill, edges, it)
+        return _most_workers(inp, m, fill, edges, it, slices)
 
     value, _ = _best_iteration(k_lp, k_all, lo, m, b, rel_tol)
     return value
 
 
 def _fixed_k(inp: PacedInputs, m: int, b: int, fill: bool, edges: np.ndarray, lo: float, k: int,
-             rel_tol: float) -> float:
+             rel_tol: float, slices: int = 1) -> float:
     """``K m b / B`` at the least ``B`` whose LP holds ``K`` workers (bisection; the bound is taken
     at the lower end of the last bracket, so it stays valid). The LP holds ``K`` where its most
     workers are at least ``K``: its rows are homogeneous but for the supply, so a point scaled
     down stays feasible."""
     def fits(it: float) -> bool:
-        return _most_workers(inp, m, fill, edges, it) >= k * (1 - 1e-9)
+        return _most_workers(inp, m, fill, edges, it, slices) >= k * (1 - 1e-9)
 
     hi = max(lo, 1e-12)
     while not fits(hi):
