@@ -579,18 +579,25 @@ class CostModel:
     def holder_groups(self, plan: Plan) -> tuple[SyncGroup, ...]:
         """Maximal layer ranges with one set of holders (>= 2 devices, over every virtual worker
         and replica), ordered by first layer, whatever the schedule."""
-        holders: list[list[str]] = [[] for _ in range(self.num_layers)]
+        n = self.num_layers
+        # the layers between two consecutive cuts of any stage have the same holders: one list per
+        # such segment (a plan of many workers built from a few templates has few of them)
+        cuts = sorted({0, n} | {min(x, n) for vw in plan.virtual_workers for st in vw.stages
+                                for x in (st.start, st.stop)})
+        index = {c: i for i, c in enumerate(cuts)}
+        holders: list[list[str]] = [[] for _ in range(len(cuts) - 1)]
         for vw in plan.virtual_workers:
             for st in vw.stages:
-                for layer in range(st.start, min(st.stop, self.num_layers)):
-                    holders[layer].extend(st.devices)
+                devices = st.devices
+                for seg in range(index[min(st.start, n)], index[min(st.stop, n)]):
+                    holders[seg].extend(devices)
         out: list[SyncGroup] = []
-        start = 0
-        for layer in range(1, self.num_layers + 1):
-            if layer == self.num_layers or holders[layer] != holders[start]:
-                if len(holders[start]) > 1:
-                    out.append(SyncGroup(start, layer, tuple(holders[start])))
-                start = layer
+        first = 0  # the segment the current group starts at
+        for seg in range(1, len(holders) + 1):
+            if seg == len(holders) or holders[seg] != holders[first]:
+                if len(holders[first]) > 1:
+                    out.append(SyncGroup(cuts[first], cuts[seg], tuple(holders[first])))
+                first = seg
         return tuple(out)
 
     def sync_s(self, group: SyncGroup) -> float:

@@ -132,6 +132,47 @@ def test_sync_groups_follow_the_holders_of_each_layer():
     assert cost.sync_groups(replace(plan, schedule="wsp")) == ()  # WSP pushes and pulls instead
 
 
+def _holders_per_layer(cost: CostModel, plan: Plan) -> list[tuple[int, int, tuple[str, ...]]]:
+    """The holder groups found layer by layer (the definition, slowly)."""
+    holders: list[list[str]] = [[] for _ in range(cost.num_layers)]
+    for vw in plan.virtual_workers:
+        for st_ in vw.stages:
+            for layer in range(st_.start, min(st_.stop, cost.num_layers)):
+                holders[layer].extend(st_.devices)
+    out, start = [], 0
+    for layer in range(1, cost.num_layers + 1):
+        if layer == cost.num_layers or holders[layer] != holders[start]:
+            if len(holders[start]) > 1:
+                out.append((start, layer, tuple(holders[start])))
+            start = layer
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_holder_groups_equal_the_layer_by_layer_definition(seed: int) -> None:
+    """Random workers (cuts, replicas) over 12 layers: the groups found segment by segment are
+    the layer-by-layer ones, devices in the same order."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    n_layers, free = 12, [f"n{i}:{j}" for i in range(8) for j in range(2)]
+    rng.shuffle(free)
+    workers = []
+    for _ in range(rng.randint(1, 4)):
+        cuts = sorted(rng.sample(range(1, n_layers), rng.randint(0, 2)))
+        edges = [0, *cuts, n_layers]
+        stages = []
+        for a, b in itertools.pairwise(edges):
+            replicas = tuple(free.pop() for _ in range(rng.randint(0, 1)))
+            stages.append(Stage((a, b), free.pop(), replicas=replicas))
+        workers.append(VirtualWorker(tuple(stages)))
+    plan = Plan("u", tuple(workers), "1f1b", 1, 2)
+    cost = CostModel(uniform(n_layers), cluster(8, 2))
+    got = [(g.start, g.stop, g.devices) for g in cost.holder_groups(plan)]
+    assert got == _holders_per_layer(cost, plan)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("workers,stages,m", [(2, 2, 4), (3, 3, 6), (2, 4, 8), (4, 1, 3)])
 def test_closed_form_equals_simulator_on_uniform_stages_with_sync(schedule, workers, stages, m):

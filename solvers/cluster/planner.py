@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partitioner.cluster import Cluster, Device
 from partitioner.cost import CostModel, CostOptions
@@ -45,6 +45,9 @@ from solvers.pipeline.mapping import map_worker
 from solvers.predictions import with_predictions
 from solvers.progress import Status, status
 from solvers.result import SolveDetails, SolveResult, SolveStatus
+
+if TYPE_CHECKING:
+    from solvers.cluster.bounds.fleet import FleetBound
 
 __all__ = ["WorkerPlanner", "WorkerUnfit", "pinned_link_ends", "plan_cluster", "plan_of", "price_plan", "solve"]
 
@@ -313,6 +316,10 @@ def _candidate_ks(n: int, nodes: int) -> list[int]:
     return sorted({k for k in range(1, n + 1) if n % k == 0} | {nodes})
 
 
+FINISH_SHARE = 0.15  # of the time limit, kept for the answer's pricing and simulation (policy opt: its
+# bounds are taken before the search, out of the search's share)
+
+
 def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str = "auto", policy: str = "opt",
                  *, objective: str = "sync", replication: bool = False, schedule: str = "1f1b",
                  micro_batches: int = DEFAULT_MICRO_BATCHES, options: CostOptions | None = None, exact_limit: int = 720,
@@ -328,6 +335,10 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     otherwise it runs a local search. ``simulate_top = N > 0`` (policy ``opt``): the N best
     groupings by the closed form are built into plans and the one with the most simulated
     samples/s wins (:func:`solvers.pipeline.ranking.rank_plans`); the ranking is in ``details["ranking"]``.
+    ``time_limit_s`` bounds the whole call: the bounds (taken first), then the search, take
+    ``1 - FINISH_SHARE`` of it, the rest is kept for pricing and simulating the answer (it may run
+    past the limit by what that takes beyond its share, and a search never stops before its
+    first plan).
     The certificate is :func:`solvers.cluster.bounds.fleet.fleet_bound` (fill, memory, K);
     ``slices`` > 1: the plan's first micro-batch may afterwards be cut into up to that many
     slices, and the bounds that hold for any order of the actions (``details.bound.any_order``)
@@ -348,18 +359,22 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
     if isinstance(virtual_workers, int):
         _check_worker_size(n, virtual_workers, cost.num_layers, largest)
     planner = WorkerPlanner(cost, sched, replication, exact_limit)
-    planner.deadline = t0 + time_limit_s
+    search_s = (1.0 - FINISH_SHARE) * time_limit_s  # the rest prices, simulates and certifies the plan
+    planner.deadline = t0 + search_s
     k = None if virtual_workers == "auto" else int(virtual_workers)
     if k is not None and cost.options.zero:
         planner.holders = k  # every layer has K holders to share its optimizer state with
     found: _Found | str
+    bounds: _Bounds | None = None
     with status(f"cluster planner ({n:,} GPUs)") as planner.progress:
         if policy == "opt":
-            found = _plan_opt(devs, k, planner, objective, replication, time_limit_s, t0, simulate_top,
+            planner.progress.note("bounding")
+            bounds = _bounds(cost, devs, sched, k, replication, slices)  # they need no plan
+            found = _plan_opt(devs, k, planner, objective, replication, search_s, t0, simulate_top,
                               (profile, cluster, options), largest)
             # within the time limit; unfinished, the fleet bound stands (no other clock: the
             # plan must not depend on the machine's load)
-            found = _sync_certified(found, devs, k, planner, objective, replication, t0 + time_limit_s)
+            found = _sync_certified(found, devs, k, planner, objective, replication, t0 + search_s)
         else:
             found = _plan_fixed(devs, k, policy, planner, objective, largest)
         planner.progress.note("pricing the plan")
@@ -371,7 +386,8 @@ def plan_cluster(profile: Profile, cluster: Cluster, virtual_workers: int | str 
                   "pipeline over all of them fails: " + diagnose_infeasible(cost, devs, sched))
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0,
                            method=f"hetero:{policy}", reason=reason)
-    return _finish(found, cost, devs, policy, objective, replication, sched, options, k, t0, slices)
+    return _finish(found, cost, devs, policy, objective, replication, sched, options, k, t0,
+                   bounds or _bounds(cost, devs, sched, k, replication, slices))
 
 
 def _check_options(policy: str, objective: str, micro_batches: Any, virtual_workers: Any, time_limit_s: Any) -> None:
@@ -654,22 +670,15 @@ def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, obje
 
 def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, objective: str, replication: bool,
             schedule: Schedule, options: CostOptions | None, k: int | None,
-            t0: float, slices: int = 1) -> SolveResult:
+            t0: float, bounds: _Bounds) -> SolveResult:
     """Build, price, certify and validate the plan of the chosen grouping."""
-    from solvers.cluster.bounds.fleet import fleet_bound
-
     assert found.best is not None
     profile, cluster = cost.profile, cost.cluster
     _val, g = found.best
     plan, mapped_exactly = plan_of(g, found.used, profile, schedule)
     exact = found.exact and mapped_exactly
     predicted = price_plan(cost, plan, objective)
-    bound = fleet_bound(cost, devs, schedule, replication=replication,
-                        virtual_workers=k)
-    # the bounds that hold for any order of the cost model's actions, the simulator's included
-    # (busy time and dependency chains; the fleet and all-reduce bounds price the closed form)
-    any_order = min(throughput_upper_bound(cost, devs), _layer_bound(cost, devs, schedule, k, replication, slices),
-                    _paced_bound(cost, devs, schedule, k, replication, slices))
+    bound, any_order = bounds.fleet, bounds.any_order
     upper = min(any_order, bound.samples_per_s)
     with_sync = found.details.get("sync_bound", {})
     if with_sync.get("complete"):  # the bound with the all-reduce in it (solvers.cluster.bounds.sync)
@@ -705,6 +714,27 @@ def _finish(found: _Found, cost: CostModel, devs: list[Device], policy: str, obj
                             extra_meta=meta)
     cost.validate_plan(plan)  # structure and memory
     return replace(result, plan=plan)
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """What no plan of the problem beats, in samples/s: the fleet bound (fill, memory, K; it
+    prices the closed form) and ``any_order``, the bounds that hold for any order of the cost
+    model's actions, the simulator's included (busy time and dependency chains: perfect speed-up,
+    per layer, paced)."""
+
+    fleet: FleetBound
+    any_order: float
+
+
+def _bounds(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None, replication: bool,
+            slices: int) -> _Bounds:
+    from solvers.cluster.bounds.fleet import fleet_bound
+
+    fleet = fleet_bound(cost, devs, schedule, replication=replication, virtual_workers=k)
+    any_order = min(throughput_upper_bound(cost, devs), _layer_bound(cost, devs, schedule, k, replication, slices),
+                    _paced_bound(cost, devs, schedule, k, replication, slices))
+    return _Bounds(fleet, any_order)
 
 
 def _layer_bound(cost: CostModel, devs: list[Device], schedule: Schedule, k: int | None, replication: bool,

@@ -305,6 +305,8 @@ class _WorkerLp:
         worker fits (infeasible); raises :class:`_NoLpAnswer` when the solver gives none."""
         from solvers.cluster.lp import linprog
 
+        if self.nv == 0:  # no worker size fits at all: nothing to choose
+            return None
         rows_eq = self.rows_eq
         res = linprog(c, np.array(self.rows_ub + extra), np.array(self.rhs_ub + [0.0] * len(extra)),
                       np.array(rows_eq) if rows_eq else None, np.array(self.rhs_eq) if rows_eq else None,
