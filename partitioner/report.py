@@ -69,7 +69,15 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
                 shown.append(f"{label} {_fmt_s(pred[key])}")
         if "samples_per_s" in pred:
             shown.append(f"{pred['samples_per_s']:.1f} samples/s")
-        out.append("predicted: " + ", ".join(shown))
+        line = "predicted: " + ", ".join(shown)
+        closed = plan.meta.get("closed_form", {}).get("samples_per_s") if isinstance(plan.meta.get("closed_form"),
+                                                                                     dict) else None
+        if "samples_per_s" in pred and isinstance(closed, (int, float)) and closed > 0 \
+                and f"{closed:.1f}" != f"{pred['samples_per_s']:.1f}":
+            # the planner ranks by the closed form; the prediction is the simulator's (say so, once)
+            line += (f" (simulated; the closed form the planner ranks by gives {closed:.1f} samples/s: the "
+                     f"simulator also times what it leaves out, such as transfers that share a link)")
+        out.append(line)
     if plan.layer_order is not None:
         moved = sum(1 for i, v in enumerate(plan.layer_order) if i != v)
         out.append(f"stages are convex sets of the graph: layer ranges count the plan's layer_order "

@@ -41,7 +41,7 @@ def counts_plan(cost: CostModel, devs, planner: WorkerPlanner, objective: str, k
 def exhaustive(devs, planner: WorkerPlanner, objective: str, ks) -> float:
     best = -math.inf
     for k in ks:
-        _g, val, exact = search_opt(devs, k, planner.throughput, objective)
+        _g, val, exact = search_opt(devs, k, planner.throughput, objective, idle=True)
         assert exact
         best = max(best, val)
     return best
@@ -68,7 +68,8 @@ def test_counts_equal_exhaustive_search(spec, objective):
     assert res is not None
     assert res.value == pytest.approx(want, rel=1e-9)
     assert combine([planner.throughput(w) for w in res.grouping], objective) == pytest.approx(want, rel=1e-9)
-    assert sorted(d.name for w in res.grouping for d in w) == sorted(d.name for d in devs)  # every GPU once
+    used = [d.name for w in res.grouping for d in w]  # each GPU at most once (a slow one may stay idle)
+    assert len(used) == len(set(used)) and set(used) <= {d.name for d in devs}
     assert res.details["template_set"] == "complete"
 
 

@@ -194,22 +194,27 @@ def _stirling2(n: int, k: int) -> int:
 
 def search_opt(devices: Sequence[Device], k: int, value: Value, objective: str,
                starts: Sequence[Grouping] = (), *, bound: Value | None = None, exact_limit: int = 20000,
-               time_limit_s: float = 30.0) -> tuple[Grouping | None, float, bool]:
+               time_limit_s: float = 30.0, idle: bool = False) -> tuple[Grouping | None, float, bool]:
     """Best grouping of ``devices`` into ``k`` workers: (grouping, total throughput, exact).
 
     ``bound(worker)``, if given, is an upper bound on ``value(worker)``; the local search
-    skips moves that cannot beat the incumbent even at the bound.
+    skips moves that cannot beat the incumbent even at the bound. ``idle``: GPUs may be left
+    out (a GPU that only slows its worker); the exhaustive search then partitions the devices
+    and one phantom element into ``k + 1`` blocks, the phantom's block (less the phantom) idle.
     """
     _check_k(k, len(devices))
     n = len(devices)
     t0 = time.perf_counter()
     best: Grouping | None = None
     best_val = -math.inf
-    if count_set_partitions(n, k, exact_limit) <= exact_limit:
-        for blocks in set_partitions(n, k):
-            g: Grouping = [[] for _ in range(k)]
-            for d, b in zip(devices, blocks, strict=True):
+    elements, blocks_k = (n + 1, k + 1) if idle else (n, k)
+    if count_set_partitions(elements, blocks_k, exact_limit) <= exact_limit:
+        for blocks in set_partitions(elements, blocks_k):
+            g: Grouping = [[] for _ in range(blocks_k)]
+            for d, b in zip(devices, blocks, strict=False):  # the phantom (idle) element has no device
                 g[b].append(d)
+            if idle:
+                del g[blocks[n]]
             val = combine([value(w) for w in g], objective)
             if val > best_val:
                 best, best_val = g, val

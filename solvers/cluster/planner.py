@@ -570,16 +570,21 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
         baseline = compete([len(res.grouping), nodes] if k is None else [k], None)
     if baseline is not None and baseline[0] > best[0] * (1 + 1e-9):
         best = baseline
+    # identical workers: the counts program leaves the all-reduce between workers out, which
+    # mixed workers pay across slow links where identical ones keep their replicas on a node
+    same = [(_grouping_value(g, rater, objective, m), g) for g in res.alternatives
+            if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s]
     used = rater
     if n_small and time.perf_counter() < t0 + time_limit_s:
-        # Both finalists re-planned by the full mapping search and priced exactly (the all-reduce
+        # The finalists re-planned by the full mapping search and priced exactly (the all-reduce
         # included): the estimate that ranked them may not rank them as the cost model does.
         priced = []
-        for g in [res.grouping] + ([baseline[1]] if baseline is not None else []):
+        for g in [res.grouping] + ([baseline[1]] if baseline is not None else []) + [g for _, g in same]:
             plan = plan_of(g, planner, cost.profile, planner.schedule)[0]
             priced.append((price_plan(cost, plan, objective)["samples_per_s"], g))
         best, used = max(priced, key=lambda x: x[0]), planner
     elif time.perf_counter() < t0 + time_limit_s:  # large: the winner re-planned in full if that helps
+        best = max([best, *same], key=lambda x: x[0])
         full = _grouping_value(best[1], planner, objective, m)
         if full >= best[0]:
             best, used = (full, best[1]), planner
@@ -634,7 +639,7 @@ def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, obje
             with contextlib.suppress(FormatError):
                 starts.append(group(pol, devs, kk, speed))
         g, val, ex = search_opt(devs, kk, screen.throughput, objective, starts,
-                                bound=screen.throughput_bound, time_limit_s=budget)
+                                bound=screen.throughput_bound, time_limit_s=budget, idle=True)
         exact = exact and ex
         finalists += starts
         if g is not None and val > -math.inf:

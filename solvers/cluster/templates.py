@@ -12,9 +12,10 @@ Choosing how many workers of each template is an integer program over counts:
 maximise ``K * R`` with ``R`` the least rate of a template in use (the long-run rate under
 ``sync`` and under ``wsp`` alike: :func:`solvers.cluster.grouping.combine`).
 
-Small clusters (up to 32 GPUs) solve it exactly, every GPU used once, by a DP over (GPUs used
-of each class and type, workers): templates join in falling rate order and each prefix's most
-workers covering the cluster, times the last rate, is a candidate. Large clusters solve the LP
+Small clusters (up to 32 GPUs) solve it exactly, each GPU used at most once (a GPU that only
+slows its worker stays idle), by a DP over (GPUs used of each class and type, workers):
+templates join in falling rate order and each prefix's most workers over any subset of the
+cluster, times the last rate, is a candidate. Large clusters solve the LP
 of "most workers of rate >= R" for rate levels R (intervals of levels refined while their
 bound could beat the best), round the best level's LP down and fill greedily; GPUs may stay
 idle (``details["idle_gpus"]``), and templates that use more of every kind for no more rate are
@@ -44,7 +45,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,10 @@ class SymmetricResult:
     planned: int
     rounds: int
     details: dict[str, Any] = field(default_factory=dict)  # template_set, workers_per_template
+    # groupings of identical workers (copies of one planned template), best K x rate first: the
+    # program's value leaves the all-reduce between workers out, and identical workers share their
+    # cuts, so their stages' replicas often sit on one node where mixed workers' cross a slow link
+    alternatives: tuple[list[list[Device]], ...] = ()
 
 
 def node_classes(devices: Sequence[Device], node_kind: Callable[[str], Any]) -> list[NodeClass]:
@@ -306,12 +311,13 @@ def add_template(table: np.ndarray, vec: Sequence[int]) -> np.ndarray:
 
 def _solve_dp(templates: Sequence[Template], rates: Sequence[float], supply: dict[tuple[int, str], int],
               k: int | None, max_cells: int = 2_000_000) -> dict[int, int] | None:
-    """Exact over the counts, every GPU used once, by dynamic programming over (GPUs used of
-    each kind, workers); ``None`` when the table would exceed ``max_cells`` or nothing fits.
+    """Exact over the counts, each GPU used at most once, by dynamic programming over (GPUs used
+    of each kind, workers); ``None`` when the table would exceed ``max_cells`` or nothing fits.
 
-    Templates join in falling rate order; after each, the most workers that cover every GPU
-    with templates of at least its rate, times that rate, is a candidate (the best candidate is
-    the optimum of ``K * least rate``)."""
+    Templates join in falling rate order; after each, the most workers that templates of at
+    least its rate form on any subset of the GPUs, times that rate, is a candidate (the best
+    candidate is the optimum of ``K * least rate``); of the subsets reaching it, one using the
+    most GPUs is taken."""
     keys = sorted(supply)
     n = sum(supply.values())
     shape = (*[supply[key] + 1 for key in keys], n + 1)
@@ -320,21 +326,22 @@ def _solve_dp(templates: Sequence[Template], rates: Sequence[float], supply: dic
     cols = [i for i, r in enumerate(rates) if r > 0 and math.isfinite(r)]
     vecs = {i: [template_usage(templates[i]).get(key, 0) for key in keys] for i in cols}
     cols = [i for i in cols if all(v <= supply[key] for v, key in zip(vecs[i], keys, strict=True))]
-    full = tuple(supply[key] for key in keys)
     ks = range(1, n + 1) if k is None else [k]
     reach = np.zeros(shape, bool)
     reach[(0,) * len(shape)] = True
     best: tuple[float, int, np.ndarray, float] | None = None
     for i in sorted(cols, key=lambda i: -rates[i]):
         reach = add_template(reach, vecs[i])
-        got = [x for x in ks if reach[_cell(full, x)]]
+        formed: np.ndarray = np.asarray(reach.reshape(-1, n + 1).any(axis=0))  # per worker count: on some subset
+        got = [x for x in ks if formed[x]]
         if got and (best is None or max(got) * rates[i] > best[0]):
             best = (max(got) * rates[i], max(got), reach, rates[i])
     if best is None:
         return None
     _v, kk, reach, level = best
     usable = [i for i in cols if rates[i] >= level]
-    return _backtrack(reach, full, kk, usable, vecs, lambda i, s, x: 1.0 if reach[_cell(s, x)] else -np.inf)
+    used = max((tuple(int(v) for v in cell) for cell in np.argwhere(reach[..., kk])), key=sum)
+    return _backtrack(reach, used, kk, usable, vecs, lambda i, s, x: 1.0 if reach[_cell(s, x)] else -np.inf)
 
 
 def _backtrack(table: np.ndarray, full: tuple[int, ...], k: int, cols: Sequence[int], vecs: dict[int, list[int]],
@@ -575,7 +582,33 @@ def plan_counts(devices: Sequence[Device], classes: Sequence[NodeClass], rate: C
     exact = search.complete and search.proven and all(rates.exact.get(t, True) for t in rates.planned)
     return SymmetricResult(grouping, value, exact, len(templates), len(rates.planned), search.rounds,
                            {"template_set": "complete" if search.complete else "chains",
-                            "workers_per_template": {_describe(t, classes): c for t, c in chosen.items()}})
+                            "workers_per_template": {_describe(t, classes): c for t, c in chosen.items()}},
+                           _identical_workers({t: rates.est(t) for t in templates}, _supply(classes), classes,
+                                              pools, virtual_workers, 8 if small else 3))
+
+
+def _identical_workers(rated: Mapping[Template, float], supply: Counter[tuple[int, str]],
+                       classes: Sequence[NodeClass], pools: dict[str, dict[str, list[Device]]],
+                       virtual_workers: int | None, keep: int = 3) -> tuple[list[list[Device]], ...]:
+    """Up to ``keep`` groupings of copies of one template (as many copies as the supply holds, or
+    ``virtual_workers``), best ``copies x rate`` first (``rated``: each template's rate as known,
+    planned or bounded), that fit the nodes."""
+    ranked = []
+    for t, rate in rated.items():
+        use = template_usage(t)
+        copies = min(supply[key] // c for key, c in use.items() if c > 0)
+        if virtual_workers is not None:
+            copies = virtual_workers if copies >= virtual_workers else 0
+        if copies > 0 and rate > 0:
+            ranked.append((copies * rate, copies, t))
+    out = []
+    for _value, copies, t in sorted(ranked, key=lambda x: -x[0]):
+        grouping = _pack({t: copies}, classes, pools)
+        if grouping is not None:
+            out.append(grouping)
+        if len(out) == keep:
+            break
+    return tuple(out)
 
 
 def _template_set(classes: Sequence[NodeClass], n: int, max_worker_gpus: int, max_classes: int,
