@@ -72,11 +72,12 @@ def format_plan(plan: Plan, cost: CostModel) -> str:
         line = "predicted: " + ", ".join(shown)
         closed = plan.meta.get("closed_form", {}).get("samples_per_s") if isinstance(plan.meta.get("closed_form"),
                                                                                      dict) else None
-        if "samples_per_s" in pred and isinstance(closed, (int, float)) and closed > 0 \
+        if plan.meta.get("objective") in ("sync", "wsp") and "samples_per_s" in pred \
+                and isinstance(closed, (int, float)) and closed > 0 \
                 and f"{closed:.1f}" != f"{pred['samples_per_s']:.1f}":
-            # the planner ranks by the closed form; the prediction is the simulator's (say so, once)
+            # a cluster planner ranks by the closed form; the prediction is the simulator's (say so)
             line += (f" (simulated; the closed form the planner ranks by gives {closed:.1f} samples/s: the "
-                     f"simulator also times what it leaves out, such as transfers that share a link)")
+                     f"simulator also times what it leaves out, docs/fidelity.md)")
         out.append(line)
     if plan.layer_order is not None:
         moved = sum(1 for i, v in enumerate(plan.layer_order) if i != v)
