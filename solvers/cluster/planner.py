@@ -572,17 +572,22 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
         best = baseline
     # identical workers: the counts program leaves the all-reduce between workers out, which
     # mixed workers pay across slow links where identical ones keep their replicas on a node
-    same = [(_grouping_value(g, rater, objective, m), g) for g in res.alternatives
-            if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s]
+    same = [(v, g) for v, g in ((_grouping_value(g, rater, objective, m), g) for g in res.alternatives
+                                if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s)
+            if v > -math.inf]  # -inf: a worker that fits no split
     used = rater
     if n_small and time.perf_counter() < t0 + time_limit_s:
         # The finalists re-planned by the full mapping search and priced exactly (the all-reduce
         # included): the estimate that ranked them may not rank them as the cost model does.
         priced = []
         for g in [res.grouping] + ([baseline[1]] if baseline is not None else []) + [g for _, g in same]:
-            plan = plan_of(g, planner, cost.profile, planner.schedule)[0]
+            try:
+                plan = plan_of(g, planner, cost.profile, planner.schedule)[0]
+            except WorkerUnfit:  # past its deadline the full search may keep less than the screening one
+                continue
             priced.append((price_plan(cost, plan, objective)["samples_per_s"], g))
-        best, used = max(priced, key=lambda x: x[0]), planner
+        if priced:
+            best, used = max(priced, key=lambda x: x[0]), planner
     elif time.perf_counter() < t0 + time_limit_s:  # large: the winner re-planned in full if that helps
         best = max([best, *same], key=lambda x: x[0])
         full = _grouping_value(best[1], planner, objective, m)
