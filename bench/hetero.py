@@ -5,7 +5,9 @@
 Cases: VGG-19 and ResNet-152 from the model zoo (measured on the CPU at micro-batch 32 and
 projected to the HetPipe GPU types: examples/profiles/*_hetpipe.json) on the HetPipe cluster
 (examples/clusters/hetpipe.yaml), and Sailor's OPT-350M measurements (micro-batch 2) on a mixed
-RTX-3090 / RTX-2080 / TITAN-RTX cluster. Every plan is checked with ``Plan.validate``.
+RTX-3090 / RTX-2080 / TITAN-RTX cluster (Sailor's names: its "RTX-2080" is the 11 GiB RTX 2080 Ti, and
+the cluster names each type as the importer does, ``sailor_gpu_name``). Every plan is checked with
+``Plan.validate``.
 
 Two figures per plan, in samples/s: the solvers' model objective (closed form: K x the slowest
 virtual worker, ``sync`` with the gradient all-reduce and step, ``wsp`` without) and the discrete-event
@@ -27,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from bench._machine import machine_line  # noqa: E402
 from partitioner.cluster import Cluster, Node  # noqa: E402
 from partitioner.cost import CostModel  # noqa: E402
-from partitioner.importers.sailor import import_sailor  # noqa: E402
+from partitioner.importers.sailor import import_sailor, sailor_gpu_name  # noqa: E402
 from partitioner.profile import Profile  # noqa: E402
 from solvers import solve  # noqa: E402
 from solvers.cluster.planner import plan_cluster  # noqa: E402
@@ -41,7 +43,9 @@ BASELINES = ("uniform", "parameters", "blockpartition", "pipedream")
 
 
 def sailor_cluster() -> Cluster:
-    spec = [["RTX-3090"] * 4, ["RTX-3090"] * 4, ["RTX-2080"] * 4, ["TITAN-RTX"] * 4]
+    """8 RTX-3090, 4 RTX-2080 and 4 Titan-RTX by Sailor's names, typed as the importer types the
+    profile's times (so every node's type has times in ``import_sailor``'s profile)."""
+    spec = [[sailor_gpu_name(g)] * 4 for g in ("RTX-3090", "RTX-3090", "RTX-2080", "Titan-RTX")]
     return Cluster("sailor-mixed", tuple(Node(f"n{i}", tuple(g), 12.0) for i, g in enumerate(spec)), 3.0)
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from partitioner.errors import FormatError  # noqa: E402
 from partitioner.importers.sailor import import_sailor  # noqa: E402
 from partitioner.profile import Profile  # noqa: E402
 from partitioner.projection.operator_model import project_with_ops  # noqa: E402
@@ -117,8 +118,8 @@ def shards(ours: dict[int, Profile], sailor: str, source: str) -> None:
         try:
             theirs = import_sailor(sailor, micro_batch_size=b, tensor_parallel=t, gpu_types=("GH-96",))
             base = import_sailor(sailor, micro_batch_size=b, gpu_types=("GH-96",))
-        except Exception as e:  # a degree Sailor did not measure
-            print(f"{b:>4} {t:>3} {mine:7.2f}   (Sailor: {str(e).splitlines()[0][:60]})")
+        except FormatError as e:  # a degree Sailor did not measure
+            print(f"{b:>4} {t:>3} {mine:7.2f}   (Sailor: {e.expected.split(';')[0]})")
             continue
         gh, gh1 = parts(theirs, theirs.gpu_types[0])["block"][0], parts(base, base.gpu_types[0])["block"][0]
         print(f"{b:>4} {t:>3} {mine:7.2f} {gh:7.2f} {gh - mine:13.2f} {mine1 / mine:12.2f} {gh1 / gh:13.2f}")

@@ -53,6 +53,7 @@ class SolveDetails(TypedDict, total=False):
     cpsat_wall_s: float
     branches: int
     cbc_status: str
+    cbc_failed: str  # PuLP's message where CBC exited with an error on a model's first solve (no plan)
     cbc_solution: int
     # the cluster planner (solvers.cluster)
     virtual_workers: int

@@ -369,3 +369,34 @@ def test_a_cbc_crash_in_the_tie_break_keeps_the_proven_plan(monkeypatch):
     r = solve_cbc(profile, cluster, hint=True, time_limit_s=20.0, fixed_order=True)
     assert r.status is SolveStatus.OPTIMAL and r.details["tie_break"] == "CBC failed"
     assert r.objective == pytest.approx(solvers.solve(profile, cluster, solver="dp").objective, rel=1e-6)
+
+
+@pytest.mark.parametrize("model", [dict(fixed_order=True), dict(fixed_order=False, relaxation=False), dict(dag=True)],
+                         ids=["chain", "joint", "graph"])
+@pytest.mark.parametrize("hint", [False, True])
+def test_a_cbc_crash_in_the_first_solve_is_a_solve_without_a_plan(monkeypatch, model, hint):
+    """CBC exiting with an error on a model's first solve (PuLP raises PulpSolverError) leaves the
+    model unsolved, as a time limit with no plan would: UNKNOWN with the reason in one line, or
+    the hint's plan where the model returns its hint, instead of PuLP's exception reaching the caller."""
+    import pulp
+
+    from solvers.exact.cbc import run
+
+    calls = []
+
+    def crash(prob, time_limit_s, threads, seed, warm_start, keep_log=True):
+        calls.append(keep_log)
+        raise pulp.PulpSolverError("Pulp: Error while trying to execute")
+
+    monkeypatch.setattr(run, "run_cbc", crash)
+    profile, cluster = _chain(8, ["gA", "gB", "gA"])
+    r = solve_cbc(profile, cluster, hint=hint, time_limit_s=20.0, **model)
+    assert calls == [True]  # the first solve only, and it failed
+    assert r.details["cbc_failed"] == "Pulp: Error while trying to execute"
+    assert r.details["cbc_status"] == "Not Solved"
+    if r.details.get("from_hint"):  # the joint and graph models answer with their hint
+        assert hint and r.status is SolveStatus.FEASIBLE
+        CostModel(profile, cluster).validate_plan(r.plan)
+    else:
+        assert r.status is SolveStatus.UNKNOWN and r.plan is None and not r.ok
+        assert r.reason == run.CBC_FAILED and "\n" not in r.reason

@@ -25,7 +25,7 @@ from functools import partial
 from typing import Any
 
 from solvers.exact import intervals
-from solvers.exact.cbc.run import bound_s, run_cbc, solve_again, solve_status
+from solvers.exact.cbc.run import bound_s, cbc_failed_or, run_first, solve_again, solve_status
 from solvers.exact.intervals import Arcs, ChainHint, ChainProblem, ChainVars
 from solvers.pipeline.dp import ChainSolution
 from solvers.result import SolveDetails, SolveResult, SolveStatus
@@ -59,13 +59,13 @@ def solve_chain(problem: ChainProblem, *, time_limit_s: float, threads: int, see
         _warm(var, arcs.hint(start), coef)
 
     # solve, with CBC's log kept to read its bound
-    cbc_log = run_cbc(prob, time_limit_s, threads, seed, warm_start=start is not None)
+    cbc_log = run_first(prob, time_limit_s, threads, seed, warm_start=start is not None, details=details)
     details.update({"cbc_status": pulp.LpStatus[prob.status], "cbc_solution": prob.sol_status})
     # extract: the chosen arcs, priced exactly; CBC's bound converted back, less the slack
     bound = bound_s(cbc_log, unit_s, largest)
     status = solve_status(prob, bound, "the chain model")
     answer = partial(intervals.finish, problem, "milp")
-    no_plan = intervals.no_plan_reason(time_limit_s, len(arcs))
+    no_plan = cbc_failed_or(details, intervals.no_plan_reason(time_limit_s, len(arcs)))
     if (done := intervals.unsolved(answer, status, bound, t0, details, no_plan)) is not None:
         return done
     picked = _picked(var)

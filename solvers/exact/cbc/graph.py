@@ -26,7 +26,9 @@ from solvers.exact import graph as dag
 from solvers.exact.cbc.run import (
     TOLERANCE_SLACK,
     bound_s,
+    cbc_failed_or,
     run_cbc,
+    run_first,
     solve_again,
     solve_status,
 )
@@ -66,12 +68,13 @@ def solve_dag(data: DagData, *, time_limit_s: float, threads: int, seed: int, pr
     if start is not None:
         _warm(var, start, data.hint_modes())
 
-    cbc_log = run_cbc(prob, time_limit_s, threads, seed, warm_start=start is not None)
+    cbc_log = run_first(prob, time_limit_s, threads, seed, warm_start=start is not None, details=details)
     details.update({"cbc_status": pulp.LpStatus[prob.status], "cbc_solution": prob.sol_status})
     bound = bound_s(cbc_log, unit_s, largest)
     status = solve_status(prob, bound, None)
     answer = partial(dag.finish_dag, data, "milp")
-    if (done := unsolved(answer, status, bound, t0, details, no_plan_reason(time_limit_s))) is not None:
+    reason = cbc_failed_or(details, no_plan_reason(time_limit_s))
+    if (done := unsolved(answer, status, bound, t0, details, reason)) is not None:
         return done
     found, status, bound = _settle(prob, data, var, status, bound, unit_s, largest, time_limit_s, threads, seed, t0,
                                    details)

@@ -26,7 +26,8 @@ from solvers.exact import joint
 from solvers.exact.cbc.run import (
     TOLERANCE_SLACK,
     bound_s,
-    run_cbc,
+    cbc_failed_or,
+    run_first,
     solve_again,
     solve_status,
 )
@@ -72,13 +73,15 @@ def solve_joint(data: JointData, *, time_limit_s: float, threads: int, seed: int
     if data.start is not None:
         _warm(data, data.start, var)
 
-    cbc_log = run_cbc(prob, joint.model_time_s(time_limit_s, t0), threads, seed, warm_start=data.start is not None)
+    cbc_log = run_first(prob, joint.model_time_s(time_limit_s, t0), threads, seed,
+                        warm_start=data.start is not None, details=details)
     details.update({"cbc_status": pulp.LpStatus[prob.status], "cbc_solution": prob.sol_status})
     bound = bound_s(cbc_log, units.unit_s, units.largest_s)
     bound = max(bound, relaxed_floor(relaxed)) if math.isfinite(bound) else relaxed_floor(relaxed) or math.nan
     status = solve_status(prob, bound, "the joint model")
     answer = partial(joint.finish_joint, data, "milp")
-    if (done := unsolved(answer, status, bound, t0, details, no_plan_reason(time_limit_s))) is not None:
+    reason = cbc_failed_or(details, no_plan_reason(time_limit_s))
+    if (done := unsolved(answer, status, bound, t0, details, reason)) is not None:
         return done
     found = joint.read_plan(data, var, _on)
     remaining = time_limit_s - (time.perf_counter() - t0)

@@ -22,12 +22,15 @@ from partitioner.errors import PartitionerError
 from solvers.progress import status
 from solvers.result import SolveDetails, SolveStatus
 
-__all__ = ["TOLERANCE_SLACK", "bound_s", "cbc_bound", "has_plan", "run_cbc", "seed_options", "solve_again",
-           "solve_status"]
+__all__ = ["CBC_FAILED", "TOLERANCE_SLACK", "bound_s", "cbc_bound", "cbc_failed_or", "has_plan", "run_cbc",
+           "run_first", "seed_options", "solve_again", "solve_status"]
 
 log = logging.getLogger(__name__)
 
 TOLERANCE_SLACK = 1e-6  # of the largest time a model holds, taken off CBC's bound
+
+CBC_FAILED = ("CBC exited with an error before giving a plan (it can when its time limit cuts a warm-started "
+              "search short); try another time limit or the cpsat solver")
 
 _BOUND = re.compile(r"^(Objective value|Lower bound):\s+(\S+)", re.MULTILINE)
 
@@ -71,6 +74,29 @@ def run_cbc(prob: Any, time_limit_s: float, threads: int, seed: int, warm_start:
     finally:
         if log_path is not None:
             os.unlink(log_path)
+
+
+def run_first(prob: Any, time_limit_s: float, threads: int, seed: int, warm_start: bool,
+              details: SolveDetails) -> str:
+    """A model's first solve (:func:`run_cbc`). Where CBC itself fails (PuLP raises
+    ``PulpSolverError`` when CBC exits with an error) the model is left unsolved, as a time limit
+    with no plan leaves it: the solve answers UNKNOWN, or its hint where the model returns one
+    (joint, graph); ``details["cbc_failed"]`` keeps PuLP's message and :func:`cbc_failed_or`
+    gives :data:`CBC_FAILED` as the reason. Returns CBC's log ("" if it failed)."""
+    import pulp
+
+    try:
+        return run_cbc(prob, time_limit_s, threads, seed, warm_start)
+    except pulp.PulpSolverError as err:
+        log.warning("CBC failed (%s); the model is left unsolved", err)
+        details["cbc_failed"] = str(err)
+        prob.assignStatus(pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
+        return ""
+
+
+def cbc_failed_or(details: SolveDetails, otherwise: str) -> str:
+    """Why a first solve has no plan: :data:`CBC_FAILED` where CBC failed, else ``otherwise``."""
+    return CBC_FAILED if "cbc_failed" in details else otherwise
 
 
 def solve_again(prob: Any, time_limit_s: float, threads: int, seed: int, details: SolveDetails) -> bool:
