@@ -73,3 +73,27 @@ def test_planner_with_replication_validates_and_is_no_worse():
     rep = plan_cluster(prof, cl, 1, "opt", schedule="wsp", micro_batches=8, replication=True)
     CostModel(prof, cl).validate_plan(rep.plan)
     assert rep.plan.meta["closed_form"]["samples_per_s"] >= pure.plan.meta["closed_form"]["samples_per_s"] * (1 - 1e-12)
+
+
+def test_the_fleet_bound_holds_for_a_replicated_stage_with_the_largest_layer() -> None:
+    """Replicas of a stage share its micro-batches, so a layer larger than every other one does
+    not set a floor of one run per micro-batch: the bound stays above the replicated plan's rate
+    (it once took that floor and fell below the plan, leaving it without a certificate)."""
+    import math
+
+    from partitioner.profile import LayerProfile, LayerTime, Profile
+    from solvers.cluster.bounds.fleet import fleet_bound
+
+    big, small = LayerTime(4e-3, 8e-3), LayerTime(1e-4, 2e-4)
+    layers = (LayerProfile("s", 0.0, 1e6, 1e5, 1e5, {"TITAN-V": small}),
+              LayerProfile("big", 0.0, 1e6, 1e5, 1e5, {"TITAN-V": big}))
+    profile = Profile("one-big-layer", 1, layers)
+    cluster = small_cluster([["TITAN-V", "TITAN-V", "TITAN-V", "TITAN-V"]], intra=100.0)
+    res = plan_cluster(profile, cluster, 1, "opt", replication=True, micro_batches=8)
+    assert res.ok and res.plan is not None
+    assert any(st.replicas for st in res.plan.virtual_workers[0].stages)
+    rate = 1.0 / res.objective
+    bound = fleet_bound(CostModel(profile, cluster), cluster.devices, Schedule.of("1f1b", 8), replication=True,
+                        virtual_workers=1)
+    assert bound.samples_per_s >= rate * (1 - 1e-9)
+    assert math.isfinite(res.lower_bound) and res.lower_bound <= res.objective * (1 + 1e-9)

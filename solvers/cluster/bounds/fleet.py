@@ -22,7 +22,8 @@ shares: a convex, piecewise-linear function of ``P`` whose breakpoints are ``P =
 (and ``>= (m - 1) l + T_1`` with ``l`` the largest layer on the fastest type, the pace's other
 floor). A homogeneous worker of ``p`` GPUs gets ``(m - 1 + p) T / p``: the familiar bubble.
 Without a flush (2BW, WSP) the iteration is ``m * pace >= m / S_|S|``; with replication the
-fill of a replicated stage is scaled by its share, so only ``m / S_|S|`` is kept as well.
+fill of a replicated stage is scaled by its share, so only ``m / S_|S|`` is kept as well (and
+not the largest layer's floor: replicas of a stage share its micro-batches).
 The worker must also hold the model: every stage's memory is its weights plus at least one
 micro-batch of activations plus the reserve, and the stages' weights and activations add up
 to at least the whole model's (``cost.weight_bytes(0, L) + cost.activation_bytes(0, L)``;
@@ -225,7 +226,9 @@ def _fleet_bound(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
            for t in types}
     if any(whole[t] <= 0 for t in types) or not math.isfinite(perfect):
         return FleetBound(math.inf, perfect, need, fill, 0)
-    ell = largest_layer_s(cost, types)
+    # the pace's floor, the largest layer once per micro-batch, holds where one device runs a layer
+    # for every micro-batch; replicas of a stage share its micro-batches, so not with replication
+    ell = 0.0 if replication else largest_layer_s(cost, types)
     if len(types) == 1:
         return _one_type_bound(counts[types[0]], whole[types[0]], cap[types[0]], need, b, m, fill, ell,
                                virtual_workers, perfect)
