@@ -416,8 +416,9 @@ def format_explanation(e: Explanation, max_untimed: int = 8) -> str:
                                  f"({a.gain_samples_per_s:+.2f} vs {a.baseline_samples_per_s:.2f} re-planned "
                                  f"without it)")
         if any(a.gain_samples_per_s < 0 for a in timed):
-            lines.append("  (a negative figure: the planner, which places every GPU it is given, found no "
-                         "better plan with the extra GPU; leaving it idle keeps the figure without it)")
+            lines.append("  (a negative figure: the planner found no better plan with the extra GPU, as it ranks "
+                         "plans by the closed form or, one pipeline, places every GPU it is given; leaving the "
+                         "GPU idle keeps the figure without it)")
         if untimed:
             shown = ", ".join(untimed[:max_untimed]) + (f" and {len(untimed) - max_untimed} more"
                                                        if len(untimed) > max_untimed else "")
