@@ -14,8 +14,10 @@ each storage once (a view and its base, or a tensor both saved and held, are one
 at the storage's size). ``peak_bytes`` is the most held at once, sampled at every save and at the
 start of every action. A recomputed forward's tensors are counted while its backward runs: the
 executor recomputes a ``full`` stage's forward inside the backward action, under the same hooks;
-a ``selective`` stage's attention core is recomputed by ``torch.utils.checkpoint`` inside its
-backward, which keeps those few tensors outside the hooks (not counted).
+a ``selective`` stage's attention core keeps its inputs outside autograd's saved tensors
+(:mod:`runtime.recompute`, so that an ``I`` can drop them), counted all the same through
+:func:`keep_for_backward`, and is recomputed inside its backward, whose few tensors stay outside
+the hooks (not counted).
 
 Not counted: the parameters, their gradients and the optimizer state (the rank's model state,
 counted apart: :func:`runtime.recipe.model_state_bytes`), a weight version of 2bw or wsp beyond
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ActivationMeter", "rng_restored", "rng_state"]
+__all__ = ["ActivationMeter", "keep_for_backward", "kept", "rng_restored", "rng_state"]
 
 Key = tuple[int, str]
 
@@ -130,8 +132,29 @@ class ActivationMeter:
                     self._extra[key] = nbytes
         self.extra_bytes = sum(self._extra.values())
         self._sample()
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-            yield
+        before = _ACTIVE[0]
+        _ACTIVE[0] = self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            _ACTIVE[0] = before
+
+
+_ACTIVE: list[ActivationMeter | None] = [None]  # the meter counting now, if any
+
+
+def keep_for_backward(t: torch.Tensor) -> Any:
+    """``t`` as a custom autograd function keeps it for its backward outside ``save_for_backward``
+    (so that it can drop it early), counted as a saved tensor by the meter counting now, until
+    the returned object is dropped; :func:`kept` gives the tensor back."""
+    meter = _ACTIVE[0]
+    return meter.pack(t) if meter is not None else t
+
+
+def kept(held: Any) -> torch.Tensor:
+    """The tensor :func:`keep_for_backward` kept."""
+    return ActivationMeter.unpack(held)
 
 
 def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -38,6 +38,8 @@ from torch import nn
 from partitioner.errors import FormatError
 from partitioner.pricing import RECOMPUTE_MODES
 
+from .memory import keep_for_backward, kept
+
 __all__ = ["RECOMPUTED", "core_once", "keeping_core_gradients", "recompute_stage"]
 
 RECOMPUTED = [0]  # attention cores recomputed in this process (a count, for tests and figures)
@@ -62,24 +64,29 @@ class _CoreOnce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, core: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        ctx.core, ctx.inputs, ctx.kept = core, (q.detach(), k.detach(), v.detach()), None
+        # kept outside save_for_backward (an I drops them for their gradients), counted all the same
+        ctx.core, ctx.kept = core, None
+        ctx.inputs = tuple(keep_for_backward(t.detach()) for t in (q, k, v))
         with torch.no_grad():
             return core(q, k, v)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         if ctx.kept is not None:  # the W after an I: what the I computed
-            kept, ctx.kept = ctx.kept, None
-            return (None, *kept)
+            held, ctx.kept = ctx.kept, None
+            return (None, *(kept(g) for g in held))
         if ctx.inputs is None:
             raise RuntimeError("an attention core's backward ran again after its gradients were used")
-        inputs = tuple(t.requires_grad_(True) for t in ctx.inputs)
+        inputs = tuple(kept(t).detach().requires_grad_(True) for t in ctx.inputs)
         with torch.enable_grad():
             out = ctx.core(*inputs)
         grads = torch.autograd.grad(out, inputs, grad)
         RECOMPUTED[0] += 1
-        if _KEEPING[0]:
-            ctx.kept, ctx.inputs = grads, None
+        # the inputs are dropped once used, as autograd drops saved tensors after a backward (the
+        # runtime's backwards through a core are final, but for an I's: retain_graph is for the W)
+        ctx.inputs = None
+        if _KEEPING[0]:  # the gradients held for the W in place of the inputs (counted the same way)
+            ctx.kept = tuple(keep_for_backward(g) for g in grads)
         return (None, *grads)
 
 

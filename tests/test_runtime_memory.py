@@ -38,6 +38,24 @@ def test_the_meter_counts_what_the_profiler_says_a_stage_saves(name: str) -> Non
     assert meter.saved_bytes == 0 and meter.peak_bytes == want
 
 
+def test_the_meter_counts_what_a_selective_stage_keeps_as_the_profiler_measures_it() -> None:
+    """A stage run with the runtime's selective recomputation keeps the attention cores' inputs
+    outside autograd's saved tensors (so that a split backward can drop them); the meter still
+    counts them: the stage's saved bytes less the profiler's measured selective saving."""
+    from runtime.recompute import recompute_stage
+
+    prof = _profile("gpt2-tiny", 4)
+    chain = zoo_chain("gpt2-tiny", 4)
+    stage = recompute_stage(build_stage(chain, 0, chain.num_layers, seed=0), "selective")
+    meter = ActivationMeter()
+    with meter.tracking([], stage.parameters()):
+        y = stage(chain.make_input(4, "cpu"))
+    whole = sum(layer.saved_bytes for layer in prof.layers) - sum(layer.shared_saved_bytes for layer in prof.layers[1:])
+    assert meter.saved_bytes == whole - sum(selective_bytes(prof))
+    y.float().mean().backward()
+    assert meter.saved_bytes == 0
+
+
 def test_a_held_tensor_that_is_also_saved_is_counted_once() -> None:
     layer = torch.nn.Linear(256, 256)
     x = torch.randn(64, 256, requires_grad=True)
