@@ -115,7 +115,7 @@ def dags(draw):
     return profile, cluster, schedule, m, options
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # 80: 58 s alone
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # 80: 58 s alone
 @given(dags(), st.booleans())
 def test_graph_models_equal_exhaustive_enumeration(inst, hint):
     profile, cluster, schedule, m, options = inst
