@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# One torch (OpenMP) thread in each test process, set before torch or numpy loads: the ranks a
+# test starts train with one thread each, and a pool of several threads beside other busy
+# processes (the other test process, the ranks, whatever else runs) waits on its slowest thread
+# at every operation: on 2 busy cores a reference computed in-process took 7x as long.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 

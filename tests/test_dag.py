@@ -115,7 +115,7 @@ def dags(draw):
     return profile, cluster, schedule, m, options
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # 80: 58 s alone
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # 80: 58 s alone
 @given(dags(), st.booleans())
 def test_graph_models_equal_exhaustive_enumeration(inst, hint):
     profile, cluster, schedule, m, options = inst
@@ -304,7 +304,11 @@ def test_cli_plans_the_graph_or_the_chain_order(tmp_path, capsys, pipedream_dir)
     from partitioner_cli.main import main
     from solvers.planning import PlanRequest
 
-    cluster = str(Path(__file__).resolve().parents[1] / "examples" / "clusters" / "v100x8.yaml")
+    # examples/clusters/v100x8.yaml with 5 GPUs: there the graph's convex stages beat the chain order
+    # (67.81 ms against 70.48 ms) and cpsat proves both in about a second
+    v100x8 = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "v100x8.yaml"
+    cluster = str(tmp_path / "v100x5.yaml")
+    Path(cluster).write_text(v100x8.read_text().replace("V100-SXM2-16GB: 8", "V100-SXM2-16GB: 5"))
     prof = tmp_path / "r18.json"
     assert main(["import", "pipedream", str(pipedream_dir / "resnet18.txt"), "--gpu-type", "V100-SXM2-16GB",
                  "-o", str(prof)]) == 0
@@ -317,11 +321,11 @@ def test_cli_plans_the_graph_or_the_chain_order(tmp_path, capsys, pipedream_dir)
     assert chain.layer_order is None
     assert graph.solver.objective <= chain.solver.objective * (1 + 1e-9)
     out = capsys.readouterr().out
-    if graph.layer_order is not None:
-        assert "convex sets of the graph" in out
-        assert main(["simulate", str(tmp_path / "g.json"), "--profile", str(prof), "--cluster", cluster]) == 0
-        assert main(["export", str(tmp_path / "g.json"), "--to", "deepspeed", "-o", str(tmp_path / "x.json")]) == 2
-        assert "layer_order" in capsys.readouterr().err
+    assert graph.layer_order is not None and graph.solver.objective < chain.solver.objective * (1 - 1e-6)
+    assert "convex sets of the graph" in out
+    assert main(["simulate", str(tmp_path / "g.json"), "--profile", str(prof), "--cluster", cluster]) == 0
+    assert main(["export", str(tmp_path / "g.json"), "--to", "deepspeed", "-o", str(tmp_path / "x.json")]) == 2
+    assert "layer_order" in capsys.readouterr().err
     # the dp solver plans the graph too, and --chain-order asks every solver for the chain
     assert main(["plan", str(prof), "--cluster", cluster, "--micro-batches", "4", "-o", str(tmp_path / "d.json")]) == 0
     assert main(["plan", str(prof), "--cluster", cluster, "--micro-batches", "4", "--chain-order",

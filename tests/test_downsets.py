@@ -48,7 +48,7 @@ def _check_plan(r, profile, cluster, options, truth: float, optimal) -> None:
     assert math.fsum(cost.plan_stage_times_s(r.plan)) <= least * (1 + 1e-9) + 1e-15
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dags())
 def test_default_plan_of_a_graph_equals_exhaustive_enumeration(inst):
     """The default solver's bottleneck is the least over every convex partition that fits (and its
@@ -70,7 +70,7 @@ def test_default_plan_of_a_graph_equals_exhaustive_enumeration(inst):
         assert r.objective <= chain.objective * (1 + 1e-12)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dags())
 def test_allow_fewer_on_a_graph_is_the_best_prefix(inst):
     profile, cluster, schedule, m, options = inst

@@ -72,7 +72,7 @@ def instances(draw):
     return prof, cluster, CostOptions(overlap_comm=overlap, reserved_bytes=0.1 * GIB), schedule, m
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_dp_equals_brute_force(inst):
     _check_dp_equals_brute_force(inst)
@@ -107,7 +107,7 @@ def _check_dp_equals_brute_force(inst):
     assert sum(times) == pytest.approx(least_total, rel=1e-12, abs=1e-15)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(instances())
 def test_allow_fewer_is_best_prefix(inst):
     prof, cluster, options, schedule, m = inst
@@ -195,7 +195,7 @@ def longer_instances(draw):
     return prof, cluster, options, draw(st.sampled_from(["1f1b", "gpipe", "2bw", "wsp"])), draw(st.integers(1, 12))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(longer_instances())
 def test_best_prefix_dp_equals_every_prefix_solved(inst):
     """The bounded search over prefixes returns what solving every prefix returns: same value, same

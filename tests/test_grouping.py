@@ -174,7 +174,8 @@ def test_equivalent_workers_share_one_mapping_relabelled_onto_their_own_gpus():
     assert len(layouts) == 2  # one per node kind
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# (seeds 0 and 2 plan workers whose closed form is below the simulated rate; seed 1's equal it)
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), 2])
 def test_wsp_objective_is_the_long_run_rate_the_simulator_runs(seed):
     """Without the all-reduce priced, the wsp objective (K x the slowest worker) is what the
     simulator runs in the long run, within the closed form's known pessimism on uneven stages;

@@ -116,7 +116,7 @@ def _check_agreement(inst, hint):
         assert max(times) == r.objective  # the reported objective is the cost model's figure
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_agree_with_brute_force(inst):
     _check_agreement(inst, hint=False)

@@ -112,7 +112,7 @@ def _check(inst):
             assert plan.solution.bottleneck_s >= want * (1 - 1e-12) - 1e-15
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_joint_models_equal_every_order_by_the_dp(inst):
     _check(inst)

@@ -80,7 +80,7 @@ def brute_force(cost: CostModel, devices, schedule: Schedule) -> float:  # type:
     return best
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_dp_with_levers_equals_exhaustive_enumeration(inst) -> None:  # type: ignore[no-untyped-def]
     prof, cluster, opts, schedule, m = inst

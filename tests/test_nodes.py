@@ -12,6 +12,7 @@ import pytest
 
 from partitioner.errors import PartitionerError
 from partitioner.plan import Plan
+from partitioner_cli import main as cli
 from runtime.launch import TrainConfig, free_port, train_local
 from runtime.layout import plan_layout
 from runtime.nodes import plan_nodes, seat
@@ -39,7 +40,7 @@ def test_each_torchrun_process_finds_its_plan_device() -> None:
         seat(layout, {}, "n7")
 
 
-def test_two_torchrun_nodes_train_what_local_trains(tmp_path: Path) -> None:
+def test_two_torchrun_nodes_train_what_local_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     PLAN.save(tmp_path / "plan.json")
     _cpu_profile("gpt2-tiny", 4).save(tmp_path / "profile.json")
     (tmp_path / "two.yaml").write_text(TWO_NODES)
@@ -48,10 +49,10 @@ def test_two_torchrun_nodes_train_what_local_trains(tmp_path: Path) -> None:
             str(tmp_path / "two.yaml"), "--model", "gpt2-tiny", "--steps", "3", "--warmup", "1", "--threads", "1",
             "--timeout", "120", "-o", str(out)]
     endpoint = f"127.0.0.1:{free_port()}"
-    printed = subprocess.run([sys.executable, "-m", "partitioner_cli", "train", *args, "--launch-lines",
-                              "--rdzv-endpoint", endpoint], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert printed.returncode == 0, printed.stderr
-    lines = [ln for ln in printed.stdout.splitlines() if ln.startswith("torchrun ")]
+    # the lines are printed in this process (a Python fewer to start); the agents run them
+    assert cli.main(["train", *args, "--launch-lines", "--rdzv-endpoint", endpoint]) == 0
+    printed = capsys.readouterr()
+    lines = [ln for ln in printed.out.splitlines() if ln.startswith("torchrun ")]
     assert len(lines) == 2 and all("--nnodes 2" in ln for ln in lines)
     assert "--nproc-per-node 1" in lines[0] and "--plan-node n1" in lines[0]
     assert "--nproc-per-node 2" in lines[1] and "--plan-node n0" in lines[1]

@@ -12,12 +12,12 @@ if str(ROOT) not in sys.path:
 
 from bench.projection_plans import (  # noqa: E402
     MICRO_BATCH,
-    cluster,
     measured_profile,
     plan_on,
     projected_times,
     with_times,
 )
+from partitioner.cluster import Cluster, Node  # noqa: E402
 from partitioner.projection.evaluation import sailor_configs  # noqa: E402
 from partitioner.projection.operator_model import default_calibration  # noqa: E402
 
@@ -30,7 +30,10 @@ def test_measured_times_put_back_give_the_measured_plan() -> None:
     key = names["Titan-RTX"]
     same = with_times(measured, key, [(x.times[key].fwd_s, x.times[key].bwd_s) for x in measured.layers], "x")
     assert all(x.times[key].projected for x in same.layers)
-    cl = cluster()
+    # the bench's cluster with two GPUs a node rather than four: the same three types, one of
+    # them the one whose times are put back
+    spec = [["RTX-3090"] * 2, ["RTX-2080-Ti"] * 2, [key] * 2]
+    cl = Cluster("sailor-mixed-small", tuple(Node(f"n{i}", tuple(g), 12.0) for i, g in enumerate(spec)), 3.0)
     ref, got = plan_on(measured, measured, cl, 4), plan_on(same, measured, cl, 4)
     assert got.cuts == ref.cuts and got.samples_per_s == ref.samples_per_s == got.believed
 
