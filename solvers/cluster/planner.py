@@ -316,6 +316,7 @@ def _candidate_ks(n: int, nodes: int) -> list[int]:
     return sorted({k for k in range(1, n + 1) if n % k == 0} | {nodes})
 
 
+IDENTICAL_FINALISTS = 2  # groupings of identical workers priced exactly beside the counts plan (small clusters)
 FINISH_SHARE = 0.15  # of the time limit, kept for the answer's pricing and simulation (policy opt: its
 # bounds are taken before the search, out of the search's share)
 
@@ -572,15 +573,17 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
         best = baseline
     # identical workers: the counts program leaves the all-reduce between workers out, which
     # mixed workers pay across slow links where identical ones keep their replicas on a node
-    same = [(v, g) for v, g in ((_grouping_value(g, rater, objective, m), g) for g in res.alternatives
-                                if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s)
-            if v > -math.inf]  # -inf: a worker that fits no split
+    # screened by the rater (its estimate has the all-reduce between workers), the best few kept
+    screened = [(v, g) for v, g in ((_grouping_value(g, rater, objective, m), g) for g in res.alternatives
+                                    if max(len(w) for w in g) <= largest and time.perf_counter() < t0 + time_limit_s)
+                if v > -math.inf]  # -inf: a worker that fits no split
+    alternatives = [g for _, g in sorted(screened, key=lambda x: -x[0])[:IDENTICAL_FINALISTS]]
     used = rater
     if n_small and time.perf_counter() < t0 + time_limit_s:
         # The finalists re-planned by the full mapping search and priced exactly (the all-reduce
         # included): the estimate that ranked them may not rank them as the cost model does.
         priced = []
-        for g in [res.grouping] + ([baseline[1]] if baseline is not None else []) + [g for _, g in same]:
+        for g in [res.grouping] + ([baseline[1]] if baseline is not None else []) + alternatives:
             try:
                 plan = plan_of(g, planner, cost.profile, planner.schedule)[0]
             except WorkerUnfit:  # past its deadline the full search may keep less than the screening one
@@ -589,7 +592,7 @@ def _plan_symmetric(devs: list[Device], k: int | None, planner: WorkerPlanner, o
         if priced:
             best, used = max(priced, key=lambda x: x[0]), planner
     elif time.perf_counter() < t0 + time_limit_s:  # large: the winner re-planned in full if that helps
-        best = max([best, *same], key=lambda x: x[0])
+        best = max([best, *screened], key=lambda x: x[0])
         full = _grouping_value(best[1], planner, objective, m)
         if full >= best[0]:
             best, used = (full, best[1]), planner
@@ -644,7 +647,7 @@ def _plan_search(devs: list[Device], k: int | None, planner: WorkerPlanner, obje
             with contextlib.suppress(FormatError):
                 starts.append(group(pol, devs, kk, speed))
         g, val, ex = search_opt(devs, kk, screen.throughput, objective, starts,
-                                bound=screen.throughput_bound, time_limit_s=budget, idle=True)
+                                bound=screen.throughput_bound, time_limit_s=budget, idle=len(devs) <= 8)
         exact = exact and ex
         finalists += starts
         if g is not None and val > -math.inf:
