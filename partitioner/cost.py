@@ -144,6 +144,17 @@ def _by_kind(method: _M) -> _M:
 
 
 
+@dataclass
+class _FlowTerms:
+    """A worker's per-stage terms of the flushing closed forms (:meth:`CostModel._flow_terms`)."""
+
+    fwd: list[float]  # forward + activation send, one micro-batch
+    bwd: list[float]  # backward + gradient send
+    tf: list[float]  # forward steady time (send joined as the options say)
+    tb: list[float]  # backward steady time
+    rounds: list[float]  # compute and the round trip of the outgoing cut
+
+
 class CostModel:
     """Prices stages of ``profile`` on the devices and links of ``cluster``.
 
@@ -944,23 +955,8 @@ class CostModel:
         times = self.plan_stage_times_s(plan, worker, allreduce_apart=True)
         if not spec(plan.schedule).flushes:
             return m * max(times)
-        fill_f, fill_b, tf, tb = 0.0, 0.0, [], []
-        rounds: list[float] = []  # per stage: its compute and the round trip of its outgoing cut
-        join = max if self.options.overlap_comm else (lambda x, y: x + y)
-        for k, st in enumerate(vw.stages):
-            prev = vw.stages[k - 1].device if k > 0 else None
-            nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
-            cs = self.recomputing(st.recompute)
-            best = min(st.devices, key=lambda d: cs.compute_s(self.cluster.device(d).kind, st.start, st.stop))
-            f, b = cs.fwd_bwd_s(self.cluster.device(best).kind, st.start, st.stop)
-            a = self.boundary_s(st.stop, best, nxt)
-            g = self.boundary_s(st.start, best, prev)
-            share = times[k] / cs.stage_time_s(st.start, st.stop, best, prev, nxt) if st.replicas else 1.0
-            fill_f += (f + a) * share
-            fill_b += (b + g) * share
-            rounds.append((f + b) * share + (a + self.boundary_s(st.stop, nxt, best) if nxt is not None else 0.0))
-            tf.append(join(f, a) * share)
-            tb.append(join(b, g) * share)
+        fl = self._flow_terms(plan, worker, times)
+        fill_f, fill_b, tf, tb, rounds = sum(fl.fwd), sum(fl.bwd), fl.tf, fl.tb, fl.rounds
         if spec(plan.schedule).all_forwards_first:
             return fill_f + (m - 1) * max(tf) + fill_b + (m - 1) * max(tb)
         # 1F1B keeps at most p - k micro-batches past stage k: each of them spends at least the
@@ -985,6 +981,45 @@ class CostModel:
                 if idle is not None:  # (None: fewer micro-batches than its closed form needs)
                     saving = (p - 1) * (f + b_in + w) - idle
         return fill_f + fill_b + (m - 1) * pace - saving
+
+    def _flow_terms(self, plan: Plan, worker: int, times: Sequence[float]) -> _FlowTerms:
+        """Per stage of a worker (one micro-batch): forward + activation send and backward +
+        gradient send (their fills), the forward and backward steady times (joined as the
+        options say), and the round trip of the outgoing cut; a replicated stage at its replicas'
+        pace (``times``: :meth:`plan_stage_times_s`)."""
+        vw = plan.virtual_workers[worker]
+        out = _FlowTerms([], [], [], [], [])
+        join = max if self.options.overlap_comm else (lambda x, y: x + y)
+        for k, st in enumerate(vw.stages):
+            prev = vw.stages[k - 1].device if k > 0 else None
+            nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
+            cs = self.recomputing(st.recompute)
+            best = min(st.devices, key=lambda d: cs.compute_s(self.cluster.device(d).kind, st.start, st.stop))
+            f, b = cs.fwd_bwd_s(self.cluster.device(best).kind, st.start, st.stop)
+            a = self.boundary_s(st.stop, best, nxt)
+            g = self.boundary_s(st.start, best, prev)
+            share = times[k] / cs.stage_time_s(st.start, st.stop, best, prev, nxt) if st.replicas else 1.0
+            out.fwd.append((f + a) * share)
+            out.bwd.append((b + g) * share)
+            out.rounds.append((f + b) * share + (a + self.boundary_s(st.stop, nxt, best) if nxt is not None else 0.0))
+            out.tf.append(join(f, a) * share)
+            out.tb.append(join(b, g) * share)
+        return out
+
+    def _gpipe_stage_done_s(self, plan: Plan, worker: int) -> list[float]:
+        """When each stage of a GPipe worker ends its last backward (its last gradient send
+        included): the backward flow shop from the last stage down reaches stage ``k`` with its
+        last micro-batch at ``sum_{j >= k} (b + g)_j + (m - 1) max_{j >= k} t_b`` after the
+        forward one ends (identical jobs in a flow shop: the slowest machine so far paces them)."""
+        m = plan.micro_batches
+        fl = self._flow_terms(plan, worker, self.plan_stage_times_s(plan, worker, allreduce_apart=True))
+        start = sum(fl.fwd) + (m - 1) * max(fl.tf)
+        out, fill, pace = [0.0] * len(fl.bwd), 0.0, 0.0
+        for k in range(len(fl.bwd) - 1, -1, -1):
+            fill += fl.bwd[k]
+            pace = max(pace, fl.tb[k])
+            out[k] = start + fill + (m - 1) * pace
+        return out
 
     def overlaps(self, plan: Plan) -> bool:
         """Whether ``plan``'s iterations overlap as priced here: a flushing schedule under these
@@ -1012,6 +1047,7 @@ class CostModel:
         layers_of: dict[str, list[tuple[int, int]]] = {}
         for w, vw in enumerate(plan.virtual_workers):
             total = self.worker_iteration_s(plan, w)
+            gpipe = self._gpipe_stage_done_s(plan, w) if spec(plan.schedule).all_forwards_first else None
             back = 0.0
             for k, st in enumerate(vw.stages):
                 prev = vw.stages[k - 1].device if k > 0 else None
@@ -1021,6 +1057,10 @@ class CostModel:
                 for d in st.devices:
                     layers_of.setdefault(d, []).append((st.start, st.stop))
                     done = total if not spec(plan.schedule).flushes else total - back + held
+                    if gpipe is not None:  # GPipe's backward flow shop says when each stage ends (its
+                        # last gradient send included, which an overlapped send does not hold it for)
+                        done = gpipe[k] - (self.boundary_s(st.start, st.device, prev) if self.options.overlap_comm
+                                           else 0.0)
                     finish[d] = max(finish.get(d, 0.0), done)
                 gpu = self.cluster.device(st.device).kind
                 nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
