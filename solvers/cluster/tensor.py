@@ -54,7 +54,7 @@ from ..predictions import with_predictions
 from ..progress import status
 from ..result import SolveResult, SolveStatus
 from .bounds.layers import layer_bound
-from .bounds.pace import pace_bound
+from .bounds.pace import PaceTable, pace_bound, pace_table
 from .bounds.paced import _reference
 from .planner import (
     WorkerPlanner,
@@ -186,6 +186,7 @@ class _Queue:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._views: dict[_View, tuple[Profile, Cluster, list[Device], list[tuple[int, int]]]] = {}
         self._costs, self._options = costs, options
+        self._pace: dict[_View, PaceTable | None] = {}
         self.schedule = schedule
         self.entries = 0  # candidates
         self.bounded = 0  # LPs solved
@@ -242,7 +243,9 @@ class _Queue:
                 bound = layer_bound(cost, devices, cand.virtual_workers, sched, slices=_most_slices(self.schedule, cand))
                 # whole layers in contiguous stages: the slowest worker's bottleneck device (slices
                 # of the first micro-batch do not change it; solvers.cluster.bounds.pace)
-                bound = min(bound, pace_bound(cost, devices, cand.virtual_workers, sched))
+                if key not in self._pace:  # one table per view, for every K and m of it
+                    self._pace[key] = pace_table(cost, devices, sched)
+                bound = min(bound, pace_bound(cost, devices, cand.virtual_workers, sched, self._pace[key]))
                 self.bounded += 1
                 if bound > 0:  # 0: no plan of k workers fits
                     bound = min(bound, -neg)

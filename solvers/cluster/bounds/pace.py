@@ -5,27 +5,28 @@ fraction; a real worker cuts whole layers into contiguous stages, one device eac
 the pace of its busiest device. This bound keeps that structure.
 
 **One worker.** In a one-chunk flushing schedule without replication, the device of stage ``k``
-does its work one action after another within the iteration ``T``: the forwards and backwards
-of its ``m`` micro-batches (``m s_k``), its step, its share of the gradient all-reduce (as
-:func:`.layers.layer_bound` prices it per layer, at least), and, where sends block their sender
-(``overlap_comm`` off, the simulator's default; no shared NICs modelled), its ``m`` activation sends to stage ``k + 1``
-and ``m`` gradient sends to stage ``k - 1``, each at least the least time of one boundary message
-between the two devices' pools (a pool: the devices of one kind on one node). So ``T`` is at least
-the busiest device's sum. A first micro-batch cut into slices changes none of it: a slice
-computes and sends its share of the samples, so the slices add up to one micro-batch.
+does its work one action after another within the iteration ``T``: the forwards and backwards of
+its ``m`` micro-batches and, where sends block their sender (``overlap_comm`` off, the
+simulator's default; no shared NICs modelled), its ``m`` activation sends to stage ``k + 1`` and
+``m`` gradient sends to stage ``k - 1``, each at least the least time of one boundary message
+between the two devices' pools (a pool: the devices of one kind). Its step and all-reduce are
+left out (they only add). So ``T >= m p_k`` with ``p_k`` one micro-batch's share of that work,
+for every stage. A first micro-batch cut into slices changes none of it: a slice computes and
+sends its share of the samples, so the slices add up to one micro-batch.
 
-For a vector ``c`` of device counts per pool, ``P*(c)`` is the least busiest-device time over
-every order of those devices and every split of the layers into contiguous stages on some of
-them (a device may be left out: this only lowers ``P*``, so it bounds every worker of exactly
-those devices), where a stage goes on a device only if its layers' least bytes fit the device's
-memory (the per-layer least bytes of :mod:`.layers`, summed). A dynamic program over (devices
-used per pool, the last stage's pool, the pool promised to the next stage, layers covered)
-computes ``P*`` for every ``c`` at once, charging each stage its sends both ways when it is
-placed. Where the pools by node are too many for the table, pools are kinds and sends are left
-out (they only add).
+For a vector ``c`` of device counts per pool, ``P*(c)`` is the least ``max_k p_k`` over every
+order of those devices and every split of the layers into contiguous stages on some of them (a
+device may be left out: this only lowers ``P*``, so it bounds every worker of exactly those
+devices), where a stage goes on a device only if its layers' least bytes fit the device's memory
+(the per-layer least bytes of :mod:`.layers`, summed). A dynamic program over (devices used per
+pool, the last stage's pool, the pool promised to the next stage, layers covered) computes
+``P*`` for every ``c`` at once, charging each stage its sends both ways when it is placed. Nodes
+are left out of the counts (they only constrain plans more); they enter through the least
+message time between two pools, a link between nodes where no node holds both kinds. The table
+holds for every ``K`` and ``m``.
 
-**K workers.** Under ``sync`` every worker runs the whole iteration, so ``T >= max_w P*(c_w)``
-for disjoint vectors ``c_w`` within the pools; the rate ``K m b / T`` is at most ``K m b / T_K``
+**K workers.** Under ``sync`` every worker runs the whole iteration, so ``T >= m max_w P*(c_w)``
+for disjoint vectors ``c_w`` within the pools; the rate ``K m b / T`` is at most ``K b / T_K``
 with ``T_K`` the least ``P`` at which ``K`` disjoint vectors of ``P* <= P`` fit the pools (GPUs
 may stay idle). ``T_K`` is found by bisection over the distinct values of ``P*``, each step a
 reachability over the counts of each pool (only the vectors minimal at that ``P`` are needed).
@@ -37,7 +38,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,13 +47,13 @@ from partitioner.cluster import Device
 from partitioner.cost import CostModel
 from partitioner.schedule import Schedule
 
-from .layers import _layer_columns, fastest_inter_node_gbps, fastest_link_gbps
+from .layers import _layer_columns
 
 __all__ = ["MAX_STATES", "PaceTable", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
 
 log = logging.getLogger(__name__)
 
-MAX_STATES = 4096  # most (devices of each kind) vectors the table covers; past it, no bound
+MAX_STATES = 512  # most vectors (devices of each kind) a table covers; past it, no bound (its program costs too much)
 
 
 def paced_schedule(schedule: Schedule) -> bool:
@@ -64,8 +64,7 @@ def paced_schedule(schedule: Schedule) -> bool:
 @dataclass(frozen=True)
 class PaceTable:
     """``P*`` (least busy seconds of a worker's busiest device) for every vector of device counts
-    within ``supply`` (one count per pool of ``pools``: a device kind, or a kind on one node where
-    sends are counted), in C order over ``supply + 1``; ``inf`` where no split of the layers fits
+    within ``supply`` (one count per pool of ``pools``: a device kind), in C order over ``supply + 1``; ``inf`` where no split of the layers fits
     those devices."""
 
     pools: tuple[str, ...]
@@ -79,56 +78,51 @@ class PaceTable:
             raise ValueError(f"PaceTable: table of shape {self.least_s.shape} for supply {self.supply}")
 
 
-def _pools(devices: Sequence[Device], by_node: bool) -> dict[str, list[Device]]:
+def _pools(devices: Sequence[Device]) -> dict[str, list[Device]]:
+    """The devices of each kind, kinds sorted."""
     out: dict[str, list[Device]] = {}
     for d in devices:
-        out.setdefault(f"{d.node}/{d.kind}" if by_node else d.kind, []).append(d)
+        out.setdefault(d.kind, []).append(d)
     return dict(sorted(out.items()))
 
 
-def pace_table(cost: CostModel, devices: Sequence[Device], virtual_workers: int, schedule: Schedule
-               ) -> PaceTable | None:
-    """The table of ``P*`` over ``devices`` for plans of ``virtual_workers`` workers of
-    ``schedule``'s micro-batches (see the module docstring); None where it would have more than
-    :data:`MAX_STATES` vectors. Where sends block their sender (``overlap_comm`` off) and the
-    table by node and kind is small enough, a stage also pays its sends to the stages before and
-    after it (gradients back, activations on), at the least time between the two pools' devices."""
-    pools = _pools(devices, by_node=True)
-    sends = (not cost.options.overlap_comm and not cost.cluster.has_nics  # shared NICs: flows, left out
-             and math.prod(len(v) + 1 for v in pools.values()) <= MAX_STATES)
-    if not sends:
-        pools = _pools(devices, by_node=False)
-        if math.prod(len(v) + 1 for v in pools.values()) > MAX_STATES:
-            return None
+def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> PaceTable | None:
+    """The table of ``P*`` over ``devices`` for plans of ``schedule`` (see the module docstring),
+    per micro-batch: one micro-batch's forwards, backwards and sends (where they block their
+    sender, ``overlap_comm`` off, at the least time between the two pools' devices) on the
+    busiest device, the same for every K and m. None where it would have more than
+    :data:`MAX_STATES` vectors or :func:`paced_schedule` does not cover the schedule."""
+    if not paced_schedule(schedule):
+        return None
+    pools = _pools(devices)
+    if math.prod(len(v) + 1 for v in pools.values()) > MAX_STATES:
+        return None
+    sends = not cost.options.overlap_comm and not cost.cluster.has_nics  # shared NICs: flows, left out
     names = tuple(pools)
     supply = tuple(len(pools[p]) for p in names)
     n_layers = cost.num_layers
-    m = schedule.micro_batches
-    kinds = sorted({d.kind for d in devices})
-    busy = dict(zip(kinds, _busy_columns(cost, devices, kinds, virtual_workers, schedule), strict=True))
     ahead = np.arange(n_layers + 1)[None, :] > np.arange(n_layers + 1)[:, None]
     stage_s = []  # per pool: busy seconds of layers [i, j) on one device, inf where they cannot fit it
     for p in names:
         kind = pools[p][0].kind
-        mem = _layer_columns(cost, kind, schedule.weight_versions)[3]
+        comp, _, _, mem = _layer_columns(cost, kind, schedule.weight_versions)
         room = pools[p][0].memory_bytes - cost.options.reserved_bytes
-        c_pre = np.concatenate([[0.0], np.cumsum(busy[kind])])
+        c_pre = np.concatenate([[0.0], np.cumsum(comp)])
         m_pre = np.concatenate([[0.0], np.cumsum(mem)])
         fits = (m_pre[None, :] - m_pre[:, None]) <= room
         stage_s.append(np.where(fits & ahead, c_pre[None, :] - c_pre[:, None], math.inf))
-    # after[p][q]: a stage on pool q after one on pool p, its m gradient sends back at its first cut
     n_pools = len(names)
     members = [pools[p] for p in names]
     zero = np.zeros(n_layers + 1)
-    # send_s[a][b]: m boundary messages per cut from a device of pool a to another of pool b (b =
+    # send_s[a][b]: one boundary message per cut from a device of pool a to another of pool b (b =
     # n_pools: no stage there, nothing sent)
-    send_s = [[m * _least_sends(cost, members[a], members[b]) if sends and b < n_pools else zero
+    send_s = [[_least_sends(cost, members[a], members[b]) if sends and b < n_pools else zero
                for b in range(n_pools + 1)] for a in range(n_pools)]
-    # stage_cost[r][r2][q, i, j]: a stage of layers [i, j) on pool r after one on pool q (its
+    # stage_cost[r][r2, q, i, j]: a stage of layers [i, j) on pool r after one on pool q (its
     # gradients back at cut i) and before one on pool r2 (its activations on at cut j)
-    stage_cost = [[np.stack([stage_s[r] + send_s[r][q][:, None] if q < n_pools else stage_s[r]
-                             for q in range(n_pools + 1)]) + send_s[r][r2][None, None, :]
-                   for r2 in range(n_pools + 1)] for r in range(n_pools)]
+    stage_cost = [np.stack([np.stack([stage_s[r] + send_s[r][q][:, None] if q < n_pools else stage_s[r]
+                                      for q in range(n_pools + 1)]) + send_s[r][r2][None, None, :]
+                            for r2 in range(n_pools + 1)]) for r in range(n_pools)]
     # cover[c, q, r, l]: the least bottleneck of stages covering layers [0, l) on at most c
     # devices, the last on pool q (n_pools: none yet), the next promised to pool r (n_pools: none)
     dims = [n + 1 for n in supply]
@@ -146,9 +140,9 @@ def pace_table(cost: CostModel, devices: Sequence[Device], virtual_workers: int,
             came = prev[:, t, :]  # stages before, the next promised to pool t
             if not np.isfinite(came).any():
                 continue
-            for r2 in range(n_pools + 1):  # a stage on pool t ending at l, the next promised to r2
-                got = np.maximum(came[:, :, None], stage_cost[t][r2]).min(axis=(0, 1))
-                np.minimum(here[t, r2], got, out=here[t, r2])
+            # a stage on pool t ending at l, the next promised to each pool (or none)
+            got = np.maximum(came[None, :, :, None], stage_cost[t]).min(axis=(1, 2))
+            np.minimum(here[t], got, out=here[t])
     return PaceTable(names, supply, cover[..., :n_pools, n_pools, n_layers].min(axis=-1))
 
 
@@ -159,27 +153,23 @@ def _less(state: tuple[int, ...], t: int) -> tuple[int, ...]:
 
 def _least_sends(cost: CostModel, senders: Sequence[Device], receivers: Sequence[Device]) -> np.ndarray:
     """Per cut, the least seconds of one boundary message from a device of ``senders`` to another
-    of ``receivers`` (0 where the only pair is a device and itself)."""
-    vectors = [cost.boundary_vector_s(a.name, b.name) for a in senders for b in receivers if a.name != b.name]
+    of ``receivers`` (0 where the only pair is a device and itself). Without link overrides a
+    message's time depends on the two nodes alone, so two devices per node stand for the rest."""
+
+    def stand_ins(devices: Sequence[Device]) -> list[Device]:
+        if cost.cluster.links:
+            return list(devices)
+        seen: dict[str, int] = {}
+        out = []
+        for d in devices:
+            seen[d.node] = seen.get(d.node, 0) + 1
+            if seen[d.node] <= 2:
+                out.append(d)
+        return out
+
+    vectors = [cost.boundary_vector_s(a.name, b.name) for a in stand_ins(senders) for b in stand_ins(receivers)
+               if a.name != b.name]
     return np.min(vectors, axis=0) if vectors else np.zeros(cost.num_layers + 1)
-
-
-def _busy_columns(cost: CostModel, devices: Sequence[Device], kinds: Sequence[str], k: int,
-                  schedule: Schedule) -> list[np.ndarray]:
-    """Per kind, every layer's least seconds on the device holding it: ``m`` forwards and
-    backwards, its step and its share of the all-reduce among ``k`` holders (as
-    :func:`.layers.layer_bound` prices them)."""
-    m = schedule.micro_batches
-    allreduce = k > 1 and cost.options.sync and schedule.spec.sync == "allreduce"
-    stepped = schedule.spec.sync != "wave"
-    per_byte_s = 2.0 * (k - 1) / k / (fastest_link_gbps(cost) * 1e9)
-    if allreduce and k > max(Counter(d.node for d in devices).values()):
-        per_byte_s = max(per_byte_s, 1.0 / (fastest_inter_node_gbps(cost) * 1e9))
-    out = []
-    for kind in kinds:
-        comp, step, grads, _ = _layer_columns(cost, kind, schedule.weight_versions)
-        out.append(m * comp + step * stepped + (per_byte_s * grads if allreduce else 0.0))
-    return out
 
 
 def _minimal(feasible: np.ndarray) -> list[tuple[int, ...]]:
@@ -232,17 +222,19 @@ def least_pace_s(table: PaceTable, workers: int) -> float:
     return float(values[hi])
 
 
-def pace_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int, schedule: Schedule) -> float:
+def pace_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int, schedule: Schedule,
+               table: PaceTable | None = None) -> float:
     """Samples/s no plan of ``virtual_workers`` workers of ``schedule``'s micro-batches over
-    ``devices`` beats: ``K m b / T_K`` (0 where no ``K`` workers fit; ``inf``, no bound, for a
-    schedule the argument does not cover or a table too large)."""
+    ``devices`` beats: ``K m b / (m T_K)`` (0 where no ``K`` workers fit; ``inf``, no bound, for a
+    schedule the argument does not cover or a table too large). ``table``: the devices' table,
+    made once for every K and m of them (:func:`pace_table`)."""
     if not paced_schedule(schedule):
         return math.inf
-    table = pace_table(cost, devices, virtual_workers, schedule)
+    if table is None:
+        table = pace_table(cost, devices, schedule)
     if table is None:
         return math.inf
-    floor_s = least_pace_s(table, virtual_workers)
-    if not math.isfinite(floor_s):
+    pace_s = least_pace_s(table, virtual_workers)
+    if not math.isfinite(pace_s):
         return 0.0
-    samples = virtual_workers * schedule.micro_batches * cost.profile.micro_batch_size
-    return samples / floor_s if floor_s > 0 else math.inf
+    return virtual_workers * cost.profile.micro_batch_size / pace_s if pace_s > 0 else math.inf
