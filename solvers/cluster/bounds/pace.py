@@ -36,7 +36,6 @@ Where no ``K`` such vectors exist, no plan of ``K`` workers fits and the bound i
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,9 +50,7 @@ from .layers import _layer_columns
 
 __all__ = ["MAX_STATES", "PaceTable", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
 
-log = logging.getLogger(__name__)
-
-MAX_STATES = 512  # most vectors (devices of each kind) a table covers; past it, no bound (its program costs too much)
+MAX_STATES = 512  # most count vectors a table covers; past it, no bound (its program costs too much)
 
 
 def paced_schedule(schedule: Schedule) -> bool:
@@ -63,9 +60,9 @@ def paced_schedule(schedule: Schedule) -> bool:
 
 @dataclass(frozen=True)
 class PaceTable:
-    """``P*`` (least busy seconds of a worker's busiest device) for every vector of device counts
-    within ``supply`` (one count per pool of ``pools``: a device kind), in C order over ``supply + 1``; ``inf`` where no split of the layers fits
-    those devices."""
+    """``P*``, the least seconds per micro-batch of a worker's busiest device, for every vector of
+    device counts within ``supply`` (one count per pool of ``pools``: a device kind), in C order
+    over ``supply + 1``; ``inf`` where no split of the layers fits those devices."""
 
     pools: tuple[str, ...]
     supply: tuple[int, ...]
