@@ -243,8 +243,9 @@ class _Queue:
                 bound = layer_bound(cost, devices, cand.virtual_workers, sched, slices=_most_slices(self.schedule, cand))
                 # whole layers in contiguous stages: the slowest worker's bottleneck device (slices
                 # of the first micro-batch do not change it; solvers.cluster.bounds.pace)
-                if key not in self._pace:  # one table per view, for every K and m of it
-                    self._pace[key] = pace_table(cost, devices, sched)
+                if key not in self._pace:  # one table per view, at its fewest micro-batches: for every K and m
+                    fewest = min(m for _, m in self._views[key][3])
+                    self._pace[key] = pace_table(cost, devices, Schedule.of(self.schedule, fewest))
                 bound = min(bound, pace_bound(cost, devices, cand.virtual_workers, sched, self._pace[key]))
                 self.bounded += 1
                 if bound > 0:  # 0: no plan of k workers fits

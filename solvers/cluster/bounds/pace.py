@@ -17,13 +17,17 @@ sends its share of the samples, so the slices add up to one micro-batch.
 For a vector ``c`` of device counts per pool, ``P*(c)`` is the least ``max_k p_k`` over every
 order of those devices and every split of the layers into contiguous stages on some of them (a
 device may be left out: this only lowers ``P*``, so it bounds every worker of exactly those
-devices), where a stage goes on a device only if its layers' least bytes fit the device's memory
-(the per-layer least bytes of :mod:`.layers`, summed). A dynamic program over (devices used per
-pool, the last stage's pool, the pool promised to the next stage, layers covered) computes
-``P*`` for every ``c`` at once, charging each stage its sends both ways when it is placed. Nodes
-are left out of the counts (they only constrain plans more); they enter through the least
-message time between two pools, a link between nodes where no node holds both kinds. The table
-holds for every ``K`` and ``m``.
+devices), where a stage goes on a device only if it fits the device's memory as the plans are
+checked (:meth:`partitioner.cost.CostModel.check_plan_memory`: the activations in flight at its
+place from the end, with the least of every lever the options allow: each recompute mode at its
+own compute, ZeRO's state over every GPU). A dynamic program from the last layer back over
+(devices used per pool, the earliest stage's pool, the pool promised to the stage before it,
+layers covered) computes it for every ``c`` that uses all its devices (so the number of stages
+after a new one is known), charging each stage its sends both ways when it is placed; a least
+over the smaller vectors then lets devices stay idle. Nodes are left out of the counts (they only
+constrain plans more); they enter through the least message time between two pools, a link
+between nodes where no node holds both kinds. Activations in flight grow with ``m``, so the
+table at the fewest micro-batches of a view holds for all of its ``K`` and ``m``.
 
 **K workers.** Under ``sync`` every worker runs the whole iteration, so ``T >= m max_w P*(c_w)``
 for disjoint vectors ``c_w`` within the pools; the rate ``K m b / T`` is at most ``K b / T_K``
@@ -42,11 +46,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.cluster import Device
+from partitioner.cluster import Device, split_kind
 from partitioner.cost import CostModel
 from partitioner.schedule import Schedule
-
-from .layers import _layer_columns
 
 __all__ = ["MAX_STATES", "PaceTable", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
 
@@ -87,8 +89,10 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     """The table of ``P*`` over ``devices`` for plans of ``schedule`` (see the module docstring),
     per micro-batch: one micro-batch's forwards, backwards and sends (where they block their
     sender, ``overlap_comm`` off, at the least time between the two pools' devices) on the
-    busiest device, the same for every K and m. None where it would have more than
-    :data:`MAX_STATES` vectors or :func:`paced_schedule` does not cover the schedule."""
+    busiest device, each stage within its device's memory with the activations in flight at its
+    place from the end at ``schedule``'s micro-batches (so the table holds for more micro-batches
+    too). None where it would have more than :data:`MAX_STATES` vectors or
+    :func:`paced_schedule` does not cover the schedule."""
     if not paced_schedule(schedule):
         return None
     pools = _pools(devices)
@@ -96,35 +100,22 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
         return None
     sends = not cost.options.overlap_comm and not cost.cluster.has_nics  # shared NICs: flows, left out
     names = tuple(pools)
-    supply = tuple(len(pools[p]) for p in names)
-    n_layers = cost.num_layers
-    ahead = np.arange(n_layers + 1)[None, :] > np.arange(n_layers + 1)[:, None]
-    stage_s = []  # per pool: busy seconds of layers [i, j) on one device, inf where they cannot fit it
-    for p in names:
-        kind = pools[p][0].kind
-        comp, _, _, mem = _layer_columns(cost, kind, schedule.weight_versions)
-        room = pools[p][0].memory_bytes - cost.options.reserved_bytes
-        c_pre = np.concatenate([[0.0], np.cumsum(comp)])
-        m_pre = np.concatenate([[0.0], np.cumsum(mem)])
-        fits = (m_pre[None, :] - m_pre[:, None]) <= room
-        stage_s.append(np.where(fits & ahead, c_pre[None, :] - c_pre[:, None], math.inf))
-    n_pools = len(names)
     members = [pools[p] for p in names]
+    supply = tuple(len(v) for v in members)
+    n_pools, n_layers = len(names), cost.num_layers
     zero = np.zeros(n_layers + 1)
     # send_s[a][b]: one boundary message per cut from a device of pool a to another of pool b (b =
     # n_pools: no stage there, nothing sent)
     send_s = [[_least_sends(cost, members[a], members[b]) if sends and b < n_pools else zero
                for b in range(n_pools + 1)] for a in range(n_pools)]
-    # stage_cost[r][r2, q, i, j]: a stage of layers [i, j) on pool r after one on pool q (its
-    # gradients back at cut i) and before one on pool r2 (its activations on at cut j)
-    stage_cost = [np.stack([np.stack([stage_s[r] + send_s[r][q][:, None] if q < n_pools else stage_s[r]
-                                      for q in range(n_pools + 1)]) + send_s[r][r2][None, None, :]
-                            for r2 in range(n_pools + 1)]) for r in range(n_pools)]
-    # cover[c, q, r, l]: the least bottleneck of stages covering layers [0, l) on at most c
-    # devices, the last on pool q (n_pools: none yet), the next promised to pool r (n_pools: none)
+    stage_s = _StageSeconds(cost, members, schedule)
+    with_sends: dict[tuple[int, int], np.ndarray] = {}  # per (pool, in flight): [r, q, i, l] with both sends
+    # cover[c, q, r, l]: stages covering layers [l, L) on exactly c devices, built from the last
+    # stage back: the least busiest device, the earliest stage on pool q (n_pools: none yet), the
+    # stage before it promised to pool r (n_pools: none)
     dims = [n + 1 for n in supply]
     cover = np.full((*dims, n_pools + 1, n_pools + 1, n_layers + 1), math.inf)
-    cover[(0,) * n_pools][n_pools, :n_pools, 0] = 0.0
+    cover[(0,) * n_pools][n_pools, :n_pools, n_layers] = 0.0
     for state in itertools.product(*[range(n + 1) for n in supply]):
         if not any(state):
             continue
@@ -132,15 +123,59 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
         for t, c in enumerate(state):
             if c == 0:
                 continue
-            prev = cover[_less(state, t)]
-            np.minimum(here, prev, out=here)  # the device left out
-            came = prev[:, t, :]  # stages before, the next promised to pool t
+            came = cover[_less(state, t)][:, t, :]  # stages after, the one before promised to pool t
             if not np.isfinite(came).any():
                 continue
-            # a stage on pool t ending at l, the next promised to each pool (or none)
-            got = np.maximum(came[None, :, :, None], stage_cost[t]).min(axis=(1, 2))
+            # a stage on pool t of layers [i, l), sum(state) from the end: its activations to the
+            # stage after (pool q) at cut l, its gradients to the one before (pool r) at cut i
+            key = stage_s.key(t, sum(state))
+            if key not in with_sends:
+                own = stage_s.at(*key)
+                with_sends[key] = np.stack([np.stack([own + send_s[t][q][None, :] + send_s[t][r][:, None]
+                                                      for q in range(n_pools + 1)]) for r in range(n_pools + 1)])
+            got = np.maximum(came[None, :, None, :], with_sends[key]).min(axis=(1, 3))
             np.minimum(here[t], got, out=here[t])
-    return PaceTable(names, supply, cover[..., :n_pools, n_pools, n_layers].min(axis=-1))
+    exact = cover[..., :n_pools, n_pools, 0].min(axis=-1)  # every device of the vector used
+    for axis in range(n_pools):  # a device may stay idle: the least over every smaller vector
+        exact = np.minimum.accumulate(exact, axis=axis)
+    return PaceTable(names, supply, exact)
+
+
+class _StageSeconds:
+    """Per pool and place from the end, one micro-batch's seconds of layers ``[i, j)`` on a device
+    of the pool (``inf`` where ``j <= i`` or the layers cannot fit it): the least over the
+    recompute modes the options allow of that mode's compute where that mode's memory, with the
+    activations in flight at that place (:meth:`partitioner.schedule.ScheduleSpec.activations_in_flight`;
+    one micro-batch for zero-bubble schedules, whose peak the simulator measures), fits the
+    device (the memory :meth:`partitioner.cost.CostModel.check_plan_memory` checks, with ZeRO's
+    state over every GPU)."""
+
+    def __init__(self, cost: CostModel, members: Sequence[Sequence[Device]], schedule: Schedule):
+        self.cost, self.members, self.schedule = cost, members, schedule
+        n = cost.num_layers + 1
+        self.ahead = np.arange(n)[None, :] > np.arange(n)[:, None]
+        self.memo: dict[tuple[int, int], np.ndarray] = {}
+
+    def key(self, pool: int, from_end: int) -> tuple[int, int]:
+        """(pool, activations in flight) of a stage ``from_end`` places from the end."""
+        spec, m = self.schedule.spec, self.schedule.micro_batches
+        return pool, 1 if spec.split_backward else spec.activations_in_flight(from_end, m)
+
+    def at(self, pool: int, flight: int) -> np.ndarray:
+        """The seconds of :meth:`key`'s stage."""
+        key = (pool, flight)
+        if key not in self.memo:
+            cost, dev = self.cost, self.members[pool][0]
+            gpu_type, t = split_kind(dev.kind)
+            holders = cost.cluster.num_gpus if cost.options.zero else 1
+            best = np.full(self.ahead.shape, math.inf)
+            for mode in cost.options.recompute_modes:
+                cs = cost.recomputing(mode)
+                pre = np.concatenate([[0.0], np.cumsum(cs.at_degree(t).layer_compute_s(gpu_type))])
+                fits = cs.memory_matrix(flight, self.schedule, slice(None), t, holders) <= dev.memory_bytes
+                best = np.minimum(best, np.where(fits & self.ahead, pre[None, :] - pre[:, None], math.inf))
+            self.memo[key] = best
+        return self.memo[key]
 
 
 def _less(state: tuple[int, ...], t: int) -> tuple[int, ...]:
