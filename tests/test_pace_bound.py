@@ -78,13 +78,13 @@ def _plans_of_k(cl: Cluster, n_layers: int, k: int) -> Iterator[tuple[VirtualWor
 
 
 def _best_simulated(profile: Profile, cl: Cluster, options: CostOptions, k: int, m: int,
-                    slices: int = 1) -> float:
+                    slices: int = 1, schedule: str = "1f1b") -> float:
     """The best simulated samples/s of every plan of ``k`` workers of ``m`` micro-batches that
     fits memory (0 where none does)."""
     cost = CostModel(profile, cl, options)
     best = 0.0
     for workers in _plans_of_k(cl, profile.num_layers, k):
-        plan = Plan(profile.model, workers, "1f1b", profile.micro_batch_size, m, first_slices=slices)
+        plan = Plan(profile.model, workers, schedule, profile.micro_batch_size, m, first_slices=slices)
         try:
             cost.check_plan_memory(plan)
         except FormatError:
@@ -113,6 +113,21 @@ def test_the_pace_bound_holds_for_every_plan_of_tiny_instances(seed: int) -> Non
         assert bound >= best * (1 - 1e-9), (k, bound, best)
         planned += best > 0
     assert planned, "no plan fits: the instance tests nothing"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_pace_bound_holds_for_every_gpipe_plan(seed: int) -> None:
+    """GPipe holds every micro-batch's activations on every stage: memory binds harder, and every
+    plan that fits still stays below the bound taken at that schedule."""
+    rng = np.random.default_rng(50 + seed)
+    profile = _profile(rng, 3, (1.5e9, 2.5e9), (1e6, 2e7))
+    cl = _cluster(rng)
+    options = CostOptions(reserved_bytes=0.0)
+    cost = CostModel(profile, cl, options)
+    for k in (1, 2):
+        m = 4 // k
+        best = _best_simulated(profile, cl, options, k, m, schedule="gpipe")
+        assert pace_bound(cost, cl.devices, k, Schedule.of("gpipe", m)) >= best * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("seed", range(3))
