@@ -439,10 +439,12 @@ def test_a_degree_or_size_key_of_thousands_of_digits_is_one_line_not_a_crash(tmp
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_lazy_queue_yields_every_bound_in_order_and_its_rest_bounds_the_others(seed: int) -> None:
-    """Candidates leave the queue with their per-layer LP (at most the view's perfect speed-up), best
-    first; the LP is solved only for those taken or above them; what is left stays bounded."""
+    """Candidates leave the queue with their per-layer LP and pace bound (at most the view's
+    perfect speed-up), best first; the bounds are solved only for those taken or above them;
+    what is left stays bounded."""
     from partitioner.schedule import Schedule
     from solvers.cluster.bounds.layers import layer_bound
+    from solvers.cluster.bounds.pace import pace_bound
     from solvers.cluster.planner import throughput_upper_bound
     from solvers.cluster.tensor import _Queue, candidate_view
 
@@ -450,7 +452,7 @@ def test_the_lazy_queue_yields_every_bound_in_order_and_its_rest_bounds_the_othe
     options = CostOptions(reserved_bytes=0.0)
     queue = _Queue({1: profile}, cluster, 8, options, "1f1b", None, None, None, {})
     taken = [c for _, c in zip(range(3), queue.ordered(), strict=False)]
-    assert queue.bounded < queue.entries  # the others were never priced by the LP
+    assert queue.bounded < len(queue._views) + queue.entries  # some were never priced by the LP
     rest = queue.rest(len(taken))
     every = list(queue.ordered())
     assert every[:len(taken)] == taken and len(queue.done) == len(every)
@@ -460,8 +462,10 @@ def test_the_lazy_queue_yields_every_bound_in_order_and_its_rest_bounds_the_othe
     for c in every:
         view, devices = candidate_view(cluster, c.degrees)
         cost = CostModel(profile, view, options)
-        lp = layer_bound(cost, devices, c.virtual_workers, Schedule.of("1f1b", c.micro_batches))
-        assert c.bound_samples_per_s == pytest.approx(min(lp, throughput_upper_bound(cost, devices)), rel=1e-7)
+        sched = Schedule.of("1f1b", c.micro_batches)
+        lp = layer_bound(cost, devices, c.virtual_workers, sched)
+        pace = pace_bound(cost, devices, c.virtual_workers, sched)
+        assert c.bound_samples_per_s == pytest.approx(min(lp, pace, throughput_upper_bound(cost, devices)), rel=1e-7)
 
 
 def test_one_worker_at_the_most_micro_batches_bounds_every_k_and_m(opt350: Profile) -> None:

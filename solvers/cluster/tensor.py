@@ -7,7 +7,8 @@ worker may sit on devices of different degrees, and so may the replicas of a sta
 *candidate* is a view and a count ``K`` of virtual workers that divides the global batch:
 ``K x m x b = global_batch`` for the profile's micro-batch size ``b``, so every candidate trains
 the same samples per iteration. Each candidate has a certified upper bound on samples/s (the
-per-layer bound of :mod:`solvers.cluster.bounds.layers` at that K; a candidate planned in full
+per-layer bound of :mod:`solvers.cluster.bounds.layers` at that K, with the pace bound of
+:mod:`solvers.cluster.bounds.pace` where it is tighter; a candidate planned in full
 also has the cluster planner's own certificate, with the fleet bound of
 :mod:`solvers.cluster.bounds.fleet`); candidates are planned best
 bound first, and the search stops when the best plan found is at least the next bound (nothing
@@ -53,6 +54,7 @@ from ..predictions import with_predictions
 from ..progress import status
 from ..result import SolveResult, SolveStatus
 from .bounds.layers import layer_bound
+from .bounds.pace import PaceTable, pace_bound, pace_table
 from .bounds.paced import _reference
 from .planner import (
     WorkerPlanner,
@@ -70,7 +72,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Candidate:
     """One choice of the outer search: a micro-batch size, a degree per GPU type, K pipelines of m
-    micro-batches, and the per-layer bound on its samples/s."""
+    micro-batches, and the bound on its samples/s (per-layer and pace)."""
 
     micro_batch_size: int
     degrees: tuple[tuple[str, int], ...]
@@ -184,6 +186,7 @@ class _Queue:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._views: dict[_View, tuple[Profile, Cluster, list[Device], list[tuple[int, int]]]] = {}
         self._costs, self._options = costs, options
+        self._pace: dict[_View, PaceTable | None] = {}
         self.schedule = schedule
         self.entries = 0  # candidates
         self.bounded = 0  # LPs solved
@@ -236,8 +239,14 @@ class _Queue:
                 cost, devices = self.cost(key), self._views[key][2]
                 # the per-layer bound only: the fleet bound's LPs cost 30 times more; a candidate
                 # planned in full gets it too (the cluster planner's certificate)
-                bound = layer_bound(cost, devices, cand.virtual_workers, Schedule.of(self.schedule, cand.micro_batches),
-                                    slices=_most_slices(self.schedule, cand))
+                sched = Schedule.of(self.schedule, cand.micro_batches)
+                bound = layer_bound(cost, devices, cand.virtual_workers, sched, slices=_most_slices(self.schedule, cand))
+                # whole layers in contiguous stages: the slowest worker's bottleneck device (slices
+                # of the first micro-batch do not change it; solvers.cluster.bounds.pace)
+                if key not in self._pace:  # one table per view, at its fewest micro-batches: for every K and m
+                    fewest = min(m for _, m in self._views[key][3])
+                    self._pace[key] = pace_table(cost, devices, Schedule.of(self.schedule, fewest))
+                bound = min(bound, pace_bound(cost, devices, cand.virtual_workers, sched, self._pace[key]))
                 self.bounded += 1
                 if bound > 0:  # 0: no plan of k workers fits
                     bound = min(bound, -neg)
@@ -436,7 +445,8 @@ def _result(best: tuple[float, SolveResult, Candidate], profiles: Mapping[int, P
     the answer is priced by the simulator (``plan.predicted``), which also times what the closed
     form leaves out (several workers' transfers queueing on one link between two nodes). Its
     certificate is ``upper``, the largest per-layer bound of the candidates
-    (:func:`solvers.cluster.bounds.layers.layer_bound` and the perfect speed-up): busy-time and
+    (:func:`solvers.cluster.bounds.layers.layer_bound`, :func:`solvers.cluster.bounds.pace.pace_bound`
+    and the perfect speed-up): busy-time and
     dependency bounds that hold for any execution of the cost model's actions, the simulator's
     included, so it bounds every candidate's simulated rate. ``closed_upper``, the certificate
     of the closed form (with the cluster planner's own, priced by that closed form), is kept in

@@ -1,0 +1,272 @@
+"""A bound from the pace of every worker: stages cut whole layers, on unequal devices.
+
+The per-layer bound (:mod:`.layers`) spreads each layer's micro-batches over the GPU kinds in any
+fraction; a real worker cuts whole layers into contiguous stages, one device each, and runs at
+the pace of its busiest device. This bound keeps that structure.
+
+**One worker.** In a one-chunk flushing schedule without replication, the device of stage ``k``
+does its work one action after another within the iteration ``T``: the forwards and backwards of
+its ``m`` micro-batches and, where sends block their sender (``overlap_comm`` off, the
+simulator's default; no shared NICs modelled), its ``m`` activation sends to stage ``k + 1`` and
+``m`` gradient sends to stage ``k - 1``, each at least the least time of one boundary message
+between the two devices' pools (a pool: the devices of one kind). Its step and all-reduce are
+left out (they only add). So ``T >= m p_k`` with ``p_k`` one micro-batch's share of that work,
+for every stage. A first micro-batch cut into slices changes none of it: a slice computes and
+sends its share of the samples, so the slices add up to one micro-batch.
+
+For a vector ``c`` of device counts per pool, ``P*(c)`` is the least ``max_k p_k`` over every
+order of those devices and every split of the layers into contiguous stages on some of them (a
+device may be left out: this only lowers ``P*``, so it bounds every worker of exactly those
+devices), where a stage goes on a device only if it fits the device's memory as the plans are
+checked (:meth:`partitioner.cost.CostModel.check_plan_memory`: the activations in flight at its
+place from the end, with the least of every lever the options allow: each recompute mode at its
+own compute, ZeRO's state over every GPU). A dynamic program from the last layer back over
+(devices used per pool, the earliest stage's pool, the pool promised to the stage before it,
+layers covered) computes it for every ``c`` that uses all its devices (so the number of stages
+after a new one is known), charging each stage its sends both ways when it is placed; a least
+over the smaller vectors then lets devices stay idle. Nodes are left out of the counts (they only
+constrain plans more); they enter through the least message time between two pools, a link
+between nodes where no node holds both kinds. Activations in flight grow with ``m``, so the
+table at the fewest micro-batches of a view holds for all of its ``K`` and ``m``.
+
+**K workers.** Under ``sync`` every worker runs the whole iteration, so ``T >= m max_w P*(c_w)``
+for disjoint vectors ``c_w`` within the pools; the rate ``K m b / T`` is at most ``K b / T_K``
+with ``T_K`` the least ``P`` at which ``K`` disjoint vectors of ``P* <= P`` fit the pools (GPUs
+may stay idle). ``T_K`` is found by bisection over the distinct values of ``P*``, each step a
+reachability over the counts of each pool (only the vectors minimal at that ``P`` are needed).
+Where no ``K`` such vectors exist, no plan of ``K`` workers fits and the bound is 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.cluster import Device, split_kind
+from partitioner.cost import CostModel
+from partitioner.schedule import Schedule
+
+__all__ = ["MAX_STATES", "PaceTable", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
+
+MAX_STATES = 512  # most count vectors a table covers; past it, no bound (its program costs too much)
+
+
+def paced_schedule(schedule: Schedule) -> bool:
+    """Whether the pace argument holds for ``schedule``: one chunk per device, flushing."""
+    return schedule.spec.flushes and not schedule.spec.multi_chunk
+
+
+@dataclass(frozen=True)
+class PaceTable:
+    """``P*``, the least seconds per micro-batch of a worker's busiest device, for every vector of
+    device counts within ``supply`` (one count per pool of ``pools``: a device kind), in C order
+    over ``supply + 1``; ``inf`` where no split of the layers fits those devices."""
+
+    pools: tuple[str, ...]
+    supply: tuple[int, ...]
+    least_s: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.pools) != len(self.supply) or any(n < 1 for n in self.supply):
+            raise ValueError(f"PaceTable: one positive count per pool, not {self.pools} / {self.supply}")
+        if self.least_s.shape != tuple(n + 1 for n in self.supply):
+            raise ValueError(f"PaceTable: table of shape {self.least_s.shape} for supply {self.supply}")
+
+
+def _pools(devices: Sequence[Device]) -> dict[str, list[Device]]:
+    """The devices of each kind, kinds sorted."""
+    out: dict[str, list[Device]] = {}
+    for d in devices:
+        out.setdefault(d.kind, []).append(d)
+    return dict(sorted(out.items()))
+
+
+def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> PaceTable | None:
+    """The table of ``P*`` over ``devices`` for plans of ``schedule`` (see the module docstring),
+    per micro-batch: one micro-batch's forwards, backwards and sends (where they block their
+    sender, ``overlap_comm`` off, at the least time between the two pools' devices) on the
+    busiest device, each stage within its device's memory with the activations in flight at its
+    place from the end at ``schedule``'s micro-batches (so the table holds for more micro-batches
+    too). None where it would have more than :data:`MAX_STATES` vectors or
+    :func:`paced_schedule` does not cover the schedule."""
+    if not paced_schedule(schedule):
+        return None
+    pools = _pools(devices)
+    if math.prod(len(v) + 1 for v in pools.values()) > MAX_STATES:
+        return None
+    sends = not cost.options.overlap_comm and not cost.cluster.has_nics  # shared NICs: flows, left out
+    names = tuple(pools)
+    members = [pools[p] for p in names]
+    supply = tuple(len(v) for v in members)
+    n_pools, n_layers = len(names), cost.num_layers
+    zero = np.zeros(n_layers + 1)
+    # send_s[a][b]: one boundary message per cut from a device of pool a to another of pool b (b =
+    # n_pools: no stage there, nothing sent)
+    send_s = [[_least_sends(cost, members[a], members[b]) if sends and b < n_pools else zero
+               for b in range(n_pools + 1)] for a in range(n_pools)]
+    stage_s = _StageSeconds(cost, members, schedule)
+    with_sends: dict[tuple[int, int], np.ndarray] = {}  # per (pool, in flight): [r, q, i, l] with both sends
+    # cover[c, q, r, l]: stages covering layers [l, L) on exactly c devices, built from the last
+    # stage back: the least busiest device, the earliest stage on pool q (n_pools: none yet), the
+    # stage before it promised to pool r (n_pools: none)
+    dims = [n + 1 for n in supply]
+    cover = np.full((*dims, n_pools + 1, n_pools + 1, n_layers + 1), math.inf)
+    cover[(0,) * n_pools][n_pools, :n_pools, n_layers] = 0.0
+    for state in itertools.product(*[range(n + 1) for n in supply]):
+        if not any(state):
+            continue
+        here = cover[state]
+        for t, c in enumerate(state):
+            if c == 0:
+                continue
+            came = cover[_less(state, t)][:, t, :]  # stages after, the one before promised to pool t
+            if not np.isfinite(came).any():
+                continue
+            # a stage on pool t of layers [i, l), sum(state) from the end: its activations to the
+            # stage after (pool q) at cut l, its gradients to the one before (pool r) at cut i
+            key = stage_s.key(t, sum(state))
+            if key not in with_sends:
+                own = stage_s.at(*key)
+                with_sends[key] = np.stack([np.stack([own + send_s[t][q][None, :] + send_s[t][r][:, None]
+                                                      for q in range(n_pools + 1)]) for r in range(n_pools + 1)])
+            got = np.maximum(came[None, :, None, :], with_sends[key]).min(axis=(1, 3))
+            np.minimum(here[t], got, out=here[t])
+    exact = cover[..., :n_pools, n_pools, 0].min(axis=-1)  # every device of the vector used
+    for axis in range(n_pools):  # a device may stay idle: the least over every smaller vector
+        exact = np.minimum.accumulate(exact, axis=axis)
+    return PaceTable(names, supply, exact)
+
+
+class _StageSeconds:
+    """Per pool and place from the end, one micro-batch's seconds of layers ``[i, j)`` on a device
+    of the pool (``inf`` where ``j <= i`` or the layers cannot fit it): the least over the
+    recompute modes the options allow of that mode's compute where that mode's memory, with the
+    activations in flight at that place (:meth:`partitioner.schedule.ScheduleSpec.activations_in_flight`;
+    one micro-batch for zero-bubble schedules, whose peak the simulator measures), fits the
+    device (the memory :meth:`partitioner.cost.CostModel.check_plan_memory` checks, with ZeRO's
+    state over every GPU)."""
+
+    def __init__(self, cost: CostModel, members: Sequence[Sequence[Device]], schedule: Schedule):
+        self.cost, self.members, self.schedule = cost, members, schedule
+        n = cost.num_layers + 1
+        self.ahead = np.arange(n)[None, :] > np.arange(n)[:, None]
+        self.memo: dict[tuple[int, int], np.ndarray] = {}
+
+    def key(self, pool: int, from_end: int) -> tuple[int, int]:
+        """(pool, activations in flight) of a stage ``from_end`` places from the end."""
+        spec, m = self.schedule.spec, self.schedule.micro_batches
+        return pool, 1 if spec.split_backward else spec.activations_in_flight(from_end, m)
+
+    def at(self, pool: int, flight: int) -> np.ndarray:
+        """The seconds of :meth:`key`'s stage."""
+        key = (pool, flight)
+        if key not in self.memo:
+            cost, dev = self.cost, self.members[pool][0]
+            gpu_type, t = split_kind(dev.kind)
+            holders = cost.cluster.num_gpus if cost.options.zero else 1
+            best = np.full(self.ahead.shape, math.inf)
+            for mode in cost.options.recompute_modes:
+                cs = cost.recomputing(mode)
+                pre = np.concatenate([[0.0], np.cumsum(cs.at_degree(t).layer_compute_s(gpu_type))])
+                fits = cs.memory_matrix(flight, self.schedule, slice(None), t, holders) <= dev.memory_bytes
+                best = np.minimum(best, np.where(fits & self.ahead, pre[None, :] - pre[:, None], math.inf))
+            self.memo[key] = best
+        return self.memo[key]
+
+
+def _less(state: tuple[int, ...], t: int) -> tuple[int, ...]:
+    """``state`` with one device fewer of pool ``t``."""
+    return (*state[:t], state[t] - 1, *state[t + 1:])
+
+
+def _least_sends(cost: CostModel, senders: Sequence[Device], receivers: Sequence[Device]) -> np.ndarray:
+    """Per cut, the least seconds of one boundary message from a device of ``senders`` to another
+    of ``receivers`` (0 where the only pair is a device and itself). Without link overrides a
+    message's time depends on the two nodes alone, so two devices per node stand for the rest."""
+
+    def stand_ins(devices: Sequence[Device]) -> list[Device]:
+        if cost.cluster.links:
+            return list(devices)
+        seen: dict[str, int] = {}
+        out = []
+        for d in devices:
+            seen[d.node] = seen.get(d.node, 0) + 1
+            if seen[d.node] <= 2:
+                out.append(d)
+        return out
+
+    vectors = [cost.boundary_vector_s(a.name, b.name) for a in stand_ins(senders) for b in stand_ins(receivers)
+               if a.name != b.name]
+    return np.min(vectors, axis=0) if vectors else np.zeros(cost.num_layers + 1)
+
+
+def _minimal(feasible: np.ndarray) -> list[tuple[int, ...]]:
+    """The vectors of ``feasible`` (an up-set: more devices of a kind never hurt) with no
+    feasible vector one device below them."""
+    out = []
+    for idx in zip(*np.nonzero(feasible), strict=True):
+        state = tuple(int(i) for i in idx)
+        if not any(state[t] > 0 and feasible[_less(state, t)] for t in range(len(state))):
+            out.append(state)
+    return out
+
+
+def _fits(vectors: Sequence[tuple[int, ...]], supply: tuple[int, ...], workers: int) -> bool:
+    """Whether ``workers`` vectors of ``vectors`` (repeats allowed) sum to within ``supply``."""
+    shape = tuple(n + 1 for n in supply)
+    reach = np.zeros(shape, bool)
+    reach[(0,) * len(shape)] = True
+    for _ in range(workers):
+        new = np.zeros(shape, bool)
+        for v in vectors:
+            src = tuple(slice(0, n + 1 - x) for n, x in zip(supply, v, strict=True))
+            tgt = tuple(slice(x, n + 1) for n, x in zip(supply, v, strict=True))
+            new[tgt] |= reach[src]
+        if not new.any():
+            return False
+        reach = new
+    return True
+
+
+def least_pace_s(table: PaceTable, workers: int) -> float:
+    """``T_K``: the least ``P`` at which ``workers`` disjoint vectors of ``P* <= P`` fit the
+    pools; ``inf`` where none does."""
+    values = np.unique(table.least_s[np.isfinite(table.least_s)])
+    if workers < 1 or not len(values):
+        return math.inf
+
+    def ok(i: int) -> bool:
+        return _fits(_minimal(table.least_s <= values[i]), table.supply, workers)
+
+    if not ok(len(values) - 1):
+        return math.inf
+    lo, hi = 0, len(values) - 1  # ok(hi) holds
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(values[hi])
+
+
+def pace_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int, schedule: Schedule,
+               table: PaceTable | None = None) -> float:
+    """Samples/s no plan of ``virtual_workers`` workers of ``schedule``'s micro-batches over
+    ``devices`` beats: ``K m b / (m T_K)`` (0 where no ``K`` workers fit; ``inf``, no bound, for a
+    schedule the argument does not cover or a table too large). ``table``: the devices' table,
+    made once for every K and m of them (:func:`pace_table`)."""
+    if not paced_schedule(schedule):
+        return math.inf
+    if table is None:
+        table = pace_table(cost, devices, schedule)
+    if table is None:
+        return math.inf
+    pace_s = least_pace_s(table, virtual_workers)
+    if not math.isfinite(pace_s):
+        return 0.0
+    return virtual_workers * cost.profile.micro_batch_size / pace_s if pace_s > 0 else math.inf
