@@ -85,7 +85,7 @@ def test_counts_equal_exhaustive_search_fixed_k(k):
     assert res.value == pytest.approx(exhaustive(devs, planner, "sync", [k]), rel=1e-9)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=st.lists(st.lists(st.sampled_from(TYPES), min_size=1, max_size=2), min_size=2, max_size=3),
        seed=st.integers(0, 50), m=st.integers(1, 6), objective=st.sampled_from(["sync", "wsp"]),
        param_mb=st.sampled_from([20.0, 400.0]))
