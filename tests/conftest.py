@@ -69,7 +69,15 @@ _TRANSIENT = ["wait timeout", "timed out", "Connection reset", "Connection refus
               "DistStoreError", "TimeoutExpired"]
 
 
+# The modules of the longest tests (processes started, exhaustive references) run first: under
+# pytest-xdist a long test taken last by one worker would run alone while the others wait.
+_LONG_FIRST = ("test_nodes.py", "test_export_launch.py", "test_zero_checkpoint.py", "test_symmetric.py",
+               "test_grouping.py", "test_sync_bound.py", "test_runtime_tensor_parallel.py", "test_checkpoint.py",
+               "test_export_tensor_parallel.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in _LONG_FIRST)  # stable: each module keeps its order
     if not config.pluginmanager.hasplugin("rerunfailures"):
         return
     for item in items:
