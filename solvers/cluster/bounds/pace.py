@@ -39,9 +39,8 @@ Where no ``K`` such vectors exist, no plan of ``K`` workers fits and the bound i
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,9 +49,9 @@ from partitioner.cluster import Device, split_kind
 from partitioner.cost import CostModel
 from partitioner.schedule import Schedule
 
-__all__ = ["MAX_STATES", "PaceTable", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
+__all__ = ["MAX_STATES", "PaceTable", "count_vectors", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
 
-MAX_STATES = 512  # most count vectors a table covers; past it, no bound (its program costs too much)
+MAX_STATES = 512  # most count vectors a table's program covers; past it, no bound (it costs too much)
 
 
 def paced_schedule(schedule: Schedule) -> bool:
@@ -96,13 +95,13 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     if not paced_schedule(schedule):
         return None
     pools = _pools(devices)
-    if math.prod(len(v) + 1 for v in pools.values()) > MAX_STATES:
-        return None
-    sends = not cost.options.overlap_comm and not cost.cluster.has_nics  # shared NICs: flows, left out
     names = tuple(pools)
     members = [pools[p] for p in names]
     supply = tuple(len(v) for v in members)
     n_pools, n_layers = len(names), cost.num_layers
+    if count_vectors(supply, n_layers) > MAX_STATES:
+        return None
+    sends = not cost.options.overlap_comm and not cost.cluster.has_nics  # shared NICs: flows, left out
     zero = np.zeros(n_layers + 1)
     # send_s[a][b]: one boundary message per cut from a device of pool a to another of pool b (b =
     # n_pools: no stage there, nothing sent)
@@ -113,10 +112,12 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     # cover[c, q, r, l]: stages covering layers [l, L) on exactly c devices, built from the last
     # stage back: the least busiest device, the earliest stage on pool q (n_pools: none yet), the
     # stage before it promised to pool r (n_pools: none)
-    dims = [n + 1 for n in supply]
-    cover = np.full((*dims, n_pools + 1, n_pools + 1, n_layers + 1), math.inf)
+    # a stage holds a layer or more on one device: a worker of more than n_layers devices does not
+    # exist, so the program covers only the vectors of at most n_layers devices
+    capped = tuple(min(n, n_layers) for n in supply)
+    cover = np.full((*(n + 1 for n in capped), n_pools + 1, n_pools + 1, n_layers + 1), math.inf)
     cover[(0,) * n_pools][n_pools, :n_pools, n_layers] = 0.0
-    for state in itertools.product(*[range(n + 1) for n in supply]):
+    for state in _vectors(capped, n_layers):
         if not any(state):
             continue
         here = cover[state]
@@ -138,7 +139,29 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     exact = cover[..., :n_pools, n_pools, 0].min(axis=-1)  # every device of the vector used
     for axis in range(n_pools):  # a device may stay idle: the least over every smaller vector
         exact = np.minimum.accumulate(exact, axis=axis)
+    # past the cap of a pool its extra devices stay idle: the value at the cap
+    exact = np.pad(exact, [(0, n - c) for n, c in zip(supply, capped, strict=True)], mode="edge")
     return PaceTable(names, supply, exact)
+
+
+def count_vectors(supply: Sequence[int], most: int) -> int:
+    """How many vectors of counts within ``supply`` hold at most ``most`` devices in all: the
+    vectors :func:`pace_table`'s program covers."""
+    ways = [1] + [0] * max(most, 0)  # ways[s]: vectors of the pools so far with s devices
+    for n in supply:
+        ways = [sum(ways[max(0, s - n):s + 1]) for s in range(len(ways))]
+    return sum(ways) if most >= 0 else 0
+
+
+def _vectors(supply: tuple[int, ...], most: int) -> Iterator[tuple[int, ...]]:
+    """The vectors within ``supply`` of at most ``most`` devices, in C order (so each comes after
+    every vector one device below it)."""
+    if not supply:
+        yield ()
+        return
+    for c in range(min(supply[0], most) + 1):
+        for rest in _vectors(supply[1:], most - c):
+            yield (c, *rest)
 
 
 class _StageSeconds:
