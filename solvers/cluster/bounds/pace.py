@@ -24,7 +24,10 @@ own compute, ZeRO's state over every GPU). A dynamic program from the last layer
 (devices used per pool, the earliest stage's pool, the pool promised to the stage before it,
 layers covered) computes it for every ``c`` that uses all its devices (so the number of stages
 after a new one is known), charging each stage its sends both ways when it is placed; a least
-over the smaller vectors then lets devices stay idle. Nodes are left out of the counts (they only
+over the smaller vectors then lets devices stay idle. A stage holds a layer or more on one
+device, so no worker has more devices than the model has layers: the program covers only the
+vectors of at most ``L`` devices (:func:`count_vectors` of them), and a larger vector takes the
+least over those within it (its extra devices idle). Nodes are left out of the counts (they only
 constrain plans more); they enter through the least message time between two pools, a link
 between nodes where no node holds both kinds. Activations in flight grow with ``m``, so the
 table at the fewest micro-batches of a view holds for all of its ``K`` and ``m``.
@@ -90,7 +93,8 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     sender, ``overlap_comm`` off, at the least time between the two pools' devices) on the
     busiest device, each stage within its device's memory with the activations in flight at its
     place from the end at ``schedule``'s micro-batches (so the table holds for more micro-batches
-    too). None where it would have more than :data:`MAX_STATES` vectors or
+    too). None where its program would cover more than :data:`MAX_STATES` vectors (those of at
+    most as many devices as layers) or
     :func:`paced_schedule` does not cover the schedule."""
     if not paced_schedule(schedule):
         return None
