@@ -19,8 +19,9 @@ from partitioner.pricing import CostOptions
 from partitioner.profile import LayerProfile, LayerTime, Profile
 from partitioner.schedule import Schedule
 from partitioner.simulate import simulate_plan
+from solvers.cluster.bounds import pace
 from solvers.cluster.bounds.layers import layer_bound
-from solvers.cluster.bounds.pace import least_pace_s, pace_bound, pace_table
+from solvers.cluster.bounds.pace import count_vectors, least_pace_s, pace_bound, pace_table
 
 TYPES = ("A100-40", "V100-16", "RTX-3090")
 
@@ -113,6 +114,40 @@ def test_the_pace_bound_holds_for_every_plan_of_tiny_instances(seed: int) -> Non
         assert bound >= best * (1 - 1e-9), (k, bound, best)
         planned += best > 0
     assert planned, "no plan fits: the instance tests nothing"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_view_of_more_gpus_than_layers_gets_a_bound_that_holds(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layers on four GPUs: no worker holds more than two devices, so the table's program
+    covers fewer vectors than the pools' box. With the limit set to that number (below the box,
+    where every vector would be over it) the view still gets a finite bound, and every plan of
+    every K, simulated, stays below it."""
+    rng = np.random.default_rng(300 + seed)
+    profile = _profile(rng, 2, (1e6, 4e6), (1e6, 2e7))
+    cl = _cluster(rng)
+    options = CostOptions(reserved_bytes=0.0)
+    cost = CostModel(profile, cl, options)
+    supply = [sum(d.kind == k for d in cl.devices) for k in sorted({d.kind for d in cl.devices})]
+    covered = count_vectors(supply, profile.num_layers)
+    assert covered < math.prod(n + 1 for n in supply)
+    monkeypatch.setattr(pace, "MAX_STATES", covered)
+    table = pace_table(cost, cl.devices, Schedule.of("1f1b", 4))
+    assert table is not None and table.least_s.shape == tuple(n + 1 for n in supply)
+    for k in (1, 2):
+        m = 4 // k
+        best = _best_simulated(profile, cl, options, k, m)
+        bound = pace_bound(cost, cl.devices, k, Schedule.of("1f1b", m))
+        assert best > 0 and math.isfinite(bound)
+        assert bound >= best * (1 - 1e-9), (k, bound, best)
+    monkeypatch.setattr(pace, "MAX_STATES", covered - 1)
+    assert pace_table(cost, cl.devices, Schedule.of("1f1b", 4)) is None
+
+
+def test_count_vectors_counts_the_vectors_of_at_most_so_many_devices() -> None:
+    """Against enumeration: every vector within the supply whose devices add up to the cap or fewer."""
+    for supply, most in (((2, 2), 3), ((1, 2, 1), 2), ((32, 32), 26), ((3,), 5), ((4, 0, 2), 4)):
+        boxes = itertools.product(*(range(n + 1) for n in supply))
+        assert count_vectors(supply, most) == sum(sum(v) <= most for v in boxes)
 
 
 @pytest.mark.parametrize("seed", range(3))

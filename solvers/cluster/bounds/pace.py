@@ -24,7 +24,10 @@ own compute, ZeRO's state over every GPU). A dynamic program from the last layer
 (devices used per pool, the earliest stage's pool, the pool promised to the stage before it,
 layers covered) computes it for every ``c`` that uses all its devices (so the number of stages
 after a new one is known), charging each stage its sends both ways when it is placed; a least
-over the smaller vectors then lets devices stay idle. Nodes are left out of the counts (they only
+over the smaller vectors then lets devices stay idle. A stage holds a layer or more on one
+device, so no worker has more devices than the model has layers: the program covers only the
+vectors of at most ``L`` devices (:func:`count_vectors` of them), and a larger vector takes the
+least over those within it (its extra devices idle). Nodes are left out of the counts (they only
 constrain plans more); they enter through the least message time between two pools, a link
 between nodes where no node holds both kinds. Activations in flight grow with ``m``, so the
 table at the fewest micro-batches of a view holds for all of its ``K`` and ``m``.
@@ -39,9 +42,8 @@ Where no ``K`` such vectors exist, no plan of ``K`` workers fits and the bound i
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,9 +52,9 @@ from partitioner.cluster import Device, split_kind
 from partitioner.cost import CostModel
 from partitioner.schedule import Schedule
 
-__all__ = ["MAX_STATES", "PaceTable", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
+__all__ = ["MAX_STATES", "PaceTable", "count_vectors", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
 
-MAX_STATES = 512  # most count vectors a table covers; past it, no bound (its program costs too much)
+MAX_STATES = 512  # most count vectors a table's program covers; past it, no bound (it costs too much)
 
 
 def paced_schedule(schedule: Schedule) -> bool:
@@ -91,18 +93,19 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     sender, ``overlap_comm`` off, at the least time between the two pools' devices) on the
     busiest device, each stage within its device's memory with the activations in flight at its
     place from the end at ``schedule``'s micro-batches (so the table holds for more micro-batches
-    too). None where it would have more than :data:`MAX_STATES` vectors or
+    too). None where its program would cover more than :data:`MAX_STATES` vectors (those of at
+    most as many devices as layers) or
     :func:`paced_schedule` does not cover the schedule."""
     if not paced_schedule(schedule):
         return None
     pools = _pools(devices)
-    if math.prod(len(v) + 1 for v in pools.values()) > MAX_STATES:
-        return None
-    sends = not cost.options.overlap_comm and not cost.cluster.has_nics  # shared NICs: flows, left out
     names = tuple(pools)
     members = [pools[p] for p in names]
     supply = tuple(len(v) for v in members)
     n_pools, n_layers = len(names), cost.num_layers
+    if count_vectors(supply, n_layers) > MAX_STATES:
+        return None
+    sends = not cost.options.overlap_comm and not cost.cluster.has_nics  # shared NICs: flows, left out
     zero = np.zeros(n_layers + 1)
     # send_s[a][b]: one boundary message per cut from a device of pool a to another of pool b (b =
     # n_pools: no stage there, nothing sent)
@@ -113,10 +116,12 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     # cover[c, q, r, l]: stages covering layers [l, L) on exactly c devices, built from the last
     # stage back: the least busiest device, the earliest stage on pool q (n_pools: none yet), the
     # stage before it promised to pool r (n_pools: none)
-    dims = [n + 1 for n in supply]
-    cover = np.full((*dims, n_pools + 1, n_pools + 1, n_layers + 1), math.inf)
+    # a stage holds a layer or more on one device: a worker of more than n_layers devices does not
+    # exist, so the program covers only the vectors of at most n_layers devices
+    capped = tuple(min(n, n_layers) for n in supply)
+    cover = np.full((*(n + 1 for n in capped), n_pools + 1, n_pools + 1, n_layers + 1), math.inf)
     cover[(0,) * n_pools][n_pools, :n_pools, n_layers] = 0.0
-    for state in itertools.product(*[range(n + 1) for n in supply]):
+    for state in _vectors(capped, n_layers):
         if not any(state):
             continue
         here = cover[state]
@@ -138,7 +143,29 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     exact = cover[..., :n_pools, n_pools, 0].min(axis=-1)  # every device of the vector used
     for axis in range(n_pools):  # a device may stay idle: the least over every smaller vector
         exact = np.minimum.accumulate(exact, axis=axis)
+    # past the cap of a pool its extra devices stay idle: the value at the cap
+    exact = np.pad(exact, [(0, n - c) for n, c in zip(supply, capped, strict=True)], mode="edge")
     return PaceTable(names, supply, exact)
+
+
+def count_vectors(supply: Sequence[int], most: int) -> int:
+    """How many vectors of counts within ``supply`` hold at most ``most`` devices in all: the
+    vectors :func:`pace_table`'s program covers."""
+    ways = [1] + [0] * max(most, 0)  # ways[s]: vectors of the pools so far with s devices
+    for n in supply:
+        ways = [sum(ways[max(0, s - n):s + 1]) for s in range(len(ways))]
+    return sum(ways) if most >= 0 else 0
+
+
+def _vectors(supply: tuple[int, ...], most: int) -> Iterator[tuple[int, ...]]:
+    """The vectors within ``supply`` of at most ``most`` devices, in C order (so each comes after
+    every vector one device below it)."""
+    if not supply:
+        yield ()
+        return
+    for c in range(min(supply[0], most) + 1):
+        for rest in _vectors(supply[1:], most - c):
+            yield (c, *rest)
 
 
 class _StageSeconds:
