@@ -439,14 +439,14 @@ def test_a_degree_or_size_key_of_thousands_of_digits_is_one_line_not_a_crash(tmp
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_lazy_queue_yields_every_bound_in_order_and_its_rest_bounds_the_others(seed: int) -> None:
-    """Candidates leave the queue with their per-layer LP and pace bound (at most the view's
-    perfect speed-up), best first; the bounds are solved only for those taken or above them;
+    """Candidates leave the queue with their per-layer LP and pace bound, the latter with each
+    stage's edges at the candidate's own K and m (at most the view's perfect speed-up), best first; the bounds are solved only for those taken or above them;
     what is left stays bounded."""
     from partitioner.schedule import Schedule
     from solvers.cluster.bounds.layers import layer_bound
-    from solvers.cluster.bounds.pace import pace_bound
+    from solvers.cluster.bounds.pace import pace_bound, pace_table
     from solvers.cluster.planner import throughput_upper_bound
-    from solvers.cluster.tensor import _Queue, candidate_view
+    from solvers.cluster.tensor import _most_slices, _Queue, candidate_view
 
     profile, cluster = _tiny(seed)
     options = CostOptions(reserved_bytes=0.0)
@@ -465,6 +465,8 @@ def test_the_lazy_queue_yields_every_bound_in_order_and_its_rest_bounds_the_othe
         sched = Schedule.of("1f1b", c.micro_batches)
         lp = layer_bound(cost, devices, c.virtual_workers, sched)
         pace = pace_bound(cost, devices, c.virtual_workers, sched)
+        edged = pace_table(cost, devices, sched, fill_slices=_most_slices("1f1b", c), virtual_workers=c.virtual_workers)
+        pace = min(pace, pace_bound(cost, devices, c.virtual_workers, sched, edged))
         assert c.bound_samples_per_s == pytest.approx(min(lp, pace, throughput_upper_bound(cost, devices)), rel=1e-7)
 
 

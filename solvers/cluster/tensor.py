@@ -171,7 +171,7 @@ def _perfect_speedup(size: int, layer_s: Sequence[np.ndarray], counts: Sequence[
 
 # what a heap entry stands for: a view at its perfect speed-up, a view at its one-worker LP (every
 # K and m of it), a candidate at its view's LP, a candidate at its own LP (ready)
-_ROUGH, _VIEW, _PENDING, _READY = range(4)
+_ROUGH, _VIEW, _PENDING, _PACED, _READY = range(5)
 
 
 class _Queue:
@@ -187,6 +187,7 @@ class _Queue:
         self._views: dict[_View, tuple[Profile, Cluster, list[Device], list[tuple[int, int]]]] = {}
         self._costs, self._options = costs, options
         self._pace: dict[_View, PaceTable | None] = {}
+        self._filled: dict[tuple[_View, int, int, int], PaceTable | None] = {}  # (view, m, slices, K): with edges
         self.schedule = schedule
         self.entries = 0  # candidates
         self.bounded = 0  # LPs solved
@@ -233,7 +234,22 @@ class _Queue:
                 b, degrees = item
                 for k, m in self._views[item][3]:
                     self._push(-neg, _PENDING, Candidate(b, degrees, k, m, -neg))
-            else:
+            elif level == _PACED:
+                # near the top: the pace with each stage's fill at this candidate's own micro-batches
+                # (a table per view and m, so only for the candidates that reach here)
+                cand = cast(Candidate, item)
+                key = (cand.micro_batch_size, cand.degrees)
+                cost, devices = self.cost(key), self._views[key][2]
+                slices = _most_slices(self.schedule, cand)
+                fill_key = (key, cand.micro_batches, slices, cand.virtual_workers)
+                if fill_key not in self._filled:
+                    self._filled[fill_key] = pace_table(cost, devices, Schedule.of(self.schedule, cand.micro_batches),
+                                                        fill_slices=slices, virtual_workers=cand.virtual_workers)
+                sched = Schedule.of(self.schedule, cand.micro_batches)
+                bound = min(-neg, pace_bound(cost, devices, cand.virtual_workers, sched, self._filled[fill_key]))
+                if bound > 0:
+                    self._push(bound, _READY, replace(cand, bound_samples_per_s=bound))
+            elif level == _PENDING:
                 cand = cast(Candidate, item)
                 key = (cand.micro_batch_size, cand.degrees)
                 cost, devices = self.cost(key), self._views[key][2]
@@ -250,7 +266,8 @@ class _Queue:
                 self.bounded += 1
                 if bound > 0:  # 0: no plan of k workers fits
                     bound = min(bound, -neg)
-                    self._push(bound, _READY, replace(cand, bound_samples_per_s=bound))
+                    self._push(bound, _PACED if self._pace[key] is not None else _READY,
+                               replace(cand, bound_samples_per_s=bound))
         return None
 
     def ordered(self) -> Iterator[Candidate]:

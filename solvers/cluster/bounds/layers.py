@@ -78,6 +78,7 @@ from partitioner.schedule import Schedule
 from ..lp import linprog
 
 __all__ = ["FILL_SCHEDULES", "fastest_inter_node_gbps", "fastest_link_gbps", "fill_capacity", "layer_bound",
+           "least_allreduce_per_byte_s",
            "least_backward_share", "sliced_lead_share"]
 
 FILL_SCHEDULES = ("1f1b", "gpipe")  # one-chunk schedules whose every backward waits for the forward chain
@@ -115,9 +116,7 @@ def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int
     if np.any(cap <= 0):
         return 0.0
     n_layers, n_kinds = cost.num_layers, len(kinds)
-    per_byte_s = 2.0 * (k - 1) / k / (fastest_link_gbps(cost) * 1e9)
-    if allreduce and not every_k and k > max(Counter(d.node for d in devices).values()):
-        per_byte_s = max(per_byte_s, 1.0 / (fastest_inter_node_gbps(cost) * 1e9))
+    per_byte_s = least_allreduce_per_byte_s(cost, devices, k, spans_nodes=allreduce and not every_k)
     comp = np.empty((n_layers, n_kinds))
     hold = np.empty((n_layers, n_kinds))
     mem = np.empty((n_layers, n_kinds))
@@ -132,6 +131,19 @@ def layer_bound(cost: CostModel, devices: Sequence[Device], virtual_workers: int
         if schedule.name in FILL_SCHEDULES:
             fill = k * fill_capacity(m, len(devices) / k, least_backward_share(cost, kinds), slices)
     return _solve(comp, hold, mem, count, cap, k, m, cost.profile.micro_batch_size, floor_s, fill)
+
+
+def least_allreduce_per_byte_s(cost: CostModel, devices: Sequence[Device], virtual_workers: int,
+                               spans_nodes: bool = True) -> float:
+    """``r`` per gradient byte: the least seconds an all-reduce among ``virtual_workers`` holders
+    takes per byte of the message, ``2 (K - 1) / K`` over the fastest link of the cluster and, where
+    ``spans_nodes`` and ``K`` exceeds the devices of any node, at least the whole message over the
+    fastest link between nodes (see the module docstring)."""
+    k = virtual_workers
+    per_byte_s = 2.0 * (k - 1) / k / (fastest_link_gbps(cost) * 1e9)
+    if spans_nodes and k > max(Counter(d.node for d in devices).values()):
+        per_byte_s = max(per_byte_s, 1.0 / (fastest_inter_node_gbps(cost) * 1e9))
+    return per_byte_s
 
 
 def fastest_inter_node_gbps(cost: CostModel) -> float:

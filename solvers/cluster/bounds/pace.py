@@ -38,6 +38,18 @@ with ``T_K`` the least ``P`` at which ``K`` disjoint vectors of ``P* <= P`` fit 
 may stay idle). ``T_K`` is found by bisection over the distinct values of ``P*``, each step a
 reachability over the counts of each pool (only the vectors minimal at that ``P`` are needed).
 Where no ``K`` such vectors exist, no plan of ``K`` workers fits and the bound is 0.
+
+**Edges, at one K and m.** The table above holds for every ``K`` and ``m`` of a view, so it
+leaves out what depends on them. A table for one ``(K, m)`` also charges each stage of layers
+``[i, l)`` what its device cannot overlap with its ``m`` micro-batches (:func:`edge_s`): it
+starts no earlier than the first micro-batch's first slice has crossed ``[0, i)`` forward (the
+head, each layer at its least time on any kind); and after its last backward, the last
+micro-batch's gradient still crosses ``[0, i)`` backward (the tail, 1F1B and GPipe) while the
+device all-reduces its gradients among ``K`` holders and steps (the hold, at least what
+:func:`.layers.layer_bound` charges: ``2 (K - 1) / K`` of the bytes over the fastest link, the
+whole message between nodes where ``K`` exceeds a node). So ``T >= m p_k + head + max(tail,
+hold)`` for every stage, and the program runs on ``p_k + (head + max(tail, hold)) / m``. The
+3D search builds these tables only for the candidates that reach the top of its queue.
 """
 
 from __future__ import annotations
@@ -52,7 +64,9 @@ from partitioner.cluster import Device, split_kind
 from partitioner.cost import CostModel
 from partitioner.schedule import Schedule
 
-__all__ = ["MAX_STATES", "PaceTable", "count_vectors", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
+from .layers import FILL_SCHEDULES, least_allreduce_per_byte_s
+
+__all__ = ["MAX_STATES", "PaceTable", "count_vectors", "edge_s", "least_pace_s", "pace_bound", "pace_table", "paced_schedule"]
 
 MAX_STATES = 512  # most count vectors a table's program covers; past it, no bound (it costs too much)
 
@@ -87,7 +101,8 @@ def _pools(devices: Sequence[Device]) -> dict[str, list[Device]]:
     return dict(sorted(out.items()))
 
 
-def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -> PaceTable | None:
+def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
+               fill_slices: int = 0, virtual_workers: int = 1) -> PaceTable | None:
     """The table of ``P*`` over ``devices`` for plans of ``schedule`` (see the module docstring),
     per micro-batch: one micro-batch's forwards, backwards and sends (where they block their
     sender, ``overlap_comm`` off, at the least time between the two pools' devices) on the
@@ -95,7 +110,11 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     place from the end at ``schedule``'s micro-batches (so the table holds for more micro-batches
     too). None where its program would cover more than :data:`MAX_STATES` vectors (those of at
     most as many devices as layers) or
-    :func:`paced_schedule` does not cover the schedule."""
+    :func:`paced_schedule` does not cover the schedule.
+
+    ``fill_slices`` > 0: the table holds for ``schedule``'s micro-batches and ``virtual_workers``
+    only (the first micro-batch cut in up to that many slices): each stage is also charged, over
+    ``m``, what :func:`edge_s` says it cannot overlap with its ``m`` micro-batches."""
     if not paced_schedule(schedule):
         return None
     pools = _pools(devices)
@@ -112,6 +131,9 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     send_s = [[_least_sends(cost, members[a], members[b]) if sends and b < n_pools else zero
                for b in range(n_pools + 1)] for a in range(n_pools)]
     stage_s = _StageSeconds(cost, members, schedule)
+    # per micro-batch, what a stage of layers [i, l) on each pool cannot overlap with its work
+    edges = ([edge_s(cost, members, p, schedule, fill_slices, virtual_workers) / schedule.micro_batches
+              for p in range(n_pools)] if fill_slices else [0.0] * n_pools)
     with_sends: dict[tuple[int, int], np.ndarray] = {}  # per (pool, in flight): [r, q, i, l] with both sends
     # cover[c, q, r, l]: stages covering layers [l, L) on exactly c devices, built from the last
     # stage back: the least busiest device, the earliest stage on pool q (n_pools: none yet), the
@@ -135,7 +157,7 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
             # stage after (pool q) at cut l, its gradients to the one before (pool r) at cut i
             key = stage_s.key(t, sum(state))
             if key not in with_sends:
-                own = stage_s.at(*key)
+                own = stage_s.at(*key) + edges[t]
                 with_sends[key] = np.stack([np.stack([own + send_s[t][q][None, :] + send_s[t][r][:, None]
                                                       for q in range(n_pools + 1)]) for r in range(n_pools + 1)])
             got = np.maximum(came[None, :, None, :], with_sends[key]).min(axis=(1, 3))
@@ -146,6 +168,39 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule) -
     # past the cap of a pool its extra devices stay idle: the value at the cap
     exact = np.pad(exact, [(0, n - c) for n, c in zip(supply, capped, strict=True)], mode="edge")
     return PaceTable(names, supply, exact)
+
+
+def edge_s(cost: CostModel, members: Sequence[Sequence[Device]], pool: int, schedule: Schedule, slices: int,
+           virtual_workers: int) -> np.ndarray:
+    """``E[i, l]``: seconds of an iteration in which a stage of layers ``[i, l)`` on a device of
+    ``pools[pool]`` cannot run its ``m`` micro-batches. Its first action waits for the first
+    micro-batch's first slice (of up to ``slices``) to cross layers ``[0, i)`` forward (the head);
+    after its last backward, under 1F1B and GPipe (every backward waits for the forward chain) the
+    last micro-batch's gradient still crosses ``[0, i)`` backward (the tail), and the device itself
+    all-reduces its layers' gradients among ``virtual_workers`` holders and steps them (the hold,
+    priced as :func:`.layers.layer_bound` prices them; part of it may come before the last
+    backward, which then ends that much later). So ``E = head + max(tail, hold)``. Each layer of the
+    head and tail at the least seconds of any pool's kind and recompute mode; sends left out (they
+    only add)."""
+    n = cost.num_layers
+    fwd, bwd = np.full(n, math.inf), np.full(n, math.inf)
+    for devices in members:
+        gpu_type, t = split_kind(devices[0].kind)
+        for mode in cost.options.recompute_modes:
+            f, b = cost.recomputing(mode).at_degree(t).direction_matrices(gpu_type)
+            fwd, bwd = np.minimum(fwd, np.diagonal(f, 1)), np.minimum(bwd, np.diagonal(b, 1))
+    zero = np.zeros(1)
+    head = np.concatenate([zero, np.cumsum(fwd / slices)])
+    tail = np.concatenate([zero, np.cumsum(bwd)]) if schedule.name in FILL_SCHEDULES else np.zeros(n + 1)
+    k = virtual_workers
+    allreduce = k > 1 and cost.options.sync and schedule.spec.sync == "allreduce"
+    stepped = schedule.spec.sync != "wave"
+    gpu_type, t = split_kind(members[pool][0].kind)
+    shard = cost.at_degree(t)
+    step = shard.update_prefix(gpu_type) if stepped else np.zeros(n + 1)
+    per_byte_s = least_allreduce_per_byte_s(cost, [d for m in members for d in m], k) if allreduce else 0.0
+    hold = step + per_byte_s * shard.param_prefix / t  # one GPU's gradient bytes
+    return head[:, None] + np.maximum(hold[None, :] - hold[:, None], tail[:, None])
 
 
 def count_vectors(supply: Sequence[int], most: int) -> int:
@@ -212,34 +267,29 @@ def _less(state: tuple[int, ...], t: int) -> tuple[int, ...]:
 
 def _least_sends(cost: CostModel, senders: Sequence[Device], receivers: Sequence[Device]) -> np.ndarray:
     """Per cut, the least seconds of one boundary message from a device of ``senders`` to another
-    of ``receivers`` (0 where the only pair is a device and itself). Without link overrides a
-    message's time depends on the two nodes alone, so two devices per node stand for the rest."""
-
-    def stand_ins(devices: Sequence[Device]) -> list[Device]:
-        if cost.cluster.links:
-            return list(devices)
-        seen: dict[str, int] = {}
-        out = []
-        for d in devices:
-            seen[d.node] = seen.get(d.node, 0) + 1
-            if seen[d.node] <= 2:
-                out.append(d)
-        return out
-
-    vectors = [cost.boundary_vector_s(a.name, b.name) for a in stand_ins(senders) for b in stand_ins(receivers)
-               if a.name != b.name]
+    of ``receivers`` (0 where the only pair is a device and itself). Without shared NICs (where the
+    table leaves sends out) a message's time depends on its link alone, so one pair per link
+    stands for the rest."""
+    link = cost.cluster.link
+    pairs: dict[int, tuple[Device, Device]] = {}
+    for a in senders:
+        for b in receivers:
+            if a.name != b.name:
+                pairs.setdefault(id(link(a.name, b.name)), (a, b))
+    vectors = [cost.boundary_vector_s(a.name, b.name) for a, b in pairs.values()]
     return np.min(vectors, axis=0) if vectors else np.zeros(cost.num_layers + 1)
 
 
 def _minimal(feasible: np.ndarray) -> list[tuple[int, ...]]:
     """The vectors of ``feasible`` (an up-set: more devices of a kind never hurt) with no
     feasible vector one device below them."""
-    out = []
-    for idx in zip(*np.nonzero(feasible), strict=True):
-        state = tuple(int(i) for i in idx)
-        if not any(state[t] > 0 and feasible[_less(state, t)] for t in range(len(state))):
-            out.append(state)
-    return out
+    below = np.zeros_like(feasible)
+    for axis in range(feasible.ndim):  # below[state]: state less one device of some kind is feasible
+        head = [slice(None)] * feasible.ndim
+        tail = [slice(None)] * feasible.ndim
+        head[axis], tail[axis] = slice(1, None), slice(None, -1)
+        below[tuple(head)] |= feasible[tuple(tail)]
+    return [tuple(int(i) for i in idx) for idx in np.argwhere(feasible & ~below)]
 
 
 def _fits(vectors: Sequence[tuple[int, ...]], supply: tuple[int, ...], workers: int) -> bool:
