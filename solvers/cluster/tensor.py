@@ -170,8 +170,9 @@ def _perfect_speedup(size: int, layer_s: Sequence[np.ndarray], counts: Sequence[
     return size * sum(n / t if t > 0 else math.inf for n, t in zip(counts, eff, strict=True))
 
 # what a heap entry stands for: a view at its perfect speed-up, a view at its one-worker LP (every
-# K and m of it), a candidate at its view's LP, a candidate at its own LP (ready)
-_ROUGH, _VIEW, _PENDING, _PACED, _READY = range(5)
+# K and m of it), a candidate at its view's LP, at its pace bound, at its own LP, and at its pace
+# bound with edges (ready)
+_ROUGH, _VIEW, _PENDING, _LP, _EDGES, _READY = range(6)
 
 
 class _Queue:
@@ -212,6 +213,37 @@ class _Queue:
         profile, view, _, _ = self._views[key]
         return _view_cost(self._costs, profile, view, key[0], key[1], self._options)
 
+    @staticmethod
+    def _key(cand: Candidate) -> _View:
+        return cand.micro_batch_size, cand.degrees
+
+    def _refine(self, cand: Candidate, level: int) -> float:
+        """A candidate's bound at the step after ``level``: the pace bound from its view's table for
+        every K and m (``_PENDING``; milliseconds once the table exists), its per-layer LP
+        (``_LP``), the pace bound with each stage's edges at its own K and m (``_EDGES``; a
+        table per view, K and m)."""
+        key = self._key(cand)
+        cost, devices = self.cost(key), self._views[key][2]
+        sched = Schedule.of(self.schedule, cand.micro_batches)
+        slices = _most_slices(self.schedule, cand)
+        if level == _PENDING:
+            # whole layers in contiguous stages: the slowest worker's bottleneck device (slices of
+            # the first micro-batch do not change it; solvers.cluster.bounds.pace)
+            if key not in self._pace:  # one table per view, at its fewest micro-batches: for every K and m
+                fewest = min(m for _, m in self._views[key][3])
+                self._pace[key] = pace_table(cost, devices, Schedule.of(self.schedule, fewest))
+            return pace_bound(cost, devices, cand.virtual_workers, sched, self._pace[key])
+        if level == _LP:
+            # the per-layer bound: the fleet bound's LPs cost 30 times more; a candidate planned in
+            # full gets it too (the cluster planner's certificate)
+            self.bounded += 1
+            return layer_bound(cost, devices, cand.virtual_workers, sched, slices=slices)
+        edged = (key, cand.micro_batches, slices, cand.virtual_workers)
+        if edged not in self._filled:
+            self._filled[edged] = pace_table(cost, devices, sched, fill_slices=slices,
+                                             virtual_workers=cand.virtual_workers)
+        return pace_bound(cost, devices, cand.virtual_workers, sched, self._filled[edged])
+
     def _push(self, bound: float, level: int, item: Any) -> None:
         heapq.heappush(self._heap, (-bound, next(self._seq), level, item))
 
@@ -234,40 +266,13 @@ class _Queue:
                 b, degrees = item
                 for k, m in self._views[item][3]:
                     self._push(-neg, _PENDING, Candidate(b, degrees, k, m, -neg))
-            elif level == _PACED:
-                # near the top: the pace with each stage's fill at this candidate's own micro-batches
-                # (a table per view and m, so only for the candidates that reach here)
+            else:  # a candidate: its next refinement, each only once it reaches the top
                 cand = cast(Candidate, item)
-                key = (cand.micro_batch_size, cand.degrees)
-                cost, devices = self.cost(key), self._views[key][2]
-                slices = _most_slices(self.schedule, cand)
-                fill_key = (key, cand.micro_batches, slices, cand.virtual_workers)
-                if fill_key not in self._filled:
-                    self._filled[fill_key] = pace_table(cost, devices, Schedule.of(self.schedule, cand.micro_batches),
-                                                        fill_slices=slices, virtual_workers=cand.virtual_workers)
-                sched = Schedule.of(self.schedule, cand.micro_batches)
-                bound = min(-neg, pace_bound(cost, devices, cand.virtual_workers, sched, self._filled[fill_key]))
-                if bound > 0:
-                    self._push(bound, _READY, replace(cand, bound_samples_per_s=bound))
-            elif level == _PENDING:
-                cand = cast(Candidate, item)
-                key = (cand.micro_batch_size, cand.degrees)
-                cost, devices = self.cost(key), self._views[key][2]
-                # the per-layer bound only: the fleet bound's LPs cost 30 times more; a candidate
-                # planned in full gets it too (the cluster planner's certificate)
-                sched = Schedule.of(self.schedule, cand.micro_batches)
-                bound = layer_bound(cost, devices, cand.virtual_workers, sched, slices=_most_slices(self.schedule, cand))
-                # whole layers in contiguous stages: the slowest worker's bottleneck device (slices
-                # of the first micro-batch do not change it; solvers.cluster.bounds.pace)
-                if key not in self._pace:  # one table per view, at its fewest micro-batches: for every K and m
-                    fewest = min(m for _, m in self._views[key][3])
-                    self._pace[key] = pace_table(cost, devices, Schedule.of(self.schedule, fewest))
-                bound = min(bound, pace_bound(cost, devices, cand.virtual_workers, sched, self._pace[key]))
-                self.bounded += 1
+                bound = min(-neg, self._refine(cand, level))
                 if bound > 0:  # 0: no plan of k workers fits
-                    bound = min(bound, -neg)
-                    self._push(bound, _PACED if self._pace[key] is not None else _READY,
-                               replace(cand, bound_samples_per_s=bound))
+                    edges = level == _LP and self._pace[self._key(cand)] is not None  # no table: no edges
+                    nxt = _LP if level == _PENDING else _EDGES if edges else _READY
+                    self._push(bound, nxt, replace(cand, bound_samples_per_s=bound))
         return None
 
     def ordered(self) -> Iterator[Candidate]:
@@ -348,6 +353,7 @@ def _quick(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpt
 REL_TOL = 0.01  # the search stops once no candidate left can beat the best plan by more than this
 QUICK_SHARE = 0.25  # of the time limit, what the quick pass may take (past it, only until a first plan)
 FINISH_SHARE = 0.1  # of the time limit, kept for the answer (its predictions simulate the plan)
+MIN_FULL_S = 0.3  # the least time worth a full plan of a candidate (its set-up alone takes about that)
 
 
 def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, *,
@@ -388,7 +394,7 @@ def _search(profile: Profile, cluster: Cluster, global_batch: int, sizes: Sequen
     for k, cand in enumerate(queue.ordered()):
         # what is left, less the answer's share and what a full plan has run past its own limit
         left = t0 + (1 - FINISH_SHARE) * time_limit_s - time.perf_counter() - overrun
-        if left <= 0 or (best is not None and best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
+        if left < MIN_FULL_S or (best is not None and best[0] >= cand.bound_samples_per_s * (1 - rel_tol)):
             stop = k
             break
         given, started = max(left / 4, min(left, 1.0)), time.perf_counter()
