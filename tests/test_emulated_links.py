@@ -181,7 +181,7 @@ def test_sync_and_wsp_d0_global_models_agree_and_time_bounds_stop_early() -> Non
     assert sum(m["step_s"]) < 0.5 + 2 * max(m["step_s"])
 
 
-@pytest.mark.parametrize("draw", [0, 1, 2])
+@pytest.mark.parametrize("draw", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_wsp_by_time_keeps_the_staleness_bound_under_random_delays(draw: int, monkeypatch: pytest.MonkeyPatch
                                                                     ) -> None:
     """Random sleeps after every forward (each worker its own pace and jitter), a run that ends

@@ -192,6 +192,7 @@ def test_launch_lines_of_the_runtime_and_the_exports_are_one_logic() -> None:
     assert "ok" in check_launch(by_rank, devices, "n1,n0")
 
 
+@pytest.mark.slow  # torchrun, four ranks; the launch order itself is checked above without processes
 def test_the_torch_export_trains_under_its_own_launch_lines(tmp_path: Path) -> None:
     # two "nodes" on loopback started with the export's own torchrun lines (static rendezvous,
     # --node-rank), a plan whose ranks alternate between the nodes: each process seats itself

@@ -191,7 +191,7 @@ def _tp_rank(rank: int, world: int, export: dict[str, Any], steps: int, lr: floa
 
 
 @pytest.mark.parametrize("plan", [
-    TP2_PP2, TP2_PP2_DP2,
+    pytest.param(TP2_PP2, marks=pytest.mark.slow), TP2_PP2_DP2,  # tp2-pp2: the dp2 case holds it
     # two stages per group (torch's ScheduleInterleaved1F1B over each index's pipeline group)
     Plan("gpt2-tiny", (pipeline((0, 1, "n0:0-1"), (1, 2, "n0:2-3"), (2, 3, "n0:0-1"), (3, 4, "n0:2-3")),),
          "interleaved", 2, 2, chunks=2),

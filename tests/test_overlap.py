@@ -168,7 +168,7 @@ def _trained(plan: Plan, tmp: Path) -> tuple[dict[str, object], dict[str, torch.
     return metrics, weights
 
 
-@pytest.mark.parametrize("case", ["zb-h2", "zbv", "1f1b-two-workers"])
+@pytest.mark.parametrize("case", [pytest.param("zb-h2", marks=pytest.mark.slow), "zbv", "1f1b-two-workers"])
 def test_overlapped_run_equals_the_flushing_run(case: str, tmp_path: Path) -> None:
     """Each stage steps on its own gradients either way: the overlapped run's losses and weights
     are bit-equal to the flushing run's (the data-parallel all-reduce of two virtual workers included)."""

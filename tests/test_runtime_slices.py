@@ -138,8 +138,8 @@ def _train(plan: Plan, out: Path, steps: int, lr: float, seed: int) -> tuple[dic
 
 @pytest.mark.parametrize(("schedule", "vw", "slices"), [
     ("gpipe", worker([0, 2, 4], ["n0:0", "n0:1"]), 2),
-    ("gpipe", worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"]), 4),
-    ("1f1b", worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"]), 2),
+    pytest.param("gpipe", worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"]), 4, marks=pytest.mark.slow),
+    pytest.param("1f1b", worker([0, 1, 3, 4], ["n0:0", "n0:1", "n0:2"]), 2, marks=pytest.mark.slow),
     ("1f1b", worker([0, 3, 4], ["n0:0", "n0:1"]), 4),
     ("1f1b", _replicated([0, 2, 4], [("n0:0",), ("n0:1", "n0:2")]), 2),  # last stage replicated
     ("gpipe", _replicated([0, 1, 4], [("n0:0", "n0:1"), ("n0:2",)]), 4),  # first stage replicated

@@ -54,7 +54,7 @@ def _equal_by_name(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("zero,precision", [(1, "fp32"), (2, "bf16"),
+@pytest.mark.parametrize("zero,precision", [pytest.param(1, "fp32", marks=pytest.mark.slow), (2, "bf16"),
                                             pytest.param(2, "fp32", marks=pytest.mark.slow),
                                             pytest.param(1, "bf16", marks=pytest.mark.slow)])
 def test_a_zero_checkpoint_resumes_on_any_plan_as_the_run_goes_on(zero: int, precision: str, tmp_path: Path) -> None:
