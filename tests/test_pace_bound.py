@@ -241,3 +241,25 @@ def test_the_edges_tighten_the_pace_bound_towards_the_best_plan() -> None:
             best = _best_simulated(profile, cl, options, k, m)
             closer += best > 0 and edged - best < 0.5 * (plain - best)
     assert closer > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_pace_bound_holds_where_nodes_share_a_nic(seed: int) -> None:
+    """Each node's GPUs behind one NIC slower than its links: concurrent sends between nodes share
+    it (simulated as flows), so a message is at least its time alone, and every plan, simulated,
+    stays below both bounds."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(500 + seed)
+    profile = _profile(rng, 3, (1e6, 4e6), (1e7, 4e7))
+    base = _cluster(rng)
+    cl = replace(base, nodes=tuple(replace(n, nic_gbps=0.5 * base.inter_gbps) for n in base.nodes))
+    assert cl.has_nics
+    options = CostOptions(reserved_bytes=0.0)
+    cost = CostModel(profile, cl, options)
+    for k in (1, 2):
+        m = 4 // k
+        best = _best_simulated(profile, cl, options, k, m)
+        plain, edged = _bounds(cost, cl, k, Schedule.of("1f1b", m))
+        assert best > 0
+        assert plain >= edged >= best * (1 - 1e-9), (k, plain, edged, best)

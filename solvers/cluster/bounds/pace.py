@@ -7,9 +7,9 @@ the pace of its busiest device. This bound keeps that structure.
 **One worker.** In a one-chunk flushing schedule without replication, the device of stage ``k``
 does its work one action after another within the iteration ``T``: the forwards and backwards of
 its ``m`` micro-batches and, where sends block their sender (``overlap_comm`` off, the
-simulator's default; no shared NICs modelled), its ``m`` activation sends to stage ``k + 1`` and
-``m`` gradient sends to stage ``k - 1``, each at least the least time of one boundary message
-between the two devices' pools (a pool: the devices of one kind). Its step and all-reduce are
+simulator's default), its ``m`` activation sends to stage ``k + 1`` and ``m`` gradient sends to
+stage ``k - 1``, each at least the least time of one boundary message alone (NICs it shares with
+other flows only slow it) between the two devices' pools (a pool: the devices of one kind). Its step and all-reduce are
 left out (they only add). So ``T >= m p_k`` with ``p_k`` one micro-batch's share of that work,
 for every stage. A first micro-batch cut into slices changes none of it: a slice computes and
 sends its share of the samples, so the slices add up to one micro-batch.
@@ -124,7 +124,7 @@ def pace_table(cost: CostModel, devices: Sequence[Device], schedule: Schedule,
     n_pools, n_layers = len(names), cost.num_layers
     if count_vectors(supply, n_layers) > MAX_STATES:
         return None
-    sends = not cost.options.overlap_comm and not cost.cluster.has_nics  # shared NICs: flows, left out
+    sends = not cost.options.overlap_comm  # over shared NICs each message at least its time alone
     zero = np.zeros(n_layers + 1)
     # send_s[a][b]: one boundary message per cut from a device of pool a to another of pool b (b =
     # n_pools: no stage there, nothing sent)
@@ -267,15 +267,16 @@ def _less(state: tuple[int, ...], t: int) -> tuple[int, ...]:
 
 def _least_sends(cost: CostModel, senders: Sequence[Device], receivers: Sequence[Device]) -> np.ndarray:
     """Per cut, the least seconds of one boundary message from a device of ``senders`` to another
-    of ``receivers`` (0 where the only pair is a device and itself). Without shared NICs (where the
-    table leaves sends out) a message's time depends on its link alone, so one pair per link
-    stands for the rest."""
-    link = cost.cluster.link
-    pairs: dict[int, tuple[Device, Device]] = {}
+    of ``receivers`` (0 where the only pair is a device and itself), each message alone (a NIC
+    shared with other flows only slows it). Its time depends on its link and the NICs it crosses,
+    so one pair per link and NICs stands for the rest."""
+    cl = cost.cluster
+    pairs: dict[tuple[int, tuple[float, ...]], tuple[Device, Device]] = {}
     for a in senders:
         for b in receivers:
             if a.name != b.name:
-                pairs.setdefault(id(link(a.name, b.name)), (a, b))
+                nics = tuple(r[3] for r in cl.nic_route(a.name, b.name)) if cl.has_nics else ()
+                pairs.setdefault((id(cl.link(a.name, b.name)), nics), (a, b))
     vectors = [cost.boundary_vector_s(a.name, b.name) for a, b in pairs.values()]
     return np.min(vectors, axis=0) if vectors else np.zeros(cost.num_layers + 1)
 
