@@ -268,15 +268,27 @@ def _less(state: tuple[int, ...], t: int) -> tuple[int, ...]:
 def _least_sends(cost: CostModel, senders: Sequence[Device], receivers: Sequence[Device]) -> np.ndarray:
     """Per cut, the least seconds of one boundary message from a device of ``senders`` to another
     of ``receivers`` (0 where the only pair is a device and itself), each message alone (a NIC
-    shared with other flows only slows it). Its time depends on its link and the NICs it crosses,
-    so one pair per link and NICs stands for the rest."""
+    shared with other flows only slows it). Its time depends on the two ends' nodes and NICs
+    (their link, or a device pair's override), so one pair per two ends stands for the rest."""
     cl = cost.cluster
-    pairs: dict[tuple[int, tuple[float, ...]], tuple[Device, Device]] = {}
+    nodes = {n.name: n for n in cl.nodes}
+    per_device = any(x.a not in nodes or x.b not in nodes for x in cl.links)  # an override of a device pair
+
+    def end(d: Device) -> tuple[str, ...]:  # what a message's time can depend on at this end
+        node = nodes[d.node]
+        return (d.name,) if per_device else (d.node, str(node.nic_of(d.index)) if node.nic_gbps > 0 else "")
+
+    by_end: dict[tuple[str, ...], list[Device]] = {}
+    for d in receivers:
+        by_end.setdefault(end(d), []).append(d)
+    pairs: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[Device, Device]] = {}
     for a in senders:
-        for b in receivers:
-            if a.name != b.name:
-                nics = tuple(r[3] for r in cl.nic_route(a.name, b.name)) if cl.has_nics else ()
-                pairs.setdefault((id(cl.link(a.name, b.name)), nics), (a, b))
+        ea = end(a)
+        for eb, group in by_end.items():
+            if (ea, eb) not in pairs:
+                b = next((d for d in group if d.name != a.name), None)
+                if b is not None:
+                    pairs[(ea, eb)] = (a, b)
     vectors = [cost.boundary_vector_s(a.name, b.name) for a, b in pairs.values()]
     return np.min(vectors, axis=0) if vectors else np.zeros(cost.num_layers + 1)
 
