@@ -129,9 +129,10 @@ def main() -> None:
                     cell += f" ({opt[0] / f[0]:.2f}x)"
                 cells.append(cell)
             print(f"| {model} | {cluster.name} | {objective} | " + " | ".join(cells) + " |", flush=True)
-    print("\nreplication (a stage data-parallel over GPUs of one type, all-reduce priced on its links) "
-          "against pure pipelines; model objective, sync, samples/s (the simulator does not price replicas)\n")
-    print("| model | cluster | virtual workers | opt, pure pipelines | opt + replication | ratio | replicated stages |")
+    print("\nreplication (a stage data-parallel over a run of GPUs, of one type or several, all-reduce priced on "
+          "its links) against pure pipelines; model objective, sync, samples/s\n")
+    print("| model | cluster | virtual workers | opt, pure pipelines | opt + replication | ratio | replicated stages "
+          "(of several types) |")
     print("|---|---|---|---|---|---|---|")
     by_type = Cluster("hetpipe-by-type", tuple(Node(f"n{i}", (t,) * 4, 16.0) for i, t in
                                                enumerate(("TITAN-V", "TITAN-RTX", "RTX-2060", "Quadro-P4000"))), 7.0)
@@ -144,10 +145,11 @@ def main() -> None:
                 if fp is None or fr is None or rep.plan is None:
                     print(f"| {model} | {cl.name} | {k} | {fp and f'{fp[0]:.1f}'} | {fr and f'{fr[0]:.1f}'} | n/a | n/a |")
                     continue
-                n_rep = sum(1 for vw in rep.plan.virtual_workers for st in vw.stages if st.replicas)
+                replicated = [st for vw in rep.plan.virtual_workers for st in vw.stages if st.replicas]
+                mixed = sum(len({cl.device(d).gpu_type for d in st.devices}) > 1 for st in replicated)
                 workers = f"{k} ({len(rep.plan.virtual_workers)})" if k == "auto" else str(k)
-                print(f"| {model} | {cl.name} | {workers} | {fp[0]:.1f} | {fr[0]:.1f} | {fr[0] / fp[0]:.2f}x | {n_rep} |",
-                      flush=True)
+                print(f"| {model} | {cl.name} | {workers} | {fp[0]:.1f} | {fr[0]:.1f} | {fr[0] / fp[0]:.2f}x | "
+                      f"{len(replicated)} ({mixed}) |", flush=True)
     syn = synthetic_profile(150, seed=0, param_mb=8, act_mb=10)
     hetpipe = Cluster.load(ROOT / "examples" / "clusters" / "hetpipe.yaml")
     print(f"\nplanning time, 150 layers, HetPipe 16 GPUs (opt, K auto; median of {args.runs}): "

@@ -28,8 +28,8 @@ def test_ring_allreduce_formula():
     assert cost.replicated_stage_time_s(0, 2, devs[:1], None, None, 4) == cost.stage_time_s(0, 2, devs[0])
 
 
-def brute(cost, devs, m):
-    """Every cut of the order into same-type runs and every layer split."""
+def brute(cost, devs, m, same_kind=False):
+    """Every cut of the order into runs (of one type each with ``same_kind``) and every layer split."""
     best = float("inf")
     p, n = len(devs), cost.num_layers
     for bounds in itertools.product([0, 1], repeat=p - 1):
@@ -41,7 +41,7 @@ def brute(cost, devs, m):
             else:
                 cur.append(d)
         groups.append(cur)
-        if any(len({d.gpu_type for d in g}) > 1 for g in groups) or len(groups) > n:
+        if (same_kind and any(len({d.gpu_type for d in g}) > 1 for g in groups)) or len(groups) > n:
             continue
         for inner in itertools.combinations(range(1, n), len(groups) - 1):
             cuts = [0, *inner, n]
@@ -56,14 +56,46 @@ def brute(cost, devs, m):
     return best
 
 
+@pytest.mark.parametrize("same_kind", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_replication_dp_equals_brute_force_and_beats_pure(seed):
+def test_replication_dp_equals_brute_force_and_beats_pure(seed, same_kind):
     prof = synthetic_profile(7, seed=seed, act_mb=200, param_mb=10)
     cl = small_cluster([["TITAN-V", "TITAN-V", "RTX-2060", "RTX-2060"]], intra=4.0)
     cost = CostModel(prof, cl)
-    sol = replicate_chain(cost, cl.devices, Schedule.of("1f1b", 4))
-    assert sol.bottleneck_s == pytest.approx(brute(cost, list(cl.devices), 4), rel=1e-9)
+    sol = replicate_chain(cost, cl.devices, Schedule.of("1f1b", 4), same_kind=same_kind)
+    assert sol.bottleneck_s == pytest.approx(brute(cost, list(cl.devices), 4, same_kind), rel=1e-9)
     assert sol.bottleneck_s <= chain_dp(cost, cl.devices, Schedule.of("1f1b", 4)).bottleneck_s * (1 + 1e-12)
+
+
+def test_a_stage_replicated_over_two_types_and_degrees_is_priced_as_the_cost_model_prices_it():
+    """Sailor's shape: a stage over GPUs of two types (and tensor-parallel degrees). Runs of mixed
+    kinds widen the space (never worse than runs of one kind, strictly better on 4 RTX 2080 Ti + 2
+    TITAN RTX), the DP's bottleneck is the cost model's own stage time for the stages it returns,
+    and the plan holds (memory, each replica at its own degree)."""
+    from pathlib import Path
+
+    from partitioner.cluster import Cluster, Node
+    from partitioner.importers.sailor import import_sailor_degrees
+
+    sailor = Path(__file__).resolve().parents[2] / "shared" / "data" / "sailor_opt350"
+    if not sailor.is_dir():
+        pytest.skip("shared Sailor profiles not present")
+    # OPT-350M as Sailor measured it at every degree
+    prof = import_sailor_degrees(sailor, micro_batch_size=1, gpu_types=("RTX-2080", "Titan-RTX"))
+    base = Cluster("mix", (Node("n0", ("RTX-2080-Ti",) * 4, 20.0), Node("n1", ("TITAN-RTX",) * 2, 20.0)), 5.0)
+    sched = Schedule.of("1f1b", 16)
+    for cl in (base, base.with_tensor_parallel({"RTX-2080-Ti": 2})):
+        cost = CostModel(prof, cl)
+        mixed = replicate_chain(cost, cl.devices, sched)
+        alone = replicate_chain(cost, cl.devices, sched, same_kind=True)
+        assert mixed.bottleneck_s <= alone.bottleneck_s * (1 + 1e-12)
+        stages = tuple(Stage(r, g[0].name, g[0].gpu_type, tuple(d.name for d in g[1:])) for r, g in mixed.stages)
+        plan = Plan("synthetic", (VirtualWorker(stages),), "1f1b", 1, 16)
+        cost.check_plan_memory(plan)
+        assert max(cost.plan_stage_times_s(plan)) == pytest.approx(mixed.bottleneck_s, rel=1e-9)
+        if cl is base:
+            assert any(len({d.kind for d in g}) > 1 for _, g in mixed.stages)
+            assert mixed.bottleneck_s < alone.bottleneck_s * (1 - 1e-4)
 
 
 def test_planner_with_replication_validates_and_is_no_worse():

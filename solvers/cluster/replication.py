@@ -1,11 +1,15 @@
 """Stage replication (PipeDream-style): a stage may run data-parallel on several GPUs.
 
-For a fixed order of a virtual worker's GPUs, a *run* of consecutive GPUs of the same type
-may hold one stage together: they share its micro-batches and all-reduce its gradients once
-per iteration. Prices come from :meth:`partitioner.cost.CostModel.replicated_stage_time_s`
-(speed-proportional share of the micro-batches plus ``allreduce_s / m``), memory from the
-same per-stage formula as a plain stage (each replica keeps the stage's weights and, as a
-conservative bound, the activations a plain stage at that depth would keep).
+For a fixed order of a virtual worker's GPUs, a *run* of consecutive GPUs may hold one stage
+together: they share its micro-batches and all-reduce its gradients once per iteration. The GPUs
+of a run may be of different types and tensor-parallel degrees (as Sailor replicates a stage over
+a 2080 pair and four Titans): prices come from
+:meth:`partitioner.cost.CostModel.replicated_stage_time_s` (speed-proportional share of the
+micro-batches plus ``allreduce_s / m``; replicas of different degrees all-reduce the full
+gradients, :meth:`~partitioner.cost.CostModel.sync_bytes`), memory from the same per-stage
+formula as a plain stage, on each replica at its own degree and capacity (each replica keeps the
+stage's weights and, as a conservative bound, the activations a plain stage at that depth would
+keep). ``same_kind`` keeps runs to one device kind (the older, smaller space).
 
 The DP over (first free GPU ``k``, stages left ``s``, first layer ``i``)
 
@@ -43,9 +47,12 @@ class ReplicatedSolution:
     stages: tuple[tuple[tuple[int, int], tuple[Device, ...]], ...]
 
 
-def _runs(devices: Sequence[Device]) -> list[int]:
-    """``run[k]``: how many GPUs of ``devices[k]``'s type follow consecutively from ``k``."""
+def _runs(devices: Sequence[Device], same_kind: bool) -> list[int]:
+    """``run[k]``: how many GPUs from ``k`` on may hold one stage (with ``same_kind``, those of
+    ``devices[k]``'s kind that follow consecutively; otherwise every GPU left)."""
     p = len(devices)
+    if not same_kind:
+        return [p - k for k in range(p)]
     run = [1] * p
     for k in range(p - 2, -1, -1):
         if devices[k + 1].kind == devices[k].kind:
@@ -53,13 +60,14 @@ def _runs(devices: Sequence[Device]) -> list[int]:
     return run
 
 
-def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedule, max_replicas: int | None = None) -> ReplicatedSolution | None:
+def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedule, max_replicas: int | None = None,
+                    same_kind: bool = False) -> ReplicatedSolution | None:
     """Minimum-bottleneck stages with replication over ``devices`` in this order, or None."""
     devices = list(devices)
     p, n = len(devices), cost.num_layers
     if p == 0:
         return None
-    run = _runs(devices)
+    run = _runs(devices, same_kind)
     cap = max_replicas or p
     cols = np.arange(n + 1)
     upper = cols[None, :] > cols[:, None]
@@ -87,12 +95,15 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedu
                     rate += 1.0 / np.maximum(cost.stage_time_matrix(d, prev, nxt), 1e-300)
                 t = 1.0 / rate
                 if r > 1:
-                    shards = cost.at_degree(group[0].tensor_parallel).param_prefix  # every shard of the groups
+                    # every shard of the groups; replicas of different degrees all-reduce the full gradients
+                    degrees = {d.tensor_parallel for d in group}
+                    shards = cost.at_degree(degrees.pop() if len(degrees) == 1 else 1).param_prefix
                     t = t + (shards[None, :] - shards[:, None]) * (cost.allreduce_s(1.0, group) / schedule.micro_batches)
                 if schedule.spec.sync == "wave":
                     t = t + cost.wave_sync_matrix(schedule.micro_batches)
-                mem = cost.memory_matrix(in_flight, schedule, tensor_parallel=group[0].tensor_parallel)
-                ok = upper & (mem <= min(d.memory_bytes for d in group))
+                ok = upper.copy()
+                for degree, capacity in {(d.tensor_parallel, d.memory_bytes) for d in group}:
+                    ok &= cost.memory_matrix(in_flight, schedule, tensor_parallel=degree) <= capacity
                 cand = np.where(ok, np.maximum(t, nxt_f[None, :]), np.inf)
                 arg = cand.argmin(axis=1)
                 val = cand[cols, arg]
