@@ -227,7 +227,7 @@ def plan(profile: Profile, cluster: Cluster, request: PlanRequest) -> SolveResul
                                schedule=request.schedule, tensor_parallel=tp if isinstance(tp, int) else None,
                                virtual_workers=request.virtual_workers if isinstance(request.virtual_workers, int)
                                else None, pipeline=request.pipeline_parallel,
-                               time_limit_s=request.time_limit_s or DEFAULT_SEARCH_S)
+                               time_limit_s=request.time_limit_s or DEFAULT_SEARCH_S, replication=request.replication)
     if not res.ok or res.plan is None:
         return res
     res, slices, rate = _sliced(res, profile.at_size(res.plan.micro_batch_size), cluster, request.options)

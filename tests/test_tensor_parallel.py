@@ -174,6 +174,24 @@ def test_the_search_takes_the_best_candidate_and_its_bound_holds(opt350: Profile
             assert len({g.split(":")[0] for g in cl.device(dev).gpu_names}) == 1
 
 
+def test_the_search_with_replication_plans_replicated_stages_and_its_bound_holds(opt350: Profile) -> None:
+    """`--micro-batches auto --replication`: the search hands replication to the cluster planner
+    (a stage over several GPUs, of one type or several), drops the pace bounds (they take one
+    device a stage), and its certificate still holds for the simulated answer; the answer is no
+    worse than the search without replication."""
+    from partitioner.cost import CostModel
+    from solvers.cluster.tensor import plan_tensor_parallel
+
+    cl = Cluster("mix", (Node("n0", ("V100-16",) * 2, 100.0), Node("n1", ("A100-40",) * 2, 100.0)), 10.0)
+    pure = plan_tensor_parallel(opt350, cl, 16, options=FP16, time_limit_s=60, rel_tol=0.0)
+    rep = plan_tensor_parallel(opt350, cl, 16, options=FP16, time_limit_s=60, rel_tol=0.0, replication=True)
+    assert pure.ok and rep.ok
+    CostModel(opt350.at_size(rep.plan.micro_batch_size), cl, FP16).validate_plan(rep.plan)
+    simulated = rep.plan.predicted["samples_per_s"]
+    assert 1.0 / rep.lower_bound >= simulated * (1 - 1e-9)
+    assert rep.details["closed_form"]["samples_per_s"] >= pure.details["closed_form"]["samples_per_s"] * (1 - 1e-9)
+
+
 # -- the per-layer bound ------------------------------------------------------------------------
 
 

@@ -183,8 +183,9 @@ class _Queue:
 
     def __init__(self, profiles: Mapping[int, Profile], cluster: Cluster, global_batch: int,
                  options: CostOptions | None, schedule: str, fixed: int | None, virtual_workers: int | None,
-                 pipeline: int | None, costs: _Costs):
+                 pipeline: int | None, costs: _Costs, replication: bool = False):
         self._heap: list[tuple[float, int, int, Any]] = []
+        self.replication = replication  # plans may replicate stages: no pace bounds (they assume one device a stage)
         self._views: dict[_View, tuple[Profile, Cluster, list[Device], list[tuple[int, int]]]] = {}
         self._costs, self._options = costs, options
         self._pace: dict[_View, PaceTable | None] = {}
@@ -228,7 +229,11 @@ class _Queue:
         slices = _most_slices(self.schedule, cand)
         if level == _PENDING:
             # whole layers in contiguous stages: the slowest worker's bottleneck device (slices of
-            # the first micro-batch do not change it; solvers.cluster.bounds.pace)
+            # the first micro-batch do not change it; solvers.cluster.bounds.pace); not where
+            # replicas share a stage's micro-batches
+            if self.replication:
+                self._pace[key] = None
+                return math.inf
             if key not in self._pace:  # one table per view, at its fewest micro-batches: for every K and m
                 fewest = min(m for _, m in self._views[key][3])
                 self._pace[key] = pace_table(cost, devices, Schedule.of(self.schedule, fewest))
@@ -237,7 +242,7 @@ class _Queue:
             # the per-layer bound: the fleet bound's LPs cost 30 times more; a candidate planned in
             # full gets it too (the cluster planner's certificate)
             self.bounded += 1
-            return layer_bound(cost, devices, cand.virtual_workers, sched, slices=slices)
+            return layer_bound(cost, devices, cand.virtual_workers, sched, slices=slices, replication=self.replication)
         edged = (key, cand.micro_batches, slices, cand.virtual_workers)
         if edged not in self._filled:
             self._filled[edged] = pace_table(cost, devices, sched, fill_slices=slices,
@@ -258,7 +263,8 @@ class _Queue:
                 # one worker's rate bound grows with m (its step and all-reduce spread over more)
                 _, _, devices, pairs = self._views[item]
                 most = max(m for _, m in pairs)
-                bound = layer_bound(self.cost(item), devices, 1, Schedule.of(self.schedule, most), every_k=True)
+                bound = layer_bound(self.cost(item), devices, 1, Schedule.of(self.schedule, most), every_k=True,
+                                    replication=self.replication)
                 self.bounded += 1
                 if bound > 0:  # 0: not even one worker fits
                     self._push(min(bound, -neg), _VIEW, item)
@@ -360,26 +366,29 @@ def plan_tensor_parallel(profile: Profile, cluster: Cluster, global_batch: int, 
                          sizes: Sequence[int] | None = None, options: CostOptions | None = None,
                          schedule: str = "1f1b", tensor_parallel: int | None = None,
                          virtual_workers: int | None = None, pipeline: int | None = None,
-                         time_limit_s: float = 60.0, rel_tol: float = REL_TOL) -> SolveResult:
+                         time_limit_s: float = 60.0, rel_tol: float = REL_TOL, replication: bool = False) -> SolveResult:
     """The best plan over every candidate (see the module docstring), with the certificate of the
     whole space. ``sizes``: micro-batch sizes to consider (the profile at each,
     :meth:`partitioner.profile.Profile.at_size`; default its own); ``tensor_parallel`` /
     ``virtual_workers`` / ``pipeline`` (stages per worker, one device each) fix a dimension;
-    ``rel_tol`` stops once no candidate left can beat the best by more than that fraction. The plan is of ``profile.at_size(plan.micro_batch_size)``."""
+    ``rel_tol`` stops once no candidate left can beat the best by more than that fraction;
+    ``replication``: a stage may run over several GPUs (:mod:`solvers.cluster.replication`; the
+    pace bounds, which take one device a stage, are then left out). The plan is of
+    ``profile.at_size(plan.micro_batch_size)``."""
     # one status line for the whole search: each candidate's cluster planner says what it does there
     with status(f"3D planner ({cluster.num_gpus:,} GPUs)"):
         return _search(profile, cluster, global_batch, sizes, options, schedule, tensor_parallel, virtual_workers,
-                       pipeline, time_limit_s, rel_tol)
+                       pipeline, time_limit_s, rel_tol, replication)
 
 
 def _search(profile: Profile, cluster: Cluster, global_batch: int, sizes: Sequence[int] | None,
             options: CostOptions | None, schedule: str, tensor_parallel: int | None, virtual_workers: int | None,
-            pipeline: int | None, time_limit_s: float, rel_tol: float) -> SolveResult:
+            pipeline: int | None, time_limit_s: float, rel_tol: float, replication: bool = False) -> SolveResult:
     t0 = time.perf_counter()
     profiles = {b: profile.at_size(b) for b in (sizes or [profile.micro_batch_size])}
     costs: _Costs = {}
     queue = _Queue(profiles, cluster, global_batch, options, schedule, tensor_parallel, virtual_workers, pipeline,
-                   costs)
+                   costs, replication)
     if next(queue.ordered(), None) is None:
         return SolveResult(SolveStatus.INFEASIBLE, None, runtime_s=time.perf_counter() - t0, method="tensor",
                            reason=f"no micro-batch size of {', '.join(map(str, profiles))} and number of pipelines "
@@ -398,7 +407,7 @@ def _search(profile: Profile, cluster: Cluster, global_batch: int, sizes: Sequen
             stop = k
             break
         given, started = max(left / 4, min(left, 1.0)), time.perf_counter()
-        res = _full(profiles[cand.micro_batch_size], cluster, cand, options, schedule, given, tried)
+        res = _full(profiles[cand.micro_batch_size], cluster, cand, options, schedule, given, tried, replication)
         overrun = max(overrun, time.perf_counter() - started - given)  # pricing and certifying its plan
         if res is None:
             continue
@@ -444,7 +453,7 @@ def _quick_pass(profiles: Mapping[int, Profile], cluster: Cluster, cands: Iterat
 
 
 def _full(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOptions | None, schedule: str,
-          limit_s: float, tried: list[dict[str, Any]]) -> SolveResult | None:
+          limit_s: float, tried: list[dict[str, Any]], replication: bool = False) -> SolveResult | None:
     """The cluster planner on one candidate within ``limit_s`` (None where it refuses the candidate,
     noted in ``tried``)."""
     view, devices = candidate_view(cluster, cand.degrees)
@@ -453,7 +462,8 @@ def _full(profile: Profile, cluster: Cluster, cand: Candidate, options: CostOpti
     try:
         return plan_cluster(profile, view, cand.virtual_workers, micro_batches=cand.micro_batches, options=options,
                             devices=[d.name for d in devices],
-                            schedule=schedule, time_limit_s=limit_s, slices=_most_slices(schedule, cand))
+                            schedule=schedule, time_limit_s=limit_s, slices=_most_slices(schedule, cand),
+                            replication=replication)
     except FormatError as err:  # a candidate the planner refuses (say, more workers than layers allow)
         tried[-1]["refused"] = str(err)
         return None
