@@ -18,10 +18,12 @@ docs/img/fidelity.png and the figures to bench/results/fidelity.json.
 ``--loo PARAMS`` (comma separated, of ``partitioner.calibrate.FIT_PARAMETERS``; repeatable)
 fits those parameters with ``partitioner.calibrate`` and predicts every run with the parameters
 fitted on the *other* runs (leave one run out), so that no figure it prints comes from a constant
-fitted on the run it judges. Per node count it prints the Spearman rank correlation, the median
-and worst iteration-time error and the median and worst memory error: before (the documented
-model, whose memory constant was fitted on these runs) and after (leave-one-run-out); with
-``--write`` also docs/img/calibration.png and bench/results/calibration.json.
+fitted on the run it judges. ``--lgo PARAMS`` leaves out every run of one node count at a time
+instead: each run is predicted from runs on clusters of other sizes only. Per node count it prints
+the Spearman rank correlation, the median and worst iteration-time error and the median and worst
+memory error: before (the documented model, whose memory constant was fitted on these runs) and
+after; with ``--write`` (``--loo`` only) also docs/img/calibration.png and
+bench/results/calibration.json.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="write docs/img/fidelity.png and bench/results/fidelity.json")
     ap.add_argument("--loo", action="append", default=[], metavar="PARAMS",
                     help="leave-one-run-out with these parameters fitted (e.g. p2p_bandwidth,reserved); repeatable")
+    ap.add_argument("--lgo", action="append", default=[], metavar="PARAMS",
+                    help="the same, leaving out every run of one node count at a time (a cluster size the fit "
+                         "never saw); repeatable")
     args = ap.parse_args()
     for p in (args.runs, args.profiles, args.network):
         if not p.exists():
@@ -156,6 +161,8 @@ def main() -> int:
     ok = all(abs(rho - 1.0) < 1e-9 for rho in rhos.values()) and med <= 0.15 and worst_mem <= 0.15
     for params in args.loo:
         _leave_one_out(args, rows, tuple(x.strip() for x in params.split(",") if x.strip()))
+    for params in args.lgo:
+        _leave_one_out(args, rows, tuple(x.strip() for x in params.split(",") if x.strip()), by_nodes=True)
     return 0 if ok else 1
 
 
@@ -176,23 +183,30 @@ def _group_table(label: str, rows: list[dict], time_key: str, mem_key: str) -> l
     return out
 
 
-def _leave_one_out(args: argparse.Namespace, rows: list[dict], params: tuple[str, ...]) -> None:
+def _leave_one_out(args: argparse.Namespace, rows: list[dict], params: tuple[str, ...], by_nodes: bool = False) -> None:
+    """Leave one run out, or with ``by_nodes`` every run of one node count (a cluster size the fit
+    never saw), and print the table before and after."""
     from partitioner.calibrate import leave_one_out
     from partitioner.measured import load_run
 
     runs = [load_run(p, args.profiles, args.network) for p in sorted(args.runs.glob("*.json"))]
-    loo, folds = leave_one_out(runs, params)
+    nodes = {r["run"]: r["nodes"] for r in rows}
+    groups = [nodes[r.name.removeprefix("plan_config_")] for r in runs] if by_nodes else None
+    loo, folds = leave_one_out(runs, params, groups=groups)
+    what = "every run of one node count" if by_nodes else "each run"
     by_name = {r.name.removeprefix("plan_config_"): (t, m / GIB, f) for r, t, m, f in
                zip(runs, loo.predicted_s, loo.predicted_peak_bytes, folds, strict=True)}
     for r in rows:
         r["loo_s"], r["loo_peak_GiB"], fold = by_name[r["run"]]
         r["loo_params"] = fold.to_dict()
-    print(f"\nleave-one-run-out with {', '.join(params)} fitted (each run predicted by a fit without it); "
+    print(f"\nleave-{'one-node-count' if by_nodes else 'one-run'}-out with {', '.join(params)} fitted ({what} "
+          f"predicted by a fit without it); "
           f"fitted on all runs: {', '.join(f'{k} {v:.4g}' for k, v in loo.params.to_dict().items())}")
     spread = {k: (min(f.to_dict()[k] for f in folds), max(f.to_dict()[k] for f in folds)) for k in folds[0].to_dict()}
     print("  across the folds: " + ", ".join(f"{k} {lo:.4g}..{hi:.4g}" for k, (lo, hi) in spread.items()))
     table = (_group_table("before (documented)", rows, "predicted_s", "predicted_peak_GiB")
-             + _group_table("after (leave-one-out)", rows, "loo_s", "loo_peak_GiB"))
+             + _group_table("after (node count out)" if by_nodes else "after (leave-one-out)", rows, "loo_s",
+                            "loo_peak_GiB"))
     print(f"{'model':22s} {'N':>4s} {'runs':>4s} {'Spearman':>8s} {'time med':>8s} {'worst':>7s} "
           f"{'mem med':>7s} {'worst':>7s}")
     for t in sorted(table, key=lambda t: (str(t["nodes"]) == "all", t["nodes"] if t["nodes"] != "all" else 0,
@@ -200,7 +214,7 @@ def _leave_one_out(args: argparse.Namespace, rows: list[dict], params: tuple[str
         rho = "-" if t["spearman"] != t["spearman"] else f"{t['spearman']:.2f}"
         print(f"{t['model']:22s} {t['nodes']!s:>4s} {t['runs']:4d} {rho:>8s} {100 * t['time_median']:7.1f}% "
               f"{100 * t['time_worst']:+6.1f}% {100 * t['mem_median']:6.1f}% {100 * t['mem_worst']:+6.1f}%")
-    if args.write:
+    if args.write and not by_nodes:
         tag = "_".join(params)
         _plot_loo(rows, ROOT / "docs" / "img" / "calibration.png", params)
         out = ROOT / "bench" / "results" / "calibration.json"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -215,15 +215,22 @@ def _judged(runs: Sequence[MeasuredRun], params: LinkParams, fitted: tuple[str, 
 
 
 def leave_one_out(runs: Sequence[MeasuredRun], parameters: Sequence[str] = ("p2p_bandwidth", "reserved"),
-                  rounds: int = 2) -> tuple[Calibration, list[LinkParams]]:
+                  rounds: int = 2, groups: Sequence[Hashable] | None = None) -> tuple[Calibration, list[LinkParams]]:
     """Each run predicted with the parameters fitted on all the others: one :class:`Calibration`
-    of those predictions (its ``params`` the fit on every run) and the parameters of each fold."""
+    of those predictions (its ``params`` the fit on every run) and the parameters of each fold.
+    ``groups`` (one key per run, say its cluster or node count): each run is predicted from the runs
+    of the other groups only (leave one group out: a cluster the fit never saw)."""
     if len(runs) < 2:
         raise OptionError("runs", len(runs), "leave-one-out needs at least two measured runs")
+    keys: list[Hashable] = list(range(len(runs))) if groups is None else list(groups)
+    if len(keys) != len(runs):
+        raise OptionError("groups", len(keys), f"needs one key per run ({len(runs)})")
+    if len(set(keys)) < 2:
+        raise OptionError("groups", sorted(map(str, set(keys))), "leaving a group out needs at least two groups")
     folds = []
     preds: list[tuple[float, float]] = []
     for i, run in enumerate(runs):
-        others = [r for j, r in enumerate(runs) if j != i]
+        others = [r for j, r in enumerate(runs) if keys[j] != keys[i]]
         params = fit(others, parameters, rounds).params
         folds.append(params)
         preds.append(predict(run, params))

@@ -138,3 +138,22 @@ def test_p2p_scale_slows_pipeline_sends_not_collectives_and_is_recovered():
     # data parallelism alone (no pipeline sends) is priced the same with any p2p scale
     dp = next(r for r in runs if len(r.plan.virtual_workers) == 4)
     assert predict(dp, LinkParams(p2p_scale=0.1))[0] == pytest.approx(predict(dp, LinkParams())[0], rel=1e-12)
+
+
+def test_leaving_a_group_out_predicts_each_run_from_the_other_groups_only():
+    """Runs grouped (say by cluster): each is predicted by a fit on the other groups' runs alone;
+    groups of one run each are leave-one-out; one group only, or a key per run missing, is refused."""
+    runs = _synthetic(replace(TRUE, inter_scale=1.0))
+    groups = [i % 3 for i in range(len(runs))]
+    lgo, folds = leave_one_out(runs, ("send_overhead", "reserved"), groups=groups)
+    assert len(folds) == len(runs)
+    assert folds[0] == fit([r for r, g in zip(runs, groups, strict=True) if g != groups[0]],
+                           ("send_overhead", "reserved")).params
+    assert max(abs(e) for e in lgo.time_errors) < 0.01  # the other groups still determine the parameters
+    single, _ = leave_one_out(runs, ("send_overhead", "reserved"), groups=list(range(len(runs))))
+    plain, _ = leave_one_out(runs, ("send_overhead", "reserved"))
+    assert single.predicted_s == plain.predicted_s
+    with pytest.raises(OptionError, match="groups"):
+        leave_one_out(runs, ("send_overhead",), groups=[0] * len(runs))
+    with pytest.raises(OptionError, match="groups"):
+        leave_one_out(runs, ("send_overhead",), groups=[0, 1])
