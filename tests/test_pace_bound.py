@@ -263,3 +263,21 @@ def test_the_pace_bound_holds_where_nodes_share_a_nic(seed: int) -> None:
         plain, edged = _bounds(cost, cl, k, Schedule.of("1f1b", m))
         assert best > 0
         assert plain >= edged >= best * (1 - 1e-9), (k, plain, edged, best)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("seed", range(2))
+def test_the_pace_bound_holds_for_every_zero_bubble_plan(schedule: str, seed: int) -> None:
+    """Split backwards: a weight gradient may wait past the last input gradient, so the edges take
+    no tail there (only the head and the hold); every such plan, simulated, stays below both."""
+    rng = np.random.default_rng(600 + seed)
+    profile = _profile(rng, 3, (1e6, 4e6), (1e6, 2e7))
+    cl = _cluster(rng)
+    options = CostOptions(reserved_bytes=0.0)
+    cost = CostModel(profile, cl, options)
+    for k in (1, 2):
+        m = 4 // k
+        best = _best_simulated(profile, cl, options, k, m, schedule=schedule)
+        plain, edged = _bounds(cost, cl, k, Schedule.of(schedule, m))
+        assert best > 0
+        assert plain >= edged >= best * (1 - 1e-9), (k, plain, edged, best)
