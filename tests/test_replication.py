@@ -129,3 +129,30 @@ def test_the_fleet_bound_holds_for_a_replicated_stage_with_the_largest_layer() -
                         virtual_workers=1)
     assert bound.samples_per_s >= rate * (1 - 1e-9)
     assert math.isfinite(res.lower_bound) and res.lower_bound <= res.objective * (1 + 1e-9)
+
+
+def test_replicated_stages_on_measured_curves_are_priced_at_their_own_sizes():
+    """Sailor's NCCL fits are polynomials in the message size, valid over the sizes measured: a
+    replicated stage's all-reduce is priced at the stage's own gradient bytes (a fit at one byte
+    is negative), and the DP's bottleneck is the cost model's figure for the stages it returns."""
+    import json
+    from pathlib import Path
+
+    from partitioner.importers.sailor import import_sailor_degrees
+    from partitioner.importers.sailor_runs import sailor_cluster
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if not (shared / "sailor_opt350").is_dir():
+        pytest.skip("shared Sailor profiles not present")
+    per_node = {k: v["gpus_per_node"] for k, v in
+                json.loads((shared / "sailor_opt350" / "basic_cluster_config.json").read_text()).items()
+                if isinstance(v, dict)}
+    cl = sailor_cluster(shared / "sailor_validation" / "network" / "network_coeffs_all_homo.json",
+                        {"RTX-2080": 4, "Titan-RTX": 2}, per_node, profile_dir=shared / "sailor_opt350")
+    prof = import_sailor_degrees(shared / "sailor_opt350", micro_batch_size=1, gpu_types=("RTX-2080", "Titan-RTX"))
+    cost = CostModel(prof, cl)
+    sol = replicate_chain(cost, cl.devices, Schedule.of("1f1b", 16))
+    assert sol is not None and any(len(g) > 1 for _, g in sol.stages)
+    stages = tuple(Stage(r, g[0].name, g[0].gpu_type, tuple(d.name for d in g[1:])) for r, g in sol.stages)
+    plan = Plan(prof.model, (VirtualWorker(stages),), "1f1b", 1, 16)
+    assert max(cost.plan_stage_times_s(plan)) == pytest.approx(sol.bottleneck_s, rel=1e-3)

@@ -73,6 +73,7 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedu
     upper = cols[None, :] > cols[:, None]
     # f[(k, s)] = vector over i; choice[(k, s)] = (r per i, j per i)
     f: dict[tuple[int, int], np.ndarray] = {}
+    reduce_s: dict[tuple[int, int], np.ndarray] = {}  # (first GPU, replicas): the all-reduce of every stage
     choice: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     end = np.full(n + 1, np.inf)
     end[n] = 0.0
@@ -98,7 +99,9 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedu
                     # every shard of the groups; replicas of different degrees all-reduce the full gradients
                     degrees = {d.tensor_parallel for d in group}
                     shards = cost.at_degree(degrees.pop() if len(degrees) == 1 else 1).param_prefix
-                    t = t + (shards[None, :] - shards[:, None]) * (cost.allreduce_s(1.0, group) / schedule.micro_batches)
+                    if (k, r) not in reduce_s:  # the same group for every count of stages left
+                        reduce_s[(k, r)] = _allreduce_matrix(cost, group, shards[None, :] - shards[:, None])
+                    t = t + reduce_s[(k, r)] / schedule.micro_batches
                 if schedule.spec.sync == "wave":
                     t = t + cost.wave_sync_matrix(schedule.micro_batches)
                 ok = upper.copy()
@@ -123,6 +126,26 @@ def replicate_chain(cost: CostModel, devices: Sequence[Device], schedule: Schedu
         stages.append(((i, j), tuple(devices[k:k + r])))
         k, s, i = k + r, s - 1, j
     return ReplicatedSolution(float(f[(0, s_best)][0]), tuple(stages))
+
+
+ALLREDUCE_GRID = 24  # message sizes an all-reduce matrix is priced at exactly (interpolated between them)
+
+
+def _allreduce_matrix(cost: CostModel, group: Sequence[Device], nbytes: np.ndarray) -> np.ndarray:
+    """``allreduce_s(nbytes[i, j], group)`` for every stage (0 where there is nothing to reduce):
+    exact at :data:`ALLREDUCE_GRID` sizes spread geometrically over the stages' own sizes and
+    linear in the bytes between them, so exact on links of a fixed rate and latency, and priced
+    only at sizes the stages have (a measured curve is valid over the sizes it was measured on)."""
+    out = np.zeros(nbytes.shape)
+    positive = nbytes > 0
+    if not positive.any():
+        return out
+    lo, hi = float(nbytes[positive].min()), float(nbytes[positive].max())
+    grid = np.unique(np.geomspace(lo, hi, ALLREDUCE_GRID)) if hi > lo else np.array([lo])
+    grid[0], grid[-1] = lo, hi
+    times = np.array([cost.allreduce_s(float(x), group) for x in grid])
+    out[positive] = np.interp(nbytes[positive], grid, times)
+    return out
 
 
 def replicate_worker(cost: CostModel, order: Sequence[Device], schedule: Schedule) -> ReplicatedSolution | None:
