@@ -23,7 +23,10 @@ view (size and degrees) starts with its perfect speed-up (``micro_batch_size * s
 any K), a closed form, in a heap taken best bound first (:class:`_Queue`). A view reaching the
 top gets the per-layer LP of one worker at its most micro-batches, which bounds all its K, and
 goes back in; reaching the top again, it goes back in as its candidates; a candidate reaching
-the top gets its own LP and goes back in, and reaching the top with it is taken. Each step keeps
+the top gets, one step each time it is back on top, the pace bound from its view's table (one
+per view, for every K and m), its own LP, and the pace bound with each stage's edges at its own
+K and m (:func:`solvers.cluster.bounds.pace.edge_s`; no pace bounds where stages may be
+replicated), and reaching the top after the last is taken. Each step keeps
 the smaller of the old and the new bound, so the candidates come out in the order of the bounds
 that :func:`candidates` lists, and anything never reached keeps a valid bound for the
 certificate.
