@@ -130,7 +130,8 @@ def main() -> None:
                 cells.append(cell)
             print(f"| {model} | {cluster.name} | {objective} | " + " | ".join(cells) + " |", flush=True)
     print("\nreplication (a stage data-parallel over a run of GPUs, of one type or several, all-reduce priced on "
-          "its links) against pure pipelines; model objective, sync, samples/s\n")
+          "its links) against pure pipelines; sync, samples/s as 'model objective / simulated', the ratio of the "
+          "model objectives\n")
     print("| model | cluster | virtual workers | opt, pure pipelines | opt + replication | ratio | replicated stages "
           "(of several types) |")
     print("|---|---|---|---|---|---|---|")
@@ -148,8 +149,8 @@ def main() -> None:
                 replicated = [st for vw in rep.plan.virtual_workers for st in vw.stages if st.replicas]
                 mixed = sum(len({cl.device(d).gpu_type for d in st.devices}) > 1 for st in replicated)
                 workers = f"{k} ({len(rep.plan.virtual_workers)})" if k == "auto" else str(k)
-                print(f"| {model} | {cl.name} | {workers} | {fp[0]:.1f} | {fr[0]:.1f} | {fr[0] / fp[0]:.2f}x | "
-                      f"{len(replicated)} ({mixed}) |", flush=True)
+                print(f"| {model} | {cl.name} | {workers} | {fp[0]:.1f} / {fp[1]:.1f} | {fr[0]:.1f} / {fr[1]:.1f} | "
+                      f"{fr[0] / fp[0]:.2f}x | {len(replicated)} ({mixed}) |", flush=True)
     syn = synthetic_profile(150, seed=0, param_mb=8, act_mb=10)
     hetpipe = Cluster.load(ROOT / "examples" / "clusters" / "hetpipe.yaml")
     print(f"\nplanning time, 150 layers, HetPipe 16 GPUs (opt, K auto; median of {args.runs}): "

@@ -945,8 +945,10 @@ class CostModel:
           solvers' conservative charge in :meth:`plan_stage_times_s`; ``holders_known`` False
           (a worker planned alone, to be one of several) keeps that conservative charge.
 
-        A replicated stage counts at its replicas' combined pace (its fastest replica's times
-        scaled by that pace), exact for a stage replicated alone.
+        A replicated stage's replicas each run whole micro-batches: the first crosses it on its
+        fastest replica (the fill), and what it adds after that is its busiest replica's share
+        (:meth:`_replica_extra_s`; the steady term is the most any stage adds), exact for a stage
+        replicated alone; its steady time per micro-batch is its replicas' combined pace.
         """
         vw = plan.virtual_workers[worker]
         m = plan.micro_batches
@@ -957,8 +959,16 @@ class CostModel:
             return m * max(times)
         fl = self._flow_terms(plan, worker, times)
         fill_f, fill_b, tf, tb, rounds = sum(fl.fwd), sum(fl.bwd), fl.tf, fl.tb, fl.rounds
+
+        extra = self._replica_extra_s(plan, worker, times)
+
+        def steady(paces: Sequence[float]) -> float:
+            """What the micro-batches after the first add: the most any stage adds past its first
+            micro-batch (``extra``), in the part ``paces`` takes of its time."""
+            return max(e * (t / full if full > 0 else 1.0) for e, t, full in zip(extra, paces, times, strict=True))
+
         if spec(plan.schedule).all_forwards_first:
-            return fill_f + (m - 1) * max(tf) + fill_b + (m - 1) * max(tb)
+            return fill_f + steady(tf) + fill_b + steady(tb)
         # 1F1B keeps at most p - k micro-batches past stage k: each of them spends at least the
         # round trip R_k (stages k.. forward and back, with their transfers) there, so by Little's
         # law the pace is at least R_k / (p - k); with overlapped transfers this can bind.
@@ -980,13 +990,39 @@ class CostModel:
                 idle = Schedule(spec(plan.schedule), m, True).overlapped_bubble_s(p, f, b_in, w)
                 if idle is not None:  # (None: fewer micro-batches than its closed form needs)
                     saving = (p - 1) * (f + b_in + w) - idle
-        return fill_f + fill_b + (m - 1) * pace - saving
+        return fill_f + fill_b + max(steady(times), (m - 1) * pace if pace > max(times) else 0.0) - saving
+
+    def _replica_extra_s(self, plan: Plan, worker: int, times: Sequence[float]) -> list[float]:
+        """Per stage, what it adds after its first micro-batch: ``(m - 1) t`` on one device; for a
+        replicated stage, whose replicas each run whole micro-batches (as many as
+        :func:`partitioner.placement.replica_shares` gives each, by speed, as the simulator does),
+        the busiest replica's ``n_i t_i`` less the first micro-batch on the fastest replica (the
+        one the fill counts). Equal replicas: ``(m - r) t / r``; one device: ``(m - 1) t``."""
+        from .placement import replica_shares
+
+        vw, m = plan.virtual_workers[worker], plan.micro_batches
+        out = []
+        for k, st in enumerate(vw.stages):
+            if not st.replicas:
+                out.append((m - 1) * times[k])
+                continue
+            prev = vw.stages[k - 1].device if k > 0 else None
+            nxt = vw.stages[k + 1].device if k + 1 < len(vw.stages) else None
+            cs = self.recomputing(st.recompute)
+            kinds = [self.cluster.device(d).kind for d in st.devices]
+            counts = np.bincount(replica_shares([cs.compute_s(t, st.start, st.stop) for t in kinds], m),
+                                 minlength=len(kinds))
+            each = [cs.stage_time_s(st.start, st.stop, d, prev, nxt) for d in st.devices]
+            best = min(range(len(kinds)), key=lambda i: cs.compute_s(kinds[i], st.start, st.stop))
+            out.append(max(n * t for n, t in zip(counts, each, strict=True)) - each[best])
+        return out
 
     def _flow_terms(self, plan: Plan, worker: int, times: Sequence[float]) -> _FlowTerms:
         """Per stage of a worker (one micro-batch): forward + activation send and backward +
-        gradient send (their fills), the forward and backward steady times (joined as the
-        options say), and the round trip of the outgoing cut; a replicated stage at its replicas'
-        pace (``times``: :meth:`plan_stage_times_s`)."""
+        gradient send (their fills: a replicated stage's on its fastest replica, which runs the
+        micro-batch whole), the forward and backward steady times (joined as the options say),
+        and the round trip of the outgoing cut; the last three of a replicated stage at its
+        replicas' pace (``times``: :meth:`plan_stage_times_s`)."""
         vw = plan.virtual_workers[worker]
         out = _FlowTerms([], [], [], [], [])
         join = max if self.options.overlap_comm else (lambda x, y: x + y)
@@ -999,8 +1035,8 @@ class CostModel:
             a = self.boundary_s(st.stop, best, nxt)
             g = self.boundary_s(st.start, best, prev)
             share = times[k] / cs.stage_time_s(st.start, st.stop, best, prev, nxt) if st.replicas else 1.0
-            out.fwd.append((f + a) * share)
-            out.bwd.append((b + g) * share)
+            out.fwd.append(f + a)  # one micro-batch crosses a replicated stage on one replica
+            out.bwd.append(b + g)
             out.rounds.append((f + b) * share + (a + self.boundary_s(st.stop, nxt, best) if nxt is not None else 0.0))
             out.tf.append(join(f, a) * share)
             out.tb.append(join(b, g) * share)
