@@ -229,9 +229,11 @@ def leave_one_out(runs: Sequence[MeasuredRun], parameters: Sequence[str] = ("p2p
         raise OptionError("groups", sorted(map(str, set(keys))), "leaving a group out needs at least two groups")
     folds = []
     preds: list[tuple[float, float]] = []
+    by_key: dict[Hashable, LinkParams] = {}  # one fit per group left out
     for i, run in enumerate(runs):
-        others = [r for j, r in enumerate(runs) if keys[j] != keys[i]]
-        params = fit(others, parameters, rounds).params
+        if keys[i] not in by_key:
+            by_key[keys[i]] = fit([r for j, r in enumerate(runs) if keys[j] != keys[i]], parameters, rounds).params
+        params = by_key[keys[i]]
         folds.append(params)
         preds.append(predict(run, params))
     whole = fit(runs, parameters, rounds).params

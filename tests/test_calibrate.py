@@ -146,13 +146,10 @@ def test_leaving_a_group_out_predicts_each_run_from_the_other_groups_only():
     runs = _synthetic(replace(TRUE, inter_scale=1.0))
     groups = [i % 3 for i in range(len(runs))]
     lgo, folds = leave_one_out(runs, ("send_overhead", "reserved"), groups=groups)
-    assert len(folds) == len(runs)
+    assert len(folds) == len(runs) and folds[0] == folds[3]  # one fit per group left out
     assert folds[0] == fit([r for r, g in zip(runs, groups, strict=True) if g != groups[0]],
                            ("send_overhead", "reserved")).params
     assert max(abs(e) for e in lgo.time_errors) < 0.01  # the other groups still determine the parameters
-    single, _ = leave_one_out(runs, ("send_overhead", "reserved"), groups=list(range(len(runs))))
-    plain, _ = leave_one_out(runs, ("send_overhead", "reserved"))
-    assert single.predicted_s == plain.predicted_s
     with pytest.raises(OptionError, match="groups"):
         leave_one_out(runs, ("send_overhead",), groups=[0] * len(runs))
     with pytest.raises(OptionError, match="groups"):

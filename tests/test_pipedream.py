@@ -62,8 +62,8 @@ def test_malformed_lines_name_the_line(tmp_path):
         import_pipedream(bad, micro_batch_size=1)
 
 
-# gnmt (a graph: the down-set DP, seconds a solve) at 2 and 8 GPUs by default; at 4 under -m slow
-@pytest.mark.parametrize(("p", "name"), [pytest.param(p, name, marks=pytest.mark.slow) if (p, name) == (4, "gnmt")
+# gnmt (a graph: the down-set DP, seconds a solve) at 8 GPUs by default; at 2 and 4 under -m slow
+@pytest.mark.parametrize(("p", "name"), [pytest.param(p, name, marks=pytest.mark.slow) if name == "gnmt" and p < 8
                                          else (p, name) for p in (2, 4, 8) for name in MODELS])
 def test_dp_matches_true_optimum_on_identical_devices(pipedream_dir, name, p):
     """Identical GPUs, transfers and memory ignored: the DP's bottleneck is the true optimum."""
