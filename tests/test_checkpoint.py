@@ -49,6 +49,7 @@ def _cli_args(tmp_path: Path) -> list[str]:
             str(CPU_CLUSTER), "--model", "gpt2-tiny", "--local", "--threads", "1", "--warmup", "0"]
 
 
+@pytest.mark.slow  # test_elastic.py kills a rank and resumes by default; this one through --local and --resume
 def test_killed_rank_is_one_line_and_resume_equals_an_uninterrupted_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import runtime.launch as launch

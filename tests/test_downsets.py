@@ -48,7 +48,7 @@ def _check_plan(r, profile, cluster, options, truth: float, optimal) -> None:
     assert math.fsum(cost.plan_stage_times_s(r.plan)) <= least * (1 + 1e-9) + 1e-15
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dags())
 def test_default_plan_of_a_graph_equals_exhaustive_enumeration(inst):
     """The default solver's bottleneck is the least over every convex partition that fits (and its

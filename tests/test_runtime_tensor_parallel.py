@@ -227,7 +227,8 @@ def _adam_shards(rank: int, world: int, plan: Plan, root: str, mode: str) -> Non
     torch.save(mine, Path(root) / f"loaded{rank}.pt")
 
 
-@pytest.mark.parametrize("writer", ["tp2-pp2", pytest.param("tp1", marks=pytest.mark.slow)])
+@pytest.mark.slow  # by default: test_checkpoint.py reshards TP, test_zero_checkpoint.py TP shards under ZeRO
+@pytest.mark.parametrize("writer", ["tp2-pp2", "tp1"])
 def test_a_checkpoint_of_shards_loads_into_plans_of_other_degrees_bit_for_bit(writer: str, tmp_path: Path) -> None:
     plans = {"tp2-pp2": Plan("gpt2-tiny", (pipeline((0, 2, "n0:0-1"), (2, 4, "n0:2-3")),), "1f1b", 2, 2),
              "tp1": Plan("gpt2-tiny", (pipeline((0, 1, "n0:0"), (1, 4, "n0:1")),), "1f1b", 2, 2),
