@@ -10,7 +10,9 @@ In the closed form (:meth:`partitioner.cost.CostModel.plan_iteration_s`, flushin
 no replication) stage ``k`` of a worker finishes its last backward at ``T_w - B_k``, with
 ``T_w`` the worker's iteration and ``B_k`` the backward compute and gradient messages of
 stages ``0 .. k - 1`` (the closed form then adds the stage's own gradient send back where
-transfers are not overlapped, so this is the earliest it frees). Its device then runs, one after
+transfers are not overlapped, so this is the earliest it frees); under GPipe at the end of its
+part of the backward flow shop, ``sum_{j >= k} (b + g)_j + (m - 1) max_{j >= k} t_b`` after the
+forward one (earlier than ``T_w - B_k`` where a stage before it is slower). Its device then runs, one after
 another, the all-reduce of every group of layers it holds, each over ``K`` members (one
 device per worker), and steps. So the plan's iteration is at least
 
@@ -139,12 +141,24 @@ def worker_tail_table(cost: CostModel, devices: Sequence[Device], schedule: Sche
                     trip = trip + p["round"][c]
                     pace = np.maximum(pace, trip / (q - k))
                 total = fwd + bwd + (m - 1) * pace
-            # stage k finishes B_k earlier: the backward compute and gradients received of stages < k
-            done, own = np.zeros(len(keep)), np.full(len(keep), -np.inf)
+            own = np.full(len(keep), -np.inf)
             stage_tail = np.stack([p["tail"][c] for p, c in pick], axis=1)
-            for k, (p, c) in enumerate(pick):
-                own = np.maximum(own, total - done + stage_tail[:, k])
-                done = done + p["back"][c]
+            if sp.all_forwards_first:
+                # GPipe's backward flow shop reaches stage k with its last micro-batch at
+                # sum_{j >= k} (b + g)_j + (m - 1) max_{j >= k} t_b after the forward one ends
+                start = fwd + (m - 1) * np.max([join(p["f"][c], p["a"][c]) for p, c in pick], axis=0)
+                fill, slowest = np.zeros(len(keep)), np.zeros(len(keep))
+                for k in range(q - 1, -1, -1):
+                    p, c = pick[k]
+                    fill = fill + p["b"][c] + p["g"][c]
+                    slowest = np.maximum(slowest, join(p["b"][c], p["g"][c]))
+                    sent = p["g"][c] if cost.options.overlap_comm else 0.0  # an overlapped send does not hold it
+                    own = np.maximum(own, start + fill + (m - 1) * slowest - sent + stage_tail[:, k])
+            else:  # stage k finishes B_k earlier: the backward compute and gradients received of stages < k
+                done = np.zeros(len(keep))
+                for k, (p, c) in enumerate(pick):
+                    own = np.maximum(own, total - done + stage_tail[:, k])
+                    done = done + p["back"][c]
             own_best = min(own_best, float(own.min()))
             for k in range(1, q):  # a boundary at every stage start but the first
                 at = cells[k][0]
