@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
+from .bandwidth import Bandwidth
 from .boundary import boundary_held
 from .cluster import GIB, Cluster, Device, gpu_family, resolve_gpu_type, split_kind
 from .collectives import node_allreduce_s
@@ -442,6 +443,19 @@ class CostModel:
         rate = shared_rate_gbps(alone, [r[3] for r in route], [max(1, load.get(r[:3], 1)) for r in route])
         return link.latency_s + extra + nbytes / (rate * 1e9)
 
+    def _send_rates(self, link: Bandwidth, sizes: np.ndarray) -> np.ndarray:
+        """``link.send_gbps_at`` of each of ``sizes`` (remembered per link and sizes: the planners
+        ask for the same boundary sizes over many device pairs)."""
+        key = (link, sizes.tobytes())
+        found = self._rates_memo.get(key)
+        if found is None:
+            found = self._rates_memo[key] = np.array([link.send_gbps_at(float(x)) if x > 0 else 1.0 for x in sizes])
+        return found
+
+    @functools.cached_property
+    def _rates_memo(self) -> dict[tuple[Bandwidth, bytes], np.ndarray]:
+        return {}
+
     @functools.cache  # noqa: B019
     def _boundary_vector(self, a: str, b: str) -> np.ndarray:
         if a == b:
@@ -456,8 +470,15 @@ class CostModel:
         if a == b:
             return np.zeros(len(nbytes))
         link = self.cluster.link(a, b)
-        if self.cluster.has_nics and self.cluster.nic_route(a, b):
-            return np.array([self.link_s(float(x), a, b) for x in nbytes])
+        route = self.cluster.nic_route(a, b) if self.cluster.has_nics else ()
+        if route:  # link_s's operations on every size at once: its rate alone, capped by each NIC's share
+            sizes = np.asarray(nbytes, dtype=np.float64)
+            rate = self._send_rates(link, sizes)
+            load = self.nic_sharers if self.nic_sharers is not None else {}
+            for node, nic, way, cap in route:
+                if cap > 0:
+                    rate = np.minimum(rate, cap / max(1, load.get((node, nic, way), 1)))
+            return np.where(sizes > 0, link.latency_s + link.send_overhead_s + sizes / (rate * 1e9), 0.0)
         if link.is_flat:
             return np.asarray(nbytes, dtype=np.float64) / (link.gbps * 1e9)
         return np.array([link.send_seconds(float(x)) for x in nbytes])  # each message at its own size

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from partitioner.bandwidth import Bandwidth
@@ -146,3 +147,15 @@ def test_cluster_file_nics_round_trip_and_bad_values():
         bad = {**doc, "nodes": [{**doc["nodes"][0], field: value}, doc["nodes"][1]]}
         with pytest.raises(FormatError, match=message):
             Cluster.from_dict(bad)
+
+
+@pytest.mark.parametrize("sharers", [None, {("n0", 0, "out"): 3, ("n1", 0, "in"): 2}, {("n1", 1, "in"): 4}])
+def test_a_boundary_vector_over_nics_is_each_send_priced_alone(sharers):
+    """The solvers' vectors of pipeline sends across NICs are :meth:`CostModel.link_s` of each
+    size bit for bit (measured curve, latency, per-send overhead, NIC shares)."""
+    curve = Bandwidth(12.0, latency_s=2e-5, points=((1e3, 0.5), (1e6, 4.0), (1e8, 11.0)), send_overhead_s=3e-5)
+    cost = CostModel(_profile(6), _cluster(3, 6.0, nics=2, inter=curve), nic_sharers=sharers)
+    sizes = np.array([0.0, 1.0, 5e2, 2e4, 3e6, 7e8])
+    for a, b in (("n0:0", "n1:3"), ("n1:2", "n0:1"), ("n0:0", "n0:1")):
+        want = [cost.link_s(float(x), a, b) for x in sizes]
+        assert cost.messages_s(sizes, a, b).tolist() == want
