@@ -318,6 +318,15 @@ class Node:
         """The NIC GPU ``index`` of this node sends and receives through."""
         return index * self.nics // len(self.gpus)
 
+    @property
+    def kind(self) -> tuple[Any, ...]:
+        """What prices the node's GPUs alike wherever it sits: its GPU mix (in order where several
+        NICs split it), its intra-node link and its NICs. Nodes of one kind are interchangeable
+        for a worker priced alone (the planners' memo)."""
+        curve = replace(self.intra_curve, name="") if self.intra_curve is not None else None
+        gpus = tuple(sorted(self.gpus)) if self.nics == 1 or not self.nic_gbps else self.gpus
+        return gpus, self.intra_gbps, curve, self.nic_gbps, self.nics
+
 
 @dataclass(frozen=True)
 class Link:

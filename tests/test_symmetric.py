@@ -242,3 +242,30 @@ def test_links_priced_by_node_kinds_leave_nodes_interchangeable():
     # and the same mapping, relabelled, prices the same on both sets
     ra, rb = planner.stages(a), planner.stages(b)
     assert ra.throughput == rb.throughput and {s.device for s in rb.stages} <= {d.name for d in b}
+
+
+def test_nodes_behind_like_nics_stay_interchangeable():
+    """Shared NICs price a worker alone as they price it on any node of the same kind (its NICs
+    included), so overrides per type pair still single out no node; a node with another NIC is a
+    kind of its own."""
+    from dataclasses import replace as _replace
+
+    from partitioner.cluster import Link
+    from solvers.cluster.planner import pinned_link_ends
+
+    spec = [["TITAN-V"] * 2, ["TITAN-V"] * 2, ["RTX-2060"] * 2, ["RTX-2060"] * 2]
+    base = small_cluster(spec, inter=4.0)
+    nics = tuple(_replace(n, nic_gbps=3.0) for n in base.nodes)
+    by_kinds = tuple(Link(a, b, 2.0) for a in ("n0", "n1") for b in ("n2", "n3"))
+    cluster = Cluster(base.name, nics, base.inter_gbps, links=by_kinds)
+    assert cluster.has_nics and pinned_link_ends(cluster) == frozenset()
+    planner = WorkerPlanner(CostModel(synthetic_profile(8, types=TYPES), cluster), Schedule.of("1f1b", 4))
+    dev = {d.name: d for d in cluster.devices}
+    a, b = [dev["n0:0"], dev["n2:0"]], [dev["n1:1"], dev["n3:1"]]
+    assert planner.key(a) == planner.key(b)
+    ra, rb = planner.stages(a), planner.stages(b)
+    assert ra.throughput == rb.throughput and {s.device for s in rb.stages} <= {d.name for d in b}
+    odd = Cluster(base.name, (*nics[:3], _replace(nics[3], nic_gbps=1.0)), base.inter_gbps, links=by_kinds)
+    assert pinned_link_ends(odd) == frozenset()  # the links still go by kinds: n3 is a kind of its own
+    apart = WorkerPlanner(CostModel(synthetic_profile(8, types=TYPES), odd), Schedule.of("1f1b", 4))
+    assert apart.key(a) != apart.key(b)

@@ -66,7 +66,7 @@ class WorkerPlanner:
     """Plans one virtual worker at a time, remembering answers for equivalent GPU sets.
 
     Two GPU sets are equivalent when they have the same GPU types on nodes of the same kind
-    (same GPU mix and intra-node bandwidth; a node named by a link override is a kind of its
+    (:attr:`partitioner.cluster.Node.kind`: GPU mix, intra-node link and NICs; a node named by a link override is a kind of its
     own unless the overrides price every pair of nodes by their kinds alone,
     :func:`pinned_link_ends`): such nodes are interchangeable.
     """
@@ -81,8 +81,7 @@ class WorkerPlanner:
         self._memo: dict[Any, _Worker] = {}
         cl = cost.cluster
         overridden = pinned_link_ends(cl)
-        self._node_kind = {n.name: (n.name if n.name in overridden else (tuple(sorted(n.gpus)), n.intra_gbps))
-                           for n in cl.nodes}
+        self._node_kind = {n.name: (n.name if n.name in overridden else n.kind) for n in cl.nodes}
         self._pinned = overridden
         self.evaluations = 0
         self.deadline: float | None = None  # time.perf_counter() value past which mappings stop early
@@ -186,15 +185,16 @@ class WorkerPlanner:
 
 def pinned_link_ends(cluster: Cluster) -> frozenset[str]:
     """The nodes and devices that link overrides single out (each a kind of its own for the
-    planners): every override's ends, or none where each override joins two different nodes, no
-    node shares NICs, and the link between any two different nodes depends only on their kinds
-    (GPU mix and intra-node bandwidth): then moving a worker from nodes to nodes of the same kinds
-    changes none of its prices, overrides or not (a cluster measured per pair of GPU types)."""
+    planners): every override's ends, or none where each override joins two different nodes and
+    the link between any two different nodes depends only on their kinds (:attr:`Node.kind`: GPU
+    mix, intra-node link, NICs): then moving a worker from nodes to nodes of the same kinds
+    changes none of its prices alone, overrides or not (a cluster measured per pair of GPU types;
+    how a plan's workers share NICs is priced once the plan is known)."""
     ends = frozenset(end for link in cluster.links for end in (link.a, link.b))
     names = {n.name for n in cluster.nodes}
-    if not ends or cluster.has_nics or any(x.a == x.b or x.a not in names or x.b not in names for x in cluster.links):
+    if not ends or any(x.a == x.b or x.a not in names or x.b not in names for x in cluster.links):
         return ends
-    kind = {n.name: (tuple(sorted(n.gpus)), n.intra_gbps) for n in cluster.nodes}
+    kind = {n.name: n.kind for n in cluster.nodes}
     first: dict[str, str] = {}
     for d in cluster.devices:
         first.setdefault(d.node, d.name)
@@ -225,7 +225,7 @@ def _relabel(stages: Sequence[Stage], cost: CostModel, devices: Sequence[Device]
 
     def kind(node: str, devs: list[Device]) -> Any:
         nd = next(n for n in cluster.nodes if n.name == node)
-        return tuple(sorted(nd.gpus)), nd.intra_gbps, tuple(sorted(Counter(d.kind for d in devs).items()))
+        return nd.kind, tuple(sorted(Counter(d.kind for d in devs).items()))
 
     free: dict[Any, list[list[Device]]] = {}
     for node, devs in by_node(devices).items():

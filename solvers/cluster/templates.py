@@ -1,7 +1,8 @@
 """Grouping a cluster into virtual workers by counts: templates of interchangeable GPUs.
 
-GPUs of one type on nodes of one *class* (the same GPU mix and intra-node bandwidth, no
-link override: what :meth:`solvers.cluster.planner.WorkerPlanner.key` treats as equivalent) are
+GPUs of one type on nodes of one *class* (the same :attr:`~partitioner.cluster.Node.kind`: GPU mix,
+intra-node link and NICs, no link override: what :meth:`solvers.cluster.planner.WorkerPlanner.key`
+treats as equivalent) are
 interchangeable, so a virtual worker is described by a **template**: the node *parts* it
 takes, each part a sub-vector of one node's GPUs (e.g. 2 of a node's 8 GPUs, or the whole
 node), every part on its own node. Its rate depends on the template alone, so it is planned
