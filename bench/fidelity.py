@@ -60,11 +60,12 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def evaluate(runs_dir: Path, profiles: Path, network: Path, reserved_gib: float, sync: bool = True,
-             activations: str = "megatron", clip_noise: bool = True) -> list[dict]:
+             activations: str = "megatron", clip_noise: bool = True, shared_nics: bool = False) -> list[dict]:
     rows = []
     for path in sorted(runs_dir.glob("*.json")):
         try:
-            run = import_sailor_run(path, profiles, network, activations=activations, clip_noise=clip_noise)
+            run = import_sailor_run(path, profiles, network, activations=activations, clip_noise=clip_noise,
+                                    shared_nics=shared_nics)
         except PartitionerError as err:  # a run the profiles or curves cannot price: say so, go on
             print(f"skipped {path.name}: {err}")
             continue
@@ -96,18 +97,25 @@ def main() -> int:
     ap.add_argument("--lgo", action="append", default=[], metavar="PARAMS",
                     help="the same, leaving out every run of one node count at a time (a cluster size the fit "
                          "never saw); repeatable")
+    ap.add_argument("--shared-nics", action="store_true",
+                    help="import the network with one flow at the one-GPU curve and each node's GPUs sharing one NIC "
+                         "of the capacity measured with them all sending (import sailor-run --shared-nics)")
     args = ap.parse_args()
     for p in (args.runs, args.profiles, args.network):
         if not p.exists():
             print(f"fidelity: {p} not found (it comes with the shared data; see --help)", file=sys.stderr)
             return 2
+    if args.write and args.shared_nics:
+        print("fidelity: --write records the documented import; run it without --shared-nics", file=sys.stderr)
+        return 2
     print(f"machine: {machine_line()}")
     if args.fit:
-        raw = evaluate(args.runs, args.profiles, args.network, 0.0)
+        raw = evaluate(args.runs, args.profiles, args.network, 0.0, shared_nics=args.shared_nics)
         fit = statistics.median(r["measured_peak_GiB"] - r["predicted_peak_GiB"] for r in raw)
         print(f"fitted framework memory per GPU: {fit:.2f} GiB (documented constant: "
               f"{MEGATRON_DEEPSPEED_RESERVED_GIB} GiB)")
-    rows = evaluate(args.runs, args.profiles, args.network, MEGATRON_DEEPSPEED_RESERVED_GIB)
+    rows = evaluate(args.runs, args.profiles, args.network, MEGATRON_DEEPSPEED_RESERVED_GIB,
+                    shared_nics=args.shared_nics)
     print(f"{'run':14s} {'N':>3s} {'pp':>3s} {'dp':>3s} {'mbs':>4s} {'m':>4s} {'measured':>9s} {'predicted':>9s} "
           f"{'error':>7s} {'closed':>8s} {'vs sim':>7s}  {'peak meas':>9s} {'predicted':>9s} {'error':>7s}")
     for r in rows:
@@ -147,7 +155,7 @@ def main() -> int:
                     ("small-batch timing noise kept", {"clip_noise": False}),
                     ("no framework memory (reserved 0)", {"reserved_gib": 0.0})]
         for name, knobs in variants:
-            kw = {"reserved_gib": MEGATRON_DEEPSPEED_RESERVED_GIB, **knobs}
+            kw = {"reserved_gib": MEGATRON_DEEPSPEED_RESERVED_GIB, "shared_nics": args.shared_nics, **knobs}
             rs = evaluate(args.runs, args.profiles, args.network, **kw)  # type: ignore[arg-type]
             errs = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rs]
             mems = [abs(r["predicted_peak_GiB"] / r["measured_peak_GiB"] - 1) for r in rs]
@@ -189,7 +197,7 @@ def _leave_one_out(args: argparse.Namespace, rows: list[dict], params: tuple[str
     from partitioner.calibrate import leave_one_out
     from partitioner.measured import load_run
 
-    runs = [load_run(p, args.profiles, args.network) for p in sorted(args.runs.glob("*.json"))]
+    runs = [load_run(p, args.profiles, args.network, args.shared_nics) for p in sorted(args.runs.glob("*.json"))]
     nodes = {r["run"]: r["nodes"] for r in rows}
     groups = [nodes[r.name.removeprefix("plan_config_")] for r in runs] if by_nodes else None
     loo, folds = leave_one_out(runs, params, groups=groups)

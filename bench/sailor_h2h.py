@@ -48,7 +48,7 @@ PROBLEMS = {
 FP32 = CostOptions(precision="fp32")
 
 
-def _ours(name: str, time_limit_s: float, repeat: int) -> dict:
+def _ours(name: str, time_limit_s: float, repeat: int, shared_nics: bool = False) -> dict:
     """One planning run through the front door (``plan --micro-batches auto --global-batch 1024``):
     micro-batch size, virtual workers, micro-batches and each type's tensor-parallel degree chosen
     together."""
@@ -57,7 +57,7 @@ def _ours(name: str, time_limit_s: float, repeat: int) -> dict:
                 json.loads((SHARED / "sailor_opt350" / "basic_cluster_config.json").read_text()).items()
                 if isinstance(v, dict)}
     cluster = sailor_cluster(SHARED / "sailor_validation" / "network" / "network_coeffs_all_homo.json", gpus,
-                             per_node, profile_dir=SHARED / "sailor_opt350")
+                             per_node, profile_dir=SHARED / "sailor_opt350", shared_nics=shared_nics)
     profile = import_sailor_degrees(SHARED / "sailor_opt350", micro_batch_size=1, gpu_types=tuple(gpus),
                                     all_sizes=True)
     times = []
@@ -76,10 +76,11 @@ def _ours(name: str, time_limit_s: float, repeat: int) -> dict:
             "tp": chosen["tensor_parallel"], "status": str(res.status), "planning_s": planning_s}
 
 
-def _sailor(name: str) -> dict:
+def _sailor(name: str, shared_nics: bool = False) -> dict:
     _, file = PROBLEMS[name]
     run = import_sailor_run(SHARED / "sailor_plans" / file, SHARED / "sailor_opt350",
-                            SHARED / "sailor_validation" / "network" / "network_coeffs_all_homo.json", FP32)
+                            SHARED / "sailor_validation" / "network" / "network_coeffs_all_homo.json", FP32,
+                            shared_nics=shared_nics)
     sim = simulate_plan(run.plan, run.profile, run.cluster, FP32).iteration_s
     samples = int(run.plan.meta.get("samples_per_iteration", GLOBAL_BATCH))
     return {"iteration_s": sim, "samples": samples, "plan": run.plan}
@@ -96,14 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=3.0, help="the planner's time limit per problem (s)")
     ap.add_argument("--problems", default="rtx,gh,av")
     ap.add_argument("--repeat", type=int, default=3, help="planning runs per problem; the median time is shown")
+    ap.add_argument("--shared-nics", action="store_true",
+                    help="both plans judged on the network with one flow at the one-GPU curve and each node's GPUs "
+                         "sharing one NIC (import sailor-run --shared-nics)")
     args = ap.parse_args(argv)
     print(machine_line())
     print(f"time limit {args.time_limit:g} s; planning time: median of {args.repeat} runs; iteration: this simulator, "
-          "fp32 with Adam as Sailor's artifact prices them")
+          "fp32 with Adam as Sailor's artifact prices them"
+          + ("; network: shared NICs" if args.shared_nics else "; network: every flow at its node's curve"))
     print(f"{'problem':8} {'plan':8} {'iteration_s':>11} {'s/1024':>8} {'planning_s':>10}  shape")
     for name in args.problems.split(","):
-        theirs = _sailor(name)
-        ours = _ours(name, args.time_limit, args.repeat)
+        theirs = _sailor(name, args.shared_nics)
+        ours = _ours(name, args.time_limit, args.repeat, args.shared_nics)
         per = theirs["iteration_s"] * GLOBAL_BATCH / theirs["samples"]
         print(f"{name:8} {'sailor':8} {theirs['iteration_s']:11.3f} {per:8.3f} {'-':>10}  {_shape(theirs['plan'])}")
         if not ours.get("plan"):

@@ -61,8 +61,10 @@ def _measured(plan: Plan, folder: Path) -> tuple[float, float | None]:
 
 
 def load_run(path: str | os.PathLike[str], profiles: str | os.PathLike[str] | None = None,
-             network: str | os.PathLike[str] | None = None) -> MeasuredRun:
-    """One measured run from a folder or a Sailor ``plan_config`` file (see the module docstring)."""
+             network: str | os.PathLike[str] | None = None, shared_nics: bool = False) -> MeasuredRun:
+    """One measured run from a folder or a Sailor ``plan_config`` file (see the module docstring;
+    ``shared_nics``: a Sailor run's network as
+    :func:`partitioner.importers.sailor_runs.import_sailor_run` takes it)."""
     p = Path(path)
     if p.is_dir():
         plan = Plan.load(p / "plan.json")
@@ -75,6 +77,6 @@ def load_run(path: str | os.PathLike[str], profiles: str | os.PathLike[str] | No
                           f"network file (`network`)")
     from .importers.sailor_runs import import_sailor_run
 
-    run = import_sailor_run(p, profiles, network)
+    run = import_sailor_run(p, profiles, network, shared_nics=shared_nics)
     return MeasuredRun(run.name, run.plan, run.profile, run.cluster, run.options, run.measured_iteration_s,
                        run.measured_peak_bytes)

@@ -87,7 +87,7 @@ def _sailor_run(args: argparse.Namespace) -> int:
     check_outputs({}, [args.plan_config, args.network, *sorted(Path(args.profiles).glob("*.json"))],
                   folders={"-o": (args.output, ("plan.json", "profile.json", "cluster.json"))},
                   input_dirs=(args.profiles,))
-    run = import_sailor_run(args.plan_config, args.profiles, args.network)
+    run = import_sailor_run(args.plan_config, args.profiles, args.network, shared_nics=args.shared_nics)
     measured = {"iteration_s": run.measured_iteration_s, "peak_memory_bytes": run.measured_peak_bytes}
     plan = replace(run.plan, pricing=run.options, meta={**run.plan.meta, "measured": measured})
     paths = [os.path.join(args.output, name) for name in ("plan.json", "profile.json", "cluster.json")]
@@ -167,6 +167,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sr.add_argument("plan_config", help="Sailor plan_config_*.json (with the measured 'real' and 'max_mem')")
     sr.add_argument("--profiles", required=True, help="Sailor profile directory of the run's GPU type")
     sr.add_argument("--network", required=True, help="Sailor network_coeffs_all_homo.json")
+    sr.add_argument("--shared-nics", action="store_true", help="one flow between nodes at the curve measured with one "
+                    "GPU sending, each node's GPUs sharing one NIC of the capacity measured with them all sending "
+                    "(default: every flow at the curve of the node's GPU count, as Sailor prices plans)")
     sr.add_argument("-o", "--output", required=True, help="directory for plan.json, profile.json, cluster.json")
     sr.set_defaults(func=_sailor_run)
     sn = formats.add_parser("sailor-network", help="Sailor's fitted NCCL curves -> a cluster file")

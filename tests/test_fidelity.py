@@ -441,3 +441,17 @@ def test_heterogeneous_runs_import_and_simulate(tmp_path, dp):
     run.plan.validate(run.profile, run.cluster)
     tl = simulate_plan(run.plan, run.profile, run.cluster, run.options)
     assert tl.iteration_s > 0 and any(e[1] == "ALLREDUCE" for e in tl.events())
+
+
+def test_shared_nics_import_gives_one_flow_the_one_gpu_curve_and_each_node_its_measured_capacity():
+    """Sailor measured GH200's inter-node curve with 1, 2 and 4 GPUs of a node sending at once: by
+    default every flow runs at the 4-GPU curve; with ``shared_nics`` a flow alone at the 1-GPU
+    curve, and each node one NIC of the 4-GPU curve's cap that its flows share."""
+    name = RUNS / "plan_config_N16_D4.json"
+    plain = import_sailor_run(name, DATA / "sailor_opt350", NETWORK)
+    shared = import_sailor_run(name, DATA / "sailor_opt350", NETWORK, shared_nics=True)
+    one, four = (sailor_bandwidth(NETWORK, "inter", "GH-96", k) for k in (1, 4))
+    assert not plain.cluster.has_nics and plain.cluster.inter_curve.gbps == four.gbps
+    assert shared.cluster.inter_curve.gbps == one.gbps < four.gbps
+    assert {n.nic_gbps for n in shared.cluster.nodes} == {four.gbps}
+    assert shared.plan == plain.plan and shared.profile == plain.profile

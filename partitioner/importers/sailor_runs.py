@@ -92,6 +92,15 @@ def sailor_bandwidth(path: str | os.PathLike[str], kind: str, gpu: str, gpus_per
                      name=f"{Path(path).name}:{kind}.{gpu}.{gpus_per_node}")
 
 
+def _inter_counts(path: str | os.PathLike[str], gpu: str) -> list[int]:
+    """The GPUs-per-node counts Sailor's network file measured ``gpu``'s inter-node curve at, in
+    rising order (empty where it has none)."""
+    table = load_mapping(path).get("inter", {})
+    entry = table.get(gpu, {}) if isinstance(table, dict) else {}
+    return sorted(int(k) for k in entry if isinstance(k, str) and k.isdigit() and 1 <= int(k) <= MAX_GPUS) \
+        if isinstance(entry, dict) else []
+
+
 def sailor_device_types(profile_dir: str | os.PathLike[str], names: list[str]) -> dict[str, DeviceType]:
     """The GPU types ``names`` (Sailor's spelling) as ``Cluster.device_types`` entries keyed by
     their catalog name, with the memory per GPU that Sailor's ``basic_cluster_config.json`` in
@@ -164,9 +173,10 @@ def _num_field(d: dict[str, Any], key: str, file: str, most: float, unit: str) -
 
 def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os.PathLike[str],
                       network: str | os.PathLike[str], options: CostOptions | None = None,
-                      activations: str = "megatron", clip_noise: bool = True) -> SailorRun:
+                      activations: str = "megatron", clip_noise: bool = True, shared_nics: bool = False) -> SailorRun:
     """Read one of Sailor's measured runs (see the module docstring); ``activations`` and
-    ``clip_noise`` are passed to :func:`partitioner.importers.sailor.import_sailor`. Every field
+    ``clip_noise`` are passed to :func:`partitioner.importers.sailor.import_sailor`;
+    ``shared_nics``: the network as :func:`_cluster_of` says. Every field
     is checked, and the plan against the profile and cluster built, before it is returned: a bad
     field is one :class:`FormatError` naming the file, the field and what is valid."""
     file = str(plan_config)
@@ -188,7 +198,7 @@ def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os
         profile = import_sailor(profile_dir, micro_batch_size=mbs, tensor_parallel=layout.tp,
                                 gpu_types=tuple(layout.types), activations=activations, clip_noise=clip_noise)
     placed = _place(layout)
-    cluster = _cluster(network, layout, placed, sailor_device_types(profile_dir, layout.types))
+    cluster = _cluster(network, layout, placed, sailor_device_types(profile_dir, layout.types), shared_nics)
     where = "pipeline_list[0]"
     ranges = layout.ranges
     _check(ranges[-1][1] == profile.num_layers, f"{where}.layers_per_stage[{len(ranges) - 1}]",
@@ -348,11 +358,13 @@ def _place(layout: _Layout) -> _Placement:
 
 
 def sailor_cluster(network: str | os.PathLike[str], gpus: Mapping[str, int], gpus_per_node: Mapping[str, int],
-                   name: str = "", profile_dir: str | os.PathLike[str] | None = None) -> Cluster:
+                   name: str = "", profile_dir: str | os.PathLike[str] | None = None,
+                   shared_nics: bool = False) -> Cluster:
     """A cluster of ``gpus`` (Sailor's GPU name -> count) on nodes of ``gpus_per_node`` of each type
     (the last node of a type holds the rest), with Sailor's measured curves as :func:`import_sailor_run`
     gives a run's nodes, and the memory sizes of ``profile_dir``'s ``basic_cluster_config.json``
-    (:func:`sailor_device_types`). Single GPUs: a planner views it as tensor-parallel groups."""
+    (:func:`sailor_device_types`). Single GPUs: a planner views it as tensor-parallel groups.
+    ``shared_nics``: the network as :func:`_cluster_of` says."""
     node_types: list[str] = []
     node_gpus: list[int] = []
     slots: list[int] = []
@@ -368,21 +380,29 @@ def sailor_cluster(network: str | os.PathLike[str], gpus: Mapping[str, int], gpu
             slots.append(min(per, count - first))
     extra = sailor_device_types(profile_dir, list(gpus)) if profile_dir is not None else {
         sailor_gpu_name(g): _EXTRA_TYPES[g] for g in gpus if g in _EXTRA_TYPES}
-    made = _cluster_of(network, tuple(gpus), _Placement(node_types, node_gpus, slots, {}), 1, extra)
+    made = _cluster_of(network, tuple(gpus), _Placement(node_types, node_gpus, slots, {}), 1, extra, shared_nics)
     return replace(made, name=name or "+".join(f"{c}x{g}" for g, c in gpus.items()))
 
 
 def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placement,
-             extra: dict[str, DeviceType]) -> Cluster:
+             extra: dict[str, DeviceType], shared_nics: bool = False) -> Cluster:
     """The run's nodes (:func:`_cluster_of`)."""
-    return _cluster_of(network, tuple(layout.types), placed, layout.tp, extra)
+    return _cluster_of(network, tuple(layout.types), placed, layout.tp, extra, shared_nics)
 
 
 def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed: _Placement, tp: int,
-                extra: dict[str, DeviceType]) -> Cluster:
-    """Nodes with Sailor's measured curves: each type's intra-node curve inside a node
-    (its inter-node one where none is given), between nodes the type's inter-node curve, and
-    between nodes of two types the slower type's."""
+                extra: dict[str, DeviceType], shared_nics: bool = False) -> Cluster:
+    """Nodes with Sailor's measured curves: each type's intra-node curve inside a node (its
+    inter-node one where none is given), and between nodes of two types the slower type's curve.
+
+    Sailor measured the inter-node curves with 1, 2, 4 (8) GPUs of a node sending at once. By
+    default (as Sailor prices its plans) every flow between nodes runs at the curve measured with
+    the node's GPU count sending. With ``shared_nics`` what those GPUs carry together is the
+    node's network capacity (a GH200 node's grows with its GPUs, each behind its own NIC; an RTX
+    node's stays at one NIC's): one flow runs at the curve measured with one GPU sending, and each
+    node gets one shared NIC of the capacity measured with its GPU count sending (the largest
+    count measured up to it), which the flows crossing it at once share (:mod:`partitioner.flows`):
+    a lone flow at its own curve, ``k`` flows at most the capacity together."""
     node_types, node_gpus = placed.node_types, placed.node_gpus
 
     def curve(kind: str, gpu: str, gpn: int) -> Bandwidth | None:
@@ -391,7 +411,11 @@ def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed:
         except FormatError:
             return None
 
-    inter_of = {g: curve("inter", g, node_gpus[node_types.index(g)]) or curve("inter", g, 1) for g in types}
+    counts = {g: _inter_counts(network, g) for g in types}
+    if shared_nics:  # one flow at the curve of the fewest GPUs measured sending
+        inter_of = {g: curve("inter", g, counts[g][0]) if counts[g] else None for g in types}
+    else:  # every flow at the curve of the node's GPUs sending (one GPU's where that count was not measured)
+        inter_of = {g: curve("inter", g, node_gpus[node_types.index(g)]) or curve("inter", g, 1) for g in types}
     missing = [g for g, c in inter_of.items() if c is None]
     if missing:
         raise FormatError("inter", missing, "no inter-node curve for these GPU types", file=str(network))
@@ -399,7 +423,13 @@ def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed:
     for n, (gpu, gpn) in enumerate(zip(node_types, node_gpus, strict=True)):
         intra = curve("intra", gpu, gpn) or inter_of[gpu]
         assert intra is not None
-        nodes.append(Node(f"n{n}", (sailor_gpu_name(gpu),) * placed.slots[n], intra.gbps, intra_curve=intra))
+        nic = 0.0  # no shared NIC: every flow on its own link
+        if shared_nics:  # the curve's cap with the node's GPUs sending (the most measured up to them)
+            together = curve("inter", gpu, max([k for k in counts[gpu] if k <= gpn], default=counts[gpu][0]))
+            assert together is not None
+            nic = together.gbps
+        nodes.append(Node(f"n{n}", (sailor_gpu_name(gpu),) * placed.slots[n], intra.gbps, intra_curve=intra,
+                          nic_gbps=nic))
 
     def speed(c: Bandwidth | None) -> float:
         return c.gbps_at(1e8) if c is not None else 0.0
