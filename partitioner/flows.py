@@ -109,6 +109,7 @@ class FlowNet:
         self.rate: dict[int, float] = {}  # flow id -> bytes/s now
         self.spec_of: dict[int, int] = {}
         self.moved: dict[int, float] = {}  # per resource: bytes carried (for checks)
+        self.on: dict[int, set[int]] = {}  # per resource: the active flows crossing it
         self._next = 0
 
     def _advance(self, t: float) -> None:
@@ -120,29 +121,49 @@ class FlowNet:
                     self.moved[res] = self.moved.get(res, 0.0) + r * dt
         self.now = max(self.now, t)
 
-    def _reshare(self) -> dict[int, float]:
-        ids = list(self.left)
-        specs = [self.specs[self.spec_of[f]] for f in ids]
+    def _reshare(self, resources: Sequence[int], also: Sequence[int] = ()) -> dict[int, float]:
+        """Share out again the resources the flows connected to ``resources`` cross (through
+        resources they share: max-min fair rates of other flows do not depend on them), with
+        flows ``also``; their ends of bytes."""
+        ids: set[int] = set(also)
+        stack, seen = list(resources), set()
+        while stack:
+            res = stack.pop()
+            if res in seen:
+                continue
+            seen.add(res)
+            for f in self.on.get(res, ()):
+                if f not in ids:
+                    ids.add(f)
+                    stack.extend(self.specs[self.spec_of[f]].resources)
+        order = sorted(ids)
+        specs = [self.specs[self.spec_of[f]] for f in order]
         rates = fair_rates([s.rate_Bps for s in specs], [s.resources for s in specs], self.capacity)
-        self.rate = dict(zip(ids, rates, strict=True))
-        return {f: self.now + max(0.0, self.left[f]) / self.rate[f] for f in ids}
+        self.rate.update(zip(order, rates, strict=True))
+        return {f: self.now + max(0.0, self.left[f]) / self.rate[f] for f in order}
 
     def start(self, t: float, spec: int) -> tuple[int, Mapping[int, float]]:
-        """A flow of ``specs[spec]`` starts at ``t``: its id, and every active flow's end of bytes."""
+        """A flow of ``specs[spec]`` starts at ``t``: its id, and the end of bytes of every active
+        flow whose rate it changes (its own included)."""
         self._advance(t)
         f = self._next
         self._next += 1
         self.left[f] = self.specs[spec].nbytes
         self.spec_of[f] = spec
-        return f, self._reshare()
+        for res in self.specs[spec].resources:
+            self.on.setdefault(res, set()).add(f)
+        return f, self._reshare(self.specs[spec].resources, (f,))
 
     def finish(self, t: float, flow: int) -> Mapping[int, float]:
-        """Flow ``flow`` has moved its bytes at ``t``: the other flows' new ends of bytes."""
+        """Flow ``flow`` has moved its bytes at ``t``: the new ends of bytes of the flows whose
+        rates it changes (the others keep theirs)."""
         self._advance(t)
         self.left.pop(flow)
         self.rate.pop(flow)
-        self.spec_of.pop(flow)
-        return self._reshare()
+        resources = self.specs[self.spec_of.pop(flow)].resources
+        for res in resources:
+            self.on[res].discard(flow)
+        return self._reshare(resources)
 
     def latency_s(self, flow_spec: int) -> float:
         return self.specs[flow_spec].latency_s

@@ -54,15 +54,15 @@ def test_flow_net_conserves_bytes_and_never_beats_a_links_rate():
         nxt_end = min(ends.values(), default=float("inf"))
         if pending and pending[0][0] <= nxt_end:
             t, k = pending.pop(0)
-            f, ends = net.start(t, k)
+            f, changed = net.start(t, k)
             began[f] = (t, k)
-            ends = dict(ends)
+            ends.update(changed)  # the flows whose rates it changed; the others keep their ends
         else:
             f = min(ends, key=lambda x: ends[x])
             t = ends.pop(f)
             spec = specs[began[f][1]]
             assert t - began[f][0] >= spec.nbytes / spec.rate_Bps - 1e-9  # never faster than alone
-            ends = dict(net.finish(t, f))
+            ends.update(net.finish(t, f))
     for res in (0, 1):  # every byte of every flow crossed each of its resources once
         want = sum(specs[k].nbytes for _, k in began.values() if res in specs[k].resources)
         assert net.moved.get(res, 0.0) == pytest.approx(want, rel=1e-9)
@@ -159,3 +159,32 @@ def test_a_boundary_vector_over_nics_is_each_send_priced_alone(sharers):
     for a, b in (("n0:0", "n1:3"), ("n1:2", "n0:1"), ("n0:0", "n0:1")):
         want = [cost.link_s(float(x), a, b) for x in sizes]
         assert cost.messages_s(sizes, a, b).tolist() == want
+
+
+def test_a_flow_shares_out_only_what_it_is_connected_to_and_rates_stay_max_min_fair():
+    """Starting or finishing a flow shares out again only the resources connected to it (through
+    flows that share them): every active flow's rate then equals the max-min fair rates of all
+    active flows computed afresh."""
+    rng = random.Random(11)
+    n_res = 6
+    specs = [FlowSpec(tuple(rng.sample(range(n_res), rng.randint(1, 2))), rng.uniform(1e9, 9e9), rng.uniform(1e8, 1e9))
+             for _ in range(8)]
+    net = FlowNet([rng.uniform(2e9, 8e9) for _ in range(n_res)], specs)
+    ends: dict[int, float] = {}
+    t = 0.0
+    for _ in range(60):
+        if ends and rng.random() < 0.45:
+            f = min(ends, key=lambda x: ends[x])
+            t = ends.pop(f)
+            ends.update(net.finish(t, f))
+        else:
+            t += rng.uniform(0, 0.05)
+            if ends and t > min(ends.values()):
+                continue
+            _, changed = net.start(t, rng.randrange(len(specs)))
+            ends.update(changed)
+        ids = sorted(net.left)
+        fresh = fair_rates([specs[net.spec_of[f]].rate_Bps for f in ids],
+                           [specs[net.spec_of[f]].resources for f in ids], net.capacity)
+        assert [net.rate[f] for f in ids] == pytest.approx(fresh, rel=1e-12)
+        assert all(ends[f] == pytest.approx(net.now + net.left[f] / net.rate[f], rel=1e-12) for f in ids)
