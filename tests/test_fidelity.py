@@ -455,3 +455,15 @@ def test_shared_nics_import_gives_one_flow_the_one_gpu_curve_and_each_node_its_m
     assert shared.cluster.inter_curve.gbps == one.gbps < four.gbps
     assert {n.nic_gbps for n in shared.cluster.nodes} == {four.gbps}
     assert shared.plan == plain.plan and shared.profile == plain.profile
+
+
+def test_cli_import_sailor_run_with_shared_nics_writes_the_nics(tmp_path):
+    from partitioner_cli.main import main
+
+    run = RUNS / "plan_config_N16_D4.json"
+    argv = ["import", "sailor-run", str(run), "--profiles", str(DATA / "sailor_opt350"), "--network", str(NETWORK)]
+    assert main([*argv, "-o", str(tmp_path / "plain")]) == 0
+    assert main([*argv, "--shared-nics", "-o", str(tmp_path / "shared")]) == 0
+    plain, shared = (Cluster.load(tmp_path / d / "cluster.json") for d in ("plain", "shared"))
+    assert not plain.has_nics and shared.has_nics
+    assert {n.nic_gbps for n in shared.nodes} == {sailor_bandwidth(NETWORK, "inter", "GH-96", 4).gbps}
