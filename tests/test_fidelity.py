@@ -467,3 +467,17 @@ def test_cli_import_sailor_run_with_shared_nics_writes_the_nics(tmp_path):
     plain, shared = (Cluster.load(tmp_path / d / "cluster.json") for d in ("plain", "shared"))
     assert not plain.has_nics and shared.has_nics
     assert {n.nic_gbps for n in shared.nodes} == {sailor_bandwidth(NETWORK, "inter", "GH-96", 4).gbps}
+
+
+def test_nodes_of_one_type_in_a_mixed_cluster_keep_their_own_curve():
+    """Between two A100 nodes of an A100 + V100 cluster, the A100 curve; between an A100 and a V100
+    node, and between V100 nodes, the slower V100 one (before, every pair of one type fell back
+    to the slowest type's curve)."""
+    from partitioner.importers.sailor_runs import sailor_cluster
+
+    cl = sailor_cluster(NETWORK, {"A100-40": 8, "V100-16": 8}, {"A100-40": 4, "V100-16": 4},
+                        profile_dir=DATA / "sailor_opt350")
+    a100, v100 = (sailor_bandwidth(NETWORK, "inter", g, 4) for g in ("A100-40", "V100-16"))
+    assert a100.gbps_at(1e8) > v100.gbps_at(1e8)
+    assert cl.link("n0:0", "n1:0").gbps == a100.gbps
+    assert cl.link("n0:0", "n2:0").gbps == v100.gbps and cl.link("n2:0", "n3:0").gbps == v100.gbps

@@ -393,7 +393,8 @@ def _cluster(network: str | os.PathLike[str], layout: _Layout, placed: _Placemen
 def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed: _Placement, tp: int,
                 extra: dict[str, DeviceType], shared_nics: bool = False) -> Cluster:
     """Nodes with Sailor's measured curves: each type's intra-node curve inside a node (its
-    inter-node one where none is given), and between nodes of two types the slower type's curve.
+    inter-node one where none is given); between two nodes of one type that type's inter-node
+    curve, between nodes of two types the slower type's.
 
     Sailor measured the inter-node curves with 1, 2, 4 (8) GPUs of a node sending at once. By
     default (as Sailor prices its plans) every flow between nodes runs at the curve measured with
@@ -435,16 +436,15 @@ def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed:
         return c.gbps_at(1e8) if c is not None else 0.0
 
     slowest = min(types, key=lambda g: speed(inter_of[g]))
+    inter = inter_of[slowest]  # the cluster's inter-node curve: every pair not listed below
+    assert inter is not None
     links: list[Link] = []
-    if len(types) > 1:  # between nodes of two types, the slower type's curve
+    if len(types) > 1:  # nodes of one type: its own curve; of two types: the slower type's
         for x in range(len(nodes)):
             for y in range(x + 1, len(nodes)):
-                tx, ty = node_types[x], node_types[y]
-                if tx != ty:
-                    c = min(inter_of[tx], inter_of[ty], key=speed)
-                    assert c is not None
+                c = min(inter_of[node_types[x]], inter_of[node_types[y]], key=speed)
+                assert c is not None
+                if c != inter:
                     links.append(Link(f"n{x}", f"n{y}", c.gbps, c))
-    inter = inter_of[slowest]
-    assert inter is not None
     return Cluster(f"sailor-{'+'.join(types)}-{len(nodes)}n-tp{tp if tp != MIXED else 'mixed'}", tuple(nodes), inter.gbps, extra,
                    tuple(links), inter_curve=inter)
