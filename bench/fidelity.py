@@ -60,7 +60,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def evaluate(runs_dir: Path, profiles: Path, network: Path, reserved_gib: float, sync: bool = True,
-             activations: str = "megatron", clip_noise: bool = True, shared_nics: bool = False) -> list[dict]:
+             activations: str = "megatron", clip_noise: bool = True, shared_nics: bool = True) -> list[dict]:
     rows = []
     for path in sorted(runs_dir.glob("*.json")):
         try:
@@ -97,16 +97,17 @@ def main() -> int:
     ap.add_argument("--lgo", action="append", default=[], metavar="PARAMS",
                     help="the same, leaving out every run of one node count at a time (a cluster size the fit "
                          "never saw); repeatable")
-    ap.add_argument("--shared-nics", action="store_true",
+    ap.add_argument("--shared-nics", action=argparse.BooleanOptionalAction, default=True,
                     help="import the network with one flow at the one-GPU curve and each node's GPUs sharing one NIC "
-                         "of the capacity measured with them all sending (import sailor-run --shared-nics)")
+                         "of the capacity measured with them all sending (the default, as import sailor-run); "
+                         "--no-shared-nics: every flow at the curve of the node's GPU count")
     args = ap.parse_args()
     for p in (args.runs, args.profiles, args.network):
         if not p.exists():
             print(f"fidelity: {p} not found (it comes with the shared data; see --help)", file=sys.stderr)
             return 2
-    if args.write and args.shared_nics:
-        print("fidelity: --write records the documented import; run it without --shared-nics", file=sys.stderr)
+    if args.write and not args.shared_nics:
+        print("fidelity: --write records the documented import; run it without --no-shared-nics", file=sys.stderr)
         return 2
     print(f"machine: {machine_line()}")
     if args.fit:

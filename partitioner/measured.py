@@ -61,7 +61,7 @@ def _measured(plan: Plan, folder: Path) -> tuple[float, float | None]:
 
 
 def load_run(path: str | os.PathLike[str], profiles: str | os.PathLike[str] | None = None,
-             network: str | os.PathLike[str] | None = None, shared_nics: bool = False) -> MeasuredRun:
+             network: str | os.PathLike[str] | None = None, shared_nics: bool = True) -> MeasuredRun:
     """One measured run from a folder or a Sailor ``plan_config`` file (see the module docstring;
     ``shared_nics``: a Sailor run's network as
     :func:`partitioner.importers.sailor_runs.import_sailor_run` takes it)."""

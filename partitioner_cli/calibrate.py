@@ -82,9 +82,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", metavar="CLUSTER", help="the cluster file to calibrate (default: the first run's)")
     p.add_argument("--profiles", metavar="DIR", help="Sailor's profile folder (for Sailor run files)")
     p.add_argument("--network", metavar="FILE", help="Sailor's network file (for Sailor run files)")
-    p.add_argument("--shared-nics", action="store_true", help="Sailor run files: one flow between nodes at the curve measured with one GPU sending, and each node's "
-                        "GPUs sharing one NIC of the capacity measured with them all sending (default: every flow at the "
-                        "curve of the node's GPU count, as Sailor prices plans)")
+    p.add_argument("--shared-nics", action=argparse.BooleanOptionalAction, default=True,
+                   help="Sailor run files: the network with each node's GPUs sharing one NIC of the capacity measured "
+                        "with them all sending, one flow at the curve measured with one GPU sending (the default); "
+                        "--no-shared-nics: every flow at the curve of the node's GPU count, as Sailor prices plans")
     p.add_argument("--fit", default="p2p_bandwidth,reserved",
                    help="parameters to fit, comma separated: send_overhead (per pipeline send), p2p_bandwidth "
                         "(pipeline sends' rate over the inter-node link's), inter_bandwidth (the inter-node links), "

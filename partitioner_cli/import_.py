@@ -167,9 +167,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     sr.add_argument("plan_config", help="Sailor plan_config_*.json (with the measured 'real' and 'max_mem')")
     sr.add_argument("--profiles", required=True, help="Sailor profile directory of the run's GPU type")
     sr.add_argument("--network", required=True, help="Sailor network_coeffs_all_homo.json")
-    sr.add_argument("--shared-nics", action="store_true", help="one flow between nodes at the curve measured with one "
-                    "GPU sending, each node's GPUs sharing one NIC of the capacity measured with them all sending "
-                    "(default: every flow at the curve of the node's GPU count, as Sailor prices plans)")
+    sr.add_argument("--shared-nics", action=argparse.BooleanOptionalAction, default=True,
+                    help="Sailor's network with each node's GPUs sharing one NIC of the capacity measured with them "
+                         "all sending, one flow at the curve measured with one GPU sending (the default); "
+                         "--no-shared-nics: every flow at the curve of the node's GPU count, as Sailor prices plans")
     sr.add_argument("-o", "--output", required=True, help="directory for plan.json, profile.json, cluster.json")
     sr.set_defaults(func=_sailor_run)
     sn = formats.add_parser("sailor-network", help="Sailor's fitted NCCL curves -> a cluster file")

@@ -444,12 +444,12 @@ def test_heterogeneous_runs_import_and_simulate(tmp_path, dp):
 
 
 def test_shared_nics_import_gives_one_flow_the_one_gpu_curve_and_each_node_its_measured_capacity():
-    """Sailor measured GH200's inter-node curve with 1, 2 and 4 GPUs of a node sending at once: by
-    default every flow runs at the 4-GPU curve; with ``shared_nics`` a flow alone at the 1-GPU
-    curve, and each node one NIC of the 4-GPU curve's cap that its flows share."""
+    """Sailor measured GH200's inter-node curve with 1, 2 and 4 GPUs of a node sending at once:
+    with ``shared_nics`` (the default) a flow alone runs at the 1-GPU curve, and each node gets one
+    NIC of the 4-GPU curve's cap that its flows share; without, every flow at the 4-GPU curve."""
     name = RUNS / "plan_config_N16_D4.json"
-    plain = import_sailor_run(name, DATA / "sailor_opt350", NETWORK)
-    shared = import_sailor_run(name, DATA / "sailor_opt350", NETWORK, shared_nics=True)
+    plain = import_sailor_run(name, DATA / "sailor_opt350", NETWORK, shared_nics=False)
+    shared = import_sailor_run(name, DATA / "sailor_opt350", NETWORK)
     one, four = (sailor_bandwidth(NETWORK, "inter", "GH-96", k) for k in (1, 4))
     assert not plain.cluster.has_nics and plain.cluster.inter_curve.gbps == four.gbps
     assert shared.cluster.inter_curve.gbps == one.gbps < four.gbps
@@ -457,13 +457,13 @@ def test_shared_nics_import_gives_one_flow_the_one_gpu_curve_and_each_node_its_m
     assert shared.plan == plain.plan and shared.profile == plain.profile
 
 
-def test_cli_import_sailor_run_with_shared_nics_writes_the_nics(tmp_path):
+def test_cli_import_sailor_run_writes_the_nics_unless_told_not_to(tmp_path):
     from partitioner_cli.main import main
 
     run = RUNS / "plan_config_N16_D4.json"
     argv = ["import", "sailor-run", str(run), "--profiles", str(DATA / "sailor_opt350"), "--network", str(NETWORK)]
-    assert main([*argv, "-o", str(tmp_path / "plain")]) == 0
-    assert main([*argv, "--shared-nics", "-o", str(tmp_path / "shared")]) == 0
+    assert main([*argv, "--no-shared-nics", "-o", str(tmp_path / "plain")]) == 0
+    assert main([*argv, "-o", str(tmp_path / "shared")]) == 0
     plain, shared = (Cluster.load(tmp_path / d / "cluster.json") for d in ("plain", "shared"))
     assert not plain.has_nics and shared.has_nics
     assert {n.nic_gbps for n in shared.nodes} == {sailor_bandwidth(NETWORK, "inter", "GH-96", 4).gbps}

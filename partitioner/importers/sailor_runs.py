@@ -173,10 +173,11 @@ def _num_field(d: dict[str, Any], key: str, file: str, most: float, unit: str) -
 
 def import_sailor_run(plan_config: str | os.PathLike[str], profile_dir: str | os.PathLike[str],
                       network: str | os.PathLike[str], options: CostOptions | None = None,
-                      activations: str = "megatron", clip_noise: bool = True, shared_nics: bool = False) -> SailorRun:
+                      activations: str = "megatron", clip_noise: bool = True, shared_nics: bool = True) -> SailorRun:
     """Read one of Sailor's measured runs (see the module docstring); ``activations`` and
     ``clip_noise`` are passed to :func:`partitioner.importers.sailor.import_sailor`;
-    ``shared_nics``: the network as :func:`_cluster_of` says. Every field
+    ``shared_nics`` (the default for measured runs: what Sailor's curves measure): the network as
+    :func:`_cluster_of` says. Every field
     is checked, and the plan against the profile and cluster built, before it is returned: a bad
     field is one :class:`FormatError` naming the file, the field and what is valid."""
     file = str(plan_config)
@@ -364,7 +365,8 @@ def sailor_cluster(network: str | os.PathLike[str], gpus: Mapping[str, int], gpu
     (the last node of a type holds the rest), with Sailor's measured curves as :func:`import_sailor_run`
     gives a run's nodes, and the memory sizes of ``profile_dir``'s ``basic_cluster_config.json``
     (:func:`sailor_device_types`). Single GPUs: a planner views it as tensor-parallel groups.
-    ``shared_nics``: the network as :func:`_cluster_of` says."""
+    ``shared_nics``: the network as :func:`_cluster_of` says (off by default here: the planners do
+    not yet see how a plan's flows will share NICs, docs/fidelity.md)."""
     node_types: list[str] = []
     node_gpus: list[int] = []
     slots: list[int] = []
@@ -396,9 +398,9 @@ def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed:
     inter-node one where none is given); between two nodes of one type that type's inter-node
     curve, between nodes of two types the slower type's.
 
-    Sailor measured the inter-node curves with 1, 2, 4 (8) GPUs of a node sending at once. By
-    default (as Sailor prices its plans) every flow between nodes runs at the curve measured with
-    the node's GPU count sending. With ``shared_nics`` what those GPUs carry together is the
+    Sailor measured the inter-node curves with 1, 2, 4 (8) GPUs of a node sending at once. Without
+    ``shared_nics`` (as Sailor prices its plans) every flow between nodes runs at the curve measured
+    with the node's GPU count sending. With ``shared_nics`` what those GPUs carry together is the
     node's network capacity (a GH200 node's grows with its GPUs, each behind its own NIC; an RTX
     node's stays at one NIC's): one flow runs at the curve measured with one GPU sending, and each
     node gets one shared NIC of the capacity measured with its GPU count sending (the largest
