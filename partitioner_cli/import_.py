@@ -123,7 +123,16 @@ def _sailor_network(args: argparse.Namespace) -> int:
                                "are supported")
     from partitioner.importers.sailor_runs import sailor_bandwidth
 
-    inter = sailor_bandwidth(args.file, "inter", args.gpu_type, args.gpus_per_node)
+    nic = 0.0
+    if args.shared_nics:  # one flow at the fewest GPUs' curve; the node's GPUs share the capacity of all of them
+        from partitioner.importers.sailor_runs import _inter_counts
+
+        counts = _inter_counts(args.file, args.gpu_type) or [args.gpus_per_node]
+        inter = sailor_bandwidth(args.file, "inter", args.gpu_type, counts[0])
+        most = max([k for k in counts if k <= args.gpus_per_node], default=counts[0])
+        nic = sailor_bandwidth(args.file, "inter", args.gpu_type, most).gbps
+    else:
+        inter = sailor_bandwidth(args.file, "inter", args.gpu_type, args.gpus_per_node)
     intra = sailor_bandwidth(args.intra, "intra", args.gpu_type, args.gpus_per_node) if args.intra else None
     from partitioner.importers.sailor import sailor_gpu_name
 
@@ -132,12 +141,13 @@ def _sailor_network(args: argparse.Namespace) -> int:
 
     extra = {gpu: _EXTRA_TYPES[args.gpu_type]} if args.gpu_type in _EXTRA_TYPES else {}
     nodes = tuple(Node(f"n{i}", (gpu,) * args.gpus_per_node, intra.gbps if intra else args.intra_gbps,
-                       intra_curve=intra) for i in range(args.nodes))
+                       intra_curve=intra, nic_gbps=nic) for i in range(args.nodes))
     cluster = Cluster(f"{args.gpu_type}-{args.nodes}x{args.gpus_per_node}", nodes, inter.gbps, extra,
                       inter_curve=inter)
     cluster.save(args.output)
     print(f"wrote {args.output}: {args.nodes} node(s) of {args.gpus_per_node} {gpu}, inter-node curve "
-          f"{inter.gbps_at(1e8):.1f} GB/s at 100 MB (cap {inter.gbps:.1f})")
+          f"{inter.gbps_at(1e8):.1f} GB/s at 100 MB (cap {inter.gbps:.1f})"
+          + (f", each node's GPUs sharing one NIC of {nic:.1f} GB/s" if nic else ""))
     return 0
 
 
@@ -182,5 +192,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sn.add_argument("--intra", metavar="FILE", help="Sailor intra_node_bandwidths.json for the intra-node curve")
     sn.add_argument("--intra-gbps", type=bounded_float(*BANDWIDTH_GBPS_RANGE), default=100.0,
                     help="flat intra-node GB/s without --intra")
+    sn.add_argument("--shared-nics", action="store_true",
+                    help="one flow between nodes at the curve measured with one GPU sending, each node's GPUs sharing "
+                         "one NIC of the capacity measured with them all sending (as import sailor-run by default); "
+                         "default: every flow at the curve of --gpus-per-node GPUs sending")
     sn.add_argument("-o", "--output", required=True, help="cluster file to write (.yaml or .json)")
     sn.set_defaults(func=_sailor_network)

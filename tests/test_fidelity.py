@@ -481,3 +481,15 @@ def test_nodes_of_one_type_in_a_mixed_cluster_keep_their_own_curve():
     assert a100.gbps_at(1e8) > v100.gbps_at(1e8)
     assert cl.link("n0:0", "n1:0").gbps == a100.gbps
     assert cl.link("n0:0", "n2:0").gbps == v100.gbps and cl.link("n2:0", "n3:0").gbps == v100.gbps
+
+
+def test_cli_import_sailor_network_with_shared_nics(tmp_path):
+    from partitioner_cli.main import main
+
+    base = ["import", "sailor-network", str(NETWORK), "--gpu-type", "GH-96", "--nodes", "2", "--gpus-per-node", "4"]
+    assert main([*base, "-o", str(tmp_path / "plain.json")]) == 0
+    assert main([*base, "--shared-nics", "-o", str(tmp_path / "shared.json")]) == 0
+    plain, shared = (Cluster.load(tmp_path / f) for f in ("plain.json", "shared.json"))
+    one, four = (sailor_bandwidth(NETWORK, "inter", "GH-96", k) for k in (1, 4))
+    assert not plain.has_nics and plain.inter_curve.gbps == four.gbps
+    assert shared.inter_curve.gbps == one.gbps and {n.nic_gbps for n in shared.nodes} == {four.gbps}
