@@ -8,9 +8,10 @@ GPU where known). The parameters (:class:`LinkParams`) are
   (``Bandwidth.send_overhead_s``; not paid by the steps of a collective);
 * ``inter_scale``: the inter-node links' bandwidth as a multiple of what the cluster file says
   (its curves scaled alike, ``Bandwidth.scaled``);
-* ``p2p_scale``: the rate of a point-to-point send between nodes as a multiple of the inter-node
-  link's (``Bandwidth.p2p_scale``; collectives keep the link's rate: they use every NIC and
-  channel of a node, one send between two ranks may use one);
+* ``p2p_scale``: the rate of a point-to-point send between nodes as a multiple of what the
+  inter-node link gives a send (it multiplies the link's own ``Bandwidth.p2p_scale``; collectives
+  keep the link's rate: they use every NIC and channel of a node, one send between two ranks may
+  use one);
 * ``reserved_bytes``: the framework's own memory per GPU (``CostOptions.reserved_bytes``).
 
 The time parameters are fitted by minimising the mean squared log ratio of simulated to
@@ -65,7 +66,9 @@ class LinkParams:
 
 def _link(bw: Bandwidth, params: LinkParams, inter: bool) -> Bandwidth:
     out = bw.scaled(params.inter_scale) if inter and params.inter_scale != 1.0 else bw
-    return replace(out, send_overhead_s=params.send_overhead_s, p2p_scale=params.p2p_scale if inter else out.p2p_scale)
+    # the fitted scale multiplies the send rate the link already has (an import may set one)
+    return replace(out, send_overhead_s=params.send_overhead_s,
+                   p2p_scale=out.p2p_scale * params.p2p_scale if inter else out.p2p_scale)
 
 
 def apply_params(cluster: Cluster, params: LinkParams) -> Cluster:

@@ -154,3 +154,17 @@ def test_leaving_a_group_out_predicts_each_run_from_the_other_groups_only():
         leave_one_out(runs, ("send_overhead",), groups=[0] * len(runs))
     with pytest.raises(OptionError, match="groups"):
         leave_one_out(runs, ("send_overhead",), groups=[0, 1])
+
+
+def test_a_fitted_send_scale_multiplies_the_one_the_link_has():
+    """An import may give a link's sends a rate of their own (``p2p_scale``: one GPU's rate of a
+    group's curve); calibration scales that rate, it does not replace it."""
+    from tests.conftest import big_type
+
+    link = Bandwidth(40.0, points=((1e6, 10.0), (1e8, 40.0)), p2p_scale=0.25)
+    cl = Cluster("c", (Node("n0", ("G",) * 2, 100.0), Node("n1", ("G",) * 2, 100.0)), 40.0, {"G": big_type("G")},
+                 inter_curve=link)
+    out = apply_params(cl, LinkParams(p2p_scale=0.4))
+    assert out.inter_curve.p2p_scale == pytest.approx(0.1)
+    assert out.inter_curve.gbps_at(1e8) == link.gbps_at(1e8)  # collectives keep the link's rate
+    assert apply_params(cl, LinkParams()).inter_curve.p2p_scale == 0.25

@@ -445,16 +445,27 @@ def test_heterogeneous_runs_import_and_simulate(tmp_path, dp):
 
 def test_shared_nics_import_gives_one_flow_the_one_gpu_curve_and_each_node_its_measured_capacity():
     """Sailor measured GH200's inter-node curve with 1, 2 and 4 GPUs of a node sending at once:
-    with ``shared_nics`` (the default) a flow alone runs at the 1-GPU curve, and each node gets one
-    NIC of the 4-GPU curve's cap that its flows share; without, every flow at the 4-GPU curve."""
+    with ``shared_nics`` (the default) each node gets one NIC of the 4-GPU curve's cap that its
+    flows share, and a flow of one GPU runs at the 1-GPU curve; a device that is a tensor-parallel
+    group of 4 runs its collectives as 4 rings (the 4-GPU curve) and sends at one GPU's rate.
+    Without, every flow at the 4-GPU curve."""
+    import json
+
+    from partitioner.importers.sailor_runs import sailor_cluster
+
     name = RUNS / "plan_config_N16_D4.json"
     plain = import_sailor_run(name, DATA / "sailor_opt350", NETWORK, shared_nics=False)
     shared = import_sailor_run(name, DATA / "sailor_opt350", NETWORK)
     one, four = (sailor_bandwidth(NETWORK, "inter", "GH-96", k) for k in (1, 4))
     assert not plain.cluster.has_nics and plain.cluster.inter_curve.gbps == four.gbps
-    assert shared.cluster.inter_curve.gbps == one.gbps < four.gbps
     assert {n.nic_gbps for n in shared.cluster.nodes} == {four.gbps}
+    link = shared.cluster.inter_curve
+    assert link.gbps == four.gbps and link.p2p_scale == pytest.approx(one.gbps / four.gbps, rel=1e-12)
     assert shared.plan == plain.plan and shared.profile == plain.profile
+    per_node = {k: v["gpus_per_node"] for k, v in json.loads(
+        (DATA / "sailor_opt350" / "basic_cluster_config.json").read_text()).items() if isinstance(v, dict)}
+    single = sailor_cluster(NETWORK, {"GH-96": 8}, per_node, profile_dir=DATA / "sailor_opt350", shared_nics=True)
+    assert single.inter_curve.gbps == one.gbps and single.inter_curve.p2p_scale == 1.0
 
 
 def test_cli_import_sailor_run_writes_the_nics_unless_told_not_to(tmp_path):

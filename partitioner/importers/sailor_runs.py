@@ -405,7 +405,11 @@ def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed:
     node's stays at one NIC's): one flow runs at the curve measured with one GPU sending, and each
     node gets one shared NIC of the capacity measured with its GPU count sending (the largest
     count measured up to it), which the flows crossing it at once share (:mod:`partitioner.flows`):
-    a lone flow at its own curve, ``k`` flows at most the capacity together."""
+    a lone flow at its own curve, ``k`` flows at most the capacity together. Where a device stands
+    for a tensor-parallel group of ``tp`` GPUs (one degree for the run), its data-parallel
+    collectives are ``tp`` rings side by side, one per GPU: they run on the curve measured with
+    ``tp`` GPUs sending, and a pipeline send from the group at one GPU's rate (the link's
+    ``p2p_scale``, the ratio of the two curves' caps)."""
     node_types, node_gpus = placed.node_types, placed.node_gpus
 
     def curve(kind: str, gpu: str, gpn: int) -> Bandwidth | None:
@@ -415,8 +419,15 @@ def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed:
             return None
 
     counts = {g: _inter_counts(network, g) for g in types}
-    if shared_nics:  # one flow at the curve of the fewest GPUs measured sending
+    if shared_nics:  # one flow at the curve of the fewest GPUs measured sending ...
         inter_of = {g: curve("inter", g, counts[g][0]) if counts[g] else None for g in types}
+        if tp > 1:  # ... but a device here is a group of tp GPUs: its collectives run tp rings side by
+            # side (the curve of tp GPUs sending), and a send moves at one GPU's rate (p2p_scale)
+            for g in types:
+                group = curve("inter", g, max([k for k in counts[g] if k <= tp], default=counts[g][0] if counts[g] else 1))
+                one = inter_of[g]
+                if group is not None and one is not None:
+                    inter_of[g] = replace(group, p2p_scale=one.gbps / group.gbps)
     else:  # every flow at the curve of the node's GPUs sending (one GPU's where that count was not measured)
         inter_of = {g: curve("inter", g, node_gpus[node_types.index(g)]) or curve("inter", g, 1) for g in types}
     missing = [g for g, c in inter_of.items() if c is None]
