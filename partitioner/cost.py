@@ -65,7 +65,7 @@ from .boundary import boundary_held
 from .cluster import GIB, Cluster, Device, gpu_family, resolve_gpu_type, split_kind
 from .collectives import node_allreduce_s
 from .errors import FormatError, PartitionerError
-from .flows import nic_sharers, shared_rate_gbps
+from .flows import collective_sharers, nic_sharers, shared_rate_gbps
 from .pricing import PRECISIONS, RECOMPUTE_MODES, CostOptions
 from .profile import Profile
 from .recompute import recompute_extra_fwd_fraction, selective_bytes
@@ -164,7 +164,8 @@ class CostModel:
     """
 
     def __init__(self, profile: Profile, cluster: Cluster, options: CostOptions | None = None,
-                 nic_sharers: Mapping[tuple[str, int, str], int] | None = None, recompute: str = "none"):
+                 nic_sharers: Mapping[tuple[str, int, str], int] | None = None, recompute: str = "none",
+                 collective_sharers: Mapping[tuple[str, int, str], int] | None = None):
         if recompute not in RECOMPUTE_MODES:
             raise FormatError("recompute", recompute, f"must be one of {', '.join(RECOMPUTE_MODES)}")
         # What every stage this model prices recomputes (partitioner.recompute); a plan's stages
@@ -176,6 +177,8 @@ class CostModel:
         # Where nodes share NICs: how many of a plan's devices send (receive) across each NIC
         # direction at once (partitioner.flows.nic_sharers); None: no plan known, each message alone
         self.nic_sharers = nic_sharers
+        # ... and how many of its all-reduce groups cross each (partitioner.flows.collective_sharers)
+        self.collective_sharers = collective_sharers
         self.num_layers = profile.num_layers
         zero = np.zeros(1)
         dtype_bytes = _DTYPE_BYTES.get(profile.dtype, 4)
@@ -223,7 +226,8 @@ class CostModel:
             return self
         found = self._modes.get(mode)
         if found is None:
-            found = self._modes[mode] = CostModel(self.profile, self.cluster, self.options, self.nic_sharers, mode)
+            found = self._modes[mode] = CostModel(self.profile, self.cluster, self.options, self.nic_sharers, mode,
+                                                  self.collective_sharers)
         return found
 
     @functools.cached_property
@@ -430,8 +434,9 @@ class CostModel:
         """One message of ``nbytes`` from device ``a`` to ``b`` on its link; where it crosses
         shared NICs, at the rate it gets there (:func:`partitioner.flows.shared_rate_gbps`: the
         NIC's bandwidth divided among the plan's devices that cross it at once when ``shared``
-        and a plan is known, else the NIC's whole bandwidth at most). ``shared`` is a pipeline
-        send (which pays the link's per-send overhead); False: a step of a collective."""
+        and a plan is known, among its all-reduce groups that cross it for a collective's step,
+        else the NIC's whole bandwidth at most). ``shared`` is a pipeline send (which pays the
+        link's per-send overhead); False: a step of a collective."""
         route = self.cluster.nic_route(a, b) if self.cluster.has_nics else ()
         if a == b or nbytes <= 0:
             return 0.0
@@ -439,7 +444,7 @@ class CostModel:
         if not route:
             return link.send_seconds(nbytes) if shared else link.seconds(nbytes)
         extra, alone = (link.send_overhead_s, link.send_gbps_at(nbytes)) if shared else (0.0, link.gbps_at(nbytes))
-        load = self.nic_sharers if shared and self.nic_sharers is not None else {}
+        load = (self.nic_sharers if shared else self.collective_sharers) or {}
         rate = shared_rate_gbps(alone, [r[3] for r in route], [max(1, load.get(r[:3], 1)) for r in route])
         return link.latency_s + extra + nbytes / (rate * 1e9)
 
@@ -1098,7 +1103,8 @@ class CostModel:
         devices crossing it at once leave (:func:`partitioner.flows.nic_sharers`).
         """
         if self.cluster.has_nics and self.nic_sharers is None:
-            shared = CostModel(self.profile, self.cluster, self.options, nic_sharers(plan, self.cluster))
+            shared = CostModel(self.profile, self.cluster, self.options, nic_sharers(plan, self.cluster),
+                               collective_sharers=collective_sharers(self.sync_groups(plan), self.cluster))
             return shared.plan_iteration_s(plan)
         finish: dict[str, float] = {}
         layers_of: dict[str, list[tuple[int, int]]] = {}

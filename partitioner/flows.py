@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .cluster import Cluster
+    from .cost import SyncGroup
     from .plan import Plan
 
-__all__ = ["FlowNet", "FlowSpec", "fair_rates", "nic_sharers", "shared_rate_gbps"]
+__all__ = ["FlowNet", "FlowSpec", "collective_sharers", "fair_rates", "nic_sharers", "shared_rate_gbps"]
 
 
 @dataclass(frozen=True)
@@ -186,4 +187,19 @@ def nic_sharers(plan: Plan, cluster: Cluster) -> dict[tuple[str, int, str], int]
                 for d in st.devices:
                     for node, nic, way, _ in cluster.nic_route(d, peer):
                         users.setdefault((node, nic, way), set()).add(d if way == "out" else peer)
+    return {k: len(v) for k, v in users.items()}
+
+
+def collective_sharers(groups: Sequence[SyncGroup], cluster: Cluster) -> dict[tuple[str, int, str], int]:
+    """Per NIC direction ``(node, nic, "out" | "in")``: how many of the all-reduce ``groups`` cross
+    it (a ring step between members on two nodes goes out of one NIC and into the other). A plan's
+    all-reduces run at the end of its iteration, close together where they are long (on slow
+    links, where sharing matters), so the closed form and the simulator both charge each group
+    the NIC's bandwidth divided among the groups that cross it."""
+    users: dict[tuple[str, int, str], set[int]] = {}
+    for i, g in enumerate(groups):
+        ring = list(g.devices)
+        for a, b in zip(ring, ring[1:] + ring[:1], strict=True):
+            for node, nic, way, _ in cluster.nic_route(a, b):
+                users.setdefault((node, nic, way), set()).add(i)
     return {k: len(v) for k, v in users.items()}

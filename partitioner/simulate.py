@@ -30,7 +30,7 @@ from .events import (
     run_ops,
     simulate_programs,
 )
-from .flows import FlowNet, FlowSpec
+from .flows import FlowNet, FlowSpec, collective_sharers
 from .placement import PipelinePlacement, place, replica_shares
 from .plan import Plan
 from .profile import Profile
@@ -129,7 +129,11 @@ class _Sync:
     @classmethod
     def of(cls, plan: Plan, cost: CostModel) -> _Sync:
         groups, wave = cost.sync_groups(plan), cost.wave_groups(plan)
-        return cls(groups, tuple(cost.sync_s(g) for g in groups), _members(groups), wave, _members(wave),
+        timed = cost  # where nodes share NICs, the all-reduces that cross one share it (as the closed form)
+        if cost.cluster.has_nics and cost.collective_sharers is None:
+            timed = CostModel(cost.profile, cost.cluster, cost.options, cost.nic_sharers, cost.recompute,
+                              collective_sharers(groups, cost.cluster))
+        return cls(groups, tuple(timed.sync_s(g) for g in groups), _members(groups), wave, _members(wave),
                    cost.layer_holders(plan))
 
 

@@ -188,3 +188,21 @@ def test_a_flow_shares_out_only_what_it_is_connected_to_and_rates_stay_max_min_f
                            [specs[net.spec_of[f]].resources for f in ids], net.capacity)
         assert [net.rate[f] for f in ids] == pytest.approx(fresh, rel=1e-12)
         assert all(ends[f] == pytest.approx(net.now + net.left[f] / net.rate[f], rel=1e-12) for f in ids)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_all_reduces_that_cross_one_nic_share_it(schedule):
+    """Two workers on two nodes, each a pipeline inside its node: the all-reduce groups of both
+    stages cross both nodes' NICs, so each gets half a NIC. The closed form and the simulator
+    then both equal the same plan on nodes without NICs whose link is that half."""
+    prof = _profile(6)
+    plan = Plan("u", tuple(VirtualWorker((Stage((0, 3), f"n{w}:0", "G"), Stage((3, 6), f"n{w}:1", "G")))
+                           for w in range(2)), schedule, 1, 8)
+    shared = _cluster(2, 4.0)
+    half = Cluster("f", tuple(Node(n.name, n.gpus, n.intra_gbps) for n in shared.nodes), 2.0, shared.device_types)
+    alone = Cluster("a", half.nodes, 4.0, shared.device_types)
+    opts = CostOptions(sync=True)
+    got = [simulate_plan(plan, prof, shared, opts).iteration_s, CostModel(prof, shared, opts).plan_iteration_s(plan)]
+    want = simulate_plan(plan, prof, half, opts).iteration_s
+    assert got == pytest.approx([want, CostModel(prof, half, opts).plan_iteration_s(plan)], rel=1e-9)
+    assert want > simulate_plan(plan, prof, alone, opts).iteration_s  # sharing costs time here
