@@ -215,7 +215,8 @@ class CostModel:
         found = self._degrees.get(tensor_parallel)
         if found is None:
             found = self._degrees[tensor_parallel] = CostModel(self.profile.shard(tensor_parallel), self.cluster,
-                                                               self.options, recompute=self.recompute)
+                                                               self.options, self.nic_sharers, self.recompute,
+                                                               self.collective_sharers)
         return found
 
     def recomputing(self, mode: str) -> CostModel:

@@ -528,3 +528,22 @@ def test_the_layer_bound_counts_a_tensor_two_layers_share_once() -> None:
     rate = price_plan(cost, plan)["samples_per_s"]
     assert rate <= layer_bound(cost, cluster.devices, 1, Schedule.of("1f1b", 4)) * (1 + 1e-9)
     assert rate <= paced_bound(cost, cluster.devices, Schedule.of("1f1b", 4), virtual_workers=1) * (1 + 1e-9)
+
+
+def test_groups_whose_sends_share_a_nic_are_priced_as_the_simulator_runs_them(opt350: Profile) -> None:
+    """Two pipelines of tensor-parallel pairs, each crossing from node 0 to node 1 behind one NIC per
+    node: their sends share the NICs in the closed form (at the pair's degree) as in the simulator."""
+    from dataclasses import replace
+
+    base = _cluster({"V100-16": 4})
+    plan = Plan(opt350.model, tuple(VirtualWorker((Stage((0, 13), f"n0:{a}-{a + 1}"), Stage((13, 26), f"n1:{a}-{a + 1}")))
+                                    for a in (0, 2)), "1f1b", 1, 8)
+    times = []
+    for nic in (2.0, 1000.0):  # a NIC the two pipelines must share, and one that never binds
+        cl = Cluster("c", tuple(replace(n, nic_gbps=nic) for n in base.nodes), 10.0).with_tensor_parallel(
+            {"V100-16": 2})
+        plan.validate(opt350, cl)
+        tl = simulate_plan(plan, opt350, cl, FP16)
+        assert CostModel(opt350, cl, FP16).plan_iteration_s(plan) == pytest.approx(tl.iteration_s, rel=1e-9)
+        times.append(tl.iteration_s)
+    assert times[0] > times[1]
