@@ -252,7 +252,7 @@ def test_graph_models_choose_recomputation_as_enumeration(inst) -> None:  # type
     for solver in ("cpsat", "milp"):
         for hint in (False, True):
             r = solve(prof, cluster, solver=solver, schedule="1f1b", micro_batches=m, options=AUTO, dag=True,
-                      hint=hint, time_limit_s=20.0)
+                      hint=hint, time_limit_s=20.0, tie_break=False)  # the bottleneck is the property
             assert r.details.get("order") == "graph" or r.status is SolveStatus.INFEASIBLE
             check_optimal(r, truth, CostModel(prof, cluster, AUTO))
         if math.isinf(plain):
