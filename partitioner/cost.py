@@ -205,6 +205,21 @@ class CostModel:
         # boundary_bytes[s]: tensor crossing a cut before layer s (0 at both ends of the chain)
         self.boundary = np.concatenate([zero, self.output_bytes[:-1], zero])
 
+    def _like(self, *, profile: Profile | None = None, recompute: str | None = None,
+              nic_sharers: Mapping[tuple[str, int, str], int] | None = None,
+              collective_sharers: Mapping[tuple[str, int, str], int] | None = None) -> CostModel:
+        """This model with some of its inputs changed (the sharers: these where given, else its own)."""
+        return CostModel(profile or self.profile, self.cluster, self.options,
+                         self.nic_sharers if nic_sharers is None else nic_sharers, recompute or self.recompute,
+                         self.collective_sharers if collective_sharers is None else collective_sharers)
+
+    def with_plan_sharers(self, plan: Plan, pipeline: bool = True) -> CostModel:
+        """This model with ``plan``'s NIC sharers: its collective groups' (the all-reduces crossing
+        each NIC, :func:`partitioner.flows.collective_sharers`) and, with ``pipeline``, its pipeline
+        senders' (:func:`partitioner.flows.nic_sharers`; the simulator times those as flows)."""
+        return self._like(nic_sharers=nic_sharers(plan, self.cluster) if pipeline else None,
+                          collective_sharers=collective_sharers(self.sync_groups(plan), self.cluster))
+
     # -- tensor parallelism ----------------------------------------------------------------------
 
     def at_degree(self, tensor_parallel: int) -> CostModel:
@@ -214,9 +229,7 @@ class CostModel:
             return self
         found = self._degrees.get(tensor_parallel)
         if found is None:
-            found = self._degrees[tensor_parallel] = CostModel(self.profile.shard(tensor_parallel), self.cluster,
-                                                               self.options, self.nic_sharers, self.recompute,
-                                                               self.collective_sharers)
+            found = self._degrees[tensor_parallel] = self._like(profile=self.profile.shard(tensor_parallel))
         return found
 
     def recomputing(self, mode: str) -> CostModel:
@@ -227,8 +240,7 @@ class CostModel:
             return self
         found = self._modes.get(mode)
         if found is None:
-            found = self._modes[mode] = CostModel(self.profile, self.cluster, self.options, self.nic_sharers, mode,
-                                                  self.collective_sharers)
+            found = self._modes[mode] = self._like(recompute=mode)
         return found
 
     @functools.cached_property
@@ -1104,9 +1116,7 @@ class CostModel:
         devices crossing it at once leave (:func:`partitioner.flows.nic_sharers`).
         """
         if self.cluster.has_nics and self.nic_sharers is None:
-            shared = CostModel(self.profile, self.cluster, self.options, nic_sharers(plan, self.cluster),
-                               collective_sharers=collective_sharers(self.sync_groups(plan), self.cluster))
-            return shared.plan_iteration_s(plan)
+            return self.with_plan_sharers(plan).plan_iteration_s(plan)
         finish: dict[str, float] = {}
         layers_of: dict[str, list[tuple[int, int]]] = {}
         for w, vw in enumerate(plan.virtual_workers):

@@ -30,7 +30,7 @@ from .events import (
     run_ops,
     simulate_programs,
 )
-from .flows import FlowNet, FlowSpec, collective_sharers
+from .flows import FlowNet, FlowSpec
 from .placement import PipelinePlacement, place, replica_shares
 from .plan import Plan
 from .profile import Profile
@@ -131,8 +131,7 @@ class _Sync:
         groups, wave = cost.sync_groups(plan), cost.wave_groups(plan)
         timed = cost  # where nodes share NICs, the all-reduces that cross one share it (as the closed form)
         if cost.cluster.has_nics and cost.collective_sharers is None:
-            timed = CostModel(cost.profile, cost.cluster, cost.options, cost.nic_sharers, cost.recompute,
-                              collective_sharers(groups, cost.cluster))
+            timed = cost.with_plan_sharers(plan, pipeline=False)  # its pipeline sends are flows here
         return cls(groups, tuple(timed.sync_s(g) for g in groups), _members(groups), wave, _members(wave),
                    cost.layer_holders(plan))
 

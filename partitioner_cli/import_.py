@@ -124,13 +124,10 @@ def _sailor_network(args: argparse.Namespace) -> int:
     from partitioner.importers.sailor_runs import sailor_bandwidth
 
     nic = 0.0
-    if args.shared_nics:  # one flow at the fewest GPUs' curve; the node's GPUs share the capacity of all of them
-        from partitioner.importers.sailor_runs import _inter_counts
+    if args.shared_nics:  # one flow at one GPU's curve; the node's GPUs share the capacity of all of them
+        from partitioner.importers.sailor_runs import shared_nic_curves
 
-        counts = _inter_counts(args.file, args.gpu_type) or [args.gpus_per_node]
-        inter = sailor_bandwidth(args.file, "inter", args.gpu_type, counts[0])
-        most = max([k for k in counts if k <= args.gpus_per_node], default=counts[0])
-        nic = sailor_bandwidth(args.file, "inter", args.gpu_type, most).gbps
+        inter, nic = shared_nic_curves(args.file, args.gpu_type, args.gpus_per_node)
     else:
         inter = sailor_bandwidth(args.file, "inter", args.gpu_type, args.gpus_per_node)
     intra = sailor_bandwidth(args.intra, "intra", args.gpu_type, args.gpus_per_node) if args.intra else None

@@ -52,7 +52,7 @@ from .sailor import import_sailor, import_sailor_degrees, sailor_gpu_name
 MIXED = 0  # _Layout.tp of a run whose replicas differ in tensor-parallel degree
 
 __all__ = ["MEGATRON_DEEPSPEED_RESERVED_GIB", "SailorRun", "import_sailor_run", "sailor_bandwidth", "sailor_cluster",
-           "sailor_device_types"]
+           "sailor_device_types", "shared_nic_curves"]
 
 # The one calibrated constant: the memory Megatron-DeepSpeed itself holds on every GPU beyond
 # weights, gradients, optimizer state and activations (communication buffers, workspaces,
@@ -99,6 +99,24 @@ def _inter_counts(path: str | os.PathLike[str], gpu: str) -> list[int]:
     entry = table.get(gpu, {}) if isinstance(table, dict) else {}
     return sorted(int(k) for k in entry if isinstance(k, str) and k.isdigit() and 1 <= int(k) <= MAX_GPUS) \
         if isinstance(entry, dict) else []
+
+
+def shared_nic_curves(network: str | os.PathLike[str], gpu: str, gpus_per_node: int,
+                      group: int = 1) -> tuple[Bandwidth, float]:
+    """Sailor's inter-node curves of ``gpu`` read as a node behind one shared NIC (see
+    :func:`_cluster_of`): the link of a device of ``group`` GPUs (the curve of ``group`` GPUs
+    sending, its pipeline sends at one GPU's rate: ``p2p_scale``) and the NIC's GB/s (the cap with
+    the node's ``gpus_per_node`` GPUs sending); each count the most measured up to it."""
+    counts = _inter_counts(network, gpu)
+    if not counts:
+        raise FormatError("inter", [gpu], "no inter-node curve for these GPU types", file=str(network))
+
+    def measured(gpus: int) -> Bandwidth:
+        return sailor_bandwidth(network, "inter", gpu, max([k for k in counts if k <= gpus], default=counts[0]))
+
+    one, side_by_side = measured(1), measured(group)
+    flow = replace(side_by_side, p2p_scale=one.gbps / side_by_side.gbps) if side_by_side != one else one
+    return flow, measured(gpus_per_node).gbps
 
 
 def sailor_device_types(profile_dir: str | os.PathLike[str], names: list[str]) -> dict[str, DeviceType]:
@@ -418,16 +436,9 @@ def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed:
         except FormatError:
             return None
 
-    counts = {g: _inter_counts(network, g) for g in types}
-    if shared_nics:  # one flow at the curve of the fewest GPUs measured sending ...
-        inter_of = {g: curve("inter", g, counts[g][0]) if counts[g] else None for g in types}
-        if tp > 1:  # ... but a device here is a group of tp GPUs: its collectives run tp rings side by
-            # side (the curve of tp GPUs sending), and a send moves at one GPU's rate (p2p_scale)
-            for g in types:
-                group = curve("inter", g, max([k for k in counts[g] if k <= tp], default=counts[g][0] if counts[g] else 1))
-                one = inter_of[g]
-                if group is not None and one is not None:
-                    inter_of[g] = replace(group, p2p_scale=one.gbps / group.gbps)
+    if shared_nics:  # a device's flow (a group of tp GPUs: tp rings side by side, sends at one GPU's rate)
+        inter_of = {g: shared_nic_curves(network, g, 1, max(tp, 1))[0] if _inter_counts(network, g) else None
+                    for g in types}
     else:  # every flow at the curve of the node's GPUs sending (one GPU's where that count was not measured)
         inter_of = {g: curve("inter", g, node_gpus[node_types.index(g)]) or curve("inter", g, 1) for g in types}
     missing = [g for g, c in inter_of.items() if c is None]
@@ -437,11 +448,7 @@ def _cluster_of(network: str | os.PathLike[str], types: tuple[str, ...], placed:
     for n, (gpu, gpn) in enumerate(zip(node_types, node_gpus, strict=True)):
         intra = curve("intra", gpu, gpn) or inter_of[gpu]
         assert intra is not None
-        nic = 0.0  # no shared NIC: every flow on its own link
-        if shared_nics:  # the curve's cap with the node's GPUs sending (the most measured up to them)
-            together = curve("inter", gpu, max([k for k in counts[gpu] if k <= gpn], default=counts[gpu][0]))
-            assert together is not None
-            nic = together.gbps
+        nic = shared_nic_curves(network, gpu, gpn)[1] if shared_nics else 0.0  # 0: every flow on its own link
         nodes.append(Node(f"n{n}", (sailor_gpu_name(gpu),) * placed.slots[n], intra.gbps, intra_curve=intra,
                           nic_gbps=nic))
 
